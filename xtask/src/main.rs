@@ -1,0 +1,277 @@
+//! `cargo xtask`: the project's developer tasks (CI, benchmarks, MPI tests).
+//!
+//! This crate holds no product logic: it only runs cargo (and mpirun) with the
+//! right arguments and summarises criterion's output. Run `cargo xtask help`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use serde_json::Value;
+
+const HELP: &str = "\
+cargo xtask <task>
+
+tasks:
+  ci               fmt --check, clippy -D warnings, the whole test suite, cargo doc -D warnings
+                   (and the MPI tests when `mpirun` is on PATH; `--no-mpi` skips them)
+  test             only the test suite (cargo test --workspace)
+  bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e);
+                   writes a markdown summary to target/bench-report/NAME.md
+  test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
+  help             this text
+";
+
+/// The benches `cargo xtask bench` knows: (name, package, bench target, needs features).
+const BENCHES: &[(&str, &str, &str, &str)] = &[
+    ("quant", "zeropp-quant", "quant", ""),
+    ("comm", "zeropp-comm", "comm", ""),
+    ("e2e", "zeropp-engine", "e2e", ""),
+    ("mpi", "zeropp-comm", "mpi", "mpi"),
+];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci(&args[1..]),
+        Some("test") => test(),
+        Some("bench") => bench(&args[1..]),
+        Some("test-mpi") => test_mpi(),
+        Some("help") | Some("--help") | Some("-h") | None => {
+            print!("{HELP}");
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown task `{other}`\n\n{HELP}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    // xtask/ sits directly under the workspace root.
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn run(step: &str, mut cmd: Command) -> Result<(), String> {
+    eprintln!("\n==> {step}: {cmd:?}");
+    let status = cmd.status().map_err(|e| format!("{step}: could not start: {e}"))?;
+    if status.success() { Ok(()) } else { Err(format!("{step} failed ({status})")) }
+}
+
+fn has_mpirun() -> bool {
+    Command::new("mpirun").arg("--version").output().map(|o| o.status.success()).unwrap_or(false)
+}
+
+fn ci(args: &[String]) -> Result<(), String> {
+    let no_mpi = args.iter().any(|a| a == "--no-mpi");
+    let mut fmt = cargo();
+    fmt.args(["fmt", "--all", "--", "--check"]);
+    run("rustfmt", fmt)?;
+
+    let mut clippy = cargo();
+    clippy.args(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]);
+    run("clippy", clippy)?;
+
+    test()?;
+
+    let mut doc = cargo();
+    doc.args(["doc", "--workspace", "--no-deps", "--locked"]).env("RUSTDOCFLAGS", "-D warnings");
+    run("rustdoc", doc)?;
+
+    if no_mpi {
+        eprintln!("\n==> MPI tests skipped (--no-mpi)");
+    } else if has_mpirun() && mpi_backend_exists() {
+        test_mpi()?;
+    } else {
+        eprintln!("\n==> MPI tests skipped: no `mpirun` on PATH (install libopenmpi-dev openmpi-bin)");
+    }
+    eprintln!("\nxtask ci: all green");
+    Ok(())
+}
+
+fn mpi_backend_exists() -> bool {
+    root().join("crates/zeropp-comm/src/mpi").exists()
+        || root().join("crates/zeropp-comm/src/mpi.rs").exists()
+}
+
+fn test() -> Result<(), String> {
+    let mut t = cargo();
+    t.args(["test", "--workspace", "--locked"]);
+    run("tests", t)
+}
+
+fn test_mpi() -> Result<(), String> {
+    if !has_mpirun() {
+        return Err(
+            "`mpirun` not found: install OpenMPI (apt-get install libopenmpi-dev openmpi-bin libclang-dev)"
+                .into(),
+        );
+    }
+    let script = root().join("xtask/mpi-tests.sh");
+    if !script.exists() {
+        return Err(format!("{} is missing", script.display()));
+    }
+    let mut c = Command::new("bash");
+    c.arg(script).current_dir(root());
+    run("mpi tests", c)
+}
+
+fn bench(args: &[String]) -> Result<(), String> {
+    let names: Vec<&str> = if args.is_empty() {
+        vec!["quant", "comm", "e2e"]
+    } else {
+        args.iter().map(String::as_str).collect()
+    };
+    let report_dir = root().join("target/bench-report");
+    std::fs::create_dir_all(&report_dir).map_err(|e| format!("{}: {e}", report_dir.display()))?;
+    for name in names {
+        let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
+            let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
+            return Err(format!("unknown bench `{name}` (known: {})", known.join(", ")));
+        };
+        let home = root().join("target/criterion").join(name);
+        // Start from an empty criterion home so the report holds only this run's figures.
+        let _ = std::fs::remove_dir_all(&home);
+        let mut c = cargo();
+        c.args(["bench", "--locked", "-p", package, "--bench", target]);
+        if !features.is_empty() {
+            c.args(["--features", features]);
+        }
+        c.env("CRITERION_HOME", &home);
+        run(&format!("bench {name}"), c)?;
+        let md = summarise(name, &home)?;
+        let out = report_dir.join(format!("{name}.md"));
+        std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
+        eprintln!("==> wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// One criterion measurement: mean time and (optional) bytes of throughput per iteration.
+struct Measurement {
+    function: String,
+    mean_ns: f64,
+    bytes: Option<f64>,
+}
+
+/// Reads every `benchmark.json` + `estimates.json` under `home` and renders a
+/// markdown table per group, with each row's throughput as a ratio to the row named
+/// `memcpy` (or starting with `baseline`) of the same group and parameter.
+fn summarise(name: &str, home: &Path) -> Result<String, String> {
+    let mut groups: BTreeMap<(String, String), Vec<Measurement>> = BTreeMap::new();
+    let mut stack = vec![home.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                if path.file_name().is_some_and(|n| n == "new") {
+                    if let Some((key, m)) = read_measurement(&path) {
+                        groups.entry(key).or_default().push(m);
+                    }
+                } else {
+                    stack.push(path);
+                }
+            }
+        }
+    }
+    let mut md = String::new();
+    let _ = writeln!(md, "# bench `{name}`\n");
+    let _ = writeln!(
+        md,
+        "Ratios compare rows of the same group and size, measured in the same run \
+         (reference row: `memcpy` or `baseline*`). Machine: {}.\n",
+        machine()
+    );
+    if groups.is_empty() {
+        let _ = writeln!(md, "(no criterion measurements found: the bench prints its own tables)");
+    }
+    for ((group, param), mut rows) in groups {
+        rows.sort_by(|a, b| a.function.cmp(&b.function));
+        let reference = rows
+            .iter()
+            .find(|m| m.function == "memcpy" || m.function.starts_with("baseline"))
+            .map(|m| (m.function.clone(), m.mean_ns, m.bytes));
+        let _ = writeln!(md, "## {group} / {param}\n");
+        let ref_name = reference.as_ref().map_or("-".to_string(), |r| r.0.clone());
+        let _ = writeln!(md, "| function | mean time | GB/s | ratio to `{ref_name}` |");
+        let _ = writeln!(md, "|---|---|---|---|");
+        for m in &rows {
+            let gbs = m.bytes.map(|b| b / m.mean_ns);
+            let ratio = match (&reference, gbs) {
+                (Some((_, _, Some(rb))), Some(g)) => {
+                    let rg = rb / reference.as_ref().map_or(1.0, |r| r.1);
+                    format!("{:.2}x", g / rg)
+                }
+                (Some((_, rt, _)), None) => format!("{:.2}x time", m.mean_ns / rt),
+                _ => "-".into(),
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} |",
+                m.function,
+                fmt_ns(m.mean_ns),
+                gbs.map_or("-".into(), |g| format!("{g:.2}")),
+                ratio
+            );
+        }
+        let _ = writeln!(md);
+    }
+    Ok(md)
+}
+
+fn read_measurement(new_dir: &Path) -> Option<((String, String), Measurement)> {
+    let bench: Value =
+        serde_json::from_str(&std::fs::read_to_string(new_dir.join("benchmark.json")).ok()?).ok()?;
+    let est: Value =
+        serde_json::from_str(&std::fs::read_to_string(new_dir.join("estimates.json")).ok()?).ok()?;
+    let group = bench.get("group_id")?.as_str()?.to_string();
+    let function = bench.get("function_id").and_then(Value::as_str).unwrap_or("").to_string();
+    let param = bench.get("value_str").and_then(Value::as_str).unwrap_or("").to_string();
+    let mean_ns = est.get("mean")?.get("point_estimate")?.as_f64()?;
+    let bytes = bench
+        .get("throughput")
+        .and_then(|t| t.get("Bytes").or_else(|| t.get("BytesDecimal")))
+        .and_then(Value::as_f64);
+    Some(((group, param), Measurement { function, mean_ns, bytes }))
+}
+
+fn fmt_ns(ns: f64) -> String {
+    if ns >= 1e9 {
+        format!("{:.3} s", ns / 1e9)
+    } else if ns >= 1e6 {
+        format!("{:.3} ms", ns / 1e6)
+    } else if ns >= 1e3 {
+        format!("{:.3} µs", ns / 1e3)
+    } else {
+        format!("{ns:.1} ns")
+    }
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    format!("{cpu}, {threads} hardware threads")
+}
