@@ -1,0 +1,465 @@
+//! A character-level GPT with hand-written forward and backward passes.
+//!
+//! Layers (gather units):
+//! - layer 0, `embed`: token embedding `wte [vocab, d]` and position embedding `wpe [seq_len, d]`;
+//! - layers `1..=n_layer`, `block{i}`: one pre-LayerNorm transformer block,
+//!   `x += proj(attn(ln1(x)))`, `x += fc_proj(gelu(fc(ln2(x))))`, with causal
+//!   multi-head self-attention and the tanh-approximated GELU;
+//! - layer `n_layer + 1`, `head`: final LayerNorm and an UNTIED LM head
+//!   `lm_head.weight [d, vocab]` + bias, followed by the mean softmax
+//!   cross-entropy. The head is untied so that every parameter belongs to
+//!   exactly one gather unit.
+//!
+//! ```
+//! use zeropp_engine::model::{Gpt, GptConfig, Model};
+//!
+//! let model = Gpt::new(GptConfig::default_small().with_vocab(40))?;
+//! assert_eq!(model.layers().len(), model.config().n_layer + 2);
+//! assert_eq!(model.layers()[1].params[2].name, "attn.qkv.weight");
+//! # Ok::<(), zeropp_engine::EngineError>(())
+//! ```
+
+use super::ops::{self, AttnShape};
+use super::{
+    Batch, LayerSpec, Model, ParamSpec, check_backward_order, check_forward_order, fill_normal, split_params,
+    split_params_mut, validate_batch,
+};
+use crate::EngineError;
+
+/// Shape of a [`Gpt`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptConfig {
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Maximum sequence length (rows of the position embedding).
+    pub seq_len: usize,
+    /// Model width.
+    pub d_model: usize,
+    /// Attention heads (must divide `d_model`).
+    pub n_head: usize,
+    /// Transformer blocks.
+    pub n_layer: usize,
+    /// MLP hidden width as a multiple of `d_model` (4 in GPT-2).
+    pub mlp_ratio: usize,
+}
+
+impl GptConfig {
+    /// A very small model for tests: vocab 11, seq 8, width 16, 2 heads, 2 blocks.
+    pub fn tiny() -> Self {
+        Self { vocab: 11, seq_len: 8, d_model: 16, n_head: 2, n_layer: 2, mlp_ratio: 4 }
+    }
+
+    /// The default training model: vocab 64 (override with [`with_vocab`](Self::with_vocab)),
+    /// seq 64, width 64, 4 heads, 2 blocks, MLP ratio 4 (about 0.1 M parameters).
+    pub fn default_small() -> Self {
+        Self { vocab: 64, seq_len: 64, d_model: 64, n_head: 4, n_layer: 2, mlp_ratio: 4 }
+    }
+
+    /// The same config with another vocabulary size.
+    pub fn with_vocab(self, vocab: usize) -> Self {
+        Self { vocab, ..self }
+    }
+
+    /// Checks that every size is positive and `n_head` divides `d_model`.
+    pub fn validate(&self) -> Result<(), EngineError> {
+        let sizes = [
+            ("vocab", self.vocab),
+            ("seq_len", self.seq_len),
+            ("d_model", self.d_model),
+            ("n_head", self.n_head),
+            ("mlp_ratio", self.mlp_ratio),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(EngineError::InvalidConfig(format!("gpt: {name} must be > 0")));
+        }
+        if self.d_model % self.n_head != 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "gpt: n_head {} does not divide d_model {}",
+                self.n_head, self.d_model
+            )));
+        }
+        if u32::try_from(self.vocab).is_err() {
+            return Err(EngineError::InvalidConfig(format!(
+                "gpt: vocab {} does not fit token ids (u32)",
+                self.vocab
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Default for GptConfig {
+    fn default() -> Self {
+        Self::default_small()
+    }
+}
+
+/// A character-level GPT (see the [module docs](self)).
+#[derive(Debug, Clone)]
+pub struct Gpt {
+    cfg: GptConfig,
+    layers: Vec<LayerSpec>,
+}
+
+/// What the Gpt forward pass saves for backward, per micro-batch.
+#[derive(Debug)]
+pub struct GptTape {
+    batch: usize,
+    seq: usize,
+    inputs: Vec<u32>,
+    targets: Vec<u32>,
+    /// Residual stream, `rows x d`.
+    x: Vec<f32>,
+    blocks: Vec<BlockActs>,
+    head: Option<HeadActs>,
+    loss: f32,
+    /// Gradient of the loss w.r.t. the residual stream at the current backward position.
+    dx: Vec<f32>,
+    next_fwd: usize,
+    remaining_bwd: usize,
+}
+
+#[derive(Debug)]
+struct BlockActs {
+    xhat1: Vec<f32>,
+    rstd1: Vec<f32>,
+    h1: Vec<f32>,
+    qkv: Vec<f32>,
+    probs: Vec<f32>,
+    att: Vec<f32>,
+    xhat2: Vec<f32>,
+    rstd2: Vec<f32>,
+    h2: Vec<f32>,
+    u: Vec<f32>,
+    a: Vec<f32>,
+}
+
+#[derive(Debug)]
+struct HeadActs {
+    xhat: Vec<f32>,
+    rstd: Vec<f32>,
+    h: Vec<f32>,
+    probs: Vec<f32>,
+}
+
+impl Gpt {
+    /// A GPT of the given shape.
+    pub fn new(cfg: GptConfig) -> Result<Self, EngineError> {
+        cfg.validate()?;
+        let (v, t, d) = (cfg.vocab, cfg.seq_len, cfg.d_model);
+        let f = cfg.mlp_ratio * d;
+        let mut layers = vec![LayerSpec {
+            name: "embed".into(),
+            params: vec![ParamSpec::new("wte", vec![v, d]), ParamSpec::new("wpe", vec![t, d])],
+        }];
+        for i in 0..cfg.n_layer {
+            layers.push(LayerSpec {
+                name: format!("block{i}"),
+                params: vec![
+                    ParamSpec::new("ln1.gamma", vec![d]),
+                    ParamSpec::new("ln1.beta", vec![d]),
+                    ParamSpec::new("attn.qkv.weight", vec![d, 3 * d]),
+                    ParamSpec::new("attn.qkv.bias", vec![3 * d]),
+                    ParamSpec::new("attn.proj.weight", vec![d, d]),
+                    ParamSpec::new("attn.proj.bias", vec![d]),
+                    ParamSpec::new("ln2.gamma", vec![d]),
+                    ParamSpec::new("ln2.beta", vec![d]),
+                    ParamSpec::new("mlp.fc.weight", vec![d, f]),
+                    ParamSpec::new("mlp.fc.bias", vec![f]),
+                    ParamSpec::new("mlp.proj.weight", vec![f, d]),
+                    ParamSpec::new("mlp.proj.bias", vec![d]),
+                ],
+            });
+        }
+        layers.push(LayerSpec {
+            name: "head".into(),
+            params: vec![
+                ParamSpec::new("ln_f.gamma", vec![d]),
+                ParamSpec::new("ln_f.beta", vec![d]),
+                ParamSpec::new("lm_head.weight", vec![d, v]),
+                ParamSpec::new("lm_head.bias", vec![v]),
+            ],
+        });
+        Ok(Self { cfg, layers })
+    }
+
+    /// The model's shape.
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    /// Total number of parameters.
+    pub fn num_params(&self) -> usize {
+        self.layers.iter().map(LayerSpec::numel).sum()
+    }
+
+    fn attn_shape(&self, tape: &GptTape) -> AttnShape {
+        AttnShape {
+            batch: tape.batch,
+            seq: tape.seq,
+            heads: self.cfg.n_head,
+            head_dim: self.cfg.d_model / self.cfg.n_head,
+        }
+    }
+
+    fn embed_forward(&self, p: &[&[f32]], tape: &mut GptTape) {
+        let d = self.cfg.d_model;
+        let (wte, wpe) = (p[0], p[1]);
+        tape.x = vec![0.0; tape.inputs.len() * d];
+        for (r, (row, &tok)) in tape.x.chunks_exact_mut(d).zip(&tape.inputs).enumerate() {
+            let tok = tok as usize;
+            let pos = r % tape.seq;
+            let e = &wte[tok * d..(tok + 1) * d];
+            let pe = &wpe[pos * d..(pos + 1) * d];
+            for ((o, &a), &b) in row.iter_mut().zip(e).zip(pe) {
+                *o = a + b;
+            }
+        }
+    }
+
+    fn embed_backward(&self, g: &mut [&mut [f32]], tape: &GptTape) {
+        let d = self.cfg.d_model;
+        for gi in g.iter_mut() {
+            gi.fill(0.0);
+        }
+        // Sequential scatter-add in row order: deterministic.
+        for (r, (drow, &tok)) in tape.dx.chunks_exact(d).zip(&tape.inputs).enumerate() {
+            let tok = tok as usize;
+            let pos = r % tape.seq;
+            for (o, &v) in g[0][tok * d..(tok + 1) * d].iter_mut().zip(drow) {
+                *o += v;
+            }
+            for (o, &v) in g[1][pos * d..(pos + 1) * d].iter_mut().zip(drow) {
+                *o += v;
+            }
+        }
+    }
+
+    fn block_forward(&self, p: &[&[f32]], tape: &mut GptTape) -> Result<(), EngineError> {
+        let d = self.cfg.d_model;
+        let f = self.cfg.mlp_ratio * d;
+        let n = tape.inputs.len();
+        let s = self.attn_shape(tape);
+        let mut a = BlockActs {
+            xhat1: vec![0.0; n * d],
+            rstd1: vec![0.0; n],
+            h1: vec![0.0; n * d],
+            qkv: vec![0.0; n * 3 * d],
+            probs: vec![0.0; s.batch * s.heads * s.seq * s.seq],
+            att: vec![0.0; n * d],
+            xhat2: vec![0.0; n * d],
+            rstd2: vec![0.0; n],
+            h2: vec![0.0; n * d],
+            u: vec![0.0; n * f],
+            a: vec![0.0; n * f],
+        };
+        let mut tmp = vec![0.0; n * d];
+        ops::layernorm_forward(&tape.x, p[0], p[1], n, d, &mut a.h1, &mut a.xhat1, &mut a.rstd1)?;
+        ops::linear_forward(&a.h1, p[2], p[3], n, d, 3 * d, &mut a.qkv)?;
+        ops::attention_forward(&a.qkv, s, &mut a.probs, &mut a.att)?;
+        ops::linear_forward(&a.att, p[4], p[5], n, d, d, &mut tmp)?;
+        add_into(&mut tape.x, &tmp);
+        ops::layernorm_forward(&tape.x, p[6], p[7], n, d, &mut a.h2, &mut a.xhat2, &mut a.rstd2)?;
+        ops::linear_forward(&a.h2, p[8], p[9], n, d, f, &mut a.u)?;
+        ops::gelu_forward(&a.u, &mut a.a)?;
+        ops::linear_forward(&a.a, p[10], p[11], n, f, d, &mut tmp)?;
+        add_into(&mut tape.x, &tmp);
+        tape.blocks.push(a);
+        Ok(())
+    }
+
+    fn block_backward(
+        &self,
+        p: &[&[f32]],
+        g: &mut [&mut [f32]],
+        tape: &mut GptTape,
+    ) -> Result<(), EngineError> {
+        let d = self.cfg.d_model;
+        let f = self.cfg.mlp_ratio * d;
+        let n = tape.inputs.len();
+        let s = self.attn_shape(tape);
+        let a = tape
+            .blocks
+            .pop()
+            .ok_or_else(|| EngineError::CallOrder("block backward without saved activations".into()))?;
+        let mut dx = std::mem::take(&mut tape.dx);
+        // MLP branch: x_out = x_mid + fc_proj(gelu(fc(ln2(x_mid)))).
+        let mut da = vec![0.0; n * f];
+        let [g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11] = g else {
+            return Err(EngineError::LengthMismatch {
+                what: "block gradient tensors",
+                expected: 12,
+                got: g.len(),
+            });
+        };
+        ops::linear_backward(&a.a, p[10], &dx, n, f, d, g10, g11, Some(&mut da))?;
+        ops::gelu_backward(&a.u, &mut da)?;
+        let mut dh = vec![0.0; n * d];
+        ops::linear_backward(&a.h2, p[8], &da, n, d, f, g8, g9, Some(&mut dh))?;
+        ops::layernorm_backward(&dh, &a.xhat2, &a.rstd2, p[6], n, d, &mut dx, g6, g7)?;
+        // Attention branch: x_mid = x_in + proj(attn(ln1(x_in))).
+        let mut datt = vec![0.0; n * d];
+        ops::linear_backward(&a.att, p[4], &dx, n, d, d, g4, g5, Some(&mut datt))?;
+        let mut dqkv = vec![0.0; n * 3 * d];
+        ops::attention_backward(&a.qkv, &a.probs, &datt, s, &mut dqkv)?;
+        ops::linear_backward(&a.h1, p[2], &dqkv, n, d, 3 * d, g2, g3, Some(&mut dh))?;
+        ops::layernorm_backward(&dh, &a.xhat1, &a.rstd1, p[0], n, d, &mut dx, g0, g1)?;
+        tape.dx = dx;
+        Ok(())
+    }
+
+    fn head_forward(&self, p: &[&[f32]], tape: &mut GptTape) -> Result<(), EngineError> {
+        let (d, v) = (self.cfg.d_model, self.cfg.vocab);
+        let n = tape.inputs.len();
+        let mut h = HeadActs {
+            xhat: vec![0.0; n * d],
+            rstd: vec![0.0; n],
+            h: vec![0.0; n * d],
+            probs: vec![0.0; n * v],
+        };
+        ops::layernorm_forward(&tape.x, p[0], p[1], n, d, &mut h.h, &mut h.xhat, &mut h.rstd)?;
+        ops::linear_forward(&h.h, p[2], p[3], n, d, v, &mut h.probs)?;
+        let loss = ops::softmax_xent_forward(&mut h.probs, &tape.targets, v)?;
+        tape.loss = loss as f32;
+        tape.head = Some(h);
+        Ok(())
+    }
+
+    fn head_backward(
+        &self,
+        p: &[&[f32]],
+        g: &mut [&mut [f32]],
+        tape: &mut GptTape,
+    ) -> Result<(), EngineError> {
+        let (d, v) = (self.cfg.d_model, self.cfg.vocab);
+        let n = tape.inputs.len();
+        let mut h = tape
+            .head
+            .take()
+            .ok_or_else(|| EngineError::CallOrder("head backward before head forward".into()))?;
+        let [g0, g1, g2, g3] = g else {
+            return Err(EngineError::LengthMismatch {
+                what: "head gradient tensors",
+                expected: 4,
+                got: g.len(),
+            });
+        };
+        ops::softmax_xent_backward(&mut h.probs, &tape.targets, v)?;
+        let mut dh = vec![0.0; n * d];
+        ops::linear_backward(&h.h, p[2], &h.probs, n, d, v, g2, g3, Some(&mut dh))?;
+        let mut dx = vec![0.0; n * d];
+        ops::layernorm_backward(&dh, &h.xhat, &h.rstd, p[0], n, d, &mut dx, g0, g1)?;
+        tape.dx = dx;
+        Ok(())
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+impl Model for Gpt {
+    type Tape = GptTape;
+
+    fn name(&self) -> &str {
+        "gpt"
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn seq_len(&self) -> usize {
+        self.cfg.seq_len
+    }
+
+    fn layers(&self) -> &[LayerSpec] {
+        &self.layers
+    }
+
+    /// GPT-2 style init: weights and embeddings `N(0, 0.02^2)`, residual
+    /// projections (`attn.proj`, `mlp.proj`) scaled by `1/sqrt(2 n_layer)`,
+    /// biases 0, LayerNorm gains 1.
+    fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError> {
+        let spec = self
+            .layers
+            .get(layer)
+            .ok_or(EngineError::LayerOutOfRange { layer, layers: self.layers.len() })?;
+        let parts = split_params_mut(spec, out)?;
+        let resid_scale = 1.0 / ((2 * self.cfg.n_layer.max(1)) as f64).sqrt();
+        for (i, (ps, buf)) in spec.params.iter().zip(parts).enumerate() {
+            let name = ps.name.as_str();
+            if name.ends_with("gamma") {
+                buf.fill(1.0);
+            } else if name.ends_with("beta") || name.ends_with("bias") {
+                buf.fill(0.0);
+            } else if name.ends_with("proj.weight") {
+                fill_normal(buf, 0.02 * resid_scale, seed, layer, i);
+            } else {
+                fill_normal(buf, 0.02, seed, layer, i);
+            }
+        }
+        Ok(())
+    }
+
+    fn start(&self, batch: &Batch) -> Result<GptTape, EngineError> {
+        validate_batch(batch, self.cfg.vocab, self.cfg.seq_len)?;
+        Ok(GptTape {
+            batch: batch.batch,
+            seq: batch.seq_len,
+            inputs: batch.inputs.clone(),
+            targets: batch.targets.clone(),
+            x: Vec::new(),
+            blocks: Vec::with_capacity(self.cfg.n_layer),
+            head: None,
+            loss: f32::NAN,
+            dx: Vec::new(),
+            next_fwd: 0,
+            remaining_bwd: self.layers.len(),
+        })
+    }
+
+    fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<(), EngineError> {
+        let layers = self.layers.len();
+        check_forward_order(layer, tape.next_fwd, layers)?;
+        let p = split_params(&self.layers[layer], params)?;
+        if layer == 0 {
+            self.embed_forward(&p, tape);
+        } else if layer == layers - 1 {
+            self.head_forward(&p, tape)?;
+        } else {
+            self.block_forward(&p, tape)?;
+        }
+        tape.next_fwd += 1;
+        Ok(())
+    }
+
+    fn loss(&self, tape: &GptTape) -> f32 {
+        if tape.next_fwd == self.layers.len() { tape.loss } else { f32::NAN }
+    }
+
+    fn backward(
+        &self,
+        layer: usize,
+        params: &[f32],
+        tape: &mut GptTape,
+        grad: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let layers = self.layers.len();
+        check_backward_order(layer, tape.next_fwd, tape.remaining_bwd, layers)?;
+        let spec = &self.layers[layer];
+        let p = split_params(spec, params)?;
+        let mut g = split_params_mut(spec, grad)?;
+        if layer == 0 {
+            self.embed_backward(&mut g, tape);
+        } else if layer == layers - 1 {
+            self.head_backward(&p, &mut g, tape)?;
+        } else {
+            self.block_backward(&p, &mut g, tape)?;
+        }
+        tape.remaining_bwd -= 1;
+        Ok(())
+    }
+}
