@@ -1,0 +1,477 @@
+//! Group-wise drivers shared by the public operations: one pass per group
+//! (max, then quantize while the group is in cache), tiling for converted or
+//! summed sources, INT4 packing, and the rayon split.
+
+use crate::element::Element;
+use crate::error::{QuantError, Result};
+use crate::quantized::{AsQuantizedRef, QOut, QuantizedRef};
+use crate::rng;
+use crate::simd::{Dispatch, Stoch};
+use crate::spec::{Bits, PARALLEL_THRESHOLD_BYTES, Parallelism, QuantSpec, Rounding, Scheme};
+
+/// f32 elements in a tile of converted/summed values (32 KiB: stays in L1/L2).
+pub(crate) const TILE: usize = 8192;
+/// Bytes of i8 scratch for INT4 packing/unpacking.
+pub(crate) const QBLK: usize = 4096;
+/// Minimum elements per parallel task.
+pub(crate) const CHUNK: usize = 64 * 1024;
+
+/// Where the f32 values to quantize come from.
+pub(crate) trait Source: Sync {
+    /// All values as one f32 slice, when no conversion is needed.
+    fn direct(&self) -> Option<&[f32]>;
+    /// Writes values `start..start + out.len()` into `out`.
+    fn fill(&self, start: usize, out: &mut [f32]);
+}
+
+/// A slice of f32 / bf16 / f16.
+pub(crate) struct SliceSource<'a, T>(pub(crate) &'a [T]);
+
+impl<T: Element> Source for SliceSource<'_, T> {
+    fn direct(&self) -> Option<&[f32]> {
+        T::as_f32(self.0)
+    }
+    fn fill(&self, start: usize, out: &mut [f32]) {
+        T::to_f32_slice(&self.0[start..start + out.len()], out);
+    }
+}
+
+/// The f32 sum of several dequantized inputs (the qgZ fused kernel).
+pub(crate) struct SumSource<'a, Q> {
+    pub(crate) inputs: &'a [Q],
+    pub(crate) d: Dispatch,
+}
+
+impl<Q: AsQuantizedRef + Sync> Source for SumSource<'_, Q> {
+    fn direct(&self) -> Option<&[f32]> {
+        None
+    }
+    fn fill(&self, start: usize, out: &mut [f32]) {
+        let mut scratch = [0u8; QBLK];
+        out.fill(0.0);
+        for q in self.inputs {
+            dequant_range(self.d, q.as_quantized_ref(), start, out, Mode::Add, &mut scratch);
+        }
+    }
+}
+
+/// Per-group quantization parameters.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GroupParams {
+    /// The multiplier `s`.
+    pub(crate) s: f32,
+    /// The stored scale `1/s`.
+    pub(crate) scale: f32,
+    /// The offset (0 for symmetric).
+    pub(crate) offset: f32,
+}
+
+/// Range statistics of (part of) a group.
+#[derive(Debug, Clone, Copy)]
+enum Stats {
+    Sym(f32),
+    Asym(f32, f32),
+}
+
+impl Stats {
+    fn merge(self, other: Stats) -> Stats {
+        match (self, other) {
+            (Stats::Sym(a), Stats::Sym(b)) => Stats::Sym(a.max(b)),
+            (Stats::Asym(l0, h0), Stats::Asym(l1, h1)) => Stats::Asym(l0.min(l1), h0.max(h1)),
+            (a, _) => a,
+        }
+    }
+}
+
+/// The error naming the first non-finite element of `x` (global index `base`).
+fn first_bad(x: &[f32], base: usize) -> QuantError {
+    let (i, v) = x.iter().enumerate().find(|(_, v)| !v.is_finite()).map_or((0, f32::NAN), |(i, &v)| (i, v));
+    QuantError::NonFinite { index: base + i, value: v }
+}
+
+/// Fused max (and finiteness) pass over `x` (non-empty).
+fn stats(d: Dispatch, scheme: Scheme, x: &[f32], base: usize) -> Result<Stats> {
+    let r = match scheme {
+        Scheme::Asymmetric => d.min_max(x).map(|(l, h)| Stats::Asym(l, h)),
+        _ => d.abs_max(x).map(Stats::Sym),
+    };
+    r.ok_or_else(|| first_bad(x, base))
+}
+
+/// `s`, `1/s` and offset from a group's statistics (DeepSpeed's formulas,
+/// in f32; the guards only change results that would otherwise be inf/0).
+fn params(bits: Bits, st: Stats) -> GroupParams {
+    match st {
+        Stats::Sym(amax) => {
+            let half = (1u32 << (bits.bits() - 1)) as f32;
+            let s = if amax == 0.0 { 1.0 } else { half / amax };
+            // A tiny (subnormal) amax makes `half / amax` overflow.
+            let s = s.min(f32::MAX);
+            GroupParams { s, scale: 1.0 / s, offset: 0.0 }
+        }
+        Stats::Asym(lo, hi) => {
+            // `+ 0.0` maps -0.0 to +0.0 so the result does not depend on
+            // which zero a reduction saw first.
+            let (lo, hi) = (lo + 0.0, hi + 0.0);
+            let full = (1u32 << bits.bits()) as f32;
+            let range = hi - lo;
+            let s = if hi == lo {
+                1.0
+            } else if range.is_finite() {
+                full / range
+            } else {
+                // The range overflows f32: compute it in f64.
+                (f64::from(full) / (f64::from(hi) - f64::from(lo))) as f32
+            };
+            let s = s.min(f32::MAX);
+            let sum = hi + lo;
+            let offset = if sum.is_finite() { sum / 2.0 } else { hi / 2.0 + lo / 2.0 };
+            GroupParams { s, scale: 1.0 / s, offset }
+        }
+    }
+}
+
+/// Statistics + parameters of one whole in-memory group.
+fn group_params(d: Dispatch, spec: &QuantSpec, x: &[f32], base: usize) -> Result<GroupParams> {
+    Ok(params(spec.bits(), stats(d, spec.scheme(), x, base)?))
+}
+
+/// Writes packed integers sequentially (INT4 keeps a pending high nibble).
+struct Packer<'a> {
+    data: &'a mut [u8],
+    pos: usize,
+    pending: Option<u8>,
+}
+
+impl Packer<'_> {
+    fn push4(&mut self, q: &[u8]) {
+        let mut q = q;
+        if let Some(hi) = self.pending {
+            let Some((&first, rest)) = q.split_first() else {
+                return;
+            };
+            self.data[self.pos] = (hi << 4) | (first & 0x0F);
+            self.pos += 1;
+            self.pending = None;
+            q = rest;
+        }
+        let pairs = q.len() / 2;
+        let dst = &mut self.data[self.pos..self.pos + pairs];
+        for (d, p) in dst.iter_mut().zip(q.chunks_exact(2)) {
+            *d = (p[0] << 4) | (p[1] & 0x0F);
+        }
+        self.pos += pairs;
+        if q.len() % 2 == 1 {
+            self.pending = Some(q[q.len() - 1] & 0x0F);
+        }
+    }
+
+    fn finish(self) {
+        if let Some(hi) = self.pending {
+            self.data[self.pos] = hi << 4;
+        }
+    }
+}
+
+/// Rounds `x` (global index `base`) into `out` as two's complement bytes.
+fn round(
+    d: Dispatch,
+    x: &[f32],
+    base: usize,
+    p: GroupParams,
+    bits: Bits,
+    rounding: Rounding,
+    out: &mut [u8],
+) {
+    let qmin = bits.qmin() as f32;
+    let qmax = bits.qmax() as f32;
+    match rounding {
+        Rounding::Stochastic { seed } => {
+            // Split at multiples of 2^32 so each block has fixed high bits.
+            let mut i = 0;
+            while i < x.len() {
+                let g = (base + i) as u64;
+                let lo = g as u32;
+                let room = (1u64 << 32) - u64::from(lo);
+                let n = (x.len() - i).min(usize::try_from(room).unwrap_or(usize::MAX));
+                let (k1, k2) = rng::keys(seed, (g >> 32) as u32);
+                let st = Stoch { k1, k2, lo };
+                d.round_stochastic(&x[i..i + n], p.s, p.offset, qmin, qmax, st, &mut out[i..i + n]);
+                i += n;
+            }
+        }
+        _ => d.round_nearest(x, p.s, p.offset, qmin, qmax, out),
+    }
+}
+
+/// Quantizes `x` (global index `base`) and appends it to the packer.
+#[allow(clippy::too_many_arguments)]
+fn emit(
+    d: Dispatch,
+    x: &[f32],
+    base: usize,
+    p: GroupParams,
+    bits: Bits,
+    rounding: Rounding,
+    packer: &mut Packer<'_>,
+    scratch: &mut [u8; QBLK],
+) {
+    match bits {
+        Bits::Int8 => {
+            let out = &mut packer.data[packer.pos..packer.pos + x.len()];
+            round(d, x, base, p, bits, rounding, out);
+            packer.pos += x.len();
+        }
+        Bits::Int4 => {
+            for (k, c) in x.chunks(QBLK).enumerate() {
+                let s = &mut scratch[..c.len()];
+                round(d, c, base + k * QBLK, p, bits, rounding, s);
+                packer.push4(s);
+            }
+        }
+    }
+}
+
+/// Stores group `g`'s parameters.
+fn put(out: &mut QOut<'_>, g: usize, p: GroupParams) {
+    out.scales.set(g, p.scale);
+    if let Some(o) = out.offsets.as_mut() {
+        o.set(g, p.offset);
+    }
+}
+
+/// Quantizes elements `start..end` (group-aligned; even for INT4) of `src`
+/// on the calling thread into `out`, whose first group/byte is `start`'s.
+#[allow(clippy::too_many_arguments)]
+fn quantize_seq<S: Source>(
+    d: Dispatch,
+    src: &S,
+    start: usize,
+    end: usize,
+    spec: &QuantSpec,
+    rounding: Rounding,
+    out: QOut<'_>,
+) -> Result<()> {
+    let gs = spec.group_size();
+    let bits = spec.bits();
+    let QOut { data, scales, offsets } = out;
+    let mut params_out = QOut { data: &mut [], scales, offsets };
+    let mut packer = Packer { data, pos: 0, pending: None };
+    let mut scratch = [0u8; QBLK];
+    let mut g = 0usize;
+    let mut pos = start;
+    if let Some(all) = src.direct() {
+        while pos < end {
+            let ge = (pos + gs).min(end);
+            let x = &all[pos..ge];
+            let p = group_params(d, spec, x, pos)?;
+            put(&mut params_out, g, p);
+            emit(d, x, pos, p, bits, rounding, &mut packer, &mut scratch);
+            g += 1;
+            pos = ge;
+        }
+    } else if gs <= TILE {
+        let mut tile = [0f32; TILE];
+        while pos < end {
+            let te = (pos + (TILE / gs) * gs).min(end);
+            let t = &mut tile[..te - pos];
+            src.fill(pos, t);
+            let mut a = 0;
+            while a < t.len() {
+                let b = (a + gs).min(t.len());
+                let x = &t[a..b];
+                let p = group_params(d, spec, x, pos + a)?;
+                put(&mut params_out, g, p);
+                emit(d, x, pos + a, p, bits, rounding, &mut packer, &mut scratch);
+                g += 1;
+                a = b;
+            }
+            pos = te;
+        }
+    } else {
+        // Groups larger than a tile: two streaming passes per group.
+        let mut tile = [0f32; TILE];
+        while pos < end {
+            let ge = (pos + gs).min(end);
+            let mut acc: Option<Stats> = None;
+            let mut a = pos;
+            while a < ge {
+                let b = (a + TILE).min(ge);
+                let t = &mut tile[..b - a];
+                src.fill(a, t);
+                let s = stats(d, spec.scheme(), t, a)?;
+                acc = Some(acc.map_or(s, |x| x.merge(s)));
+                a = b;
+            }
+            let p = params(bits, acc.unwrap_or(Stats::Sym(0.0)));
+            put(&mut params_out, g, p);
+            let mut a = pos;
+            while a < ge {
+                let b = (a + TILE).min(ge);
+                let t = &mut tile[..b - a];
+                src.fill(a, t);
+                emit(d, t, a, p, bits, rounding, &mut packer, &mut scratch);
+                a = b;
+            }
+            g += 1;
+            pos = ge;
+        }
+    }
+    packer.finish();
+    Ok(())
+}
+
+/// Whether to use rayon for `len` elements.
+pub(crate) fn use_parallel(par: Parallelism, len: usize) -> bool {
+    par == Parallelism::Auto
+        && len.saturating_mul(4) >= PARALLEL_THRESHOLD_BYTES
+        && rayon::current_num_threads() > 1
+}
+
+/// Quantizes `start..end` of `src` into `out`, splitting across rayon
+/// workers at group boundaries (even element indices for INT4) when `par`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn quantize_range<S: Source>(
+    d: Dispatch,
+    src: &S,
+    start: usize,
+    end: usize,
+    spec: &QuantSpec,
+    rounding: Rounding,
+    out: QOut<'_>,
+    par: bool,
+) -> Result<()> {
+    let n = end - start;
+    let gs = spec.group_size();
+    let unit = if spec.bits() == Bits::Int4 && gs % 2 == 1 { gs.saturating_mul(2) } else { gs };
+    let units = n / unit;
+    if !par || n < 2 * CHUNK || units < 2 {
+        return quantize_seq(d, src, start, end, spec, rounding, out);
+    }
+    let mid = start + (units / 2) * unit;
+    let (lo, hi) = out.split_at((mid - start) / gs, spec.data_len(mid - start));
+    let (a, b) = rayon::join(
+        || quantize_range(d, src, start, mid, spec, rounding, lo, true),
+        || quantize_range(d, src, mid, end, spec, rounding, hi, true),
+    );
+    a.and(b)
+}
+
+/// The quantized integer of element `i` (in range) of packed `data`.
+#[inline]
+pub(crate) fn q_at(bits: Bits, data: &[u8], i: usize) -> i8 {
+    match bits {
+        Bits::Int4 => {
+            let b = data[i / 2];
+            if i & 1 == 0 { (b as i8) >> 4 } else { ((b << 4) as i8) >> 4 }
+        }
+        Bits::Int8 => data[i] as i8,
+    }
+}
+
+/// Unpacks INT4 elements `start..start + out.len()` into sign-extended bytes.
+fn unpack4(data: &[u8], start: usize, out: &mut [u8]) {
+    let mut out = out;
+    let mut e = start;
+    if e % 2 == 1 {
+        let Some((first, rest)) = out.split_first_mut() else {
+            return;
+        };
+        *first = (((data[e / 2] << 4) as i8) >> 4) as u8;
+        out = rest;
+        e += 1;
+    }
+    let pairs = out.len() / 2;
+    let src = &data[e / 2..e / 2 + pairs];
+    for (o, &b) in out.chunks_exact_mut(2).zip(src) {
+        o[0] = ((b as i8) >> 4) as u8;
+        o[1] = (((b << 4) as i8) >> 4) as u8;
+    }
+    if out.len() % 2 == 1 {
+        let b = data[e / 2 + pairs];
+        out[out.len() - 1] = ((b as i8) >> 4) as u8;
+    }
+}
+
+/// Dequantize-write or dequantize-accumulate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Write,
+    Add,
+}
+
+/// Dequantizes elements `start..start + out.len()` of `q` into `out`.
+pub(crate) fn dequant_range(
+    d: Dispatch,
+    q: QuantizedRef<'_>,
+    start: usize,
+    out: &mut [f32],
+    mode: Mode,
+    scratch: &mut [u8; QBLK],
+) {
+    let spec = q.spec();
+    let gs = spec.group_size();
+    let data = q.data();
+    let end = start + out.len();
+    let mut pos = start;
+    while pos < end {
+        let g = pos / gs;
+        let ge = (g * gs).saturating_add(gs).min(end);
+        let scale = q.scale_unchecked(g);
+        let offset = q.offset_unchecked(g);
+        let mut a = pos;
+        while a < ge {
+            let (b, qs): (usize, &[u8]) = match spec.bits() {
+                Bits::Int4 => {
+                    let b = (a + QBLK).min(ge);
+                    unpack4(data, a, &mut scratch[..b - a]);
+                    (b, &scratch[..b - a])
+                }
+                Bits::Int8 => (ge, &data[a..ge]),
+            };
+            let o = &mut out[a - start..b - start];
+            match mode {
+                Mode::Write => d.dequant(qs, scale, offset, o),
+                Mode::Add => d.dequant_add(qs, scale, offset, o),
+            }
+            a = b;
+        }
+        pos = ge;
+    }
+}
+
+/// Runs `f(base, chunk)` over `out` split into pieces (in parallel when `par`).
+pub(crate) fn par_slices<T, F>(out: &mut [T], base: usize, par: bool, f: &F)
+where
+    T: Send,
+    F: Fn(usize, &mut [T]) + Sync,
+{
+    if !par || out.len() < 2 * CHUNK {
+        f(base, out);
+        return;
+    }
+    let mid = (out.len() / 2) & !63;
+    let (a, b) = out.split_at_mut(mid);
+    rayon::join(|| par_slices(a, base, true, f), || par_slices(b, base + mid, true, f));
+}
+
+/// Dequantizes `q[base..base + out.len()]` into `out` of any element type.
+pub(crate) fn dequant_chunk<T: Element>(
+    d: Dispatch,
+    q: QuantizedRef<'_>,
+    base: usize,
+    out: &mut [T],
+    mode: Mode,
+) {
+    let mut scratch = [0u8; QBLK];
+    if let Some(o) = T::as_f32_mut(out) {
+        dequant_range(d, q, base, o, mode, &mut scratch);
+        return;
+    }
+    let mut tile = [0f32; TILE];
+    for (k, sub) in out.chunks_mut(TILE).enumerate() {
+        let t = &mut tile[..sub.len()];
+        dequant_range(d, q, base + k * TILE, t, Mode::Write, &mut scratch);
+        T::from_f32_slice(t, sub);
+    }
+}

@@ -1,0 +1,233 @@
+//! AVX2 kernels (x86-64). Each function mirrors its [`super::scalar`]
+//! counterpart operation for operation (no FMA), so results are bit-identical.
+//! Vector loops handle whole chunks; remainders go through the scalar code.
+
+
+use super::{Stoch, scalar};
+use std::arch::x86_64::*;
+
+/// Lane indices 0..8 as i32.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn lane_ids() -> __m256i {
+    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+}
+
+/// Horizontal max of 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hmax(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m));
+    _mm_cvtss_f32(m)
+}
+
+/// Horizontal min of 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hmin(v: __m256) -> f32 {
+    let m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_min_ss(m, _mm_shuffle_ps::<0b01>(m, m));
+    _mm_cvtss_f32(m)
+}
+
+/// Loads 8 floats from `c[at..at + 8]`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn load8(c: &[f32], at: usize) -> __m256 {
+    assert!(at + 8 <= c.len());
+    // SAFETY: the assert above keeps the 8-float unaligned load in bounds.
+    unsafe { _mm256_loadu_ps(c.as_ptr().add(at)) }
+}
+
+#[target_feature(enable = "avx2")]
+pub(super) fn abs_max(x: &[f32]) -> Option<f32> {
+    let sign = _mm256_set1_ps(-0.0);
+    let fmax = _mm256_set1_ps(f32::MAX);
+    let mut m = [_mm256_setzero_ps(); 4];
+    let mut ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    let chunks = x.chunks_exact(32);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for (j, mj) in m.iter_mut().enumerate() {
+            let a = _mm256_andnot_ps(sign, load8(c, 8 * j));
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps::<_CMP_LE_OQ>(a, fmax));
+            *mj = _mm256_max_ps(*mj, a);
+        }
+    }
+    if _mm256_movemask_ps(ok) != 0xFF {
+        return None;
+    }
+    let v = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+    let t = scalar::abs_max(rem)?;
+    Some(hmax(v).max(t))
+}
+
+#[target_feature(enable = "avx2")]
+pub(super) fn min_max(x: &[f32]) -> Option<(f32, f32)> {
+    let sign = _mm256_set1_ps(-0.0);
+    let fmax = _mm256_set1_ps(f32::MAX);
+    let mut lo = [_mm256_set1_ps(f32::INFINITY); 2];
+    let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 2];
+    let mut ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    let chunks = x.chunks_exact(16);
+    let rem = chunks.remainder();
+    for c in chunks {
+        for j in 0..2 {
+            let v = load8(c, 8 * j);
+            let a = _mm256_andnot_ps(sign, v);
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps::<_CMP_LE_OQ>(a, fmax));
+            lo[j] = _mm256_min_ps(lo[j], v);
+            hi[j] = _mm256_max_ps(hi[j], v);
+        }
+    }
+    if _mm256_movemask_ps(ok) != 0xFF {
+        return None;
+    }
+    let (tl, th) = scalar::min_max(rem)?;
+    let l = hmin(_mm256_min_ps(lo[0], lo[1])).min(tl);
+    let h = hmax(_mm256_max_ps(hi[0], hi[1])).max(th);
+    Some((l, h))
+}
+
+/// Packs four vectors of 8 clamped integral floats into 32 i8 at `out[at..]`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn store32(r: [__m256; 4], out: &mut [u8], at: usize) {
+    let i0 = _mm256_cvtps_epi32(r[0]);
+    let i1 = _mm256_cvtps_epi32(r[1]);
+    let i2 = _mm256_cvtps_epi32(r[2]);
+    let i3 = _mm256_cvtps_epi32(r[3]);
+    let p01 = _mm256_packs_epi32(i0, i1);
+    let p23 = _mm256_packs_epi32(i2, i3);
+    let p = _mm256_packs_epi16(p01, p23);
+    let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    assert!(at + 32 <= out.len());
+    // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(at).cast::<__m256i>(), p) }
+}
+
+#[target_feature(enable = "avx2")]
+pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
+    let n = x.len().min(out.len());
+    let body = n - n % 32;
+    let vs = _mm256_set1_ps(s);
+    let vo = _mm256_set1_ps(offset);
+    let vlo = _mm256_set1_ps(qmin);
+    let vhi = _mm256_set1_ps(qmax);
+    let mut i = 0;
+    while i < body {
+        let mut r = [_mm256_setzero_ps(); 4];
+        for (j, rj) in r.iter_mut().enumerate() {
+            let y = _mm256_mul_ps(_mm256_sub_ps(load8(x, i + 8 * j), vo), vs);
+            let y = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y);
+            *rj = _mm256_min_ps(_mm256_max_ps(y, vlo), vhi);
+        }
+        store32(r, out, i);
+        i += 32;
+    }
+    scalar::round_nearest(&x[body..n], s, offset, qmin, qmax, &mut out[body..n]);
+}
+
+/// lowbias32 on 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn lowbias32(mut x: __m256i) -> __m256i {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb_352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32::<15>(x));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x846c_a68b_u32 as i32));
+    _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x))
+}
+
+#[target_feature(enable = "avx2")]
+pub(super) fn round_stochastic(
+    x: &[f32],
+    s: f32,
+    offset: f32,
+    qmin: f32,
+    qmax: f32,
+    st: Stoch,
+    out: &mut [u8],
+) {
+    let n = x.len().min(out.len());
+    let body = n - n % 32;
+    let vs = _mm256_set1_ps(s);
+    let vo = _mm256_set1_ps(offset);
+    let vlo = _mm256_set1_ps(qmin);
+    let vhi = _mm256_set1_ps(qmax);
+    let one = _mm256_set1_ps(1.0);
+    let inv24 = _mm256_set1_ps(1.0 / 16_777_216.0);
+    let k1 = _mm256_set1_epi32(st.k1 as i32);
+    let k2 = _mm256_set1_epi32(st.k2 as i32);
+    let ids = lane_ids();
+    let mut i = 0;
+    while i < body {
+        let mut r = [_mm256_setzero_ps(); 4];
+        for (j, rj) in r.iter_mut().enumerate() {
+            let lo = st.lo.wrapping_add((i + 8 * j) as u32);
+            let idx = _mm256_add_epi32(_mm256_set1_epi32(lo as i32), ids);
+            let h = lowbias32(_mm256_xor_si256(lowbias32(_mm256_xor_si256(idx, k1)), k2));
+            let u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(h)), inv24);
+            let y = _mm256_mul_ps(_mm256_sub_ps(load8(x, i + 8 * j), vo), vs);
+            let f = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y);
+            let frac = _mm256_sub_ps(y, f);
+            let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(u, frac), one);
+            let y = _mm256_add_ps(f, up);
+            *rj = _mm256_min_ps(_mm256_max_ps(y, vlo), vhi);
+        }
+        store32(r, out, i);
+        i += 32;
+    }
+    let tail = Stoch { lo: st.lo.wrapping_add(body as u32), ..st };
+    scalar::round_stochastic(&x[body..n], s, offset, qmin, qmax, tail, &mut out[body..n]);
+}
+
+/// Converts `q[at..at + 8]` to f32 and applies `* scale + offset`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn deq8(q: &[u8], at: usize, vs: __m256, vo: __m256) -> __m256 {
+    assert!(at + 8 <= q.len());
+    // SAFETY: the assert keeps the 8-byte unaligned load in bounds.
+    let b = unsafe { _mm_loadl_epi64(q.as_ptr().add(at).cast::<__m128i>()) };
+    let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    _mm256_add_ps(_mm256_mul_ps(f, vs), vo)
+}
+
+#[target_feature(enable = "avx2")]
+pub(super) fn dequant(q: &[u8], scale: f32, offset: f32, out: &mut [f32]) {
+    let n = q.len().min(out.len());
+    let body = n - n % 8;
+    let vs = _mm256_set1_ps(scale);
+    let vo = _mm256_set1_ps(offset);
+    let mut i = 0;
+    while i < body {
+        let v = deq8(q, i, vs, vo);
+        assert!(i + 8 <= out.len());
+        // SAFETY: the assert keeps the 8-float unaligned store in bounds.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), v) };
+        i += 8;
+    }
+    scalar::dequant(&q[body..n], scale, offset, &mut out[body..n]);
+}
+
+#[target_feature(enable = "avx2")]
+pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
+    let n = q.len().min(acc.len());
+    let body = n - n % 8;
+    let vs = _mm256_set1_ps(scale);
+    let vo = _mm256_set1_ps(offset);
+    let mut i = 0;
+    while i < body {
+        let v = deq8(q, i, vs, vo);
+        let a = load8(acc, i);
+        let r = _mm256_add_ps(a, v);
+        assert!(i + 8 <= acc.len());
+        // SAFETY: the assert keeps the 8-float unaligned store in bounds.
+        unsafe { _mm256_storeu_ps(acc.as_mut_ptr().add(i), r) };
+        i += 8;
+    }
+    scalar::dequant_add(&q[body..n], scale, offset, &mut acc[body..n]);
+}

@@ -1,0 +1,84 @@
+//! Portable scalar reference kernels. Every SIMD kernel must match these
+//! bit for bit.
+
+use super::Stoch;
+use crate::rng;
+
+/// See [`super::Dispatch::abs_max`].
+pub(crate) fn abs_max(x: &[f32]) -> Option<f32> {
+    let mut m = 0.0f32;
+    let mut ok = true;
+    for &v in x {
+        let a = v.abs();
+        ok &= a <= f32::MAX;
+        if a > m {
+            m = a;
+        }
+    }
+    ok.then_some(m)
+}
+
+/// See [`super::Dispatch::min_max`].
+pub(crate) fn min_max(x: &[f32]) -> Option<(f32, f32)> {
+    let mut lo = f32::INFINITY;
+    let mut hi = f32::NEG_INFINITY;
+    let mut ok = true;
+    for &v in x {
+        ok &= v.abs() <= f32::MAX;
+        if v < lo {
+            lo = v;
+        }
+        if v > hi {
+            hi = v;
+        }
+    }
+    ok.then_some((lo, hi))
+}
+
+/// See [`super::Dispatch::round_nearest`].
+pub(crate) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        let r = ((v - offset) * s).round_ties_even();
+        *o = r.max(qmin).min(qmax) as i8 as u8;
+    }
+}
+
+/// The uniform in `[0, 1)` used for element `lo` (24 random bits).
+#[inline]
+pub(crate) fn uniform(k1: u32, k2: u32, lo: u32) -> f32 {
+    (rng::hash32(k1, k2, lo) >> 8) as f32 * (1.0 / 16_777_216.0)
+}
+
+/// See [`super::Dispatch::round_stochastic`].
+pub(crate) fn round_stochastic(
+    x: &[f32],
+    s: f32,
+    offset: f32,
+    qmin: f32,
+    qmax: f32,
+    st: Stoch,
+    out: &mut [u8],
+) {
+    for (i, (o, &v)) in out.iter_mut().zip(x).enumerate() {
+        let y = (v - offset) * s;
+        let f = y.floor();
+        let frac = y - f;
+        let u = uniform(st.k1, st.k2, st.lo.wrapping_add(i as u32));
+        let r = if u < frac { f + 1.0 } else { f };
+        *o = r.max(qmin).min(qmax) as i8 as u8;
+    }
+}
+
+/// See [`super::Dispatch::dequant`].
+pub(crate) fn dequant(q: &[u8], scale: f32, offset: f32, out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(q) {
+        *o = f32::from(v as i8) * scale + offset;
+    }
+}
+
+/// See [`super::Dispatch::dequant_add`].
+pub(crate) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
+    for (o, &v) in acc.iter_mut().zip(q) {
+        *o += f32::from(v as i8) * scale + offset;
+    }
+}
