@@ -1,0 +1,113 @@
+//! ZeRO-3 baselines: plain all-gather (f32 or 16-bit) and reduce-scatter.
+
+use half::bf16;
+
+use super::{Reduce, check_shard, finish_shard, my_index};
+use crate::{CommError, CommExt, Communicator, Group};
+
+/// Plain f32 all-gather: `full.len() == shard.len() * group.size()`.
+/// Sends `4·shard.len()` bytes to each other member.
+pub fn all_gather_f32<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    shard: &[f32],
+    full: &mut [f32],
+) -> Result<(), CommError> {
+    comm.all_gather(group, shard, full)
+}
+
+/// 16-bit all-gather of bf16 parameters (ZeRO-3's fp16/bf16 gather).
+/// Sends `2·shard.len()` bytes to each other member.
+pub fn all_gather_bf16<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    shard: &[bf16],
+    full: &mut [bf16],
+) -> Result<(), CommError> {
+    comm.all_gather(group, shard, full)
+}
+
+/// All-gather of f32 parameters with bf16 on the wire (rounded to nearest even),
+/// widened back to f32. Sends `2·shard.len()` bytes to each other member.
+pub fn all_gather_f32_via_bf16<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    shard: &[f32],
+    full: &mut [f32],
+) -> Result<(), CommError> {
+    let g = group.size();
+    if full.len() != shard.len() * g {
+        return Err(CommError::Mismatch(format!(
+            "all_gather_f32_via_bf16: output of {} elements for {g} shards of {}",
+            full.len(),
+            shard.len()
+        )));
+    }
+    let narrow: Vec<bf16> = shard.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut gathered = vec![bf16::ZERO; full.len()];
+    comm.all_gather(group, &narrow, &mut gathered)?;
+    for (d, s) in full.iter_mut().zip(&gathered) {
+        *d = s.to_f32();
+    }
+    Ok(())
+}
+
+/// f32 reduce-scatter of a full tensor of `n` elements: member `i` gets part `i`
+/// (`shard.len() == ⌈n/g⌉`, padding set to 0) of the sum or mean over members.
+/// Sends `4·⌈n/g⌉` bytes to each other member.
+pub fn reduce_scatter<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    full: &[f32],
+    shard: &mut [f32],
+    reduce: Reduce,
+) -> Result<(), CommError> {
+    let g = group.size();
+    let n = full.len();
+    let s = check_shard("reduce_scatter", n, g, shard.len())?;
+    let me = my_index(comm, group)?;
+    if n == s * g {
+        comm.reduce_scatter_f32(group, full, shard)?;
+    } else {
+        let mut padded = vec![0.0f32; s * g];
+        padded.get_mut(..n).unwrap_or(&mut []).copy_from_slice(full);
+        comm.reduce_scatter_f32(group, &padded, shard)?;
+    }
+    finish_shard(shard, n, g, me, reduce, g);
+    Ok(())
+}
+
+/// Reduce-scatter with bf16 on the wire: the parts are rounded to bf16, exchanged
+/// by an all-to-all, and summed in f32 (in group order). Sends `2·⌈n/g⌉` bytes to
+/// each other member.
+pub fn reduce_scatter_bf16_wire<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    full: &[f32],
+    shard: &mut [f32],
+    reduce: Reduce,
+) -> Result<(), CommError> {
+    let g = group.size();
+    let n = full.len();
+    let s = check_shard("reduce_scatter_bf16_wire", n, g, shard.len())?;
+    let me = my_index(comm, group)?;
+    let mut send = vec![bf16::ZERO; s * g];
+    for (d, x) in send.iter_mut().zip(full) {
+        *d = bf16::from_f32(*x);
+    }
+    let mut recv = vec![bf16::ZERO; s * g];
+    comm.all_to_all(group, &send, &mut recv)?;
+    drop(send);
+    shard.fill(0.0);
+    for j in 0..g {
+        with_part_bf16(&recv, s, j, |part| {
+            shard.iter_mut().zip(part).for_each(|(a, b)| *a += b.to_f32());
+        });
+    }
+    finish_shard(shard, n, g, me, reduce, g);
+    Ok(())
+}
+
+fn with_part_bf16(buf: &[bf16], s: usize, j: usize, f: impl FnOnce(&[bf16])) {
+    f(buf.get(j * s..(j + 1) * s).unwrap_or(&[]));
+}

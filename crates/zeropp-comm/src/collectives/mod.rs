@@ -1,0 +1,147 @@
+//! The ZeRO-3 baselines and the ZeRO++ collectives, written once on the
+//! [`crate::Communicator`] primitives and generic over
+//! `C: Communicator + ?Sized` (so they also run on `dyn Communicator`, e.g. inside
+//! [`AsyncComm`](crate::AsyncComm) jobs, and on every backend).
+//!
+//! # Shards and padding
+//!
+//! A full tensor of `n` elements reduce-scattered over `p` parts is padded with
+//! zeros to `p·s` elements, `s = ⌈n/p⌉` ([`shard_len`]); part `i` owns the
+//! contiguous elements `[i·s, (i+1)·s)` ([`shard_range`] clips that to `n`). Every
+//! reduce-scatter here writes an output shard of exactly `s` elements; the entries
+//! past `n` (only in the last parts) are set to 0. Gathers take a shard of any
+//! length `c` and write `c·g` elements, the shard of member `j` at `[j·c, (j+1)·c)`.
+//!
+//! # qgZ steps
+//!
+//! For `N` nodes × `L` ranks per node, rank `(m, l)` receives shard `m·L + l`:
+//! (1) slice reordering, fused into quantization: the chunk for local peer `j`
+//! holds the shards of ranks `(m', j)`, `m' = 0..N`, each its own wire encoding;
+//! (2) intra-node all-to-all (INT4); (3) fused dequantize + sum + requantize of the
+//! `L` encodings of each shard `(m', l)`; (4) inter-node all-to-all (INT4) over
+//! [`Group::rail`](crate::Group::rail); (5) dequantize + sum, divide by `W`. A
+//! rank's own chunk never travels and is kept in [`QgzOptions::local_spec`]
+//! (INT8), and the own node's partial is summed in f32 rather than requantized.
+//! `N = 1` skips step 4, `L = 1` skips steps 2-3 (the own shard is exact), `W = 1`
+//! copies. Optional error feedback ([`qgz_reduce_scatter_with_feedback`]) keeps the
+//! first hop's quantization residual and adds it to the next call's gradient.
+//!
+//! # Traffic formulas (bytes sent by one rank, per collective)
+//!
+//! `g` is the group size; `E(spec, k)` = [`zeropp_quant::encoded_len`]`(spec, k)`
+//! `= 32 + 4·⌈k/group_size⌉·(1, or 2 if asymmetric) + (k, or ⌈k/2⌉ for INT4)`
+//! is the wire size of `k` quantized elements (header, scales, offsets, data). For
+//! qgZ on `N` nodes × `L` ranks per node, `W = N·L`, `s = ⌈n/W⌉`.
+//!
+//! | collective | intra/inter split | bytes sent per rank |
+//! |---|---|---|
+//! | [`all_gather_f32`] (shard `c`) | by peer | `4c` to each of the `g-1` others |
+//! | [`all_gather_bf16`], [`all_gather_f32_via_bf16`] | by peer | `2c` to each other member |
+//! | [`reduce_scatter`] (full `n`, `s = ⌈n/g⌉`) | by peer | `4s` to each other member |
+//! | [`reduce_scatter_bf16_wire`] | by peer | `2s` to each other member |
+//! | [`qwz_all_gather`] (shard `c`) | by peer | `E(spec, c)` to each other member (one message: data + scales + header) |
+//! | [`qgz_reduce_scatter`], hop 1 (`L > 1`) | intra only | `N·E(intra_spec, s)` to each of the `L-1` local peers |
+//! | [`qgz_reduce_scatter`], hop 2 (`N > 1`) | inter only | `E(inter_spec, s)` to each of the `N-1` rail peers |
+//! | [`ring_quantized_reduce_scatter`] | by peer | `(g-1)·E(spec, s)` to the next member, in `g-1` steps; each step is an all-to-all-v that also sends `0`-byte messages to the `g-2` others |
+//!
+//! So with `M = 2n` bytes (the model at 16 bits): qgZ puts `(L-1)·N·E(s) ≈ M/4`
+//! on intra-node links and `(N-1)·E(s) ≈ M/(4L)` on inter-node links per rank,
+//! against `(W-L)·2s ≈ M·(N-1)/N` inter-node bytes for the 16-bit baseline. Each
+//! message also counts as one message in [`LinkCounters`](crate::LinkCounters); the
+//! group primitives' own formulas are in [`threads`](crate::threads).
+
+mod baseline;
+mod qgz;
+mod qwz;
+mod ring;
+
+use std::ops::Range;
+
+pub use baseline::{
+    all_gather_bf16, all_gather_f32, all_gather_f32_via_bf16, reduce_scatter, reduce_scatter_bf16_wire,
+};
+pub use qgz::{ErrorFeedback, QgzOptions, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback};
+pub use qwz::{QwzOptions, qwz_all_gather};
+pub use ring::{RingOptions, ring_quantized_reduce_scatter};
+
+use crate::{CommError, Communicator, Group};
+
+/// How a reduce-scatter combines the ranks' contributions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reduce {
+    /// The element-wise sum.
+    Sum,
+    /// The element-wise mean (the sum divided by the number of ranks): gradient averaging.
+    #[default]
+    Mean,
+}
+
+/// Elements per part when `n` elements are split into `parts` equal padded parts: `⌈n/parts⌉`.
+pub fn shard_len(n: usize, parts: usize) -> usize {
+    if parts == 0 { 0 } else { n.div_ceil(parts) }
+}
+
+/// The real (unpadded) elements of part `index`: `[index·s, (index+1)·s) ∩ [0, n)`.
+///
+/// ```
+/// use zeropp_comm::collectives::{shard_len, shard_range};
+/// assert_eq!(shard_len(10, 4), 3);
+/// assert_eq!(shard_range(10, 4, 3), 9..10);
+/// assert_eq!(shard_range(5, 4, 3), 5..5); // all padding
+/// ```
+pub fn shard_range(n: usize, parts: usize, index: usize) -> Range<usize> {
+    let s = shard_len(n, parts);
+    let lo = (index * s).min(n);
+    let hi = ((index + 1) * s).min(n);
+    lo..hi
+}
+
+/// The calling rank's index in `group`, or an error.
+pub(crate) fn my_index<C: Communicator + ?Sized>(comm: &C, group: &Group) -> Result<usize, CommError> {
+    group.index_of(comm.rank()).ok_or_else(|| {
+        CommError::InvalidGroup(format!("rank {} is not a member of group {:?}", comm.rank(), group.ranks()))
+    })
+}
+
+/// Checks an output shard's length.
+pub(crate) fn check_shard(what: &str, n: usize, parts: usize, shard: usize) -> Result<usize, CommError> {
+    let s = shard_len(n, parts);
+    if shard != s {
+        return Err(CommError::Mismatch(format!(
+            "{what}: output shard has {shard} elements, but {n} elements over {parts} parts need {s}"
+        )));
+    }
+    Ok(s)
+}
+
+/// Calls `f` with part `index` of `full` padded with zeros to `s` elements
+/// (borrowing when no padding is needed).
+pub(crate) fn with_part<R>(full: &[f32], s: usize, index: usize, f: impl FnOnce(&[f32]) -> R) -> R {
+    let lo = (index * s).min(full.len());
+    let hi = ((index + 1) * s).min(full.len());
+    let real = full.get(lo..hi).unwrap_or(&[]);
+    if real.len() == s {
+        f(real)
+    } else {
+        let mut padded = vec![0.0f32; s];
+        padded.get_mut(..real.len()).unwrap_or(&mut []).copy_from_slice(real);
+        f(&padded)
+    }
+}
+
+/// Applies the reduction's scaling and zeroes the padding of part `index`.
+pub(crate) fn finish_shard(
+    shard: &mut [f32],
+    n: usize,
+    parts: usize,
+    index: usize,
+    reduce: Reduce,
+    ranks: usize,
+) {
+    if reduce == Reduce::Mean && ranks > 1 {
+        let inv = 1.0 / ranks as f32;
+        shard.iter_mut().for_each(|x| *x *= inv);
+    }
+    let real = shard_range(n, parts, index).len();
+    shard.get_mut(real..).unwrap_or(&mut []).fill(0.0);
+}

@@ -1,0 +1,40 @@
+//! # zeropp-comm
+//!
+//! Topology, groups, the [`Communicator`] trait with its backends, traffic
+//! accounting and the ZeRO++ collectives.
+//!
+//! - [`Communicator`]: the group primitives a backend provides; [`CommExt`]: typed
+//!   (`bytemuck::Pod`) helpers on every communicator.
+//! - [`threads`]: the embedded backend ([`ThreadCluster`], [`ThreadComm`]) with an
+//!   optional [`LinkModel`] enforced in wall-clock time.
+//! - [`AsyncComm`] / [`Pending`]: non-blocking collectives on a worker thread.
+//! - [`collectives`]: ZeRO-3 baselines and the ZeRO++ collectives (qwZ, hpZ, qgZ),
+//!   written once on the primitives; their exact traffic formulas are documented there.
+//! - [`conformance`]: the backend-independent test suite.
+//! - `mpi` (feature `mpi`): the MPI backend (`MpiComm`), launched by `mpirun`.
+
+mod async_comm;
+pub mod collectives;
+mod communicator;
+pub mod conformance;
+mod error;
+mod ext;
+pub mod group;
+pub mod link;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod threads;
+pub mod topology;
+pub mod traffic;
+
+#[cfg(feature = "mpi")]
+pub use crate::mpi::{Mpi, MpiComm, MpiOptions};
+pub use async_comm::{AsyncComm, Pending};
+pub use communicator::Communicator;
+pub use error::CommError;
+pub use ext::CommExt;
+pub use group::Group;
+pub use link::{Link, LinkModel};
+pub use threads::{RunError, ThreadCluster, ThreadComm, ThreadOptions};
+pub use topology::Topology;
+pub use traffic::{LinkClass, LinkCounters, OpTraffic, TrafficCounter, TrafficSnapshot};

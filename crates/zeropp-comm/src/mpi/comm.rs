@@ -1,0 +1,584 @@
+//! [`MpiComm`]: the [`Communicator`] of the MPI backend.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use ::mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
+use ::mpi::datatype::{Partition, PartitionMut};
+use ::mpi::topology::{Communicator as _, Group as _};
+
+use super::ffi::SendComm;
+use super::{Env, MpiOptions, Reduction};
+use crate::{CommError, Communicator, Group, Topology, TrafficCounter};
+
+/// One rank's communicator of the MPI backend.
+///
+/// Built by [`super::Mpi::communicator`] (or [`MpiComm::init`]) on a private
+/// duplicate of `MPI_COMM_WORLD`. Each distinct [`Group`] gets its own MPI
+/// sub-communicator, created with `MPI_Comm_create_group` (collective over the
+/// group's members only) the first time the group is used, and cached by its rank
+/// list; the world group in rank order uses the base communicator itself. Every
+/// primitive is one MPI collective on that communicator (see the module docs for
+/// the mapping and for what is validated).
+pub struct MpiComm {
+    /// A duplicate of `MPI_COMM_WORLD` (None only while dropping).
+    base: Option<SendComm>,
+    /// Sub-communicators by member list (group order).
+    subs: HashMap<Vec<usize>, SendComm>,
+    rank: usize,
+    topology: Topology,
+    traffic: TrafficCounter,
+    options: MpiOptions,
+    /// Keeps MPI initialized; dropped after the communicators above.
+    env: Arc<Env>,
+}
+
+/// Largest element count MPI's `int` counts can express.
+const MAX_COUNT: usize = i32::MAX as usize;
+
+fn count(n: usize) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+/// A stable tag for `MPI_Comm_create_group` (FNV-1a of the member list, in
+/// `1..=32767`, the smallest `MPI_TAG_UB` the standard allows).
+fn group_tag(ranks: &[usize]) -> i32 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &r in ranks {
+        for b in (r as u64).to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    1 + (h % 32767) as i32
+}
+
+/// Sums member chunks in group order, starting from zero: `out[e] = ((0 + c_0[e]) + c_1[e]) + …`,
+/// the order of the thread backend.
+fn ordered_sum(out: &mut [f32], chunks: &[f32]) {
+    out.fill(0.0);
+    let n = out.len();
+    if n == 0 {
+        return;
+    }
+    for chunk in chunks.chunks_exact(n) {
+        out.iter_mut().zip(chunk).for_each(|(a, b)| *a += b);
+    }
+}
+
+impl MpiComm {
+    pub(crate) fn new(env: Arc<Env>, options: MpiOptions) -> Result<Self, CommError> {
+        env.check_thread()?;
+        let base = SendComm::new(::mpi::topology::SimpleCommunicator::world().duplicate());
+        let topology = super::topology::detect(base.get(), options.local_size)?;
+        let rank = usize::try_from(base.get().rank()).unwrap_or(0);
+        Ok(Self {
+            base: Some(base),
+            subs: HashMap::new(),
+            rank,
+            topology,
+            traffic: TrafficCounter::new(topology, rank),
+            options,
+            env,
+        })
+    }
+
+    /// Initializes MPI (see [`super::Mpi::init`]) and builds the world communicator
+    /// in one call; MPI stays initialized while this communicator (or a duplicate)
+    /// lives and is finalized when the last one is dropped. Collective over the world.
+    pub fn init(options: MpiOptions) -> Result<Self, CommError> {
+        super::Mpi::init()?.communicator(options)
+    }
+
+    /// The options this communicator was built with.
+    pub fn options(&self) -> &MpiOptions {
+        &self.options
+    }
+
+    /// The threading level MPI provides to this process.
+    pub fn thread_level(&self) -> super::ThreadLevel {
+        self.env.level
+    }
+
+    /// Ends the whole job: prints `message` with this rank's id to stderr and calls
+    /// `MPI_Abort(MPI_COMM_WORLD, code)`, so mpirun stops every rank and exits non-zero.
+    pub fn abort(&self, code: i32, message: &str) -> ! {
+        super::abort(code, message)
+    }
+
+    /// Checks the thread and the group; returns the caller's group index.
+    fn begin(&self, group: &Group, op: &str) -> Result<usize, CommError> {
+        self.env.check_thread()?;
+        let world = self.topology.world();
+        if let Some(&r) = group.ranks().iter().find(|&&r| r >= world) {
+            return Err(CommError::InvalidGroup(format!("rank {r} is outside a world of {world}")));
+        }
+        group.index_of(self.rank).ok_or_else(|| {
+            CommError::InvalidGroup(format!(
+                "rank {} called {op} on group {:?} without being a member",
+                self.rank,
+                group.ranks()
+            ))
+        })
+    }
+
+    /// True when `group` is the world in rank order (served by the base communicator).
+    fn is_world(&self, group: &Group) -> bool {
+        group.size() == self.topology.world() && group.ranks().iter().enumerate().all(|(i, &r)| i == r)
+    }
+
+    /// Creates the sub-communicator of `group` on first use (collective over its members).
+    fn ensure(&mut self, group: &Group) -> Result<(), CommError> {
+        if self.is_world(group) || self.subs.contains_key(group.ranks()) {
+            return Ok(());
+        }
+        let base = self
+            .base
+            .as_ref()
+            .ok_or_else(|| CommError::Closed("MPI communicator already released".into()))?;
+        let ranks: Vec<i32> = group.ranks().iter().map(|&r| count(r)).collect();
+        let mpi_group = base.get().group().include(&ranks);
+        let sub =
+            base.get().split_by_subgroup_with_tag(&mpi_group, group_tag(group.ranks())).ok_or_else(|| {
+                CommError::InvalidGroup(format!(
+                    "MPI_Comm_create_group returned no communicator for group {:?} on rank {}",
+                    group.ranks(),
+                    self.rank
+                ))
+            })?;
+        self.subs.insert(group.ranks().to_vec(), SendComm::new(sub));
+        Ok(())
+    }
+
+    /// The MPI communicator of `group` (after [`Self::ensure`]).
+    fn comm_of(&self, group: &Group) -> Result<&::mpi::topology::SimpleCommunicator, CommError> {
+        let found = if self.is_world(group) { self.base.as_ref() } else { self.subs.get(group.ranks()) };
+        found.map(SendComm::get).ok_or_else(|| {
+            CommError::InvalidGroup(format!("no MPI communicator for group {:?}", group.ranks()))
+        })
+    }
+
+    /// Prepares a collective on `group` with `g > 1` members: creates the
+    /// sub-communicator and makes every member agree on `values` and on whether
+    /// some member's arguments were invalid (`local`). With `check_sizes` off only
+    /// the local error is reported (locally).
+    fn prepare(
+        &mut self,
+        group: &Group,
+        op: &str,
+        values: &[(&str, u64)],
+        local: Option<CommError>,
+        always_check: bool,
+    ) -> Result<(), CommError> {
+        self.ensure(group)?;
+        if !(self.options.check_sizes || always_check) {
+            return local.map_or(Ok(()), Err);
+        }
+        let comm = self.comm_of(group)?;
+        agree(comm, op, values, local)
+    }
+}
+
+/// One `MPI_Allreduce(MAX)` over `[error flag, v, MAX - v, …]`: every member
+/// learns whether any member rejected its arguments and the min/max of each value.
+fn agree(
+    comm: &::mpi::topology::SimpleCommunicator,
+    op: &str,
+    values: &[(&str, u64)],
+    local: Option<CommError>,
+) -> Result<(), CommError> {
+    let mut mine = Vec::with_capacity(1 + 2 * values.len());
+    mine.push(u64::from(local.is_some()));
+    for &(_, v) in values {
+        mine.push(v);
+        mine.push(u64::MAX - v);
+    }
+    let mut all = vec![0u64; mine.len()];
+    comm.all_reduce_into(&mine[..], &mut all[..], SystemOperation::max());
+    if let Some(e) = local {
+        return Err(e);
+    }
+    if all.first().copied().unwrap_or(0) != 0 {
+        return Err(CommError::Mismatch(format!(
+            "{op}: another member of the group rejected its arguments (see that rank's error)"
+        )));
+    }
+    for (k, &(name, v)) in values.iter().enumerate() {
+        let max = all.get(1 + 2 * k).copied().unwrap_or(v);
+        let min = u64::MAX - all.get(2 + 2 * k).copied().unwrap_or(u64::MAX - v);
+        if min != max {
+            return Err(CommError::Mismatch(format!(
+                "{op}: group members disagree on {name}: between {min} and {max} (this rank: {v})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn too_big(op: &str, what: &str, n: usize) -> Option<CommError> {
+    (n > MAX_COUNT).then(|| {
+        CommError::Mismatch(format!(
+            "{op}: {what} of {n} elements exceeds MPI's int count limit ({MAX_COUNT})"
+        ))
+    })
+}
+
+/// OpenMPI defines `MPI_IN_PLACE` as `(void*)1`, which is exactly the dangling
+/// pointer of an empty `[u8]`: MPI would take an empty buffer for "in place". Empty
+/// byte buffers are therefore replaced by an empty slice of a real array (`spare`).
+fn real_ptr<'a>(buf: &'a [u8], spare: &'a [u8; 1]) -> &'a [u8] {
+    if buf.is_empty() { &spare[..0] } else { buf }
+}
+
+/// [`real_ptr`] for receive buffers.
+fn real_ptr_mut<'a>(buf: &'a mut [u8], spare: &'a mut [u8; 1]) -> &'a mut [u8] {
+    if buf.is_empty() { &mut spare[..0] } else { buf }
+}
+
+/// Records one message of `bytes` to and one from every other member.
+fn record_symmetric(traffic: &mut TrafficCounter, group: &Group, me: usize, bytes: usize) {
+    for (j, &peer) in group.ranks().iter().enumerate() {
+        if j != me {
+            traffic.record_send(peer, bytes);
+            traffic.record_recv(peer, bytes);
+        }
+    }
+}
+
+/// Byte offsets (as MPI `int`s) of consecutive chunks of `counts` bytes.
+fn displacements(counts: &[usize]) -> Vec<i32> {
+    let mut at = 0usize;
+    counts
+        .iter()
+        .map(|&c| {
+            let d = count(at);
+            at += c;
+            d
+        })
+        .collect()
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
+    fn traffic(&self) -> &TrafficCounter {
+        &self.traffic
+    }
+
+    fn traffic_mut(&mut self) -> &mut TrafficCounter {
+        &mut self.traffic
+    }
+
+    fn all_gather_bytes(&mut self, group: &Group, send: &[u8], recv: &mut [u8]) -> Result<(), CommError> {
+        const OP: &str = "all_gather";
+        let me = self.begin(group, OP)?;
+        let (g, c) = (group.size(), send.len());
+        let local = if recv.len() != c * g {
+            Some(CommError::Mismatch(format!(
+                "{OP}: receive buffer of {} bytes for {g} chunks of {c} bytes",
+                recv.len()
+            )))
+        } else {
+            too_big(OP, "a chunk", c)
+        };
+        if g == 1 {
+            return match local {
+                Some(e) => Err(e),
+                None => {
+                    recv.copy_from_slice(send);
+                    Ok(())
+                }
+            };
+        }
+        self.prepare(group, OP, &[("the chunk length", c as u64)], local, false)?;
+        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
+        self.comm_of(group)?.all_gather_into(real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
+        record_symmetric(&mut self.traffic, group, me, c);
+        Ok(())
+    }
+
+    fn all_to_all_bytes(&mut self, group: &Group, send: &[u8], recv: &mut [u8]) -> Result<(), CommError> {
+        const OP: &str = "all_to_all";
+        let me = self.begin(group, OP)?;
+        let g = group.size();
+        let c = send.len() / g;
+        let local = if send.len() != recv.len() || !send.len().is_multiple_of(g) {
+            Some(CommError::Mismatch(format!(
+                "{OP}: send {} and receive {} bytes must be equal multiples of the group size {g}",
+                send.len(),
+                recv.len()
+            )))
+        } else {
+            too_big(OP, "a chunk", c)
+        };
+        if g == 1 {
+            return match local {
+                Some(e) => Err(e),
+                None => {
+                    recv.copy_from_slice(send);
+                    Ok(())
+                }
+            };
+        }
+        self.prepare(group, OP, &[("the chunk length", c as u64)], local, false)?;
+        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
+        self.comm_of(group)?.all_to_all_into(real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
+        record_symmetric(&mut self.traffic, group, me, c);
+        Ok(())
+    }
+
+    fn all_to_all_v_bytes(
+        &mut self,
+        group: &Group,
+        send: &[u8],
+        send_counts: &[usize],
+        recv: &mut [u8],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_to_all_v";
+        let me = self.begin(group, OP)?;
+        let g = group.size();
+        let mut local = if send_counts.len() != g || recv_counts.len() != g {
+            Some(CommError::Mismatch(format!(
+                "{OP}: {} send and {} receive counts for a group of {g}",
+                send_counts.len(),
+                recv_counts.len()
+            )))
+        } else if send_counts.iter().sum::<usize>() != send.len()
+            || recv_counts.iter().sum::<usize>() != recv.len()
+        {
+            Some(CommError::Mismatch(format!("{OP}: counts do not add up to the buffer lengths")))
+        } else if send_counts.get(me) != recv_counts.get(me) {
+            Some(CommError::Mismatch(format!(
+                "{OP}: this rank sends itself {:?} bytes but expects {:?}",
+                send_counts.get(me),
+                recv_counts.get(me)
+            )))
+        } else {
+            too_big(OP, "the send buffer", send.len())
+                .or_else(|| too_big(OP, "the receive buffer", recv.len()))
+        };
+        if g == 1 {
+            return match local {
+                Some(e) => Err(e),
+                None => {
+                    recv.copy_from_slice(send);
+                    Ok(())
+                }
+            };
+        }
+        self.ensure(group)?;
+        // Every member learns what each peer will send it and compares it with what
+        // it expects (one MPI_Alltoall of counts), then all agree on the outcome.
+        let announced: Vec<u64> =
+            if local.is_some() { vec![u64::MAX; g] } else { send_counts.iter().map(|&c| c as u64).collect() };
+        let mut incoming = vec![0u64; g];
+        self.comm_of(group)?.all_to_all_into(&announced[..], &mut incoming[..]);
+        if local.is_none()
+            && let Some((j, (&got, &want))) =
+                incoming.iter().zip(recv_counts).enumerate().find(|&(_, (&got, &want))| got != want as u64)
+        {
+            local = Some(if got == u64::MAX {
+                CommError::Mismatch(format!(
+                    "{OP}: group member {j} (rank {}) rejected its arguments (see its error)",
+                    group.rank_at(j).unwrap_or(usize::MAX)
+                ))
+            } else {
+                CommError::Mismatch(format!(
+                    "{OP}: rank {} sends {got} bytes to rank {} but {want} were expected",
+                    group.rank_at(j).unwrap_or(usize::MAX),
+                    self.rank
+                ))
+            });
+        }
+        self.prepare(group, OP, &[], local, true)?;
+        let sc: Vec<i32> = send_counts.iter().map(|&c| count(c)).collect();
+        let rc: Vec<i32> = recv_counts.iter().map(|&c| count(c)).collect();
+        let (sd, rd) = (displacements(send_counts), displacements(recv_counts));
+        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
+        let send_part = Partition::new(real_ptr(send, &s0), &sc[..], &sd[..]);
+        let mut recv_part = PartitionMut::new(real_ptr_mut(recv, &mut r0), &rc[..], &rd[..]);
+        self.comm_of(group)?.all_to_all_varcount_into(&send_part, &mut recv_part);
+        for (j, &peer) in group.ranks().iter().enumerate() {
+            if j != me {
+                self.traffic.record_send(peer, send_counts.get(j).copied().unwrap_or(0));
+                self.traffic.record_recv(peer, recv_counts.get(j).copied().unwrap_or(0));
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_f32(&mut self, group: &Group, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+        const OP: &str = "reduce_scatter";
+        let me = self.begin(group, OP)?;
+        let (g, n) = (group.size(), recv.len());
+        let local = if send.len() != n * g {
+            Some(CommError::Mismatch(format!("{OP}: send of {} elements for {g} chunks of {n}", send.len())))
+        } else {
+            too_big(OP, "a chunk", n)
+        };
+        if g == 1 {
+            return match local {
+                Some(e) => Err(e),
+                None => {
+                    ordered_sum(recv, send);
+                    Ok(())
+                }
+            };
+        }
+        self.prepare(group, OP, &[("the chunk length", n as u64)], local, false)?;
+        let comm = self.comm_of(group)?;
+        match self.options.reduction {
+            Reduction::Native => comm.reduce_scatter_block_into(send, recv, SystemOperation::sum()),
+            Reduction::Ordered => {
+                let mut gathered = vec![0.0f32; n * g];
+                comm.all_to_all_into(send, &mut gathered[..]);
+                ordered_sum(recv, &gathered);
+            }
+        }
+        record_symmetric(&mut self.traffic, group, me, 4 * n);
+        Ok(())
+    }
+
+    fn all_reduce_f32(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
+        const OP: &str = "all_reduce";
+        let me = self.begin(group, OP)?;
+        let (g, n) = (group.size(), buf.len());
+        let local = too_big(OP, "the buffer", n.div_ceil(g) * g);
+        if g == 1 {
+            // Same rounding as the thread backend: 0 + x (turns -0.0 into +0.0).
+            return match local {
+                Some(e) => Err(e),
+                None => {
+                    buf.iter_mut().for_each(|x| *x += 0.0);
+                    Ok(())
+                }
+            };
+        }
+        self.prepare(group, OP, &[("the length", n as u64)], local, false)?;
+        let comm = self.comm_of(group)?;
+        match self.options.reduction {
+            Reduction::Native => {
+                let send = buf.to_vec();
+                comm.all_reduce_into(&send[..], buf, SystemOperation::sum());
+            }
+            Reduction::Ordered => {
+                // The thread backend's algorithm: reduce-scatter of ⌈n/g⌉-element chunks
+                // (zero-padded), summed in group order, then an all-gather.
+                let c = n.div_ceil(g);
+                let mut padded = vec![0.0f32; c * g];
+                padded.get_mut(..n).unwrap_or(&mut []).copy_from_slice(buf);
+                let mut chunks = vec![0.0f32; c * g];
+                comm.all_to_all_into(&padded[..], &mut chunks[..]);
+                let mut mine = vec![0.0f32; c];
+                ordered_sum(&mut mine, &chunks);
+                comm.all_gather_into(&mine[..], &mut padded[..]);
+                buf.copy_from_slice(padded.get(..n).unwrap_or(&[]));
+            }
+        }
+        let k = n.div_ceil(g);
+        record_symmetric(&mut self.traffic, group, me, 4 * k);
+        record_symmetric(&mut self.traffic, group, me, 4 * k);
+        Ok(())
+    }
+
+    fn broadcast_bytes(&mut self, group: &Group, root: usize, buf: &mut [u8]) -> Result<(), CommError> {
+        const OP: &str = "broadcast";
+        let me = self.begin(group, OP)?;
+        let g = group.size();
+        let root_rank = group
+            .rank_at(root)
+            .ok_or_else(|| CommError::InvalidGroup(format!("{OP} root index {root} in a group of {g}")))?;
+        let n = buf.len();
+        let local = too_big(OP, "the buffer", n);
+        if g == 1 {
+            return local.map_or(Ok(()), Err);
+        }
+        self.prepare(group, OP, &[("the length", n as u64), ("the root", root as u64)], local, false)?;
+        let mut r0 = [0u8; 1];
+        self.comm_of(group)?.process_at_rank(count(root)).broadcast_into(real_ptr_mut(buf, &mut r0));
+        if me == root {
+            for (j, &peer) in group.ranks().iter().enumerate() {
+                if j != me {
+                    self.traffic.record_send(peer, n);
+                }
+            }
+        } else {
+            self.traffic.record_recv(root_rank, n);
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
+        let me = self.begin(group, "barrier")?;
+        if group.size() == 1 {
+            return Ok(());
+        }
+        self.ensure(group)?;
+        self.comm_of(group)?.barrier();
+        record_symmetric(&mut self.traffic, group, me, 0);
+        Ok(())
+    }
+
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
+        Ok(Box::new(self.split_stream()?))
+    }
+}
+
+impl MpiComm {
+    /// Like [`Communicator::duplicate`] but keeps the concrete type: an
+    /// `MPI_Comm_dup` of this communicator's world (same topology and options,
+    /// fresh traffic counters and sub-communicator cache). Collective over the world.
+    /// Using the copy on another thread needs `MPI_THREAD_MULTIPLE`.
+    pub fn split_stream(&mut self) -> Result<MpiComm, CommError> {
+        self.env.check_thread()?;
+        let base = self
+            .base
+            .as_ref()
+            .ok_or_else(|| CommError::Closed("MPI communicator already released".into()))?;
+        let dup = SendComm::new(base.get().duplicate());
+        Ok(MpiComm {
+            base: Some(dup),
+            subs: HashMap::new(),
+            rank: self.rank,
+            topology: self.topology,
+            traffic: TrafficCounter::new(self.topology, self.rank),
+            options: self.options.clone(),
+            env: Arc::clone(&self.env),
+        })
+    }
+}
+
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            super::abort(1, "a thread panicked while holding an MPI communicator");
+        }
+        let allowed = self.env.check_thread().is_ok();
+        let handles = self.base.take().into_iter().chain(self.subs.drain().map(|(_, c)| c));
+        for h in handles {
+            if allowed {
+                drop(h);
+            } else {
+                h.leak();
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for MpiComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiComm")
+            .field("rank", &self.rank)
+            .field("topology", &self.topology)
+            .field("sub_communicators", &self.subs.len())
+            .field("options", &self.options)
+            .finish()
+    }
+}
