@@ -433,7 +433,7 @@ impl TextDataset {
 /// `rank < world` and `world` divides the batch.
 pub fn shard(batch: &Batch, rank: usize, world: usize) -> Result<Batch, EngineError> {
     let err = EngineError::InvalidShard { batch: batch.batch, rank, world };
-    if world == 0 || rank >= world || batch.batch % world != 0 {
+    if world == 0 || rank >= world || !batch.batch.is_multiple_of(world) {
         return Err(err);
     }
     let n = batch.tokens();

@@ -72,7 +72,7 @@ impl GptConfig {
         if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
             return Err(EngineError::InvalidConfig(format!("gpt: {name} must be > 0")));
         }
-        if self.d_model % self.n_head != 0 {
+        if !self.d_model.is_multiple_of(self.n_head) {
             return Err(EngineError::InvalidConfig(format!(
                 "gpt: n_head {} does not divide d_model {}",
                 self.n_head, self.d_model

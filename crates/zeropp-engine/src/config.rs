@@ -1,0 +1,288 @@
+//! Engine configuration: the ZeRO stage, the ZeRO++ switches, batch arithmetic
+//! and the optimizer.
+//!
+//! [`EngineConfig`] is what the per-rank engine needs; it can be built by hand,
+//! from the CLI flags, or from a DeepSpeed JSON file ([`crate::deepspeed`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::EngineError;
+
+/// The element type the baseline (non-quantized) collectives put on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum CommDtype {
+    /// bfloat16: what ZeRO-3 sends with `bf16.enabled` (the default).
+    #[default]
+    Bf16,
+    /// f32: exact communication, used by the equivalence tests.
+    F32,
+}
+
+impl CommDtype {
+    /// Bytes per element on the wire.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::Bf16 => 2,
+            Self::F32 => 4,
+        }
+    }
+
+    /// The lower-case name (`bf16`, `f32`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::F32 => "f32",
+        }
+    }
+}
+
+impl std::str::FromStr for CommDtype {
+    type Err = EngineError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" | "bfloat16" => Ok(Self::Bf16),
+            "f32" | "fp32" | "float32" => Ok(Self::F32),
+            other => Err(EngineError::InvalidConfig(format!(
+                "unknown communication dtype `{other}` (expected bf16 or f32)"
+            ))),
+        }
+    }
+}
+
+/// The ZeRO stage and the ZeRO++ techniques, each switchable on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ZeroConfig {
+    /// ZeRO stage; only 3 is supported.
+    pub stage: u8,
+    /// qwZ: quantized weight all-gather in the forward pass.
+    pub qwz: bool,
+    /// Bits of the qwZ quantization (8 or 4).
+    pub qwz_bits: u8,
+    /// Elements per quantization group of qwZ.
+    pub qwz_group_size: usize,
+    /// hpZ partition size: ranks per secondary-shard group (1 = hpZ off).
+    /// Must divide the node size.
+    pub hpz_size: usize,
+    /// qgZ: hierarchical quantized gradient reduce-scatter.
+    pub qgz: bool,
+    /// Bits of the qgZ quantization (4 or 8).
+    pub qgz_bits: u8,
+    /// Elements per quantization group of qgZ.
+    pub qgz_group_size: usize,
+    /// Element type of the baseline collectives.
+    pub comm_dtype: CommDtype,
+    /// qgZ error feedback (the quantization residual is added to the next gradient).
+    pub error_feedback: bool,
+    /// Stochastic rounding in the quantizers (seeded, deterministic).
+    pub stochastic_rounding: bool,
+    /// Prefetch the next layer's forward gather while the current layer computes.
+    pub prefetch: bool,
+}
+
+impl ZeroConfig {
+    /// Plain ZeRO-3: every ZeRO++ technique off, 16-bit (bf16) communication.
+    pub fn zero3() -> Self {
+        Self {
+            stage: 3,
+            qwz: false,
+            qwz_bits: 8,
+            qwz_group_size: 256,
+            hpz_size: 1,
+            qgz: false,
+            qgz_bits: 4,
+            qgz_group_size: 256,
+            comm_dtype: CommDtype::Bf16,
+            error_feedback: false,
+            stochastic_rounding: false,
+            prefetch: true,
+        }
+    }
+
+    /// Full ZeRO++: qwZ INT8, hpZ over the node (`local_size` ranks), qgZ INT4.
+    pub fn zeropp(local_size: usize) -> Self {
+        Self { qwz: true, hpz_size: local_size.max(1), qgz: true, ..Self::zero3() }
+    }
+
+    /// True when hpZ is on (`hpz_size > 1`).
+    pub fn hpz(&self) -> bool {
+        self.hpz_size > 1
+    }
+
+    /// A short label: `zero3`, `zeropp`, or the enabled techniques (`qwz+hpz`).
+    pub fn label(&self) -> String {
+        let mut parts = Vec::new();
+        if self.qwz {
+            parts.push("qwz");
+        }
+        if self.hpz() {
+            parts.push("hpz");
+        }
+        if self.qgz {
+            parts.push("qgz");
+        }
+        match parts.len() {
+            0 => "zero3".to_string(),
+            3 => "zeropp".to_string(),
+            _ => parts.join("+"),
+        }
+    }
+
+    /// Checks the switches against a cluster of `world` ranks, `local_size` per node.
+    pub fn validate(&self, world: usize, local_size: usize) -> Result<(), EngineError> {
+        if self.stage != 3 {
+            return Err(EngineError::InvalidConfig(format!(
+                "ZeRO stage {} is not supported: this engine implements stage 3 (with ZeRO++)",
+                self.stage
+            )));
+        }
+        if world == 0 || local_size == 0 || !world.is_multiple_of(local_size) {
+            return Err(EngineError::InvalidConfig(format!(
+                "world {world} is not divisible into nodes of {local_size} ranks"
+            )));
+        }
+        if self.hpz_size == 0 || !local_size.is_multiple_of(self.hpz_size) {
+            return Err(EngineError::InvalidConfig(format!(
+                "hpZ partition size {} must be >= 1 and divide the node size {local_size}",
+                self.hpz_size
+            )));
+        }
+        for (name, on, bits, group) in [
+            ("qwZ", self.qwz, self.qwz_bits, self.qwz_group_size),
+            ("qgZ", self.qgz, self.qgz_bits, self.qgz_group_size),
+        ] {
+            if on && !matches!(bits, 4 | 8) {
+                return Err(EngineError::InvalidConfig(format!("{name} bits must be 4 or 8, got {bits}")));
+            }
+            if on && (group == 0 || !group.is_multiple_of(2)) {
+                return Err(EngineError::InvalidConfig(format!(
+                    "{name} group size must be a positive even number, got {group}"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for ZeroConfig {
+    fn default() -> Self {
+        Self::zero3()
+    }
+}
+
+/// AdamW hyper-parameters (decoupled weight decay, bias-corrected moments).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Denominator epsilon.
+    pub eps: f32,
+    /// Decoupled weight decay (0 = Adam).
+    pub weight_decay: f32,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self { lr: 3e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 }
+    }
+}
+
+/// Everything the per-rank engine needs besides the model and the cluster.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineConfig {
+    /// ZeRO stage and ZeRO++ switches.
+    pub zero: ZeroConfig,
+    /// Optimizer.
+    pub optim: AdamWConfig,
+    /// Sequences per optimizer step over all ranks (`micro_batch * grad_accum * world`).
+    pub global_batch: usize,
+    /// Micro-batches accumulated per optimizer step.
+    pub grad_accum: usize,
+    /// Global-norm gradient clipping threshold (`None` or 0 = off).
+    pub gradient_clipping: Option<f32>,
+    /// Seed of the parameter initialisation, the data order and stochastic rounding.
+    pub seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            zero: ZeroConfig::default(),
+            optim: AdamWConfig::default(),
+            global_batch: 16,
+            grad_accum: 1,
+            gradient_clipping: Some(1.0),
+            seed: 0,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Sequences per rank per micro-batch; an error when the global batch does not
+    /// split evenly over `world` ranks and `grad_accum` micro-batches.
+    pub fn micro_batch(&self, world: usize) -> Result<usize, EngineError> {
+        if world == 0 || self.grad_accum == 0 || self.global_batch == 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "global batch {}, gradient accumulation {} and world {world} must all be positive",
+                self.global_batch, self.grad_accum
+            )));
+        }
+        let per_step = world * self.grad_accum;
+        if !self.global_batch.is_multiple_of(per_step) {
+            return Err(EngineError::InvalidConfig(format!(
+                "global batch {} is not divisible by world {world} x gradient accumulation {}",
+                self.global_batch, self.grad_accum
+            )));
+        }
+        Ok(self.global_batch / per_step)
+    }
+
+    /// Validates the whole configuration against a cluster shape.
+    pub fn validate(&self, world: usize, local_size: usize) -> Result<(), EngineError> {
+        self.zero.validate(world, local_size)?;
+        self.micro_batch(world)?;
+        let o = &self.optim;
+        let finite = [o.lr, o.beta1, o.beta2, o.eps, o.weight_decay].iter().all(|v| v.is_finite());
+        if !finite
+            || o.lr < 0.0
+            || !(0.0..1.0).contains(&o.beta1)
+            || !(0.0..1.0).contains(&o.beta2)
+            || o.eps <= 0.0
+        {
+            return Err(EngineError::InvalidConfig(format!("invalid AdamW parameters {o:?}")));
+        }
+        if let Some(c) = self.gradient_clipping
+            && (!c.is_finite() || c < 0.0)
+        {
+            return Err(EngineError::InvalidConfig(format!("gradient clipping must be >= 0, got {c}")));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_arithmetic() {
+        let c = EngineConfig { global_batch: 32, grad_accum: 2, ..EngineConfig::default() };
+        assert_eq!(c.micro_batch(8).unwrap(), 2);
+        assert!(c.micro_batch(3).is_err());
+        assert!(c.validate(8, 4).is_ok());
+        assert!(c.validate(8, 3).is_err());
+    }
+
+    #[test]
+    fn hpz_must_divide_node() {
+        let z = ZeroConfig { hpz_size: 3, ..ZeroConfig::zeropp(4) };
+        assert!(z.validate(8, 4).is_err());
+        assert!(ZeroConfig::zeropp(4).validate(8, 4).is_ok());
+        assert_eq!(ZeroConfig::zeropp(4).label(), "zeropp");
+        assert_eq!(ZeroConfig { qwz: true, ..ZeroConfig::zero3() }.label(), "qwz");
+    }
+}

@@ -1,0 +1,448 @@
+//! The per-rank ZeRO-3 / ZeRO++ engine.
+//!
+//! [`ZeroEngine`] holds one rank's share of the model states: the f32 master
+//! shard, the AdamW moments and the gradient accumulator of every layer (the
+//! primary shards of the [`PartitionPlan`]), plus the hpZ secondary shards while
+//! they are valid. [`ZeroEngine::train_step`] runs one optimizer step over a
+//! rank's micro-batches, following the data flow of ARCHITECTURE.md:
+//!
+//! 1. forward, layer by layer: gather the layer (qwZ INT8 or 16/32-bit over the
+//!    world; from the hpZ secondary shards once they exist), prefetching the next
+//!    layer's gather on a second communicator, keeping the hpZ secondary slice,
+//!    releasing the full weights after use;
+//! 2. backward in reverse: re-gather (hpZ: intra-node from the secondary shards),
+//!    compute the gradient, reduce-scatter it (qgZ or baseline) into the owner's
+//!    shard, accumulate over micro-batches;
+//! 3. step: global gradient norm (all-reduce of a scalar), skip on non-finite,
+//!    clip, AdamW on the master shard, invalidate the secondary shards.
+//!
+//! Traffic is tagged `fwd_gather`, `bwd_gather`, `grad_reduce`, `grad_norm`
+//! (evaluation gathers: `eval`). The engine is generic over
+//! `C: Communicator + ?Sized`, so any backend can drive it.
+
+pub mod bytes;
+pub mod checkpoint;
+mod quant;
+mod wire;
+
+use zeropp_comm::{CommError, Communicator, Group, Topology};
+use zeropp_partition::{DType, ParamRegistry, ParamSpec as PSpec, PartitionPlan, PlanConfig};
+
+use crate::EngineError;
+use crate::config::EngineConfig;
+use crate::model::{Batch, Model};
+use crate::optim::{AdamW, clip_factor};
+
+pub use wire::Prefetcher;
+
+/// Operation tags of the traffic counters.
+pub mod tags {
+    /// Forward weight all-gathers.
+    pub const FWD_GATHER: &str = "fwd_gather";
+    /// Backward weight re-gathers.
+    pub const BWD_GATHER: &str = "bwd_gather";
+    /// Gradient reduce-scatters.
+    pub const GRAD_REDUCE: &str = "grad_reduce";
+    /// The all-reduce of the squared gradient norm.
+    pub const GRAD_NORM: &str = "grad_norm";
+    /// Evaluation gathers (outside training steps).
+    pub const EVAL: &str = "eval";
+    /// Everything else.
+    pub const OTHER: &str = "other";
+}
+
+/// A failure injected into a step, to test fault handling (never used in normal runs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Inject {
+    /// Nothing injected.
+    #[default]
+    None,
+    /// The rank fails with an error after its first forward pass.
+    FailMidStep,
+    /// The rank's accumulated gradient becomes NaN (the step must be skipped).
+    NanGradient,
+}
+
+/// What one optimizer step did on this rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// Mean loss of this rank's micro-batches.
+    pub loss: f32,
+    /// Global gradient norm before clipping (non-finite when skipped).
+    pub grad_norm: f32,
+    /// True when the update was skipped (non-finite gradient somewhere).
+    pub skipped: bool,
+}
+
+/// Converts a comm error into an engine error on `rank`.
+pub(crate) fn comm_err(rank: usize) -> impl Fn(CommError) -> EngineError {
+    move |source| EngineError::Comm { rank, source }
+}
+
+/// Builds the [`PartitionPlan`] the engine uses for `model` on `topology`:
+/// one bucket per model layer, shards aligned to the quantization groups.
+pub fn build_plan<M: Model + ?Sized>(
+    model: &M,
+    cfg: &EngineConfig,
+    topology: Topology,
+) -> Result<PartitionPlan, EngineError> {
+    let mut reg = ParamRegistry::new();
+    for layer in model.layers() {
+        let params = layer
+            .params
+            .iter()
+            .map(|p| PSpec::new(format!("{}.{}", layer.name, p.name), p.shape.clone(), DType::F32))
+            .collect();
+        reg.push_bucket(layer.name.clone(), params).map_err(|e| EngineError::Partition(e.to_string()))?;
+    }
+    let plan_cfg = PlanConfig::new(shard_align(cfg), cfg.zero.hpz_size);
+    PartitionPlan::new(&reg, topology, plan_cfg).map_err(|e| EngineError::Partition(e.to_string()))
+}
+
+/// Shard alignment: a common multiple of the qwZ and qgZ group sizes, whatever
+/// techniques are on, so every mode of a comparison pads the model the same way.
+pub fn shard_align(cfg: &EngineConfig) -> usize {
+    fn gcd(a: usize, b: usize) -> usize {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+    let (a, b) = (cfg.zero.qwz_group_size.max(2), cfg.zero.qgz_group_size.max(2));
+    let l = a / gcd(a, b) * b;
+    if l.is_multiple_of(2) { l } else { 2 * l }
+}
+
+/// One rank's ZeRO-3 / ZeRO++ state and step (see the [module docs](self)).
+#[derive(Debug)]
+pub struct ZeroEngine<'m, M: Model> {
+    model: &'m M,
+    cfg: EngineConfig,
+    plan: PartitionPlan,
+    rank: usize,
+    world: Group,
+    hpz_group: Option<Group>,
+    master: Vec<Vec<f32>>,
+    optim: Vec<AdamW>,
+    grad_acc: Vec<Vec<f32>>,
+    secondary: Vec<Option<Vec<f32>>>,
+    wire: wire::Wire,
+    steps: usize,
+    skipped: usize,
+}
+
+impl<'m, M: Model> ZeroEngine<'m, M> {
+    /// The state of `rank`: master shards initialised from `cfg.seed` (every rank
+    /// initialises each layer the same way and keeps its own shard), zero moments.
+    pub fn new(
+        model: &'m M,
+        cfg: &EngineConfig,
+        topology: Topology,
+        rank: usize,
+    ) -> Result<Self, EngineError> {
+        cfg.validate(topology.world(), topology.local_size())?;
+        if rank >= topology.world() {
+            return Err(EngineError::InvalidConfig(format!(
+                "rank {rank} outside a world of {}",
+                topology.world()
+            )));
+        }
+        let plan = build_plan(model, cfg, topology)?;
+        let perr = |e: zeropp_partition::PartitionError| EngineError::Partition(e.to_string());
+        let mut master = Vec::with_capacity(plan.num_buckets());
+        for (l, layer) in model.layers().iter().enumerate() {
+            let mut full = vec![0.0f32; layer.numel()];
+            model.init_layer(l, cfg.seed, &mut full)?;
+            master.push(plan.shard_of(l, rank, &full).map_err(perr)?);
+        }
+        let hpz_group = if cfg.zero.hpz() {
+            let g = plan.hpz_group(rank).map_err(perr)?;
+            Some(Group::new(&topology, g.ranks).map_err(comm_err(rank))?)
+        } else {
+            None
+        };
+        let optim = master.iter().map(|m| AdamW::new(cfg.optim, m.len())).collect();
+        let grad_acc = master.iter().map(|m| vec![0.0; m.len()]).collect();
+        let n = master.len();
+        Ok(Self {
+            model,
+            cfg: cfg.clone(),
+            world: Group::world(&topology),
+            hpz_group,
+            wire: wire::Wire::new(cfg, rank, n)?,
+            plan,
+            rank,
+            master,
+            optim,
+            grad_acc,
+            secondary: vec![None; n],
+            steps: 0,
+            skipped: 0,
+        })
+    }
+
+    /// The partition plan.
+    pub fn plan(&self) -> &PartitionPlan {
+        &self.plan
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The f32 master shard of every layer (padded primary shards).
+    pub fn master_shards(&self) -> &[Vec<f32>] {
+        &self.master
+    }
+
+    /// The AdamW state of every layer's shard.
+    pub fn optimizer_states(&self) -> &[AdamW] {
+        &self.optim
+    }
+
+    /// Optimizer steps run so far (including skipped ones).
+    pub fn steps(&self) -> usize {
+        self.steps
+    }
+
+    /// Steps skipped because of a non-finite gradient.
+    pub fn skipped_steps(&self) -> usize {
+        self.skipped
+    }
+
+    /// True while hpZ secondary shards are held (between a forward and the step).
+    pub fn has_secondary(&self) -> bool {
+        self.secondary.iter().any(Option::is_some)
+    }
+
+    /// Replaces the model states (from a checkpoint): master shards, optimizer
+    /// states, step counters. Secondary shards are invalidated.
+    pub fn load_state(
+        &mut self,
+        master: Vec<Vec<f32>>,
+        optim: Vec<AdamW>,
+        steps: usize,
+        skipped: usize,
+    ) -> Result<(), EngineError> {
+        if master.len() != self.master.len() || optim.len() != self.master.len() {
+            return Err(EngineError::LengthMismatch {
+                what: "checkpoint layers",
+                expected: self.master.len(),
+                got: master.len().min(optim.len()),
+            });
+        }
+        for (l, (m, o)) in master.iter().zip(&optim).enumerate() {
+            let want = self.master[l].len();
+            if m.len() != want || o.m().len() != want {
+                return Err(EngineError::LengthMismatch {
+                    what: "checkpoint shard",
+                    expected: want,
+                    got: m.len(),
+                });
+            }
+        }
+        self.master = master;
+        self.optim = optim;
+        self.steps = steps;
+        self.skipped = skipped;
+        self.invalidate_secondary();
+        Ok(())
+    }
+
+    fn invalidate_secondary(&mut self) {
+        for s in &mut self.secondary {
+            *s = None;
+        }
+    }
+
+    /// Gathers layer `l` for the forward pass (or evaluation when `eval`).
+    fn gather_forward<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        l: usize,
+        eval: bool,
+    ) -> Result<Vec<f32>, EngineError> {
+        let padded = self.master[l].len() * self.world.size();
+        let mut full = vec![0.0f32; padded];
+        if !eval && let (Some(g), Some(sec)) = (&self.hpz_group, &self.secondary[l]) {
+            comm.traffic_mut().set_op(tags::FWD_GATHER);
+            self.wire.gather_dense(comm, g, sec, &mut full)?;
+            return Ok(full);
+        }
+        comm.traffic_mut().set_op(if eval { tags::EVAL } else { tags::FWD_GATHER });
+        self.wire.gather_weights(comm, &self.world, l, &self.master[l], &mut full)?;
+        if !eval {
+            self.keep_secondary(l, &full)?;
+        }
+        Ok(full)
+    }
+
+    fn keep_secondary(&mut self, l: usize, full: &[f32]) -> Result<(), EngineError> {
+        let range =
+            self.plan.secondary_range(self.rank, l).map_err(|e| EngineError::Partition(e.to_string()))?;
+        if let Some(r) = range {
+            let slice = full.get(r.clone()).ok_or(EngineError::LengthMismatch {
+                what: "gathered layer",
+                expected: r.end,
+                got: full.len(),
+            })?;
+            self.secondary[l] = Some(slice.to_vec());
+        }
+        Ok(())
+    }
+
+    /// Gathers layer `l` for the backward pass.
+    fn gather_backward<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        l: usize,
+    ) -> Result<Vec<f32>, EngineError> {
+        let padded = self.master[l].len() * self.world.size();
+        let mut full = vec![0.0f32; padded];
+        comm.traffic_mut().set_op(tags::BWD_GATHER);
+        match (&self.hpz_group, &self.secondary[l]) {
+            (Some(g), Some(sec)) => self.wire.gather_dense(comm, g, sec, &mut full)?,
+            (Some(_), None) => {
+                return Err(EngineError::Training(format!(
+                    "hpZ secondary shard of layer {l} missing in backward (forward did not run?)"
+                )));
+            }
+            _ => self.wire.gather_weights(comm, &self.world, l, &self.master[l], &mut full)?,
+        }
+        Ok(full)
+    }
+
+    /// Forward pass of one micro-batch, with prefetch of the next layer's gather
+    /// on `prefetch` when given. Returns the tape.
+    fn forward_pass<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        mut prefetch: Option<&mut Prefetcher>,
+        batch: &Batch,
+        eval: bool,
+    ) -> Result<M::Tape, EngineError> {
+        let model = self.model;
+        let n = self.master.len();
+        let mut tape = model.start(batch)?;
+        // Prefetch only world gathers of the primary shards (hpZ-sourced gathers
+        // are intra-node and cheap; they run inline).
+        let can_prefetch =
+            |this: &Self, l: usize| eval || this.hpz_group.is_none() || this.secondary[l].is_none();
+        let mut pending: Option<(usize, wire::PendingGather)> = None;
+        for l in 0..n {
+            let full = match pending.take() {
+                Some((pl, p)) if pl == l => {
+                    let full = p.wait(self.rank)?;
+                    if !eval {
+                        self.keep_secondary(l, &full)?;
+                    }
+                    full
+                }
+                _ => self.gather_forward(comm, l, eval)?,
+            };
+            if let Some(pf) = prefetch.as_deref_mut()
+                && l + 1 < n
+                && can_prefetch(self, l + 1)
+            {
+                let tag = if eval { tags::EVAL } else { tags::FWD_GATHER };
+                let p = self.wire.prefetch_weights(pf, l + 1, &self.master[l + 1], tag)?;
+                pending = Some((l + 1, p));
+            }
+            model.forward(l, &full[..model.layers()[l].numel()], &mut tape)?;
+            drop(full);
+        }
+        if let Some((_, p)) = pending {
+            p.wait(self.rank)?;
+        }
+        Ok(tape)
+    }
+
+    /// Mean loss of `batch` (this rank's share of an evaluation batch), forward only.
+    pub fn evaluate<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        prefetch: Option<&mut Prefetcher>,
+        batch: &Batch,
+    ) -> Result<f32, EngineError> {
+        let tape = self.forward_pass(comm, prefetch, batch, true)?;
+        comm.traffic_mut().set_op(tags::OTHER);
+        Ok(self.model.loss(&tape))
+    }
+
+    /// One optimizer step over this rank's `micro_batches` (one per gradient
+    /// accumulation step). Every rank must call it with the same number of
+    /// micro-batches; `prefetch` (a [`Prefetcher`] on a duplicated communicator)
+    /// overlaps the next layer's forward gather with compute.
+    pub fn train_step<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        mut prefetch: Option<&mut Prefetcher>,
+        micro_batches: &[Batch],
+        inject: Inject,
+    ) -> Result<StepOutcome, EngineError> {
+        if micro_batches.is_empty() {
+            return Err(EngineError::InvalidBatch("a step needs at least one micro-batch".into()));
+        }
+        let model = self.model;
+        let n = self.master.len();
+        let mut loss_sum = 0.0f32;
+        for (mi, batch) in micro_batches.iter().enumerate() {
+            let mut tape = self.forward_pass(comm, prefetch.as_deref_mut(), batch, false)?;
+            if inject == Inject::FailMidStep && mi == 0 {
+                return Err(EngineError::Training("injected failure in the middle of a step".into()));
+            }
+            loss_sum += model.loss(&tape);
+            for l in (0..n).rev() {
+                let full = self.gather_backward(comm, l)?;
+                let numel = model.layers()[l].numel();
+                let mut grad = vec![0.0f32; full.len()];
+                model.backward(l, &full[..numel], &mut tape, &mut grad[..numel])?;
+                drop(full);
+                comm.traffic_mut().set_op(tags::GRAD_REDUCE);
+                let mut shard = vec![0.0f32; self.master[l].len()];
+                self.wire.reduce_scatter_grads(comm, &self.world, l, &grad, &mut shard)?;
+                for (a, g) in self.grad_acc[l].iter_mut().zip(&shard) {
+                    *a += g;
+                }
+            }
+        }
+        if inject == Inject::NanGradient
+            && let Some(g) = self.grad_acc.first_mut().and_then(|g| g.first_mut())
+        {
+            *g = f32::NAN;
+        }
+        let accum = micro_batches.len() as f32;
+        if micro_batches.len() > 1 {
+            for g in self.grad_acc.iter_mut().flatten() {
+                *g /= accum;
+            }
+        }
+        // Global gradient norm: one scalar all-reduce (NaN/inf propagate, so every
+        // rank sees a non-finite norm if any rank has a non-finite gradient).
+        let local_sq: f64 = self.grad_acc.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum();
+        comm.traffic_mut().set_op(tags::GRAD_NORM);
+        let mut buf = [local_sq as f32];
+        comm.all_reduce_f32(&self.world, &mut buf).map_err(comm_err(self.rank))?;
+        comm.traffic_mut().set_op(tags::OTHER);
+        let norm = buf[0].sqrt();
+        let skipped = !norm.is_finite();
+        if skipped {
+            self.skipped += 1;
+        } else {
+            let factor = clip_factor(norm, self.cfg.gradient_clipping);
+            for ((p, g), opt) in self.master.iter_mut().zip(&self.grad_acc).zip(&mut self.optim) {
+                opt.step(p, g, factor)?;
+            }
+        }
+        for g in &mut self.grad_acc {
+            g.fill(0.0);
+        }
+        self.invalidate_secondary();
+        self.wire.end_step();
+        self.steps += 1;
+        Ok(StepOutcome { loss: loss_sum / accum, grad_norm: norm, skipped })
+    }
+}

@@ -1,0 +1,101 @@
+//! The crate's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the engine: models, data, training.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// A model or data configuration is unusable (zero sizes, indivisible dimensions, ...).
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// A layer index past the end of the model's layer list.
+    #[error("layer {layer} out of range: the model has {layers} layers")]
+    LayerOutOfRange {
+        /// The requested layer.
+        layer: usize,
+        /// Number of layers of the model.
+        layers: usize,
+    },
+    /// A buffer does not have the length the operation needs.
+    #[error("length mismatch for {what}: expected {expected}, got {got}")]
+    LengthMismatch {
+        /// Which buffer.
+        what: &'static str,
+        /// Required length.
+        expected: usize,
+        /// Actual length.
+        got: usize,
+    },
+    /// A token id is not below the vocabulary size.
+    #[error("token id {token} out of range for a vocabulary of {vocab}")]
+    TokenOutOfRange {
+        /// The offending token id.
+        token: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// A batch whose shape is inconsistent or unsupported by the model.
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
+    /// Model calls made out of order (e.g. `forward(2)` before `forward(1)`, `backward` before `loss`).
+    #[error("call order violated: {0}")]
+    CallOrder(String),
+    /// The text is empty: there is nothing to train on.
+    #[error("empty text: no characters to build a dataset from")]
+    EmptyText,
+    /// A text split is too short for the requested sequence length.
+    #[error("{split} split has {len} tokens, fewer than seq_len + 1 = {needed}")]
+    TextTooShort {
+        /// Which split ("train" or "validation").
+        split: &'static str,
+        /// Tokens in the split.
+        len: usize,
+        /// Tokens needed (`seq_len + 1`).
+        needed: usize,
+    },
+    /// A global batch cannot be split evenly over the ranks.
+    #[error(
+        "cannot shard a batch of {batch} sequences over rank {rank} of {world}: batch must be divisible by world and rank < world"
+    )]
+    InvalidShard {
+        /// Sequences in the global batch.
+        batch: usize,
+        /// Requested rank.
+        rank: usize,
+        /// World size.
+        world: usize,
+    },
+    /// Reading an input file failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A collective failed (peer lost, mismatch, timeout).
+    #[error("communication failed on rank {rank}: {source}")]
+    Comm {
+        /// The rank that observed the failure.
+        rank: usize,
+        /// The communicator's error.
+        #[source]
+        source: zeropp_comm::CommError,
+    },
+    /// Partitioning or checkpoint I/O failed.
+    #[error("partition/checkpoint error: {0}")]
+    Partition(String),
+    /// A rank failed; `cause` is its own error (the root cause, not a peer's echo).
+    #[error("rank {rank} failed: {cause}")]
+    RankFailed {
+        /// The failing rank.
+        rank: usize,
+        /// What went wrong on that rank.
+        cause: String,
+    },
+    /// Training cannot continue (e.g. every step is non-finite).
+    #[error("training failed: {0}")]
+    Training(String),
+}

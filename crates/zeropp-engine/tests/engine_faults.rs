@@ -1,0 +1,103 @@
+//! Faults and bad inputs end with a clear error (naming the rank) or a counted
+//! skipped step: never a hang or a panic.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
+
+use std::time::{Duration, Instant};
+
+use zeropp_engine::EngineError;
+use zeropp_engine::config::{EngineConfig, ZeroConfig};
+use zeropp_engine::model::GptConfig;
+use zeropp_engine::train::{DataChoice, Faults, ModelChoice, TrainConfig, train};
+
+fn tiny(world: usize, local: usize) -> TrainConfig {
+    TrainConfig {
+        model: ModelChoice::Gpt(GptConfig::tiny()),
+        data: DataChoice::Markov { seed: 2, chars: 10_000 },
+        world,
+        local_size: local,
+        engine: EngineConfig { zero: ZeroConfig::zeropp(local), global_batch: 8, ..EngineConfig::default() },
+        steps: 4,
+        eval_batches: 1,
+        timeout: Duration::from_secs(5),
+        ..TrainConfig::default()
+    }
+}
+
+#[test]
+fn a_failing_rank_is_named_with_its_cause() {
+    for (rank, step) in [(2, 1), (0, 0), (7, 2)] {
+        let cfg =
+            TrainConfig { faults: Faults { fail: Some((rank, step)), ..Faults::default() }, ..tiny(8, 4) };
+        let t0 = Instant::now();
+        let err = train(&cfg).unwrap_err();
+        assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
+        match &err {
+            EngineError::RankFailed { rank: r, cause } => {
+                assert_eq!(*r, rank, "{err}");
+                assert!(cause.contains("injected failure"), "{err}");
+            }
+            other => panic!("unexpected error {other}"),
+        }
+        assert!(err.to_string().contains(&format!("rank {rank}")));
+    }
+}
+
+#[test]
+fn a_nan_gradient_skips_the_step_and_counts_it() {
+    let cfg =
+        TrainConfig { faults: Faults { nan_gradient: Some((3, 1)), ..Faults::default() }, ..tiny(4, 2) };
+    let r = train(&cfg).unwrap();
+    assert_eq!(r.summary.skipped_steps, 1);
+    assert!(r.steps[1].skipped && !r.steps[0].skipped && !r.steps[2].skipped);
+    assert!(!r.steps[1].grad_norm.is_finite());
+    assert!(r.summary.final_loss.is_finite());
+}
+
+#[test]
+fn bad_configs_and_data_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "abcdefghijkl").unwrap();
+    let cases: Vec<(&str, TrainConfig)> = vec![
+        ("empty", TrainConfig { data: DataChoice::File(empty), ..tiny(2, 2) }),
+        ("missing", TrainConfig { data: DataChoice::File(dir.path().join("nope.txt")), ..tiny(2, 2) }),
+        ("larger than the training data", TrainConfig { data: DataChoice::File(short), ..tiny(2, 2) }),
+        ("not divisible into nodes", TrainConfig { world: 6, ..tiny(6, 4) }),
+        ("not divisible by world", {
+            let mut c = tiny(4, 2);
+            c.engine.global_batch = 6;
+            c
+        }),
+        ("hpZ partition size", {
+            let mut c = tiny(8, 4);
+            c.engine.zero.hpz_size = 3;
+            c
+        }),
+        ("stage", {
+            let mut c = tiny(2, 2);
+            c.engine.zero.stage = 2;
+            c
+        }),
+        ("steps", TrainConfig { steps: 0, ..tiny(2, 2) }),
+    ];
+    for (what, cfg) in cases {
+        let err = train(&cfg).expect_err(what);
+        let msg = err.to_string();
+        eprintln!("{what}: {msg}");
+        assert!(!msg.is_empty());
+        if what != "missing" && what != "empty" {
+            assert!(msg.contains(what), "{what}: {msg}");
+        }
+    }
+}
+
+#[test]
+fn a_bad_deepspeed_config_is_an_error() {
+    let bad =
+        r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}"#;
+    let e = zeropp_engine::deepspeed::from_json_str(bad, 4, &EngineConfig::default()).unwrap_err();
+    assert!(e.to_string().contains("train_batch_size 10"), "{e}");
+}

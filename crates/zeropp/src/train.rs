@@ -1,0 +1,296 @@
+//! `zeropp train`: flags -> `zeropp_engine::train::TrainConfig`, a progress bar,
+//! and the final summary. All logic lives in `zeropp_engine::train`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use zeropp_engine::config::{CommDtype, ZeroConfig};
+use zeropp_engine::metrics::format_summary;
+use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, load_data, train_with};
+
+use crate::CliError;
+
+/// ZeRO mode preset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Mode {
+    /// Plain ZeRO-3 (16-bit gathers and reduce-scatter).
+    Zero3,
+    /// ZeRO++: qwZ INT8 + hpZ over the node + qgZ INT4.
+    Zeropp,
+}
+
+/// Communication backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum BackendArg {
+    /// One thread per rank in this process.
+    Threads,
+    /// One process per rank under `mpirun` (`zeropp train` built with `--features mpi`).
+    Mpi,
+}
+
+/// Baseline communication dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum DtypeArg {
+    /// bfloat16 (ZeRO-3's 16-bit communication).
+    Bf16,
+    /// f32 (exact).
+    F32,
+}
+
+/// The workload and cluster flags shared by `train` and `compare`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct RunArgs {
+    /// Ranks.
+    #[arg(long, default_value_t = 8)]
+    pub world: usize,
+    /// Ranks per simulated node.
+    #[arg(long = "local-size", default_value_t = 4)]
+    pub local_size: usize,
+    /// Baseline communication dtype.
+    #[arg(long = "comm-dtype", value_enum, default_value_t = DtypeArg::Bf16)]
+    pub comm_dtype: DtypeArg,
+    /// Model: gpt, gpt-tiny, mlp, mlp-tiny.
+    #[arg(long, default_value = "gpt")]
+    pub model: String,
+    /// Training text file (default: the project's generated Markov text).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 800)]
+    pub steps: usize,
+    /// Seed of the initialisation and of the batches.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Global batch (sequences per optimizer step, split evenly over the ranks).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long = "grad-accum")]
+    pub grad_accum: Option<usize>,
+    /// Learning rate.
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// DeepSpeed JSON config (batch, clipping, bf16, optimizer, zero_optimization).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Link model of the simulated cluster, e.g. `intra=100GB/s,inter=1GB/s,latency=5us`.
+    #[arg(long)]
+    pub link: Option<String>,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = BackendArg::Threads)]
+    pub backend: BackendArg,
+    /// Seconds a rank waits for a silent peer before failing.
+    #[arg(long = "timeout", default_value_t = 60)]
+    pub timeout_s: u64,
+    /// Validation batches evaluated at the end (0 = none).
+    #[arg(long = "eval-batches", default_value_t = 4)]
+    pub eval_batches: usize,
+}
+
+/// Flags of `zeropp train`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct TrainArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// ZeRO mode preset (techniques can be switched one by one below).
+    #[arg(long, value_enum, default_value_t = Mode::Zeropp)]
+    pub mode: Mode,
+    /// Quantized weight gather (qwZ) on.
+    #[arg(long, overrides_with = "no_qwz")]
+    pub qwz: bool,
+    /// qwZ off.
+    #[arg(long = "no-qwz")]
+    pub no_qwz: bool,
+    /// hpZ group size (1 = off; default: the node size in zeropp mode).
+    #[arg(long)]
+    pub hpz: Option<usize>,
+    /// Quantized gradient reduce-scatter (qgZ) on.
+    #[arg(long, overrides_with = "no_qgz")]
+    pub qgz: bool,
+    /// qgZ off.
+    #[arg(long = "no-qgz")]
+    pub no_qgz: bool,
+    /// qwZ bits (8 or 4).
+    #[arg(long = "qwz-bits")]
+    pub qwz_bits: Option<u8>,
+    /// qgZ bits (4 or 8).
+    #[arg(long = "qgz-bits")]
+    pub qgz_bits: Option<u8>,
+    /// qgZ error feedback.
+    #[arg(long = "error-feedback")]
+    pub error_feedback: bool,
+    /// Stochastic rounding in the quantizers.
+    #[arg(long = "stochastic-rounding")]
+    pub stochastic_rounding: bool,
+    /// Disable the prefetch of the next layer's gather.
+    #[arg(long = "no-prefetch")]
+    pub no_prefetch: bool,
+    /// Write JSON Lines metrics (one object per step, then a summary).
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Save sharded checkpoints into this directory.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Save every N steps (and at the end).
+    #[arg(long = "save-every", default_value_t = 0)]
+    pub save_every: usize,
+    /// Resume from a checkpoint directory.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+/// Builds the run configuration shared by `train` and `compare` (ZeRO switches
+/// start from `zero`, then the DeepSpeed config, then the explicit flags).
+pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<(TrainConfig, Vec<String>), CliError> {
+    let mut cfg = TrainConfig {
+        model: ModelChoice::from_name(&run.model)?,
+        data: match &run.data {
+            Some(p) => DataChoice::File(p.clone()),
+            None => TrainConfig::default().data,
+        },
+        world: run.world,
+        local_size: run.local_size,
+        steps: run.steps,
+        timeout: Duration::from_secs(run.timeout_s.max(1)),
+        backend: match run.backend {
+            BackendArg::Threads => Backend::Threads,
+            BackendArg::Mpi => Backend::Mpi,
+        },
+        eval_batches: run.eval_batches,
+        ..TrainConfig::default()
+    };
+    cfg.engine.zero = zero;
+    cfg.engine.seed = run.seed;
+    let mut warnings = Vec::new();
+    if let Some(path) = &run.config {
+        let imp = zeropp_engine::deepspeed::from_file(path, run.world, &cfg.engine)?;
+        cfg.engine = imp.config;
+        warnings = imp.warnings;
+    }
+    cfg.engine.zero.comm_dtype = match run.comm_dtype {
+        DtypeArg::Bf16 if run.config.is_none() => CommDtype::Bf16,
+        DtypeArg::F32 => CommDtype::F32,
+        DtypeArg::Bf16 => cfg.engine.zero.comm_dtype,
+    };
+    if let Some(b) = run.batch {
+        cfg.engine.global_batch = b;
+    }
+    if let Some(a) = run.grad_accum {
+        cfg.engine.grad_accum = a;
+    }
+    if let Some(lr) = run.lr {
+        cfg.engine.optim.lr = lr;
+    }
+    if let Some(l) = &run.link {
+        cfg.link = Some(l.parse().map_err(|e| format!("--link: {e}"))?);
+    }
+    Ok((cfg, warnings))
+}
+
+pub(crate) fn zero_from_flags(a: &TrainArgs) -> ZeroConfig {
+    let mut z = match a.mode {
+        Mode::Zero3 => ZeroConfig::zero3(),
+        Mode::Zeropp => ZeroConfig::zeropp(a.run.local_size),
+    };
+    if a.qwz {
+        z.qwz = true;
+    }
+    if a.no_qwz {
+        z.qwz = false;
+    }
+    if a.qgz {
+        z.qgz = true;
+    }
+    if a.no_qgz {
+        z.qgz = false;
+    }
+    if let Some(h) = a.hpz {
+        z.hpz_size = h;
+    }
+    if let Some(b) = a.qwz_bits {
+        z.qwz_bits = b;
+    }
+    if let Some(b) = a.qgz_bits {
+        z.qgz_bits = b;
+    }
+    z.error_feedback = a.error_feedback;
+    z.stochastic_rounding = a.stochastic_rounding;
+    z.prefetch = !a.no_prefetch;
+    z
+}
+
+/// A progress bar over `steps` steps.
+pub(crate) fn progress_bar(steps: usize, prefix: &str) -> ProgressBar {
+    let pb = ProgressBar::new(steps as u64);
+    let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    pb.set_style(style);
+    pb.set_prefix(prefix.to_string());
+    pb
+}
+
+/// Runs `zeropp train`.
+pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
+    if args.run.backend == BackendArg::Mpi {
+        return crate::train_mpi::run(args);
+    }
+    let (mut cfg, warnings) = build_config(&args.run, zero_from_flags(args))?;
+    // Explicit technique flags win over the DeepSpeed file.
+    if args.run.config.is_some() {
+        let z = zero_from_flags(args);
+        if args.qwz || args.no_qwz {
+            cfg.engine.zero.qwz = z.qwz;
+        }
+        if args.qgz || args.no_qgz {
+            cfg.engine.zero.qgz = z.qgz;
+        }
+        if let Some(h) = args.hpz {
+            cfg.engine.zero.hpz_size = h;
+        }
+    }
+    cfg.metrics = args.metrics.clone();
+    cfg.save = args.save.clone();
+    cfg.save_every = args.save_every;
+    cfg.resume = args.resume.clone();
+    for w in &warnings {
+        eprintln!("warning: DeepSpeed config: {w}");
+    }
+    cfg.engine.validate(cfg.world, cfg.local_size)?;
+    let (_, info) = load_data(&cfg.data)?;
+    println!("data: {} (vocab {}, {} training tokens)", info.description, info.vocab, info.train_tokens);
+    if let Some(h) = info.entropy_rate {
+        println!("entropy rate of the source (the loss floor): {h:.4} nats/char");
+    }
+    println!(
+        "training {:?} with {} on {} ranks = {} nodes x {} ({} steps, global batch {})",
+        args.run.model,
+        cfg.engine.zero.label(),
+        cfg.world,
+        cfg.world / cfg.local_size.max(1),
+        cfg.local_size,
+        cfg.steps,
+        cfg.engine.global_batch
+    );
+    let pb = progress_bar(cfg.steps, "train");
+    let report = train_with(&cfg, &mut |r| {
+        pb.set_position(r.step as u64 + 1);
+        pb.set_message(format!(
+            "loss {:.4}{} | {:.0} tok/s | {:.3} MB inter-node/rank/step",
+            r.loss,
+            if r.skipped { " (skipped)" } else { "" },
+            r.tokens_per_s,
+            r.inter_node_bytes / 1e6
+        ));
+    });
+    pb.finish();
+    let report = report?;
+    println!();
+    print!("{}", format_summary(&report.summary));
+    if let Some(m) = &cfg.metrics {
+        println!("metrics written to {}", m.display());
+    }
+    Ok(())
+}
