@@ -66,8 +66,8 @@ pub enum EngineError {
         /// World size.
         world: usize,
     },
-    /// Reading an input file failed.
-    #[error("cannot read {path}: {source}")]
+    /// Reading or writing a file (data, config, metrics, plots) failed.
+    #[error("{path}: {source}")]
     Io {
         /// The file.
         path: PathBuf,
