@@ -31,6 +31,11 @@ if ! cargo build -p zeropp-comm --features mpi --example mpi_conformance --examp
   echo "0 passed, 1 failed (build)"
   exit 1
 fi
+echo "==> building the CLI with MPI support (cargo build -p zeropp --features mpi)"
+if ! cargo build -p zeropp --features mpi; then
+  echo "0 passed, 1 failed (build)"
+  exit 1
+fi
 
 echo "==> unit tests of the MPI backend (no mpirun needed)"
 if cargo test -p zeropp-comm --features mpi --lib -- mpi:: >"$LOG_DIR/unit.log" 2>&1; then
@@ -95,6 +100,106 @@ run "topology: override set on some ranks only" fail "some ranks set the node si
   -np 2 -x ZEROPP_LOCAL_SIZE=2 "$fault" topology : -np 2 -x ZEROPP_LOCAL_SIZE= "$fault" topology
 run "topology: node size does not divide the world" fail "does not divide" -- \
   -np 4 -x ZEROPP_LOCAL_SIZE=3 "$fault" topology
+
+# ---- end to end: `zeropp train --backend mpi` against `--backend threads` ----
+zeropp="$TARGET_DIR/debug/zeropp"
+E2E_DIR="$LOG_DIR/e2e"
+rm -rf "$E2E_DIR"
+mkdir -p "$E2E_DIR"
+# A small run: 8 ranks as 2 nodes x 4, the tiny GPT, 20 steps (a few seconds).
+TRAIN_ARGS=(--model gpt-tiny --steps 20 --seed 1 --eval-batches 1)
+
+# same_jsonl NAME A B: the per-step losses, gradient norms, skip flags and byte
+# counters (total and per operation) of two metrics files must be equal.
+same_jsonl() {
+  local name="$1" a="$2" b="$3" out
+  if out=$(python3 - "$a" "$b" <<'PY' 2>&1
+import json, sys
+def load(path):
+    steps, summary = [], None
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                if "step" in rec and "loss" in rec:
+                    steps.append(rec)
+                else:
+                    summary = rec
+    return steps, summary
+(sa, ua), (sb, ub) = load(sys.argv[1]), load(sys.argv[2])
+if not sa or len(sa) != len(sb):
+    sys.exit(f"step counts differ or are zero: {len(sa)} vs {len(sb)}")
+keys = ["step", "loss", "grad_norm", "skipped", "intra_node_bytes", "inter_node_bytes", "bytes_by_op"]
+worst = 0.0
+for x, y in zip(sa, sb):
+    for k in keys:
+        if x.get(k) != y.get(k):
+            if k in ("loss", "grad_norm") and isinstance(x.get(k), float) and isinstance(y.get(k), float):
+                rel = abs(x[k] - y[k]) / max(abs(y[k]), 1e-30)
+                worst = max(worst, rel)
+                if rel <= 1e-6:
+                    continue
+            sys.exit(f"step {x.get('step')}: {k} differs: {x.get(k)} vs {y.get(k)}")
+for k in ("final_loss", "val_loss", "bytes_per_step", "bytes_by_op"):
+    if (ua or {}).get(k) != (ub or {}).get(k):
+        sys.exit(f"summary {k} differs: {(ua or {}).get(k)} vs {(ub or {}).get(k)}")
+print(f"{len(sa)} steps identical (losses {'bitwise' if worst == 0 else f'within {worst:.1e} rel'}, bytes equal), final loss {sa[-1]['loss']}")
+PY
+  ); then
+    pass "$name"
+    echo "       $out"
+  else
+    fail "$name: $out"
+  fi
+}
+
+echo "==> end to end: zeropp train --backend mpi equals --backend threads"
+for mode in zeropp zero3; do
+  a="$E2E_DIR/mpi-$mode.jsonl" b="$E2E_DIR/threads-$mode.jsonl"
+  run "train np8 2x4 $mode (mpi)" ok "metrics written" -- -np 8 "$zeropp" train --backend mpi \
+    --local-size 4 --mode "$mode" "${TRAIN_ARGS[@]}" --metrics "$a"
+  if timeout -k 10 "$TIMEOUT" "$zeropp" train --backend threads --world 8 --local-size 4 --mode "$mode" \
+    "${TRAIN_ARGS[@]}" --metrics "$b" >"$E2E_DIR/threads-$mode.log" 2>&1; then
+    same_jsonl "train $mode: mpi == threads (losses, bytes)" "$a" "$b"
+  else
+    tail -20 "$E2E_DIR/threads-$mode.log"
+    fail "train $mode (threads reference run)"
+  fi
+done
+
+echo "==> end to end: --world must match mpirun -np"
+run "train: --world differs from the MPI world" fail "does not match the MPI world" -- \
+  -np 4 "$zeropp" train --backend mpi --world 8 --local-size 2 "${TRAIN_ARGS[@]}"
+
+echo "==> end to end: a rank failing mid-run ends the job (ZEROPP_FAULT)"
+run "train: rank 5 fails at step 2" fail "rank 5 of 8: fatal: .*injected failure" -- \
+  -np 8 -x ZEROPP_FAULT=fail:5:2 "$zeropp" train --backend mpi --local-size 4 "${TRAIN_ARGS[@]}"
+
+echo "==> end to end: checkpoints move between backends"
+full="$E2E_DIR/threads-zeropp.jsonl"   # the uninterrupted 20-step run above
+half=(--model gpt-tiny --steps 10 --seed 1 --eval-batches 1)
+run "train: save under mpi (10 steps)" ok "metrics written" -- -np 8 "$zeropp" train --backend mpi \
+  --local-size 4 "${half[@]}" --save "$E2E_DIR/ckpt-mpi" --metrics "$E2E_DIR/save-mpi.jsonl"
+if timeout -k 10 "$TIMEOUT" "$zeropp" train --backend threads --world 8 --local-size 4 "${TRAIN_ARGS[@]}" \
+  --resume "$E2E_DIR/ckpt-mpi" --metrics "$E2E_DIR/resume-threads.jsonl" >"$E2E_DIR/resume-threads.log" 2>&1; then
+  cat "$E2E_DIR/save-mpi.jsonl" "$E2E_DIR/resume-threads.jsonl" | grep '"loss"' | grep -v final_loss >"$E2E_DIR/mpi-then-threads.jsonl"
+  tail -1 "$E2E_DIR/resume-threads.jsonl" >>"$E2E_DIR/mpi-then-threads.jsonl"
+  same_jsonl "checkpoint: mpi save -> threads resume == uninterrupted" "$E2E_DIR/mpi-then-threads.jsonl" "$full"
+else
+  tail -20 "$E2E_DIR/resume-threads.log"
+  fail "checkpoint: threads resume of an mpi checkpoint"
+fi
+if timeout -k 10 "$TIMEOUT" "$zeropp" train --backend threads --world 8 --local-size 4 "${half[@]}" \
+  --save "$E2E_DIR/ckpt-threads" --metrics "$E2E_DIR/save-threads.jsonl" >"$E2E_DIR/save-threads.log" 2>&1; then
+  run "train: resume under mpi (steps 10..20)" ok "metrics written" -- -np 8 "$zeropp" train --backend mpi \
+    --local-size 4 "${TRAIN_ARGS[@]}" --resume "$E2E_DIR/ckpt-threads" --metrics "$E2E_DIR/resume-mpi.jsonl"
+  cat "$E2E_DIR/save-threads.jsonl" "$E2E_DIR/resume-mpi.jsonl" | grep '"loss"' | grep -v final_loss >"$E2E_DIR/threads-then-mpi.jsonl"
+  tail -1 "$E2E_DIR/resume-mpi.jsonl" >>"$E2E_DIR/threads-then-mpi.jsonl"
+  same_jsonl "checkpoint: threads save -> mpi resume == uninterrupted" "$E2E_DIR/threads-then-mpi.jsonl" "$full"
+else
+  tail -20 "$E2E_DIR/save-threads.log"
+  fail "checkpoint: threads save"
+fi
 
 echo
 for f in "${failures[@]+"${failures[@]}"}"; do echo "failed: $f"; done

@@ -8,6 +8,7 @@ mod checkpoint;
 mod compare;
 mod quant;
 mod train;
+mod train_mpi;
 
 /// ZeRO++ in Rust: quantized collectives, training and tools.
 #[derive(Debug, Parser)]

@@ -1,0 +1,363 @@
+//! The MPI training driver behind `zeropp train --backend mpi` (feature `mpi`).
+//!
+//! Each MPI process is one rank: [`train_mpi`] runs the same per-rank loop as the
+//! thread backend ([`run_rank`]) on an [`MpiComm`], so with the default
+//! [`Reduction::Ordered`](zeropp_comm::mpi::Reduction::Ordered) the losses, norms and
+//! byte counters equal those of `--backend threads` with the same world and node size.
+//!
+//! The per-step records ([`RankStep`]) of every rank are gathered to all ranks on a
+//! private duplicate of the world communicator (after each step, outside the timed
+//! region and outside the engine's traffic counters), and aggregated exactly as the
+//! thread driver does; only rank 0 writes the metrics file and receives the report.
+//!
+//! Errors are returned on the failing rank only; the caller must end the job with
+//! [`or_abort`] (or [`zeropp_comm::mpi::abort`]) so its peers never wait forever.
+
+use std::cell::RefCell;
+
+pub use zeropp_comm::Communicator;
+pub use zeropp_comm::mpi::{LOCAL_SIZE_ENV, MpiComm, MpiOptions, or_abort};
+use zeropp_comm::{CommExt, Group, OpTraffic, TrafficSnapshot};
+
+use crate::EngineError;
+use crate::data::TextDataset;
+use crate::engine::{build_plan, bytes::step_bytes};
+use crate::metrics::{MetricsWriter, StepRecord};
+use crate::model::{Gpt, Mlp, Model};
+use crate::train::{
+    Backend, DataInfo, Faults, ModelChoice, RankJob, RankStep, TrainConfig, TrainReport, aggregate,
+    load_data, run_rank, summarize,
+};
+
+/// Environment variable read by [`faults_from_env`]: `fail:RANK:STEP` makes that
+/// rank fail in the middle of that step, `nan:RANK:STEP` makes its gradient NaN.
+pub const FAULT_ENV: &str = "ZEROPP_FAULT";
+
+/// Parses [`FAULT_ENV`] (test hook; unset or empty means no fault).
+pub fn faults_from_env() -> Result<Faults, EngineError> {
+    match std::env::var(FAULT_ENV) {
+        Ok(v) if !v.trim().is_empty() => parse_faults(&v),
+        _ => Ok(Faults::default()),
+    }
+}
+
+/// Parses a fault spec: `fail:RANK:STEP` or `nan:RANK:STEP`.
+pub fn parse_faults(spec: &str) -> Result<Faults, EngineError> {
+    let bad = || {
+        EngineError::InvalidConfig(format!("{FAULT_ENV}=`{spec}`: expected fail:RANK:STEP or nan:RANK:STEP"))
+    };
+    let parts: Vec<&str> = spec.trim().split(':').collect();
+    let [kind, rank, step] = parts.as_slice() else { return Err(bad()) };
+    let at = (rank.parse::<usize>().map_err(|_| bad())?, step.parse::<usize>().map_err(|_| bad())?);
+    match *kind {
+        "fail" => Ok(Faults { fail: Some(at), ..Faults::default() }),
+        "nan" => Ok(Faults { nan_gradient: Some(at), ..Faults::default() }),
+        _ => Err(bad()),
+    }
+}
+
+/// Trains as configured with this process as one rank of `comm`'s world
+/// (collective over the MPI world: every rank must call it with the same `cfg`).
+///
+/// `cfg.world` and `cfg.local_size` must equal `comm`'s topology, and
+/// `cfg.backend` must be [`Backend::Mpi`]. `on_step` is called on rank 0 only,
+/// after every step, with the record aggregated over all ranks. Rank 0 writes
+/// `cfg.metrics` and returns `Some(report)`; the other ranks return `None`.
+/// `cfg.keep_params` is not supported (the report's `params` is `None`).
+pub fn train_mpi(
+    comm: &mut MpiComm,
+    cfg: &TrainConfig,
+    on_step: &mut dyn FnMut(&StepRecord),
+) -> Result<Option<TrainReport>, EngineError> {
+    if cfg.backend != Backend::Mpi {
+        return Err(EngineError::InvalidConfig("train_mpi needs backend = Backend::Mpi".into()));
+    }
+    let topo = *comm.topology();
+    if cfg.world != topo.world() || cfg.local_size != topo.local_size() {
+        return Err(EngineError::InvalidConfig(format!(
+            "the configuration asks for {} ranks in nodes of {}, the MPI job has {} ranks in nodes of {}",
+            cfg.world,
+            cfg.local_size,
+            topo.world(),
+            topo.local_size()
+        )));
+    }
+    let (data, info) = load_data(&cfg.data)?;
+    match &cfg.model {
+        ModelChoice::Gpt(g) => {
+            let model = Gpt::new(g.with_vocab(data.vocab_size()))?;
+            train_model_mpi(comm, &model, &data, &info, cfg, on_step)
+        }
+        ModelChoice::Mlp(m) => {
+            let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
+            train_model_mpi(comm, &model, &data, &info, cfg, on_step)
+        }
+    }
+}
+
+/// The per-rank records of one step, gathered from every rank on a side communicator.
+struct StepGather {
+    side: MpiComm,
+    world: Group,
+    /// The first error of the gathers or of the metrics file (reported after the run).
+    error: Option<EngineError>,
+}
+
+impl StepGather {
+    /// Gathers `mine` from every rank (in rank order); collective over the world.
+    fn gather(&mut self, mine: &RankStep) -> Result<Vec<RankStep>, EngineError> {
+        let rank = self.side.rank();
+        let cerr = |e| EngineError::Comm { rank, source: e };
+        let bytes = encode(mine);
+        let n = self.world.size();
+        let mut lens = vec![0u64; n];
+        self.side.all_gather(&self.world, &[bytes.len() as u64], &mut lens).map_err(cerr)?;
+        let max = lens.iter().copied().max().unwrap_or(0) as usize;
+        let mut padded = bytes;
+        padded.resize(max, 0);
+        let mut all = vec![0u8; max * n];
+        self.side.all_gather_bytes(&self.world, &padded, &mut all).map_err(cerr)?;
+        all.chunks(max.max(1))
+            .zip(&lens)
+            .map(|(chunk, &len)| decode(chunk.get(..len as usize).unwrap_or(chunk)))
+            .collect()
+    }
+}
+
+fn put(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+
+/// Encodes a [`RankStep`] (floats as bits, so the round trip is exact).
+fn encode(r: &RankStep) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + r.traffic.by_op.len() * 96);
+    put(&mut out, r.rank as u64);
+    put(&mut out, r.step as u64);
+    put(&mut out, u64::from(r.loss.to_bits()));
+    put(&mut out, u64::from(r.grad_norm.to_bits()));
+    put(&mut out, u64::from(r.skipped));
+    put(&mut out, r.time_s.to_bits());
+    put(&mut out, r.traffic.by_op.len() as u64);
+    for (tag, op) in &r.traffic.by_op {
+        put(&mut out, tag.len() as u64);
+        out.extend_from_slice(tag.as_bytes());
+        for c in [&op.intra, &op.inter] {
+            for v in [c.bytes_sent, c.bytes_received, c.messages_sent, c.messages_received] {
+                put(&mut out, v);
+            }
+        }
+    }
+    out
+}
+
+/// A bounds-checked reader over an encoded [`RankStep`].
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn bytes(&mut self, n: usize) -> Result<&'a [u8], EngineError> {
+        if n > self.0.len() {
+            return Err(EngineError::Training("malformed step record from a peer rank".into()));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+
+    fn u64(&mut self) -> Result<u64, EngineError> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.bytes(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn f32(&mut self) -> Result<f32, EngineError> {
+        let v = self.u64()?;
+        u32::try_from(v)
+            .map(f32::from_bits)
+            .map_err(|_| EngineError::Training("malformed step record from a peer rank".into()))
+    }
+}
+
+/// Decodes what [`encode`] wrote.
+fn decode(bytes: &[u8]) -> Result<RankStep, EngineError> {
+    let mut r = Reader(bytes);
+    let rank = r.u64()? as usize;
+    let step = r.u64()? as usize;
+    let loss = r.f32()?;
+    let grad_norm = r.f32()?;
+    let skipped = r.u64()? != 0;
+    let time_s = f64::from_bits(r.u64()?);
+    let ops = r.u64()?;
+    let mut traffic = TrafficSnapshot::default();
+    for _ in 0..ops {
+        let len = r.u64()? as usize;
+        let tag = String::from_utf8(r.bytes(len)?.to_vec())
+            .map_err(|_| EngineError::Training("malformed step record from a peer rank".into()))?;
+        let mut op = OpTraffic::default();
+        for c in [&mut op.intra, &mut op.inter] {
+            c.bytes_sent = r.u64()?;
+            c.bytes_received = r.u64()?;
+            c.messages_sent = r.u64()?;
+            c.messages_received = r.u64()?;
+        }
+        traffic.by_op.insert(tag, op);
+    }
+    Ok(RankStep { rank, step, loss, grad_norm, skipped, time_s, traffic })
+}
+
+/// Trains `model` on `data` with this process as one rank (see [`train_mpi`]).
+fn train_model_mpi<M: Model>(
+    comm: &mut MpiComm,
+    model: &M,
+    data: &TextDataset,
+    info: &DataInfo,
+    cfg: &TrainConfig,
+    on_step: &mut dyn FnMut(&StepRecord),
+) -> Result<Option<TrainReport>, EngineError> {
+    // The same checks as the thread driver, on every rank (they all fail alike).
+    cfg.engine.validate(cfg.world, cfg.local_size)?;
+    let topo = *comm.topology();
+    let rank = comm.rank();
+    let seq_len = model.seq_len();
+    data.check_seq_len(seq_len)?;
+    let micro = cfg.engine.micro_batch(cfg.world)?;
+    if cfg.steps == 0 {
+        return Err(EngineError::InvalidConfig("steps must be > 0".into()));
+    }
+    let windows = data.train_tokens().len().saturating_sub(seq_len);
+    if micro * cfg.world > windows {
+        return Err(EngineError::InvalidConfig(format!(
+            "a batch of {} sequences of {seq_len} tokens is larger than the training data ({windows} windows)",
+            micro * cfg.world
+        )));
+    }
+    if cfg.eval_batches > 0 {
+        data.val_batches(micro * cfg.world, seq_len, 1)?;
+    }
+    let plan = build_plan(model, &cfg.engine, topo)?;
+    let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
+
+    // Resume: every rank reads the checkpoint and keeps its own state.
+    let (start_step, resume) = match &cfg.resume {
+        Some(dir) => {
+            let (step, states) = crate::engine::checkpoint::load(dir, &plan, &cfg.engine)?;
+            (step, states.into_iter().nth(rank))
+        }
+        None => (0, None),
+    };
+    if start_step >= cfg.steps {
+        return Err(EngineError::InvalidConfig(format!(
+            "the checkpoint is at step {start_step}, not before the last step {}",
+            cfg.steps
+        )));
+    }
+    let mut metrics = match (&cfg.metrics, rank) {
+        (Some(p), 0) => Some(MetricsWriter::create(p)?),
+        _ => None,
+    };
+    let tokens = micro * cfg.world * cfg.engine.grad_accum * seq_len;
+
+    let world = Group::world(&topo);
+    let side = comm.split_stream().map_err(|e| EngineError::Comm { rank, source: e })?;
+    let gather = RefCell::new(StepGather { side, world: world.clone(), error: None });
+    let records = RefCell::new(Vec::new());
+    let on_step = RefCell::new(on_step);
+    let metrics_cell = RefCell::new(metrics.as_mut());
+    let sink = |r: RankStep| {
+        let mut g = gather.borrow_mut();
+        if g.error.is_some() {
+            return;
+        }
+        match g.gather(&r) {
+            Ok(mut ranks) => {
+                if rank != 0 {
+                    return;
+                }
+                ranks.sort_by_key(|x| x.rank);
+                let rec = aggregate(r.step, &ranks, tokens);
+                if let Some(m) = metrics_cell.borrow_mut().as_mut()
+                    && let Err(e) = m.step(&rec)
+                {
+                    g.error.get_or_insert(e);
+                }
+                (on_step.borrow_mut())(&rec);
+                records.borrow_mut().push(rec);
+            }
+            Err(e) => {
+                g.error.get_or_insert(e);
+            }
+        }
+    };
+    let job = RankJob { model, data, cfg, seq_len, start_step, resume };
+    let result = run_rank(comm, &job, &sink)?;
+    let mut gather = gather.into_inner();
+    if let Some(e) = gather.error.take() {
+        return Err(e);
+    }
+
+    // Validation losses of every rank, summed as the thread driver does.
+    let n = result.val_losses.len();
+    let mut all_val = vec![0f32; n * world.size()];
+    gather
+        .side
+        .all_gather(&world, &result.val_losses, &mut all_val)
+        .map_err(|e| EngineError::Comm { rank, source: e })?;
+    drop(gather);
+    if rank != 0 {
+        return Ok(None);
+    }
+    let val_loss = if cfg.eval_batches > 0 && n > 0 {
+        let mut sum = 0.0f64;
+        for r in all_val.chunks(n) {
+            sum += r.iter().map(|&v| f64::from(v)).sum::<f64>();
+        }
+        Some((sum / (n * world.size()) as f64) as f32)
+    } else {
+        None
+    };
+    let records = records.into_inner();
+    let summary = summarize(&records, val_loss, info, cfg, model, &analytic);
+    if let Some(m) = metrics.as_mut() {
+        m.summary(&summary)?;
+    }
+    Ok(Some(TrainReport { steps: records, summary, params: None }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_specs_parse() -> Result<(), EngineError> {
+        assert_eq!(parse_faults("fail:3:2")?.fail, Some((3, 2)));
+        assert_eq!(parse_faults("nan:0:1")?.nan_gradient, Some((0, 1)));
+        assert!(parse_faults("boom:1:1").is_err());
+        assert!(parse_faults("fail:1").is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn step_records_round_trip() -> Result<(), EngineError> {
+        let mut traffic = TrafficSnapshot::default();
+        let mut op = OpTraffic::default();
+        op.intra.bytes_sent = 7;
+        op.inter.messages_received = 3;
+        traffic.by_op.insert("fwd_gather".into(), op);
+        let r = RankStep {
+            rank: 5,
+            step: 9,
+            loss: 1.234_567,
+            grad_norm: f32::NAN,
+            skipped: true,
+            time_s: 0.25,
+            traffic,
+        };
+        let back = decode(&encode(&r))?;
+        assert_eq!((back.rank, back.step, back.skipped), (5, 9, true));
+        assert_eq!(back.loss.to_bits(), r.loss.to_bits());
+        assert_eq!(back.grad_norm.to_bits(), r.grad_norm.to_bits());
+        assert_eq!(back.time_s, r.time_s);
+        assert_eq!(back.traffic, r.traffic);
+        assert!(decode(&encode(&r)[..20]).is_err());
+        Ok(())
+    }
+}
