@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use zeropp_engine::config::{CommDtype, ZeroConfig};
-use zeropp_engine::metrics::format_summary;
+use zeropp_engine::metrics::{StepRecord, format_summary};
 use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, load_data, train_with};
 
 use crate::CliError;
@@ -237,24 +237,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
     if args.run.backend == BackendArg::Mpi {
         return crate::train_mpi::run(args);
     }
-    let (mut cfg, warnings) = build_config(&args.run, zero_from_flags(args))?;
-    // Explicit technique flags win over the DeepSpeed file.
-    if args.run.config.is_some() {
-        let z = zero_from_flags(args);
-        if args.qwz || args.no_qwz {
-            cfg.engine.zero.qwz = z.qwz;
-        }
-        if args.qgz || args.no_qgz {
-            cfg.engine.zero.qgz = z.qgz;
-        }
-        if let Some(h) = args.hpz {
-            cfg.engine.zero.hpz_size = h;
-        }
-    }
-    cfg.metrics = args.metrics.clone();
-    cfg.save = args.save.clone();
-    cfg.save_every = args.save_every;
-    cfg.resume = args.resume.clone();
+    let (cfg, warnings) = train_config(args)?;
     for w in &warnings {
         eprintln!("warning: DeepSpeed config: {w}");
     }
@@ -275,16 +258,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
         cfg.engine.global_batch
     );
     let pb = progress_bar(cfg.steps, "train");
-    let report = train_with(&cfg, &mut |r| {
-        pb.set_position(r.step as u64 + 1);
-        pb.set_message(format!(
-            "loss {:.4}{} | {:.0} tok/s | {:.3} MB inter-node/rank/step",
-            r.loss,
-            if r.skipped { " (skipped)" } else { "" },
-            r.tokens_per_s,
-            r.inter_node_bytes / 1e6
-        ));
-    });
+    let report = train_with(&cfg, &mut |r| show_step(&pb, r));
     pb.finish();
     let report = report?;
     println!();
@@ -293,4 +267,41 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
         println!("metrics written to {}", m.display());
     }
     Ok(())
+}
+
+/// The full training configuration of `zeropp train` (on any backend): the mode
+/// preset, then the DeepSpeed file, then explicit technique flags, then the
+/// metrics/checkpoint paths. Returns the DeepSpeed import warnings too.
+pub(crate) fn train_config(args: &TrainArgs) -> Result<(TrainConfig, Vec<String>), CliError> {
+    let (mut cfg, warnings) = build_config(&args.run, zero_from_flags(args))?;
+    // Explicit technique flags win over the DeepSpeed file.
+    if args.run.config.is_some() {
+        let z = zero_from_flags(args);
+        if args.qwz || args.no_qwz {
+            cfg.engine.zero.qwz = z.qwz;
+        }
+        if args.qgz || args.no_qgz {
+            cfg.engine.zero.qgz = z.qgz;
+        }
+        if let Some(h) = args.hpz {
+            cfg.engine.zero.hpz_size = h;
+        }
+    }
+    cfg.metrics = args.metrics.clone();
+    cfg.save = args.save.clone();
+    cfg.save_every = args.save_every;
+    cfg.resume = args.resume.clone();
+    Ok((cfg, warnings))
+}
+
+/// Advances the progress bar after one optimizer step.
+pub(crate) fn show_step(pb: &ProgressBar, r: &StepRecord) {
+    pb.set_position(r.step as u64 + 1);
+    pb.set_message(format!(
+        "loss {:.4}{} | {:.0} tok/s | {:.3} MB inter-node/rank/step",
+        r.loss,
+        if r.skipped { " (skipped)" } else { "" },
+        r.tokens_per_s,
+        r.inter_node_bytes / 1e6
+    ));
 }

@@ -37,7 +37,7 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     use zeropp_engine::train::load_data;
     use zeropp_engine::train_mpi::{Communicator as _, MpiComm, MpiOptions, faults_from_env, train_mpi};
 
-    use crate::train::{build_config, progress_bar, zero_from_flags};
+    use crate::train::{progress_bar, show_step, train_config};
 
     let mut options = MpiOptions::default();
     if flag_given("--local-size") {
@@ -59,24 +59,7 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     let mut a = args.clone();
     a.run.world = topo.world();
     a.run.local_size = topo.local_size();
-    let (mut cfg, warnings) = build_config(&a.run, zero_from_flags(&a))?;
-    // Explicit technique flags win over the DeepSpeed file (as in `train::run`).
-    if a.run.config.is_some() {
-        let z = zero_from_flags(&a);
-        if a.qwz || a.no_qwz {
-            cfg.engine.zero.qwz = z.qwz;
-        }
-        if a.qgz || a.no_qgz {
-            cfg.engine.zero.qgz = z.qgz;
-        }
-        if let Some(h) = a.hpz {
-            cfg.engine.zero.hpz_size = h;
-        }
-    }
-    cfg.metrics = a.metrics.clone();
-    cfg.save = a.save.clone();
-    cfg.save_every = a.save_every;
-    cfg.resume = a.resume.clone();
+    let (mut cfg, warnings) = train_config(&a)?;
     cfg.faults = faults_from_env()?;
     cfg.engine.validate(cfg.world, cfg.local_size)?;
     let lead = rank == 0;
@@ -104,14 +87,7 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     let pb = lead.then(|| progress_bar(cfg.steps, "train"));
     let report = train_mpi(&mut comm, &cfg, &mut |r| {
         if let Some(pb) = &pb {
-            pb.set_position(r.step as u64 + 1);
-            pb.set_message(format!(
-                "loss {:.4}{} | {:.0} tok/s | {:.3} MB inter-node/rank/step",
-                r.loss,
-                if r.skipped { " (skipped)" } else { "" },
-                r.tokens_per_s,
-                r.inter_node_bytes / 1e6
-            ));
+            show_step(pb, r);
         }
     });
     if let Some(pb) = &pb {
