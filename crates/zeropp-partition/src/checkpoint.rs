@@ -380,7 +380,8 @@ fn sync_dir(dir: &Path) -> Result<()> {
 
 /// Writes `bytes` to `path` atomically: `path.tmp`, fsync, rename, fsync the folder.
 fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    // A bare file name has an empty parent: that is the current directory.
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or_else(|| Path::new("."));
     let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
     tmp_name.push(".tmp");
     let tmp = dir.join(tmp_name);

@@ -101,3 +101,20 @@ fn corrupted_checkpoint_fails_with_one_line_naming_the_file() {
     std::fs::remove_dir_all(&dir).unwrap();
     std::fs::remove_dir_all(&empty).unwrap();
 }
+
+/// `zeropp checkpoint export DIR model.safetensors` with a bare file name writes into
+/// the current directory (its empty parent once made the directory sync fail).
+#[test]
+fn export_to_a_bare_file_name_in_the_working_directory() {
+    let dir = scratch("export-bare");
+    write_checkpoint(&dir.join("ckpt"));
+    let out = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .current_dir(&dir)
+        .args(["checkpoint", "export", "ckpt", "model.safetensors"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::metadata(dir.join("model.safetensors")).unwrap().len() > 8);
+    assert!(!dir.join("model.safetensors.tmp").exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
