@@ -138,6 +138,7 @@ fn group_params(d: Dispatch, spec: &QuantSpec, x: &[f32], base: usize) -> Result
 
 /// Writes packed integers sequentially (INT4 keeps a pending high nibble).
 struct Packer<'a> {
+    d: Dispatch,
     data: &'a mut [u8],
     pos: usize,
     pending: Option<u8>,
@@ -156,10 +157,7 @@ impl Packer<'_> {
             q = rest;
         }
         let pairs = q.len() / 2;
-        let dst = &mut self.data[self.pos..self.pos + pairs];
-        for (d, p) in dst.iter_mut().zip(q.chunks_exact(2)) {
-            *d = (p[0] << 4) | (p[1] & 0x0F);
-        }
+        self.d.pack4(&q[..2 * pairs], &mut self.data[self.pos..self.pos + pairs]);
         self.pos += pairs;
         if q.len() % 2 == 1 {
             self.pending = Some(q[q.len() - 1] & 0x0F);
@@ -256,7 +254,7 @@ fn quantize_seq<S: Source>(
     let bits = spec.bits();
     let QOut { data, scales, offsets } = out;
     let mut params_out = QOut { data: &mut [], scales, offsets };
-    let mut packer = Packer { data, pos: 0, pending: None };
+    let mut packer = Packer { d, data, pos: 0, pending: None };
     let mut scratch = [0u8; QBLK];
     let mut g = 0usize;
     let mut pos = start;
@@ -370,7 +368,7 @@ pub(crate) fn q_at(bits: Bits, data: &[u8], i: usize) -> i8 {
 }
 
 /// Unpacks INT4 elements `start..start + out.len()` into sign-extended bytes.
-fn unpack4(data: &[u8], start: usize, out: &mut [u8]) {
+fn unpack4(d: Dispatch, data: &[u8], start: usize, out: &mut [u8]) {
     let mut out = out;
     let mut e = start;
     if e % 2 == 1 {
@@ -382,11 +380,7 @@ fn unpack4(data: &[u8], start: usize, out: &mut [u8]) {
         e += 1;
     }
     let pairs = out.len() / 2;
-    let src = &data[e / 2..e / 2 + pairs];
-    for (o, &b) in out.chunks_exact_mut(2).zip(src) {
-        o[0] = ((b as i8) >> 4) as u8;
-        o[1] = (((b << 4) as i8) >> 4) as u8;
-    }
+    d.unpack4(&data[e / 2..e / 2 + pairs], &mut out[..2 * pairs]);
     if out.len() % 2 == 1 {
         let b = data[e / 2 + pairs];
         out[out.len() - 1] = ((b as i8) >> 4) as u8;
@@ -424,7 +418,7 @@ pub(crate) fn dequant_range(
             let (b, qs): (usize, &[u8]) = match spec.bits() {
                 Bits::Int4 => {
                     let b = (a + QBLK).min(ge);
-                    unpack4(data, a, &mut scratch[..b - a]);
+                    unpack4(d, data, a, &mut scratch[..b - a]);
                     (b, &scratch[..b - a])
                 }
                 Bits::Int8 => (ge, &data[a..ge]),

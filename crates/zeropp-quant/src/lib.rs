@@ -49,7 +49,7 @@
 //! ## Kernels and threads
 //!
 //! Kernels are chosen at run time ([`Kernel::best`]): AVX-512F or AVX2 on
-//! x86-64, portable scalar code elsewhere. All levels give bit-identical
+//! x86-64, NEON on aarch64, portable scalar code elsewhere. All levels give bit-identical
 //! results; [`Options::with_kernel`] forces one (tests compare each against
 //! the scalar reference). Inputs of at least [`PARALLEL_THRESHOLD_BYTES`]
 //! are split across rayon's pool at group boundaries, unless

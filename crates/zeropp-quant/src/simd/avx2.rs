@@ -2,7 +2,6 @@
 //! counterpart operation for operation (no FMA), so results are bit-identical.
 //! Vector loops handle whole chunks; remainders go through the scalar code.
 
-
 use super::{Stoch, scalar};
 use std::arch::x86_64::*;
 
@@ -230,4 +229,67 @@ pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
         i += 8;
     }
     scalar::dequant_add(&q[body..n], scale, offset, &mut acc[body..n]);
+}
+
+/// Packs 32 bytes (16 pairs) of `q[at..]` into 16 nibble pairs (in 16-bit
+/// lanes, one result byte per lane low byte): `(q[2k] << 4) | (q[2k+1] & 0xF)`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn pack_pairs(q: &[u8], at: usize) -> __m256i {
+    assert!(at + 32 <= q.len());
+    // SAFETY: the assert keeps the 32-byte unaligned load in bounds.
+    let v = unsafe { _mm256_loadu_si256(q.as_ptr().add(at).cast::<__m256i>()) };
+    // Little endian: each 16-bit lane is `odd << 8 | even`.
+    let hi = _mm256_and_si256(_mm256_slli_epi16::<4>(v), _mm256_set1_epi16(0x00F0));
+    let lo = _mm256_and_si256(_mm256_srli_epi16::<8>(v), _mm256_set1_epi16(0x000F));
+    _mm256_or_si256(hi, lo)
+}
+
+/// INT4 packing: `out[k] = (q[2k] << 4) | (q[2k+1] & 0xF)` for every `k`
+/// of `out` (`q` holds at least `2 * out.len()` bytes).
+#[target_feature(enable = "avx2")]
+pub(super) fn pack4(q: &[u8], out: &mut [u8]) {
+    let n = out.len().min(q.len() / 2);
+    let body = n - n % 32;
+    let mut i = 0;
+    while i < body {
+        let a = pack_pairs(q, 2 * i);
+        let b = pack_pairs(q, 2 * i + 32);
+        // Every lane is <= 0xFF, so the saturating pack is exact; it
+        // interleaves 128-bit halves (a.lo, b.lo, a.hi, b.hi), undone by the
+        // 64-bit permute.
+        let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(a, b));
+        assert!(i + 32 <= out.len());
+        // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(i).cast::<__m256i>(), p) };
+        i += 32;
+    }
+    scalar::pack4(&q[2 * body..2 * n], &mut out[body..n]);
+}
+
+/// INT4 unpacking: `out[2k]` and `out[2k+1]` are the sign-extended high and
+/// low nibbles of `data[k]` (`out` holds at least `2 * data.len()` bytes).
+#[target_feature(enable = "avx2")]
+pub(super) fn unpack4(data: &[u8], out: &mut [u8]) {
+    let n = data.len().min(out.len() / 2);
+    let body = n - n % 16;
+    let low_byte = _mm256_set1_epi16(0x00FF);
+    let mut i = 0;
+    while i < body {
+        assert!(i + 16 <= data.len());
+        // SAFETY: the assert keeps the 16-byte unaligned load in bounds.
+        let b = unsafe { _mm_loadu_si128(data.as_ptr().add(i).cast::<__m128i>()) };
+        // One packed byte per 16-bit lane.
+        let w = _mm256_cvtepu8_epi16(b);
+        // Low nibble, sign-extended, into the lane's high byte (odd element).
+        let odd = _mm256_srai_epi16::<4>(_mm256_slli_epi16::<12>(w));
+        // High nibble, sign-extended, into the lane's low byte (even element).
+        let even = _mm256_and_si256(_mm256_srai_epi16::<12>(_mm256_slli_epi16::<8>(w)), low_byte);
+        let r = _mm256_or_si256(odd, even);
+        assert!(2 * i + 32 <= out.len());
+        // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(2 * i).cast::<__m256i>(), r) };
+        i += 16;
+    }
+    scalar::unpack4(&data[body..n], &mut out[2 * body..2 * n]);
 }

@@ -2,7 +2,6 @@
 //! (no FMA), so results are bit-identical. Compiled on x86-64 with Rust >= 1.89; used only when
 //! `is_x86_feature_detected!("avx512f")` says so.
 
-
 use super::{Stoch, scalar};
 use std::arch::x86_64::*;
 

@@ -1,10 +1,12 @@
 //! Kernel selection and the per-block primitives every kernel implements.
 //!
 //! Each primitive has a portable scalar reference ([`scalar`]) and SIMD
-//! versions (AVX2, AVX-512 on x86-64) that produce bit-identical results:
+//! versions (AVX2, AVX-512 on x86-64, NEON on aarch64) that produce
+//! bit-identical results:
 //! they perform the same IEEE f32 operations in the same order per element
 //! (no FMA contraction), and reductions (max/min) are order-independent.
-//! All `unsafe` code of the crate lives in the `avx2` and `avx512` modules.
+//! All `unsafe` code of the crate lives in the `avx2`, `avx512` and `neon`
+//! modules.
 
 pub(crate) mod scalar;
 
@@ -12,6 +14,8 @@ pub(crate) mod scalar;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 use crate::error::{QuantError, Result};
 
@@ -26,18 +30,21 @@ pub enum Kernel {
     Avx2,
     /// x86-64 AVX-512F (512-bit).
     Avx512,
+    /// aarch64 NEON (128-bit Advanced SIMD).
+    Neon,
 }
 
 impl Kernel {
     /// Every kernel this build knows about, available or not.
-    pub const ALL: [Kernel; 3] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512];
+    pub const ALL: [Kernel; 4] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512, Kernel::Neon];
 
-    /// A short lowercase name (`scalar`, `avx2`, `avx512`).
+    /// A short lowercase name (`scalar`, `avx2`, `avx512`, `neon`).
     pub const fn name(self) -> &'static str {
         match self {
             Kernel::Scalar => "scalar",
             Kernel::Avx2 => "avx2",
             Kernel::Avx512 => "avx512",
+            Kernel::Neon => "neon",
         }
     }
 
@@ -49,7 +56,8 @@ impl Kernel {
             Kernel::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Kernel::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             _ => false,
         }
     }
@@ -60,6 +68,8 @@ impl Kernel {
             Kernel::Avx512
         } else if Kernel::Avx2.is_available() {
             Kernel::Avx2
+        } else if Kernel::Neon.is_available() {
+            Kernel::Neon
         } else {
             Kernel::Scalar
         }
@@ -114,6 +124,9 @@ impl Dispatch {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Dispatch` holds Avx512 only after `is_x86_feature_detected!("avx512f")`.
             Kernel::Avx512 => unsafe { avx512::abs_max(x) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
+            Kernel::Neon => unsafe { neon::abs_max(x) },
             _ => scalar::abs_max(x),
         }
     }
@@ -129,6 +142,9 @@ impl Dispatch {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: availability checked in `resolve` (see `abs_max`).
             Kernel::Avx512 => unsafe { avx512::min_max(x) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
+            Kernel::Neon => unsafe { neon::min_max(x) },
             _ => scalar::min_max(x),
         }
     }
@@ -144,6 +160,9 @@ impl Dispatch {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: availability checked in `resolve` (see `abs_max`).
             Kernel::Avx512 => unsafe { avx512::round_nearest(x, s, offset, qmin, qmax, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
+            Kernel::Neon => unsafe { neon::round_nearest(x, s, offset, qmin, qmax, out) },
             _ => scalar::round_nearest(x, s, offset, qmin, qmax, out),
         }
     }
@@ -169,6 +188,9 @@ impl Dispatch {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: availability checked in `resolve` (see `abs_max`).
             Kernel::Avx512 => unsafe { avx512::round_stochastic(x, s, offset, qmin, qmax, st, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
+            Kernel::Neon => unsafe { neon::round_stochastic(x, s, offset, qmin, qmax, st, out) },
             _ => scalar::round_stochastic(x, s, offset, qmin, qmax, st, out),
         }
     }
@@ -184,6 +206,9 @@ impl Dispatch {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: availability checked in `resolve` (see `abs_max`).
             Kernel::Avx512 => unsafe { avx512::dequant(q, scale, offset, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
+            Kernel::Neon => unsafe { neon::dequant(q, scale, offset, out) },
             _ => scalar::dequant(q, scale, offset, out),
         }
     }
@@ -199,7 +224,50 @@ impl Dispatch {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: availability checked in `resolve` (see `abs_max`).
             Kernel::Avx512 => unsafe { avx512::dequant_add(q, scale, offset, acc) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
+            Kernel::Neon => unsafe { neon::dequant_add(q, scale, offset, acc) },
             _ => scalar::dequant_add(q, scale, offset, acc),
+        }
+    }
+    /// INT4 packing of whole pairs: `out[k] = (q[2k] << 4) | (q[2k+1] & 0xF)`
+    /// for `k < out.len()`; `q` holds at least `2 * out.len()` bytes.
+    #[inline]
+    pub(crate) fn pack4(self, q: &[u8], out: &mut [u8]) {
+        debug_assert!(q.len() >= 2 * out.len());
+        match self.0 {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: availability checked in `resolve` (see `abs_max`).
+            Kernel::Avx2 => unsafe { avx2::pack4(q, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 detected at run time (cached) just before the call.
+            Kernel::Avx512 if std::arch::is_x86_feature_detected!("avx2") => unsafe { avx2::pack4(q, out) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: availability checked in `resolve` (see `abs_max`).
+            Kernel::Neon => unsafe { neon::pack4(q, out) },
+            _ => scalar::pack4(q, out),
+        }
+    }
+
+    /// INT4 unpacking of whole bytes: `out[2k]`, `out[2k+1]` are the
+    /// sign-extended high and low nibbles of `data[k]` for `k < data.len()`;
+    /// `out` holds at least `2 * data.len()` bytes.
+    #[inline]
+    pub(crate) fn unpack4(self, data: &[u8], out: &mut [u8]) {
+        debug_assert!(out.len() >= 2 * data.len());
+        match self.0 {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: availability checked in `resolve` (see `abs_max`).
+            Kernel::Avx2 => unsafe { avx2::unpack4(data, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 detected at run time (cached) just before the call.
+            Kernel::Avx512 if std::arch::is_x86_feature_detected!("avx2") => unsafe {
+                avx2::unpack4(data, out)
+            },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: availability checked in `resolve` (see `abs_max`).
+            Kernel::Neon => unsafe { neon::unpack4(data, out) },
+            _ => scalar::unpack4(data, out),
         }
     }
 }

@@ -82,3 +82,18 @@ pub(crate) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
         *o += f32::from(v as i8) * scale + offset;
     }
 }
+
+/// See [`super::Dispatch::pack4`].
+pub(crate) fn pack4(q: &[u8], out: &mut [u8]) {
+    for (d, p) in out.iter_mut().zip(q.chunks_exact(2)) {
+        *d = (p[0] << 4) | (p[1] & 0x0F);
+    }
+}
+
+/// See [`super::Dispatch::unpack4`].
+pub(crate) fn unpack4(data: &[u8], out: &mut [u8]) {
+    for (o, &b) in out.chunks_exact_mut(2).zip(data) {
+        o[0] = ((b as i8) >> 4) as u8;
+        o[1] = (((b << 4) as i8) >> 4) as u8;
+    }
+}
