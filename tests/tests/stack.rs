@@ -86,7 +86,8 @@ fn check(world: usize, local: usize, hpz: usize, align: usize, shapes: &[Vec<Vec
                 // Gradient reduce-scatter lands on the plan's gradient range.
                 let g: Vec<f32> = (0..padded).map(|i| grad(rank, b, i)).collect();
                 let range = plan.grad_range(rank, b).unwrap();
-                let mean = |i: usize| (0..world).map(|r| f64::from(grad(r, b, i))).sum::<f64>() / world as f64;
+                let mean =
+                    |i: usize| (0..world).map(|r| f64::from(grad(r, b, i))).sum::<f64>() / world as f64;
                 let mut shard = vec![f32::NAN; plan.shard_len(b).unwrap()];
                 reduce_scatter(comm, &world_group, &g, &mut shard, Reduce::Mean)?;
                 for (k, i) in range.clone().enumerate() {
