@@ -34,7 +34,7 @@ impl Op {
             Op::AllGatherF32 => "all_gather_f32",
             Op::AllGatherBf16 => "all_gather_bf16_wire",
             Op::QwzAllGather => "qwz_all_gather_int8",
-            Op::ReduceScatterF32 => "reduce_scatter_f32",
+            Op::ReduceScatterF32 => "baseline_reduce_scatter_f32",
             Op::ReduceScatterBf16 => "reduce_scatter_bf16_wire",
             Op::Qgz => "qgz_reduce_scatter_int4",
         }
