@@ -154,16 +154,14 @@ fn bench(args: &[String]) -> Result<(), String> {
         }
         c.env("CRITERION_HOME", &home);
         run(&format!("bench {name}"), c)?;
-        if name == "mpi" {
-            // The MPI bench relaunches itself under `mpirun -np 8 --oversubscribe`
-            // (criterion does not run under mpirun) and its rank 0 writes its own
-            // table, timed with MPI_Wtime, to target/bench-report/mpi.md.
-            eprintln!("==> wrote {}", report_dir.join("mpi.md").display());
-            continue;
-        }
-        let md = summarise(name, &home)?;
+        // Criterion benches get a ratio table; benches that cannot run under
+        // criterion (e2e training runs, the MPI bench relaunched under mpirun) write
+        // their own target/bench-report/NAME.md, which is left as it is.
         let out = report_dir.join(format!("{name}.md"));
-        std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
+        match summarise(name, &home)? {
+            Some(md) => std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?,
+            None => eprintln!("==> no criterion measurements: the bench wrote its own report"),
+        }
         eprintln!("==> wrote {}", out.display());
     }
     Ok(())
@@ -179,7 +177,7 @@ struct Measurement {
 /// Reads every `benchmark.json` + `estimates.json` under `home` and renders a
 /// markdown table per group, with each row's throughput as a ratio to the row named
 /// `memcpy` (or starting with `baseline`) of the same group and parameter.
-fn summarise(name: &str, home: &Path) -> Result<String, String> {
+fn summarise(name: &str, home: &Path) -> Result<Option<String>, String> {
     let mut groups: BTreeMap<(String, String), Vec<Measurement>> = BTreeMap::new();
     let mut stack = vec![home.to_path_buf()];
     while let Some(dir) = stack.pop() {
@@ -206,7 +204,7 @@ fn summarise(name: &str, home: &Path) -> Result<String, String> {
         machine()
     );
     if groups.is_empty() {
-        let _ = writeln!(md, "(no criterion measurements found: the bench prints its own tables)");
+        return Ok(None);
     }
     for ((group, param), mut rows) in groups {
         rows.sort_by(|a, b| a.function.cmp(&b.function));
@@ -239,7 +237,7 @@ fn summarise(name: &str, home: &Path) -> Result<String, String> {
         }
         let _ = writeln!(md);
     }
-    Ok(md)
+    Ok(Some(md))
 }
 
 fn read_measurement(new_dir: &Path) -> Option<((String, String), Measurement)> {

@@ -436,16 +436,7 @@ pub fn shard(batch: &Batch, rank: usize, world: usize) -> Result<Batch, EngineEr
     if world == 0 || rank >= world || !batch.batch.is_multiple_of(world) {
         return Err(err);
     }
-    let n = batch.tokens();
-    if batch.inputs.len() != n || batch.targets.len() != n {
-        return Err(EngineError::InvalidBatch(format!(
-            "{} inputs and {} targets for {} x {} tokens",
-            batch.inputs.len(),
-            batch.targets.len(),
-            batch.batch,
-            batch.seq_len
-        )));
-    }
+    batch.check_lengths()?;
     let per = batch.batch / world;
     let range = rank * per * batch.seq_len..(rank + 1) * per * batch.seq_len;
     Ok(Batch {

@@ -214,25 +214,9 @@ fn train_model_mpi<M: Model>(
     on_step: &mut dyn FnMut(&StepRecord),
 ) -> Result<Option<TrainReport>, EngineError> {
     // The same checks as the thread driver, on every rank (they all fail alike).
-    cfg.engine.validate(cfg.world, cfg.local_size)?;
+    let (seq_len, micro) = crate::train::check_run(model, data, cfg)?;
     let topo = *comm.topology();
     let rank = comm.rank();
-    let seq_len = model.seq_len();
-    data.check_seq_len(seq_len)?;
-    let micro = cfg.engine.micro_batch(cfg.world)?;
-    if cfg.steps == 0 {
-        return Err(EngineError::InvalidConfig("steps must be > 0".into()));
-    }
-    let windows = data.train_tokens().len().saturating_sub(seq_len);
-    if micro * cfg.world > windows {
-        return Err(EngineError::InvalidConfig(format!(
-            "a batch of {} sequences of {seq_len} tokens is larger than the training data ({windows} windows)",
-            micro * cfg.world
-        )));
-    }
-    if cfg.eval_batches > 0 {
-        data.val_batches(micro * cfg.world, seq_len, 1)?;
-    }
     let plan = build_plan(model, &cfg.engine, topo)?;
     let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
 

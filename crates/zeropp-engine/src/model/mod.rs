@@ -90,6 +90,21 @@ impl Batch {
     pub fn tokens(&self) -> usize {
         self.batch * self.seq_len
     }
+
+    /// Checks that `inputs` and `targets` both hold `batch * seq_len` tokens.
+    pub fn check_lengths(&self) -> Result<(), EngineError> {
+        let n = self.tokens();
+        if self.inputs.len() != n || self.targets.len() != n {
+            return Err(EngineError::InvalidBatch(format!(
+                "{} inputs and {} targets for {} x {} tokens",
+                self.inputs.len(),
+                self.targets.len(),
+                self.batch,
+                self.seq_len
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// A model with hand-written forward and backward passes, split into gather units.
@@ -227,16 +242,7 @@ pub(crate) fn validate_batch(batch: &Batch, vocab: usize, max_seq: usize) -> Res
             batch.seq_len
         )));
     }
-    let n = batch.tokens();
-    if batch.inputs.len() != n || batch.targets.len() != n {
-        return Err(EngineError::InvalidBatch(format!(
-            "{} inputs and {} targets for {} x {} tokens",
-            batch.inputs.len(),
-            batch.targets.len(),
-            batch.batch,
-            batch.seq_len
-        )));
-    }
+    batch.check_lengths()?;
     if let Some(&token) = batch.inputs.iter().chain(&batch.targets).find(|&&t| t as usize >= vocab) {
         return Err(EngineError::TokenOutOfRange { token, vocab });
     }
