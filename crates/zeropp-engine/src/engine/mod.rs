@@ -122,7 +122,7 @@ pub struct ZeroEngine<'m, M: Model> {
     master: Vec<Vec<f32>>,
     optim: Vec<AdamW>,
     grad_acc: Vec<Vec<f32>>,
-    secondary: Vec<Option<Vec<f32>>>,
+    secondary: Vec<Option<wire::Secondary>>,
     wire: wire::Wire,
     steps: usize,
     skipped: usize,
@@ -269,7 +269,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         let mut full = vec![0.0f32; padded];
         if !eval && let (Some(g), Some(sec)) = (&self.hpz_group, &self.secondary[l]) {
             comm.traffic_mut().set_op(tags::FWD_GATHER);
-            self.wire.gather_dense(comm, g, sec, &mut full)?;
+            self.wire.gather_secondary(comm, g, sec, &mut full)?;
             return Ok(full);
         }
         comm.traffic_mut().set_op(if eval { tags::EVAL } else { tags::FWD_GATHER });
@@ -289,7 +289,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 expected: r.end,
                 got: full.len(),
             })?;
-            self.secondary[l] = Some(slice.to_vec());
+            self.secondary[l] = Some(self.wire.keep_secondary(slice));
         }
         Ok(())
     }
@@ -304,7 +304,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         let mut full = vec![0.0f32; padded];
         comm.traffic_mut().set_op(tags::BWD_GATHER);
         match (&self.hpz_group, &self.secondary[l]) {
-            (Some(g), Some(sec)) => self.wire.gather_dense(comm, g, sec, &mut full)?,
+            (Some(g), Some(sec)) => self.wire.gather_secondary(comm, g, sec, &mut full)?,
             (Some(_), None) => {
                 return Err(EngineError::Training(format!(
                     "hpZ secondary shard of layer {l} missing in backward (forward did not run?)"

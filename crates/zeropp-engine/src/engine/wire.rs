@@ -2,7 +2,7 @@
 //! baseline (bf16 / f32) or quantized (qwZ / qgZ), and the prefetch stream.
 
 use zeropp_comm::collectives::{self, Reduce};
-use zeropp_comm::{AsyncComm, CommError, Communicator, Group, Pending, TrafficSnapshot};
+use zeropp_comm::{AsyncComm, CommError, CommExt, Communicator, Group, Pending, TrafficSnapshot};
 use zeropp_quant::QuantSpec;
 
 use super::comm_err;
@@ -22,6 +22,18 @@ pub(crate) fn f32_to_bf16(x: f32) -> u16 {
 /// The f32 value of bfloat16 bits.
 pub(crate) fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits(u32::from(h) << 16)
+}
+
+/// An hpZ secondary shard, held in the precision the baseline communicates in:
+/// 16-bit when that is bf16 (the gathered weights are bf16 values already, so this
+/// is exact and the shard costs the `2·Ψ/hpz` bytes the memory report counts), f32
+/// in the exact f32 mode.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Secondary {
+    /// f32 elements (`CommDtype::F32`).
+    F32(Vec<f32>),
+    /// bfloat16 bits (`CommDtype::Bf16`).
+    Bf16(Vec<u16>),
 }
 
 /// How the weights of one gather travel.
@@ -121,6 +133,36 @@ impl Wire {
             None
         };
         Ok(Self { rank, dtype: z.comm_dtype, weights, qgz })
+    }
+
+    /// Keeps `slice` of gathered weights as an hpZ secondary shard.
+    pub(crate) fn keep_secondary(&self, slice: &[f32]) -> Secondary {
+        match self.dtype {
+            CommDtype::F32 => Secondary::F32(slice.to_vec()),
+            CommDtype::Bf16 => Secondary::Bf16(slice.iter().map(|&x| f32_to_bf16(x)).collect()),
+        }
+    }
+
+    /// All-gathers the hpZ secondary shards of `group` into `out` (as f32): the
+    /// same bytes on the wire as [`Self::gather_dense`] of the shard's values.
+    pub(crate) fn gather_secondary<C: Communicator + ?Sized>(
+        &self,
+        comm: &mut C,
+        group: &Group,
+        shard: &Secondary,
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        match shard {
+            Secondary::F32(s) => self.gather_dense(comm, group, s, out),
+            Secondary::Bf16(s) => {
+                let mut bits = vec![0u16; out.len()];
+                comm.all_gather(group, s, &mut bits).map_err(comm_err(self.rank))?;
+                for (o, &h) in out.iter_mut().zip(&bits) {
+                    *o = bf16_to_f32(h);
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Dense gather (hpZ secondary shards) over `group`.
