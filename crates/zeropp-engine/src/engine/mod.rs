@@ -11,7 +11,7 @@
 //!    layer's gather on a second communicator, keeping the hpZ secondary slice,
 //!    releasing the full weights after use;
 //! 2. backward in reverse: re-gather (hpZ: intra-node from the secondary shards),
-//!    compute the gradient, reduce-scatter it (qgZ or baseline) into the owner's
+//!    prefetching the next layer down on the second communicator, compute the gradient, reduce-scatter it (qgZ or baseline) into the owner's
 //!    shard, accumulate over micro-batches;
 //! 3. step: global gradient norm (all-reduce of a scalar), skip on non-finite,
 //!    clip, AdamW on the master shard, invalidate the secondary shards.
@@ -315,6 +315,21 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         Ok(full)
     }
 
+    /// Submits layer `l`'s backward re-gather to the prefetch stream.
+    fn prefetch_backward(
+        &mut self,
+        pf: &mut Prefetcher,
+        l: usize,
+    ) -> Result<wire::PendingGather, EngineError> {
+        match (&self.hpz_group, &self.secondary[l]) {
+            (Some(g), Some(sec)) => Ok(self.wire.prefetch_secondary(pf, g, sec, tags::BWD_GATHER)),
+            (Some(_), None) => Err(EngineError::Training(format!(
+                "hpZ secondary shard of layer {l} missing in backward (forward did not run?)"
+            ))),
+            _ => self.wire.prefetch_weights(pf, l, &self.master[l], tags::BWD_GATHER),
+        }
+    }
+
     /// Forward pass of one micro-batch, with prefetch of the next layer's gather
     /// on `prefetch` when given. Returns the tape.
     fn forward_pass<C: Communicator + ?Sized>(
@@ -375,7 +390,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
     /// One optimizer step over this rank's `micro_batches` (one per gradient
     /// accumulation step). Every rank must call it with the same number of
     /// micro-batches; `prefetch` (a [`Prefetcher`] on a duplicated communicator)
-    /// overlaps the next layer's forward gather with compute.
+    /// overlaps the next layer's gather (forward and backward) with compute.
     pub fn train_step<C: Communicator + ?Sized>(
         &mut self,
         comm: &mut C,
@@ -395,8 +410,19 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 return Err(EngineError::Training("injected failure in the middle of a step".into()));
             }
             loss_sum += model.loss(&tape);
+            // Backward: while layer l computes, the prefetch stream gathers layer
+            // l-1 (from the hpZ secondary shards when they exist).
+            let mut pending: Option<(usize, wire::PendingGather)> = None;
             for l in (0..n).rev() {
-                let full = self.gather_backward(comm, l)?;
+                let full = match pending.take() {
+                    Some((pl, p)) if pl == l => p.wait(self.rank)?,
+                    _ => self.gather_backward(comm, l)?,
+                };
+                if let Some(pf) = prefetch.as_deref_mut()
+                    && l > 0
+                {
+                    pending = Some((l - 1, self.prefetch_backward(pf, l - 1)?));
+                }
                 let numel = model.layers()[l].numel();
                 let mut grad = vec![0.0f32; full.len()];
                 model.backward(l, &full[..numel], &mut tape, &mut grad[..numel])?;

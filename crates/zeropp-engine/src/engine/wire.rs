@@ -221,6 +221,41 @@ impl Wire {
         Ok(PendingGather { pending })
     }
 
+    /// Submits an all-gather of the hpZ secondary shards of `group` to the prefetch
+    /// stream (the backward re-gather of the next layer down).
+    pub(crate) fn prefetch_secondary(
+        &self,
+        pf: &mut Prefetcher,
+        group: &Group,
+        shard: &Secondary,
+        tag: &str,
+    ) -> PendingGather {
+        let shard = shard.clone();
+        let tag = tag.to_string();
+        let group = group.clone();
+        let len = match &shard {
+            Secondary::F32(s) => s.len(),
+            Secondary::Bf16(s) => s.len(),
+        } * group.size();
+        let dtype = self.dtype;
+        let pending = pf.comm.submit(move |c| {
+            c.traffic_mut().set_op(&tag);
+            let mut out = vec![0.0f32; len];
+            match &shard {
+                Secondary::F32(s) => gather_dense(c, &group, dtype, s, &mut out)?,
+                Secondary::Bf16(s) => {
+                    let mut bits = vec![0u16; len];
+                    c.all_gather(&group, s, &mut bits)?;
+                    for (o, &h) in out.iter_mut().zip(&bits) {
+                        *o = bf16_to_f32(h);
+                    }
+                }
+            }
+            Ok(out)
+        });
+        PendingGather { pending }
+    }
+
     /// Gradient reduce-scatter of layer `layer` (qgZ or dense): `out` = mean over the world.
     pub(crate) fn reduce_scatter_grads<C: Communicator + ?Sized>(
         &mut self,
