@@ -96,6 +96,20 @@ fn ci(args: &[String]) -> Result<(), String> {
     if no_mpi {
         eprintln!("\n==> MPI tests skipped (--no-mpi)");
     } else if has_mpirun() && mpi_backend_exists() {
+        // The default clippy run above does not compile the `mpi` feature's code.
+        let mut clippy_mpi = cargo();
+        clippy_mpi.args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--locked",
+            "--features",
+            "zeropp-comm/mpi,zeropp/mpi",
+            "--",
+            "-D",
+            "warnings",
+        ]);
+        run("clippy (mpi feature)", clippy_mpi)?;
         test_mpi()?;
     } else {
         eprintln!("\n==> MPI tests skipped: no `mpirun` on PATH (install libopenmpi-dev openmpi-bin)");

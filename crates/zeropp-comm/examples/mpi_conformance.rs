@@ -55,7 +55,7 @@ fn groups(topo: &Topology, rank: usize) -> Vec<(&'static str, Group)> {
     if let Ok(g) = Group::new(topo, (0..topo.world()).rev().collect()) {
         out.push(("reversed", g));
     }
-    if rank % 2 == 0
+    if rank.is_multiple_of(2)
         && let Ok(g) = Group::new(topo, (0..topo.world()).step_by(2).collect())
     {
         out.push(("even", g));

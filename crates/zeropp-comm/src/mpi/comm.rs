@@ -258,6 +258,18 @@ fn displacements(counts: &[usize]) -> Vec<i32> {
         .collect()
 }
 
+/// A group of one member needs no MPI call: report the local argument error, if
+/// any, else do the local part of the collective.
+fn single_member(local: Option<CommError>, op: impl FnOnce()) -> Result<(), CommError> {
+    match local {
+        Some(e) => Err(e),
+        None => {
+            op();
+            Ok(())
+        }
+    }
+}
+
 impl Communicator for MpiComm {
     fn rank(&self) -> usize {
         self.rank
@@ -288,13 +300,7 @@ impl Communicator for MpiComm {
             too_big(OP, "a chunk", c)
         };
         if g == 1 {
-            return match local {
-                Some(e) => Err(e),
-                None => {
-                    recv.copy_from_slice(send);
-                    Ok(())
-                }
-            };
+            return single_member(local, || recv.copy_from_slice(send));
         }
         self.prepare(group, OP, &[("the chunk length", c as u64)], local, false)?;
         let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
@@ -318,13 +324,7 @@ impl Communicator for MpiComm {
             too_big(OP, "a chunk", c)
         };
         if g == 1 {
-            return match local {
-                Some(e) => Err(e),
-                None => {
-                    recv.copy_from_slice(send);
-                    Ok(())
-                }
-            };
+            return single_member(local, || recv.copy_from_slice(send));
         }
         self.prepare(group, OP, &[("the chunk length", c as u64)], local, false)?;
         let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
@@ -365,13 +365,7 @@ impl Communicator for MpiComm {
                 .or_else(|| too_big(OP, "the receive buffer", recv.len()))
         };
         if g == 1 {
-            return match local {
-                Some(e) => Err(e),
-                None => {
-                    recv.copy_from_slice(send);
-                    Ok(())
-                }
-            };
+            return single_member(local, || recv.copy_from_slice(send));
         }
         self.ensure(group)?;
         // Every member learns what each peer will send it and compares it with what
@@ -424,13 +418,7 @@ impl Communicator for MpiComm {
             too_big(OP, "a chunk", n)
         };
         if g == 1 {
-            return match local {
-                Some(e) => Err(e),
-                None => {
-                    ordered_sum(recv, send);
-                    Ok(())
-                }
-            };
+            return single_member(local, || ordered_sum(recv, send));
         }
         self.prepare(group, OP, &[("the chunk length", n as u64)], local, false)?;
         let comm = self.comm_of(group)?;
@@ -453,13 +441,7 @@ impl Communicator for MpiComm {
         let local = too_big(OP, "the buffer", n.div_ceil(g) * g);
         if g == 1 {
             // Same rounding as the thread backend: 0 + x (turns -0.0 into +0.0).
-            return match local {
-                Some(e) => Err(e),
-                None => {
-                    buf.iter_mut().for_each(|x| *x += 0.0);
-                    Ok(())
-                }
-            };
+            return single_member(local, || buf.iter_mut().for_each(|x| *x += 0.0));
         }
         self.prepare(group, OP, &[("the length", n as u64)], local, false)?;
         let comm = self.comm_of(group)?;
