@@ -70,7 +70,7 @@ mod element;
 mod error;
 mod ops;
 mod quantized;
-mod rng;
+pub mod rng;
 mod simd;
 mod spec;
 pub mod tools;
