@@ -33,9 +33,10 @@
 //! shard is added exactly; a world of one copies its own gradient (no
 //! communication, no quantization).
 
+use zeropp_quant::rng::stream_seed;
 use zeropp_quant::{
-    Options, QuantSpec, QuantizedRef, dequant_reduce_quant_to_wire, dequantize_add, dequantize_into,
-    encoded_len, quantize_to_wire,
+    Options, QuantSpec, QuantizedRef, Rounding, dequant_reduce_quant_to_wire, dequantize_add,
+    dequantize_into, encoded_len, quantize_to_wire,
 };
 
 use super::{Reduce, check_shard, finish_shard, with_part};
@@ -93,29 +94,72 @@ impl Default for QgzOptions {
     }
 }
 
-/// Error feedback for qgZ (off unless used): the caller keeps one per gradient
-/// buffer. Before the first hop quantizes, the residual of the previous call is
-/// added to the local gradient, and the new local quantization residual
-/// (`compensated - dequantized`) is kept for the next call, as LoCo does.
-#[derive(Debug, Clone, Default)]
+/// Error feedback for qgZ, as LoCo (DeepSpeed's `zeropp_loco_param`) does it, on
+/// **both** quantizing hops. The caller keeps one per gradient buffer.
+///
+/// At each hop, before quantizing, the hop's residual `e` is added to what is
+/// quantized (`c = x + e`); after quantizing, the residual becomes the moving
+/// average `e ← β·e + (1 − β)·(c − deq(q(c)))` of the new quantization error, with
+/// `β = err_beta` ([`ErrorFeedback::loco`]; `β = 0` is plain error feedback,
+/// [`ErrorFeedback::new`]). Hop 1 keeps a residual for every shard of the rank's
+/// full gradient (`W·s` elements), hop 2 one for each node partial the rank
+/// requantizes (`N·s`; the own node's slot stays zero, that partial is never
+/// quantized). The residuals are exposed ([`ErrorFeedback::state`],
+/// [`ErrorFeedback::restore`]) so a checkpoint can resume bit for bit.
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ErrorFeedback {
     residual: Vec<f32>,
+    inter: Vec<f32>,
+    beta: f32,
 }
 
 impl ErrorFeedback {
-    /// An empty residual (zero; sized on first use).
+    /// Plain error feedback (`β = 0`): each residual is the last quantization error.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// The residual, in padded full-gradient order (`W·⌈n/W⌉` elements; empty before first use).
+    /// LoCo error feedback with moving-average factor `err_beta` (DeepSpeed's
+    /// default is 0.8). Values outside `[0, 1)` are clamped into it.
+    pub fn loco(err_beta: f32) -> Self {
+        let beta = if err_beta.is_finite() { err_beta.clamp(0.0, 0.999_999) } else { 0.0 };
+        Self { beta, ..Self::default() }
+    }
+
+    /// The moving-average factor β.
+    pub fn beta(&self) -> f32 {
+        self.beta
+    }
+
+    /// The first hop's residual, in padded full-gradient order (`W·⌈n/W⌉`
+    /// elements; empty before first use).
     pub fn residual(&self) -> &[f32] {
         &self.residual
     }
 
-    /// Forgets the residual.
+    /// The second hop's residual: one `⌈n/W⌉` slot per node, in node order (`N·⌈n/W⌉`
+    /// elements; empty before first use or when there is one node).
+    pub fn inter_residual(&self) -> &[f32] {
+        &self.inter
+    }
+
+    /// Both residuals `(hop 1, hop 2)`, for checkpoints.
+    pub fn state(&self) -> (&[f32], &[f32]) {
+        (&self.residual, &self.inter)
+    }
+
+    /// Replaces both residuals (from [`ErrorFeedback::state`] of a saved run). Their
+    /// lengths are checked on the next collective, which resets a residual whose
+    /// length does not fit the gradient.
+    pub fn restore(&mut self, hop1: Vec<f32>, hop2: Vec<f32>) {
+        self.residual = hop1;
+        self.inter = hop2;
+    }
+
+    /// Forgets both residuals (LoCo's periodic reset, `reset_T`).
     pub fn reset(&mut self) {
         self.residual.clear();
+        self.inter.clear();
     }
 }
 
@@ -154,7 +198,8 @@ pub fn qgz_reduce_scatter<C: Communicator + ?Sized>(
     qgz_impl(comm, grad, shard, opts, None)
 }
 
-/// [`qgz_reduce_scatter`] with error feedback on the first quantization.
+/// [`qgz_reduce_scatter`] with error feedback on both quantizing hops (see
+/// [`ErrorFeedback`]).
 pub fn qgz_reduce_scatter_with_feedback<C: Communicator + ?Sized>(
     comm: &mut C,
     grad: &[f32],
@@ -165,8 +210,55 @@ pub fn qgz_reduce_scatter_with_feedback<C: Communicator + ?Sized>(
     qgz_impl(comm, grad, shard, opts, Some(feedback))
 }
 
-/// Quantizes shard `part` of `grad` (plus the residual, if any) into `out` and
-/// updates the residual.
+/// The kernel options of one quantization inside qgZ: with stochastic rounding,
+/// the stream is keyed by `(seed, rank, hop, slot)`, so the contributions of
+/// different ranks to one element round with independent draws (their errors
+/// add in variance, `∝ L`, instead of in amplitude, `∝ L²`).
+fn keyed(q: &Options, rank: usize, hop: u64, slot: usize) -> Options {
+    match q.rounding {
+        Rounding::Stochastic { seed } => q.with_rounding(Rounding::Stochastic {
+            seed: stream_seed(seed, &[rank as u64, hop, slot as u64]),
+        }),
+        _ => *q,
+    }
+}
+
+/// Quantizes `x` into `out`; with a residual `res` (same length as `x`), quantizes
+/// `c = x + res` instead and updates `res ← β·res + (1 − β)·(c − deq)`.
+fn encode_with_feedback(
+    x: &[f32],
+    spec: QuantSpec,
+    opts: &Options,
+    out: &mut [u8],
+    feedback: Option<(&mut [f32], f32)>,
+) -> Result<(), CommError> {
+    match feedback {
+        None => {
+            quantize_to_wire(x, spec, opts, out)?;
+        }
+        Some((res, beta)) => {
+            if res.len() != x.len() {
+                return Err(CommError::Mismatch(format!(
+                    "qgz: error-feedback residual of {} elements for {} gradient elements",
+                    res.len(),
+                    x.len()
+                )));
+            }
+            let comp: Vec<f32> = x.iter().zip(res.iter()).map(|(a, b)| a + b).collect();
+            quantize_to_wire(&comp, spec, opts, out)?;
+            let mut deq = vec![0.0f32; comp.len()];
+            dequantize_into(&QuantizedRef::from_bytes(out)?, &mut deq, opts)?;
+            for ((r, c), d) in res.iter_mut().zip(&comp).zip(&deq) {
+                *r = beta * *r + (1.0 - beta) * (c - d);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Quantizes shard `part` of `grad` (padded to `s`) into `out`, with the hop-1
+/// residual of that shard when there is one.
+#[allow(clippy::too_many_arguments)] // one call site; the arguments are the hop's state
 fn encode_part(
     grad: &[f32],
     s: usize,
@@ -174,20 +266,18 @@ fn encode_part(
     spec: QuantSpec,
     opts: &Options,
     out: &mut [u8],
-    feedback: Option<&mut Vec<f32>>,
+    residual: Option<&mut Vec<f32>>,
+    beta: f32,
 ) -> Result<(), CommError> {
-    match feedback {
-        None => with_part(grad, s, part, |x| quantize_to_wire(x, spec, opts, out).map(|_| ()))?,
-        Some(residual) => {
-            let res = residual.get_mut(part * s..(part + 1) * s).unwrap_or(&mut []);
-            let comp: Vec<f32> =
-                with_part(grad, s, part, |x| x.iter().zip(res.iter()).map(|(a, b)| a + b).collect());
-            quantize_to_wire(&comp, spec, opts, out)?;
-            dequantize_into(&QuantizedRef::from_bytes(out)?, res, opts)?;
-            res.iter_mut().zip(&comp).for_each(|(r, c)| *r = c - *r);
-        }
-    }
-    Ok(())
+    let res = match residual {
+        Some(r) => Some((r.get_mut(part * s..(part + 1) * s).ok_or_else(|| residual_oob(part, s))?, beta)),
+        None => None,
+    };
+    with_part(grad, s, part, |x| encode_with_feedback(x, spec, opts, out, res))
+}
+
+fn residual_oob(part: usize, s: usize) -> CommError {
+    CommError::Mismatch(format!("qgz: error-feedback residual has no shard {part} of {s} elements"))
 }
 
 fn qgz_impl<C: Communicator + ?Sized>(
@@ -195,23 +285,29 @@ fn qgz_impl<C: Communicator + ?Sized>(
     grad: &[f32],
     shard: &mut [f32],
     opts: &QgzOptions,
-    mut feedback: Option<&mut ErrorFeedback>,
+    feedback: Option<&mut ErrorFeedback>,
 ) -> Result<(), CommError> {
     let topo = *comm.topology();
     let (w, nodes, local) = (topo.world(), topo.nodes(), topo.local_size());
     let rank = comm.rank();
     let n = grad.len();
     let s = check_shard("qgz_reduce_scatter", n, w, shard.len())?;
-    if let Some(fb) = feedback.as_deref_mut()
-        && fb.residual.len() != s * w
-    {
-        fb.residual = vec![0.0; s * w];
-    }
-    let mut residual = feedback.map(|fb| &mut fb.residual);
     if w == 1 {
         shard.copy_from_slice(grad);
         return Ok(());
     }
+    let (beta, mut hop1, mut hop2) = match feedback {
+        Some(fb) => {
+            if fb.residual.len() != s * w {
+                fb.residual = vec![0.0; s * w];
+            }
+            if fb.inter.len() != s * nodes {
+                fb.inter = vec![0.0; s * nodes];
+            }
+            (fb.beta, Some(&mut fb.residual), Some(&mut fb.inter))
+        }
+        None => (0.0, None, None),
+    };
     let (me_node, me_local) = (topo.node_of(rank), topo.local_rank(rank));
     let q = &opts.quant;
     shard.fill(0.0);
@@ -226,39 +322,41 @@ fn qgz_impl<C: Communicator + ?Sized>(
         // finer `local_spec` into a separate buffer instead.
         let ea = encoded_len(opts.intra_spec, s);
         let el = encoded_len(opts.local_spec, s);
-        let chunk = nodes * ea;
-        let mut send = vec![0u8; chunk * local];
+        let mut send = vec![0u8; nodes * ea * local];
         let mut own = vec![0u8; el * nodes];
-        for j in 0..local {
+        for (j, chunk) in send.chunks_exact_mut(nodes * ea).enumerate() {
             for m in 0..nodes {
                 let part = topo.rank_of(m, j);
-                if j == me_local {
-                    let out = own.get_mut(m * el..(m + 1) * el).unwrap_or(&mut []);
-                    encode_part(grad, s, part, opts.local_spec, q, out, residual.as_deref_mut())?;
+                let (spec, out) = if j == me_local {
+                    (opts.local_spec, own.chunks_exact_mut(el).nth(m))
                 } else {
-                    let at = j * chunk + m * ea;
-                    let out = send.get_mut(at..at + ea).unwrap_or(&mut []);
-                    encode_part(grad, s, part, opts.intra_spec, q, out, residual.as_deref_mut())?;
-                }
+                    (opts.intra_spec, chunk.chunks_exact_mut(ea).nth(m))
+                };
+                let out = out.ok_or_else(|| CommError::Mismatch("qgz: send buffer too small".into()))?;
+                let kq = keyed(q, rank, 1, part);
+                encode_part(grad, s, part, spec, &kq, out, hop1.as_deref_mut(), beta)?;
             }
         }
-        let mut recv = vec![0u8; chunk * local];
+        let mut recv = vec![0u8; nodes * ea * local];
         comm.all_to_all_bytes(&Group::intra_node(&topo, rank), &send, &mut recv)?;
         drop(send);
         // Step 3: per destination node m, sum the L encodings of shard (m, me_local)
         // (in local-rank order); requantize for the rail peers, except the own
         // node's partial, which stays in f32.
+        let chunks: Vec<&[u8]> = recv.chunks_exact(nodes * ea).collect();
         for m in 0..nodes {
             let inputs = (0..local)
                 .map(|j| {
                     let bytes = if j == me_local {
-                        own.get(m * el..(m + 1) * el)
+                        own.chunks_exact(el).nth(m)
                     } else {
-                        recv.get(j * chunk + m * ea..j * chunk + (m + 1) * ea)
+                        chunks.get(j).and_then(|c| c.chunks_exact(ea).nth(m))
                     };
-                    QuantizedRef::from_bytes(bytes.unwrap_or(&[]))
+                    let bytes =
+                        bytes.ok_or_else(|| CommError::Mismatch("qgz: receive buffer too small".into()))?;
+                    Ok(QuantizedRef::from_bytes(bytes)?)
                 })
-                .collect::<Result<Vec<_>, _>>()?;
+                .collect::<Result<Vec<_>, CommError>>()?;
             if let Some(bad) = inputs.iter().find(|x| x.len() != s) {
                 return Err(CommError::Mismatch(format!(
                     "qgz: a local peer sent a shard of {} elements, expected {s}",
@@ -269,9 +367,26 @@ fn qgz_impl<C: Communicator + ?Sized>(
                 for x in &inputs {
                     dequantize_add(x, shard, q)?;
                 }
-            } else {
-                let out = inter_send.get_mut(m * ei..(m + 1) * ei).unwrap_or(&mut []);
-                dequant_reduce_quant_to_wire(&inputs, opts.inter_spec, q, out)?;
+                continue;
+            }
+            let out = inter_send
+                .chunks_exact_mut(ei)
+                .nth(m)
+                .ok_or_else(|| CommError::Mismatch("qgz: inter send buffer too small".into()))?;
+            let kq = keyed(q, rank, 2, m);
+            match hop2.as_deref_mut() {
+                // Without feedback: the fused kernel (dequantize, sum in f32, requantize).
+                None => {
+                    dequant_reduce_quant_to_wire(&inputs, opts.inter_spec, &kq, out)?;
+                }
+                Some(res) => {
+                    let mut partial = vec![0.0f32; s];
+                    for x in &inputs {
+                        dequantize_add(x, &mut partial, q)?;
+                    }
+                    let r = res.get_mut(m * s..(m + 1) * s).ok_or_else(|| residual_oob(m, s))?;
+                    encode_with_feedback(&partial, opts.inter_spec, &kq, out, Some((r, beta)))?;
+                }
             }
         }
     } else {
@@ -280,13 +395,17 @@ fn qgz_impl<C: Communicator + ?Sized>(
         for m in 0..nodes {
             let part = topo.rank_of(m, me_local);
             if m == me_node {
-                if let Some(res) = residual.as_deref_mut().and_then(|r| r.get_mut(part * s..(part + 1) * s)) {
+                if let Some(res) = hop1.as_deref_mut().and_then(|r| r.get_mut(part * s..(part + 1) * s)) {
                     res.fill(0.0);
                 }
                 with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b));
             } else {
-                let out = inter_send.get_mut(m * ei..(m + 1) * ei).unwrap_or(&mut []);
-                encode_part(grad, s, part, opts.inter_spec, q, out, residual.as_deref_mut())?;
+                let out = inter_send
+                    .chunks_exact_mut(ei)
+                    .nth(m)
+                    .ok_or_else(|| CommError::Mismatch("qgz: inter send buffer too small".into()))?;
+                let kq = keyed(q, rank, 1, part);
+                encode_part(grad, s, part, opts.inter_spec, &kq, out, hop1.as_deref_mut(), beta)?;
             }
         }
     }
@@ -297,11 +416,11 @@ fn qgz_impl<C: Communicator + ?Sized>(
         let mut recv = vec![0u8; ei * nodes];
         comm.all_to_all_bytes(&Group::rail(&topo, rank), &inter_send, &mut recv)?;
         drop(inter_send);
-        for m in (0..nodes).filter(|&m| m != me_node) {
-            let x = QuantizedRef::from_bytes(recv.get(m * ei..(m + 1) * ei).unwrap_or(&[]))?;
+        for (m, bytes) in recv.chunks_exact(ei).enumerate().filter(|&(m, _)| m != me_node) {
+            let x = QuantizedRef::from_bytes(bytes)?;
             if x.len() != s {
                 return Err(CommError::Mismatch(format!(
-                    "qgz: a rail peer sent a shard of {} elements, expected {s}",
+                    "qgz: a rail peer (node {m}) sent a shard of {} elements, expected {s}",
                     x.len()
                 )));
             }

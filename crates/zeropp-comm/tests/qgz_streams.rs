@@ -1,0 +1,198 @@
+//! qgZ with stochastic rounding: the ranks' contributions to one element round
+//! with independent random draws, so the error variance of an L-way sum grows
+//! like L (the mean's like 1/L), not like L² (a mean that does not shrink), and
+//! LoCo error feedback works on both hops.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
+
+use zeropp_comm::collectives::{
+    ErrorFeedback, QgzOptions, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
+};
+use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
+use zeropp_quant::rng::splitmix64;
+use zeropp_quant::{Options, QuantSpec};
+
+const N: usize = 1 << 15;
+const GROUP: usize = 128;
+
+/// The same gradient on every rank: in each group of 128, element 0 is 1.0 (the
+/// group's amax, so INT4's step is 1/8) and the others are spread over
+/// (-0.85, 0.85), inside the grid's unclamped range [-1, 7/8], so every one is
+/// rounded stochastically and none is clamped (clamping is deterministic, hence
+/// correlated across ranks).
+fn shared_gradient() -> Vec<f32> {
+    (0..N)
+        .map(|i| {
+            if i % GROUP == 0 {
+                1.0
+            } else {
+                let u = (splitmix64(i as u64) >> 40) as f32 / (1u64 << 24) as f32;
+                0.85 * (2.0 * u - 1.0)
+            }
+        })
+        .collect()
+}
+
+/// Mean squared error of the qgZ mean against the (exact) shared value, over the
+/// non-amax elements of every rank's shard.
+fn mean_sq_error(world: usize, local: usize) -> f64 {
+    let t = Topology::new(world, local).unwrap();
+    let g = shared_gradient();
+    let int4 = QuantSpec::int4(GROUP).unwrap();
+    let opts = QgzOptions {
+        intra_spec: int4,
+        inter_spec: int4,
+        // The chunk a rank keeps is INT4 too, so all L contributions have the same error law.
+        local_spec: int4,
+        quant: Options::default().stochastic(42),
+        ..QgzOptions::default()
+    };
+    let shards = ThreadCluster::new(t, ThreadOptions::default())
+        .run(|comm| {
+            let mut shard = vec![0.0f32; N / world];
+            qgz_reduce_scatter(comm, &g, &mut shard, &opts)?;
+            Ok::<_, zeropp_comm::CommError>(shard)
+        })
+        .unwrap();
+    let full: Vec<f32> = shards.concat();
+    let (mut sum, mut count) = (0.0f64, 0usize);
+    for (i, (&y, &x)) in full.iter().zip(&g).enumerate() {
+        if i % GROUP != 0 {
+            sum += (f64::from(y) - f64::from(x)).powi(2);
+            count += 1;
+        }
+    }
+    sum / count as f64
+}
+
+/// Intra-node sums (one node of L ranks). Independent draws: the mean of L
+/// errors of variance σ² has variance σ²/L, so V(8)/V(2) = 1/4; one shared draw
+/// per element gives every rank the same error, so V(8)/V(2) = 1.
+///
+/// False-failure probability: each V is a mean of ~32k squared errors, each at
+/// most (1/8)² with a variance below its squared mean × 2, so V's relative standard
+/// error is under 1% and the threshold 1/2 sits more than 25 standard errors above
+/// the expected 1/4. Chebyshev bounds the chance of such a deviation of either
+/// estimate by 2/25² < 0.4% for an arbitrary seed; the normal approximation puts it
+/// below 1e-100. The seeds are fixed, so the test is deterministic.
+#[test]
+fn intra_node_error_variance_grows_linearly() {
+    let v2 = mean_sq_error(2, 2);
+    let v8 = mean_sq_error(8, 8);
+    let ratio = v8 / v2;
+    eprintln!(
+        "intra: V(L=2) = {v2:.3e}, V(L=8) = {v8:.3e}, ratio {ratio:.3} (independent 0.25, correlated 1.0)"
+    );
+    assert!(ratio < 0.5, "error variance of the mean did not shrink with L: ratio {ratio}");
+    assert!(ratio > 0.15, "ratio {ratio} is far below the independent 0.25: errors anti-correlated?");
+}
+
+/// Inter-node sums (N nodes of one rank): the own shard is exact, the N-1 others
+/// are quantized once. Independent: V ∝ (N-1)/N², so V(8)/V(2) = 7/16; shared
+/// draws: V ∝ ((N-1)/N)², so V(8)/V(2) = 49/16. Same false-failure argument.
+#[test]
+fn inter_node_error_variance_grows_linearly() {
+    let v2 = mean_sq_error(2, 1);
+    let v8 = mean_sq_error(8, 1);
+    let ratio = v8 / v2;
+    eprintln!(
+        "inter: V(N=2) = {v2:.3e}, V(N=8) = {v8:.3e}, ratio {ratio:.3} (independent 0.44, correlated 3.06)"
+    );
+    assert!(ratio < 1.0, "error variance grew like N^2: ratio {ratio}");
+}
+
+/// LoCo on both hops: averaged over many steps, error feedback removes most of
+/// the quantization error of the time-averaged gradient, on a 2x2 cluster where
+/// both hops quantize. β = 0.8 (DeepSpeed's default) must do it too.
+#[test]
+fn loco_feedback_shrinks_the_time_averaged_error_on_both_hops() {
+    let t = Topology::new(4, 2).unwrap();
+    let n = 4096;
+    let steps = 32;
+    let grads: Vec<Vec<f32>> = (0..4)
+        .map(|r| {
+            (0..n)
+                .map(|i| {
+                    let u = (splitmix64((r * n + i) as u64) >> 40) as f32 / (1u64 << 24) as f32;
+                    (2.0 * u - 1.0) * if i % 64 == 0 { 8.0 } else { 1.0 }
+                })
+                .collect()
+        })
+        .collect();
+    let exact: Vec<f64> = (0..n).map(|i| grads.iter().map(|g| f64::from(g[i])).sum::<f64>() / 4.0).collect();
+    let run = |fb: Option<f32>| -> f64 {
+        let outs = ThreadCluster::new(t, ThreadOptions::default())
+            .run(|comm| {
+                let r = comm.rank();
+                let mut acc = vec![0.0f64; n / 4];
+                let mut feedback = fb.map(ErrorFeedback::loco);
+                for _ in 0..steps {
+                    let mut shard = vec![0.0f32; n / 4];
+                    match feedback.as_mut() {
+                        Some(f) => qgz_reduce_scatter_with_feedback(
+                            comm,
+                            &grads[r],
+                            &mut shard,
+                            &QgzOptions::default(),
+                            f,
+                        )?,
+                        None => qgz_reduce_scatter(comm, &grads[r], &mut shard, &QgzOptions::default())?,
+                    }
+                    acc.iter_mut().zip(&shard).for_each(|(a, &x)| *a += f64::from(x));
+                }
+                if let Some(f) = &feedback {
+                    // Both hops kept a residual (2 nodes: hop 2 quantizes).
+                    assert_eq!(f.residual().len(), n);
+                    assert_eq!(f.inter_residual().len(), n / 4 * 2);
+                    assert!(f.inter_residual().iter().any(|&x| x != 0.0), "hop-2 residual never used");
+                }
+                Ok::<_, zeropp_comm::CommError>(acc)
+            })
+            .unwrap();
+        let avg: Vec<f64> = outs.concat().iter().map(|a| a / steps as f64).collect();
+        (avg.iter().zip(&exact).map(|(a, e)| (a - e).powi(2)).sum::<f64>() / n as f64).sqrt()
+    };
+    let plain = run(None);
+    let ef = run(Some(0.0));
+    let loco = run(Some(0.8));
+    eprintln!("time-averaged RMS error: none {plain:.3e}, feedback {ef:.3e}, LoCo(0.8) {loco:.3e}");
+    assert!(ef < 0.25 * plain, "plain feedback: {ef} vs {plain}");
+    assert!(loco < 0.5 * plain, "LoCo: {loco} vs {plain}");
+}
+
+/// The residuals can be saved and restored: two runs, one of which restores the
+/// other's state half way, give bit-identical shards.
+#[test]
+fn feedback_state_round_trips() {
+    let t = Topology::new(4, 2).unwrap();
+    let n = 1000;
+    let g = |r: usize, k: usize| -> Vec<f32> {
+        (0..n).map(|i| ((splitmix64((k * 7919 + r * n + i) as u64) >> 40) as f32 / 1e7) - 0.8).collect()
+    };
+    let outs = ThreadCluster::new(t, ThreadOptions::default())
+        .run(|comm| {
+            let r = comm.rank();
+            let s = n.div_ceil(4);
+            let mut a = ErrorFeedback::loco(0.8);
+            let mut shard = vec![0.0f32; s];
+            for k in 0..3 {
+                qgz_reduce_scatter_with_feedback(comm, &g(r, k), &mut shard, &QgzOptions::default(), &mut a)?;
+            }
+            let (h1, h2) = a.state();
+            let mut b = ErrorFeedback::loco(0.8);
+            b.restore(h1.to_vec(), h2.to_vec());
+            let mut sa = vec![0.0f32; s];
+            let mut sb = vec![0.0f32; s];
+            qgz_reduce_scatter_with_feedback(comm, &g(r, 3), &mut sa, &QgzOptions::default(), &mut a)?;
+            qgz_reduce_scatter_with_feedback(comm, &g(r, 3), &mut sb, &QgzOptions::default(), &mut b)?;
+            Ok::<_, zeropp_comm::CommError>((sa, sb, a == b))
+        })
+        .unwrap();
+    for (a, b, same) in outs {
+        assert_eq!(
+            a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        assert!(same);
+    }
+}
