@@ -175,6 +175,13 @@ echo "==> end to end: a rank failing mid-run ends the job (ZEROPP_FAULT)"
 run "train: rank 5 fails at step 2" fail "rank 5 of 8: fatal: .*injected failure" -- \
   -np 8 -x ZEROPP_FAULT=fail:5:2 "$zeropp" train --backend mpi --local-size 4 "${TRAIN_ARGS[@]}"
 
+echo "==> end to end: a NaN in one rank's local gradient is skipped by every rank (ZEROPP_FAULT=nan)"
+for extra in "--mode zero3" "--mode zero3 --qgz" "--mode zeropp"; do
+  # shellcheck disable=SC2086 # $extra is a list of flags
+  run "train ($extra): NaN on rank 5 at step 2 skips that step" ok "(skipped 1)" -- \
+    -np 8 -x ZEROPP_FAULT=nan:5:2 "$zeropp" train --backend mpi --local-size 4 $extra "${TRAIN_ARGS[@]}"
+done
+
 echo "==> end to end: checkpoints move between backends"
 full="$E2E_DIR/threads-zeropp.jsonl"   # the uninterrupted 20-step run above
 half=(--model gpt-tiny --steps 10 --seed 1 --eval-batches 1)

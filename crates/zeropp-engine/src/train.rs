@@ -587,6 +587,16 @@ pub fn train_model<M: Model>(
         return Err(e);
     }
     ok.sort_by_key(|r| r.rank);
+    // Every rank takes the same skip decision (one f64 norm exchange); a
+    // disagreement would mean ranks applied different updates.
+    if let Some(first) = ok.first()
+        && let Some(other) = ok.iter().find(|r| r.skipped != first.skipped)
+    {
+        return Err(EngineError::Training(format!(
+            "ranks disagree on skipped steps: rank {} skipped {}, rank {} skipped {}",
+            first.rank, first.skipped, other.rank, other.skipped
+        )));
+    }
 
     let val_loss = if cfg.eval_batches > 0 {
         let n = ok.first().map_or(0, |r| r.val_losses.len());

@@ -25,7 +25,7 @@ pub mod checkpoint;
 mod quant;
 mod wire;
 
-use zeropp_comm::{CommError, Communicator, Group, Topology};
+use zeropp_comm::{CommError, CommExt, Communicator, Group, Topology};
 use zeropp_partition::{DType, ParamRegistry, ParamSpec as PSpec, PartitionPlan, PlanConfig};
 
 use crate::EngineError;
@@ -59,7 +59,9 @@ pub enum Inject {
     None,
     /// The rank fails with an error after its first forward pass.
     FailMidStep,
-    /// The rank's accumulated gradient becomes NaN (the step must be skipped).
+    /// The rank's local gradient of the first layer reduced in the step (the last
+    /// layer, in the first micro-batch) gets a NaN *before* the reduce, where a
+    /// real overflow appears; every rank must then skip the step.
     NanGradient,
 }
 
@@ -77,6 +79,28 @@ pub struct StepOutcome {
 /// Converts a comm error into an engine error on `rank`.
 pub(crate) fn comm_err(rank: usize) -> impl Fn(CommError) -> EngineError {
     move |source| EngineError::Comm { rank, source }
+}
+
+/// Replaces every non-finite value of `grad` by zero; true when there was one.
+fn sanitize(grad: &mut [f32]) -> bool {
+    if grad.iter().all(|g| g.is_finite()) {
+        return false;
+    }
+    grad.iter_mut().filter(|g| !g.is_finite()).for_each(|g| *g = 0.0);
+    true
+}
+
+/// The sum over `group` of one f64 per rank, identical on every rank: an
+/// all-gather of the 8-byte values, summed in group order (NaN and infinities
+/// propagate). Sends 8 bytes to each other member.
+pub(crate) fn global_sum_f64<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    value: f64,
+) -> Result<f64, CommError> {
+    let mut all = vec![0.0f64; group.size()];
+    comm.all_gather(group, &[value], &mut all)?;
+    Ok(all.iter().sum())
 }
 
 /// Builds the [`PartitionPlan`] the engine uses for `model` on `topology`:
@@ -404,6 +428,12 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         let model = self.model;
         let n = self.master.len();
         let mut loss_sum = 0.0f32;
+        // Set when this rank's local gradient (before any reduce) held a NaN or an
+        // infinity: the non-finite values are replaced by zeros so the collectives
+        // (and their quantizers, which reject non-finite input) run normally on
+        // every rank, and the flag travels in the norm exchange below, so that all
+        // ranks agree to skip the step.
+        let mut non_finite = false;
         for (mi, batch) in micro_batches.iter().enumerate() {
             let mut tape = self.forward_pass(comm, prefetch.as_deref_mut(), batch, false)?;
             if inject == Inject::FailMidStep && mi == 0 {
@@ -427,6 +457,14 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 let mut grad = vec![0.0f32; full.len()];
                 model.backward(l, &full[..numel], &mut tape, &mut grad[..numel])?;
                 drop(full);
+                if inject == Inject::NanGradient
+                    && mi == 0
+                    && l == n - 1
+                    && let Some(g) = grad.first_mut()
+                {
+                    *g = f32::NAN;
+                }
+                non_finite |= sanitize(&mut grad);
                 comm.traffic_mut().set_op(tags::GRAD_REDUCE);
                 let mut shard = vec![0.0f32; self.master[l].len()];
                 self.wire.reduce_scatter_grads(comm, &self.world, l, &grad, &mut shard)?;
@@ -435,25 +473,24 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 }
             }
         }
-        if inject == Inject::NanGradient
-            && let Some(g) = self.grad_acc.first_mut().and_then(|g| g.first_mut())
-        {
-            *g = f32::NAN;
-        }
         let accum = micro_batches.len() as f32;
         if micro_batches.len() > 1 {
             for g in self.grad_acc.iter_mut().flatten() {
                 *g /= accum;
             }
         }
-        // Global gradient norm: one scalar all-reduce (NaN/inf propagate, so every
-        // rank sees a non-finite norm if any rank has a non-finite gradient).
-        let local_sq: f64 = self.grad_acc.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum();
+        // Global gradient norm: every rank all-gathers its local sum of squares in
+        // f64 (NaN when its local gradient was non-finite) and sums them in rank
+        // order, so every rank gets the same f64 total and the same skip decision.
+        let local_sq: f64 = if non_finite {
+            f64::NAN
+        } else {
+            self.grad_acc.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum()
+        };
         comm.traffic_mut().set_op(tags::GRAD_NORM);
-        let mut buf = [local_sq as f32];
-        comm.all_reduce_f32(&self.world, &mut buf).map_err(comm_err(self.rank))?;
+        let total_sq = global_sum_f64(comm, &self.world, local_sq).map_err(comm_err(self.rank))?;
         comm.traffic_mut().set_op(tags::OTHER);
-        let norm = buf[0].sqrt();
+        let norm = total_sq.sqrt() as f32;
         let skipped = !norm.is_finite();
         if skipped {
             self.skipped += 1;
