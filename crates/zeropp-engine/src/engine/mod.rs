@@ -406,6 +406,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         prefetch: Option<&mut Prefetcher>,
         batch: &Batch,
     ) -> Result<f32, EngineError> {
+        self.wire.start_step(self.steps);
         let tape = self.forward_pass(comm, prefetch, batch, true)?;
         comm.traffic_mut().set_op(tags::OTHER);
         Ok(self.model.loss(&tape))
@@ -427,6 +428,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         }
         let model = self.model;
         let n = self.master.len();
+        self.wire.start_step(self.steps);
         let mut loss_sum = 0.0f32;
         // Set when this rank's local gradient (before any reduce) held a NaN or an
         // infinity: the non-finite values are replaced by zeros so the collectives
@@ -504,7 +506,6 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             g.fill(0.0);
         }
         self.invalidate_secondary();
-        self.wire.end_step();
         self.steps += 1;
         Ok(StepOutcome { loss: loss_sum / accum, grad_norm: norm, skipped })
     }

@@ -47,14 +47,12 @@ pub(crate) struct QgzState {
     rank: usize,
     opts: QgzOptions,
     feedback: Option<Vec<ErrorFeedback>>,
-    stochastic: Option<u64>,
 }
 
 impl QgzState {
     pub(crate) fn new(
         bits: u8,
         group: usize,
-        stochastic: Option<u64>,
         error_feedback: bool,
         layers: usize,
         rank: usize,
@@ -64,7 +62,7 @@ impl QgzState {
         let opts =
             QgzOptions { intra_spec: wire, inter_spec: wire, local_spec: local, ..QgzOptions::default() };
         let feedback = error_feedback.then(|| (0..layers).map(|_| ErrorFeedback::new()).collect());
-        Ok(Self { rank, opts, feedback, stochastic })
+        Ok(Self { rank, opts, feedback })
     }
 
     /// Mean over the world of every rank's full gradient `full`, this rank's shard into `out`.
@@ -72,14 +70,12 @@ impl QgzState {
         &mut self,
         comm: &mut C,
         layer: usize,
+        stochastic: Option<u64>,
         full: &[f32],
         out: &mut [f32],
     ) -> Result<(), EngineError> {
         let mut opts = self.opts;
-        if let Some(seed) = self.stochastic.as_mut() {
-            opts.quant = options(Some(*seed));
-            *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        }
+        opts.quant = options(stochastic);
         let res = match self.feedback.as_mut().and_then(|f| f.get_mut(layer)) {
             Some(fb) => qgz_reduce_scatter_with_feedback(comm, full, out, &opts, fb),
             None => qgz_reduce_scatter(comm, full, out, &opts),

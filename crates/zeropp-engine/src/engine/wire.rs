@@ -98,6 +98,38 @@ pub(crate) fn reduce_scatter_dense<C: Communicator + ?Sized>(
     }
 }
 
+/// The stochastic-rounding streams of one rank: every quantizing collective gets
+/// its own seed, keyed by `(base seed, kind, optimizer step, call within the
+/// step)` — the same on every rank, since all ranks call the collectives in the
+/// same order; comm adds the rank and the hop. Keying by the step (not a running
+/// counter) makes a resumed run draw exactly what the uninterrupted one drew.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Streams {
+    base: Option<u64>,
+    step: u64,
+    call: u64,
+}
+
+impl Streams {
+    /// Weight gathers (qwZ).
+    pub(crate) const QWZ: u64 = 1;
+    /// Gradient reductions (qgZ).
+    pub(crate) const QGZ: u64 = 2;
+
+    /// The seed of the next collective of `kind`, or `None` without stochastic rounding.
+    pub(crate) fn next(&mut self, kind: u64) -> Option<u64> {
+        let base = self.base?;
+        self.call += 1;
+        Some(zeropp_quant::rng::stream_seed(base, &[kind, self.step, self.call]))
+    }
+
+    /// Starts optimizer step `step`.
+    pub(crate) fn start_step(&mut self, step: u64) {
+        self.step = step;
+        self.call = 0;
+    }
+}
+
 /// The engine's wire configuration and the per-layer qgZ error-feedback state.
 #[derive(Debug)]
 pub(crate) struct Wire {
@@ -105,6 +137,7 @@ pub(crate) struct Wire {
     dtype: CommDtype,
     weights: WeightWire,
     qgz: Option<super::quant::QgzState>,
+    streams: Streams,
 }
 
 impl Wire {
@@ -114,25 +147,19 @@ impl Wire {
         let weights = if z.qwz {
             WeightWire::Quant {
                 spec: super::quant::spec(z.qwz_bits, z.qwz_group_size)?,
-                stochastic,
+                stochastic: None,
                 round_to: z.comm_dtype,
             }
         } else {
             WeightWire::Dense(z.comm_dtype)
         };
         let qgz = if z.qgz {
-            Some(super::quant::QgzState::new(
-                z.qgz_bits,
-                z.qgz_group_size,
-                stochastic,
-                z.error_feedback,
-                layers,
-                rank,
-            )?)
+            Some(super::quant::QgzState::new(z.qgz_bits, z.qgz_group_size, z.error_feedback, layers, rank)?)
         } else {
             None
         };
-        Ok(Self { rank, dtype: z.comm_dtype, weights, qgz })
+        let streams = Streams { base: stochastic, step: 0, call: 0 };
+        Ok(Self { rank, dtype: z.comm_dtype, weights, qgz, streams })
     }
 
     /// Keeps `slice` of gathered weights as an hpZ secondary shard.
@@ -189,12 +216,15 @@ impl Wire {
         gather_weights(comm, group, w, shard, out).map_err(comm_err(self.rank))
     }
 
-    /// The weight wire for the next gather; stochastic-rounding seeds advance per call
-    /// (identically on every rank, since all ranks gather in the same order).
+    /// The weight wire for the next gather, with its own stochastic-rounding stream
+    /// (keyed by this rank too: a rank quantizes only its own shard).
     fn weights_for_call(&mut self) -> WeightWire {
-        let w = self.weights;
-        if let WeightWire::Quant { stochastic: Some(seed), .. } = &mut self.weights {
-            *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut w = self.weights;
+        if let WeightWire::Quant { stochastic, .. } = &mut w {
+            *stochastic = self
+                .streams
+                .next(Streams::QWZ)
+                .map(|s| zeropp_quant::rng::stream_seed(s, &[self.rank as u64]));
         }
         w
     }
@@ -266,13 +296,15 @@ impl Wire {
         out: &mut [f32],
     ) -> Result<(), EngineError> {
         match &mut self.qgz {
-            Some(q) => q.reduce_scatter(comm, layer, full, out),
+            Some(q) => q.reduce_scatter(comm, layer, self.streams.next(Streams::QGZ), full, out),
             None => reduce_scatter_dense(comm, world, self.dtype, full, out).map_err(comm_err(self.rank)),
         }
     }
 
-    /// Called after every optimizer step.
-    pub(crate) fn end_step(&mut self) {}
+    /// Called before every optimizer step (and evaluation) with the engine's step count.
+    pub(crate) fn start_step(&mut self, step: usize) {
+        self.streams.start_step(step as u64);
+    }
 }
 
 /// A gather running on the prefetch stream.
