@@ -78,6 +78,18 @@ pub struct ZeroConfig {
     pub stochastic_rounding: bool,
     /// Prefetch the next layer's forward gather while the current layer computes.
     pub prefetch: bool,
+    /// Quantization groups never straddle two parameters: each parameter starts
+    /// at a multiple of the group size inside its layer's flat buffer (zero
+    /// padding in between), so each tensor gets its own scales, as in DeepSpeed.
+    /// Off, a group can hold the tail of one tensor and the head of the next
+    /// (e.g. a LayerNorm gain of 1.0 next to weights of 0.02, whose INT8 step then
+    /// becomes 1/127). Applies to every mode, so all modes pad the model alike.
+    #[serde(default = "yes")]
+    pub per_tensor_groups: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl ZeroConfig {
@@ -96,6 +108,7 @@ impl ZeroConfig {
             error_feedback: false,
             stochastic_rounding: false,
             prefetch: true,
+            per_tensor_groups: true,
         }
     }
 

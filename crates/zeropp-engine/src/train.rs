@@ -615,9 +615,9 @@ pub fn train_model<M: Model>(
                 .iter()
                 .filter_map(|r| r.master.as_ref().and_then(|m| m.get(l)).map(Vec::as_slice))
                 .collect();
-            let mut v = plan.gather(l, &shards).map_err(|e| EngineError::Partition(e.to_string()))?;
-            v.truncate(model.layers()[l].numel());
-            full.push(v);
+            let v = plan.gather(l, &shards).map_err(|e| EngineError::Partition(e.to_string()))?;
+            let layout = plan.bucket(l).map_err(|e| EngineError::Partition(e.to_string()))?;
+            full.push(layout.compact(&v).map_err(|e| EngineError::Partition(e.to_string()))?);
         }
         Some(full)
     } else {

@@ -68,6 +68,10 @@ pub const LATEST_FILE: &str = "LATEST";
 /// Name of the manifest inside a checkpoint folder.
 pub const MANIFEST_FILE: &str = "manifest.json";
 
+fn one() -> usize {
+    1
+}
+
 const MANIFEST_PREFIX: &str = "{\n  \"manifest_crc32c\": \"";
 const MANIFEST_CRC_PLACEHOLDER: &str = "00000000";
 const SHARD_FORMAT: &str = "zeropp-shard";
@@ -199,6 +203,10 @@ pub struct Manifest {
     pub align: usize,
     /// hpZ group size at save time (informational: secondary shards are not saved).
     pub hpz: usize,
+    /// Parameter alignment inside each bucket at save time (1 when absent: the
+    /// checkpoints written before it existed were packed).
+    #[serde(default = "one")]
+    pub param_align: usize,
     /// Bucket layouts at save time (names, shapes, dtypes, offsets, padding).
     pub buckets: Vec<BucketLayout>,
     /// Opaque user configuration (e.g. the training config).
@@ -224,6 +232,7 @@ impl Manifest {
             topology: TopologyInfo { world: t.world(), local_size: t.local_size(), nodes: t.nodes() },
             align: plan.config().align,
             hpz: plan.config().hpz,
+            param_align: plan.config().param_align,
             buckets: plan.buckets().to_vec(),
             user_config,
             shards,
@@ -270,7 +279,11 @@ impl Manifest {
 
     /// The plan the checkpoint was saved with.
     pub fn plan(&self) -> Result<PartitionPlan> {
-        PartitionPlan::new(&self.registry()?, self.topology()?, PlanConfig::new(self.align, self.hpz))
+        PartitionPlan::new(
+            &self.registry()?,
+            self.topology()?,
+            PlanConfig::new(self.align, self.hpz).with_param_align(self.param_align),
+        )
     }
 
     /// Total size in bytes of the shard files.
@@ -619,9 +632,10 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
         read_shard(&path, &bytes, &plan, &manifest, rec.rank, &mut buckets)?;
     }
     for (b, layout) in buckets.iter_mut().zip(plan.buckets()) {
-        b.master.truncate(layout.numel);
-        b.exp_avg.truncate(layout.numel);
-        b.exp_avg_sq.truncate(layout.numel);
+        // Drop the padding (between parameters too): the parameters back to back.
+        for v in [&mut b.master, &mut b.exp_avg, &mut b.exp_avg_sq] {
+            *v = layout.compact(v)?;
+        }
     }
     Ok(Checkpoint { dir: step_dir, manifest, buckets })
 }
@@ -718,8 +732,8 @@ impl Checkpoint {
     /// f32 master weights of one parameter, by name.
     pub fn master_of(&self, name: &str) -> Option<&[f32]> {
         self.manifest.buckets.iter().zip(&self.buckets).find_map(|(layout, full)| {
-            let p = layout.params.iter().find(|p| p.name == name)?;
-            full.master.get(p.range())
+            let (_, r) = layout.compact_ranges().into_iter().find(|(p, _)| p.name == name)?;
+            full.master.get(r)
         })
     }
 
@@ -767,8 +781,8 @@ impl Checkpoint {
     pub fn export_safetensors(&self, out: &Path) -> Result<u64> {
         let mut data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
         for (layout, full) in self.manifest.buckets.iter().zip(&self.buckets) {
-            for p in &layout.params {
-                let vals = full.master.get(p.range()).ok_or_else(|| {
+            for (p, range) in layout.compact_ranges() {
+                let vals = full.master.get(range).ok_or_else(|| {
                     PartitionError::LayoutMismatch(format!("parameter {:?} out of bounds", p.name))
                 })?;
                 let (dtype, bytes): (Dtype, Vec<u8>) = match p.dtype {

@@ -2,10 +2,11 @@
 //!
 //! A [`ParamRegistry`] lists named parameters grouped into buckets (one bucket
 //! is the unit of one all-gather: typically one layer). A [`BucketLayout`]
-//! places a bucket's parameters back to back in one flat buffer, starting at
-//! offset 0, and then pads the buffer with zeros up to `padded_len`, a multiple
-//! of `world × align`. The real values occupy `0..numel`; the padding occupies
-//! `numel..padded_len` and never overlaps a parameter.
+//! places a bucket's parameters in order in one flat buffer, starting at offset
+//! 0, each at a multiple of `param_align` (1 = back to back), and then pads the
+//! buffer with zeros up to `padded_len`, a multiple of `world × align`. The real
+//! values occupy the parameters' ranges (`0..numel` when packed); everything else
+//! is zero padding and never overlaps a parameter.
 
 use std::collections::HashSet;
 use std::ops::Range;
@@ -182,33 +183,40 @@ impl ParamSlot {
 
 /// Flat layout of one bucket.
 ///
-/// Parameters are packed back to back from offset 0 (`params[i].offset` is
-/// the sum of the previous sizes); real values occupy `0..numel` and zero
-/// padding occupies `numel..padded_len`, where `padded_len` is the smallest
-/// multiple of `world × align` that is `>= numel`. Each of the `world`
-/// primary shards is therefore `padded_len / world` elements, a whole number
-/// of `align`-element quantization groups.
+/// Parameters are placed in order from offset 0, each at the first multiple of
+/// the plan's `param_align` at or after the end of the previous one (with
+/// `param_align = 1`, back to back: `params[i].offset` is the sum of the previous
+/// sizes and the real values occupy `0..numel`). Zero padding fills the gaps and
+/// `end..padded_len`, where `end` is the end of the last parameter and
+/// `padded_len` the smallest multiple of `world × align` that is `>= end`. Each
+/// of the `world` primary shards is therefore `padded_len / world` elements, a
+/// whole number of `align`-element quantization groups.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BucketLayout {
     /// Bucket name.
     pub name: String,
     /// Parameters with their offsets.
     pub params: Vec<ParamSlot>,
-    /// Number of real elements.
+    /// Number of real elements (the sum of the parameters' sizes).
     pub numel: usize,
     /// Length of the flat buffer including padding.
     pub padded_len: usize,
 }
 
 impl BucketLayout {
-    /// Lays out `spec` for shards of `granule = world × align` elements.
-    pub(crate) fn new(spec: &BucketSpec, granule: usize) -> Result<Self> {
+    /// Lays out `spec` for shards of `granule = world × align` elements, each
+    /// parameter starting at a multiple of `param_align`.
+    pub(crate) fn new(spec: &BucketSpec, granule: usize, param_align: usize) -> Result<Self> {
+        let overflow =
+            || PartitionError::InvalidRegistry(format!("bucket {:?} size overflows", spec.name));
         let mut offset = 0usize;
+        let mut numel_sum = 0usize;
         let mut params = Vec::with_capacity(spec.params.len());
         for p in &spec.params {
             let numel = p
                 .numel()
                 .ok_or_else(|| PartitionError::InvalidRegistry(format!("shape of {:?} overflows", p.name)))?;
+            offset = offset.div_ceil(param_align.max(1)).checked_mul(param_align.max(1)).ok_or_else(overflow)?;
             params.push(ParamSlot {
                 name: p.name.clone(),
                 shape: p.shape.clone(),
@@ -216,14 +224,80 @@ impl BucketLayout {
                 offset,
                 numel,
             });
-            offset = offset.checked_add(numel).ok_or_else(|| {
-                PartitionError::InvalidRegistry(format!("bucket {:?} size overflows", spec.name))
-            })?;
+            offset = offset.checked_add(numel).ok_or_else(overflow)?;
+            numel_sum += numel;
         }
         let padded_len = offset.div_ceil(granule).checked_mul(granule).ok_or_else(|| {
             PartitionError::InvalidConfig(format!("padded size of bucket {:?} overflows", spec.name))
         })?;
-        Ok(Self { name: spec.name.clone(), params, numel: offset, padded_len })
+        Ok(Self { name: spec.name.clone(), params, numel: numel_sum, padded_len })
+    }
+
+    /// True when the parameters are back to back from offset 0 (real values in
+    /// `0..numel`, padding only at the end).
+    pub fn is_packed(&self) -> bool {
+        self.params.last().is_none_or(|p| p.offset + p.numel == self.numel)
+    }
+
+    /// The parameters of a flat buffer (`padded_len` long, or at least up to the
+    /// last parameter's end) back to back: the `numel` values a model holds.
+    pub fn compact<T: Copy>(&self, flat: &[T]) -> Result<Vec<T>> {
+        let mut out = Vec::with_capacity(self.numel);
+        for t in self.unflatten(flat)? {
+            out.extend_from_slice(t);
+        }
+        Ok(out)
+    }
+
+    /// Each parameter with its range in the compact buffer (the parameters back to
+    /// back, see [`BucketLayout::compact`]).
+    pub fn compact_ranges(&self) -> Vec<(&ParamSlot, Range<usize>)> {
+        let mut at = 0;
+        self.params
+            .iter()
+            .map(|p| {
+                let r = at..at + p.numel;
+                at += p.numel;
+                (p, r)
+            })
+            .collect()
+    }
+
+    /// The inverse of [`BucketLayout::compact`]: places `numel` values (the
+    /// parameters back to back) into a `padded_len` flat buffer, padding with
+    /// `T::default()`.
+    pub fn expand<T: Copy + Default>(&self, compact: &[T]) -> Result<Vec<T>> {
+        let mut flat = vec![T::default(); self.padded_len];
+        self.expand_into(compact, &mut flat)?;
+        Ok(flat)
+    }
+
+    /// [`BucketLayout::expand`] into an existing `padded_len` buffer (its padding is
+    /// left untouched).
+    pub fn expand_into<T: Copy>(&self, compact: &[T], flat: &mut [T]) -> Result<()> {
+        if compact.len() != self.numel || flat.len() != self.padded_len {
+            return Err(PartitionError::LengthMismatch {
+                what: format!("compact/flat buffers of bucket {:?}", self.name),
+                expected: self.numel,
+                actual: compact.len(),
+            });
+        }
+        let mut at = 0;
+        for p in &self.params {
+            let (src, dst) = (compact.get(at..at + p.numel), flat.get_mut(p.range()));
+            match (src, dst) {
+                (Some(s), Some(d)) => d.copy_from_slice(s),
+                _ => {
+                    return Err(PartitionError::LengthMismatch {
+                        what: format!("parameter {:?}", p.name),
+                        expected: p.offset + p.numel,
+                        actual: flat.len(),
+                    });
+                }
+            }
+            at += p.numel;
+        }
+        Ok(())
     }
 
     /// The bucket's spec (names, shapes, dtypes) without offsets.
@@ -238,7 +312,7 @@ impl BucketLayout {
         }
     }
 
-    /// Number of padding elements (`padded_len - numel`).
+    /// Number of padding elements (`padded_len - numel`: between parameters and at the end).
     pub fn padding(&self) -> usize {
         self.padded_len - self.numel
     }
@@ -253,31 +327,113 @@ impl BucketLayout {
                 actual: tensors.len(),
             });
         }
-        let mut flat = Vec::with_capacity(self.padded_len);
+        let mut flat = vec![T::default(); self.padded_len];
         for (slot, t) in self.params.iter().zip(tensors) {
-            if t.len() != slot.numel {
-                return Err(PartitionError::LengthMismatch {
-                    what: format!("parameter {:?}", slot.name),
-                    expected: slot.numel,
-                    actual: t.len(),
-                });
+            match flat.get_mut(slot.range()) {
+                Some(d) if t.len() == slot.numel => d.copy_from_slice(t),
+                _ => {
+                    return Err(PartitionError::LengthMismatch {
+                        what: format!("parameter {:?}", slot.name),
+                        expected: slot.numel,
+                        actual: t.len(),
+                    });
+                }
             }
-            flat.extend_from_slice(t);
         }
-        flat.resize(self.padded_len, T::default());
         Ok(flat)
     }
 
-    /// Splits a flat buffer (of length `numel` or more, e.g. `padded_len`)
-    /// into one tensor per parameter, dropping the padding.
+    /// Splits a flat buffer (`padded_len` long, or at least up to the last
+    /// parameter's end) into one tensor per parameter, dropping the padding.
     pub fn unflatten<'a, T>(&self, flat: &'a [T]) -> Result<Vec<&'a [T]>> {
-        if flat.len() < self.numel {
-            return Err(PartitionError::LengthMismatch {
-                what: format!("flat buffer of bucket {:?}", self.name),
-                expected: self.numel,
-                actual: flat.len(),
-            });
+        self.params
+            .iter()
+            .map(|p| {
+                flat.get(p.range()).ok_or_else(|| PartitionError::LengthMismatch {
+                    what: format!("flat buffer of bucket {:?}", self.name),
+                    expected: p.offset + p.numel,
+                    actual: flat.len(),
+                })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests may unwrap
+
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::{PartitionPlan, PlanConfig};
+    use zeropp_comm::Topology;
+
+    fn registry(sizes: &[usize]) -> ParamRegistry {
+        let mut reg = ParamRegistry::new();
+        let params = sizes.iter().enumerate().map(|(i, &n)| ParamSpec::new(format!("p{i}"), [n], DType::F32));
+        reg.push_bucket("b", params.collect()).unwrap();
+        reg
+    }
+
+    proptest! {
+        /// Aligned parameters start on multiples of `param_align`, never overlap,
+        /// and compact/expand/flatten/unflatten and `shard_of` agree with each other.
+        #[test]
+        fn aligned_layouts_round_trip(
+            sizes in proptest::collection::vec(1usize..300, 1..8),
+            param_align in prop_oneof![Just(1usize), Just(3), Just(8), Just(256)],
+            align in prop_oneof![Just(1usize), Just(2), Just(256)],
+            world in 1usize..5,
+        ) {
+            let t = Topology::new(world, 1).unwrap();
+            let cfg = PlanConfig::new(align, 1).with_param_align(param_align);
+            let plan = PartitionPlan::new(&registry(&sizes), t, cfg).unwrap();
+            let layout = plan.bucket(0).unwrap();
+            let mut end = 0;
+            for (p, &n) in layout.params.iter().zip(&sizes) {
+                prop_assert_eq!(p.offset % param_align, 0);
+                prop_assert!(p.offset >= end);
+                prop_assert_eq!(p.numel, n);
+                end = p.offset + n;
+            }
+            prop_assert!(layout.padded_len >= end);
+            prop_assert_eq!(layout.padded_len % (world * align), 0);
+            prop_assert_eq!(layout.is_packed(), end == layout.numel);
+            let compact: Vec<f32> = (0..layout.numel).map(|i| i as f32 + 1.0).collect();
+            let flat = layout.expand(&compact).unwrap();
+            prop_assert_eq!(flat.iter().filter(|&&x| x != 0.0).count(), layout.numel);
+            prop_assert_eq!(layout.compact(&flat).unwrap(), compact.clone());
+            let tensors: Vec<&[f32]> =
+                layout.compact_ranges().into_iter().map(|(_, r)| &compact[r]).collect();
+            prop_assert_eq!(layout.flatten(&tensors).unwrap(), flat.clone());
+            prop_assert_eq!(layout.unflatten(&flat).unwrap(), tensors);
+            for r in 0..world {
+                prop_assert_eq!(plan.shard_of(0, r, &compact).unwrap(), plan.shard_of(0, r, &flat).unwrap());
+            }
         }
-        Ok(self.params.iter().map(|p| &flat[p.range()]).collect())
+    }
+
+    #[test]
+    fn a_group_never_holds_two_parameters() {
+        // A LayerNorm gain (64) then a weight (4096) then a bias (64): with
+        // param_align = group = 256 every group of 256 lies inside one parameter.
+        let plan = PartitionPlan::new(
+            &registry(&[64, 4096, 64]),
+            Topology::new(4, 2).unwrap(),
+            PlanConfig::new(256, 1).with_param_align(256),
+        )
+        .unwrap();
+        let layout = plan.bucket(0).unwrap();
+        for g in 0..layout.padded_len / 256 {
+            let owners: Vec<usize> = layout
+                .params
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.offset < (g + 1) * 256 && g * 256 < p.offset + p.numel)
+                .map(|(i, _)| i)
+                .collect();
+            assert!(owners.len() <= 1, "group {g} holds parameters {owners:?}");
+        }
     }
 }

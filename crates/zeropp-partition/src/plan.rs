@@ -20,19 +20,32 @@ pub struct PlanConfig {
     /// `hpz` consecutive ranks of a node. Must divide `local_size`; `1`
     /// disables hpZ (like DeepSpeed's `zero_hpz_partition_size`).
     pub hpz: usize,
+    /// Alignment in elements of every parameter inside its bucket: each parameter
+    /// starts at a multiple of `param_align` (zero padding in between). With the
+    /// quantization group size here (and `align` a multiple of it), no
+    /// quantization group ever holds elements of two parameters, so a tensor of
+    /// small values (weights) never shares a scale with one of large values (a
+    /// LayerNorm gain): quantization is per tensor, as in DeepSpeed. `1` packs
+    /// parameters back to back.
+    pub param_align: usize,
 }
 
 impl Default for PlanConfig {
-    /// `align = 1`, `hpz = 1` (no alignment, hpZ off).
+    /// `align = 1`, `hpz = 1`, `param_align = 1` (no alignment, hpZ off).
     fn default() -> Self {
-        Self { align: 1, hpz: 1 }
+        Self { align: 1, hpz: 1, param_align: 1 }
     }
 }
 
 impl PlanConfig {
-    /// A config with the given alignment and hpZ group size.
+    /// A config with the given alignment and hpZ group size (parameters packed).
     pub fn new(align: usize, hpz: usize) -> Self {
-        Self { align, hpz }
+        Self { align, hpz, param_align: 1 }
+    }
+
+    /// This config with every parameter aligned to `param_align` elements.
+    pub fn with_param_align(self, param_align: usize) -> Self {
+        Self { param_align, ..self }
     }
 }
 
@@ -163,8 +176,8 @@ impl PartitionPlan {
     /// Lays out every bucket of `registry` for `topology` and validates the
     /// config (`align >= 1`; `hpz >= 1` dividing `local_size`).
     pub fn new(registry: &ParamRegistry, topology: Topology, config: PlanConfig) -> Result<Self> {
-        if config.align == 0 {
-            return Err(PartitionError::InvalidConfig("align must be >= 1".into()));
+        if config.align == 0 || config.param_align == 0 {
+            return Err(PartitionError::InvalidConfig("align and param_align must be >= 1".into()));
         }
         if config.hpz == 0 || !topology.local_size().is_multiple_of(config.hpz) {
             return Err(PartitionError::InvalidHpz { hpz: config.hpz, local_size: topology.local_size() });
@@ -177,7 +190,11 @@ impl PartitionPlan {
             ))
         })?;
         let buckets =
-            registry.buckets().iter().map(|b| BucketLayout::new(b, granule)).collect::<Result<Vec<_>>>()?;
+            registry
+            .buckets()
+            .iter()
+            .map(|b| BucketLayout::new(b, granule, config.param_align))
+            .collect::<Result<Vec<_>>>()?;
         Ok(Self { topology, config, registry: registry.clone(), buckets })
     }
 
@@ -408,12 +425,17 @@ impl PartitionPlan {
     }
 
     /// Copies `rank`'s primary shard out of a full bucket buffer. `full` may
-    /// be `numel` long (padding is filled with `T::default()`) or `padded_len`.
+    /// be `numel` long (the parameters back to back, as a model holds them;
+    /// padding is filled with `T::default()`) or `padded_len` (the flat layout).
     pub fn shard_of<T: Copy + Default>(&self, bucket: usize, rank: usize, full: &[T]) -> Result<Vec<T>> {
         let layout = self.bucket(bucket)?;
         let range = self.primary_range(rank, bucket)?;
         check_full_len(layout, full.len())?;
-        Ok(range.map(|i| full.get(i).copied().unwrap_or_default()).collect())
+        if full.len() == layout.padded_len || layout.is_packed() {
+            return Ok(range.map(|i| full.get(i).copied().unwrap_or_default()).collect());
+        }
+        let flat = layout.expand(full)?;
+        Ok(flat.get(range).map(<[T]>::to_vec).unwrap_or_default())
     }
 
     /// Splits a full bucket buffer into the `world` primary shards (see

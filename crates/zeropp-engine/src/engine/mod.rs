@@ -119,7 +119,13 @@ pub fn build_plan<M: Model + ?Sized>(
             .collect();
         reg.push_bucket(layer.name.clone(), params).map_err(|e| EngineError::Partition(e.to_string()))?;
     }
-    let plan_cfg = PlanConfig::new(shard_align(cfg), cfg.zero.hpz_size);
+    let align = shard_align(cfg);
+    let mut plan_cfg = PlanConfig::new(align, cfg.zero.hpz_size);
+    if cfg.zero.per_tensor_groups {
+        // Every parameter starts a quantization group (of qwZ and of qgZ), so no
+        // group mixes two tensors: per-tensor scales, as DeepSpeed quantizes.
+        plan_cfg = plan_cfg.with_param_align(align);
+    }
     PartitionPlan::new(&reg, topology, plan_cfg).map_err(|e| EngineError::Partition(e.to_string()))
 }
 
@@ -318,6 +324,22 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         Ok(())
     }
 
+    /// Layer `l`'s parameters back to back, as the model takes them, from the
+    /// gathered flat buffer (borrowed when the layout is packed).
+    fn model_view<'a>(&self, l: usize, full: &'a [f32]) -> Result<std::borrow::Cow<'a, [f32]>, EngineError> {
+        let layout = self.plan.bucket(l).map_err(|e| EngineError::Partition(e.to_string()))?;
+        if layout.is_packed() {
+            let numel = layout.numel;
+            full.get(..numel).map(std::borrow::Cow::Borrowed).ok_or(EngineError::LengthMismatch {
+                what: "gathered layer",
+                expected: numel,
+                got: full.len(),
+            })
+        } else {
+            Ok(std::borrow::Cow::Owned(layout.compact(full).map_err(|e| EngineError::Partition(e.to_string()))?))
+        }
+    }
+
     /// Gathers layer `l` for the backward pass.
     fn gather_backward<C: Communicator + ?Sized>(
         &mut self,
@@ -390,7 +412,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 let p = self.wire.prefetch_weights(pf, l + 1, &self.master[l + 1], tag)?;
                 pending = Some((l + 1, p));
             }
-            model.forward(l, &full[..model.layers()[l].numel()], &mut tape)?;
+            model.forward(l, &self.model_view(l, &full)?, &mut tape)?;
             drop(full);
         }
         if let Some((_, p)) = pending {
@@ -455,9 +477,16 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 {
                     pending = Some((l - 1, self.prefetch_backward(pf, l - 1)?));
                 }
-                let numel = model.layers()[l].numel();
                 let mut grad = vec![0.0f32; full.len()];
-                model.backward(l, &full[..numel], &mut tape, &mut grad[..numel])?;
+                let layout = self.plan.bucket(l).map_err(|e| EngineError::Partition(e.to_string()))?;
+                if layout.is_packed() {
+                    let numel = layout.numel;
+                    model.backward(l, &full[..numel], &mut tape, &mut grad[..numel])?;
+                } else {
+                    let mut compact = vec![0.0f32; layout.numel];
+                    model.backward(l, &self.model_view(l, &full)?, &mut tape, &mut compact)?;
+                    layout.expand_into(&compact, &mut grad).map_err(|e| EngineError::Partition(e.to_string()))?;
+                }
                 drop(full);
                 if inject == Inject::NanGradient
                     && mi == 0
