@@ -50,6 +50,25 @@ impl std::str::FromStr for CommDtype {
     }
 }
 
+/// LoCo error feedback for qgZ (DeepSpeed's `zeropp_loco_param`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LocoConfig {
+    /// Moving-average factor of the residual: `e ← β·e + (1 − β)·(new error)`
+    /// (`err_beta`; 0 = plain error feedback). In `[0, 1)`.
+    pub err_beta: f32,
+    /// Every `reset_t` optimizer steps the residuals are reset to zero (`reset_T`;
+    /// 0 = never). DeepSpeed counts this in calls of its reduce (one per parameter
+    /// per step); here it counts optimizer steps.
+    pub reset_t: usize,
+}
+
+impl Default for LocoConfig {
+    /// DeepSpeed's defaults: `err_beta` 0.8, `reset_T` 1024.
+    fn default() -> Self {
+        Self { err_beta: 0.8, reset_t: 1024 }
+    }
+}
+
 /// The ZeRO stage and the ZeRO++ techniques, each switchable on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct ZeroConfig {
@@ -72,8 +91,15 @@ pub struct ZeroConfig {
     pub qgz_group_size: usize,
     /// Element type of the baseline collectives.
     pub comm_dtype: CommDtype,
-    /// qgZ error feedback (the quantization residual is added to the next gradient).
-    pub error_feedback: bool,
+    /// qgZ error feedback, LoCo style, on both quantizing hops (`None` = off; see
+    /// [`LocoConfig`] and `zeropp_comm::collectives::ErrorFeedback`).
+    pub error_feedback: Option<LocoConfig>,
+    /// Reduce 1-D parameters (biases, LayerNorm gains and shifts) at full
+    /// precision under qgZ, as DeepSpeed does, instead of through INT4: their
+    /// gradients go to their owners as f32 (a small all-to-all-v), while qgZ
+    /// carries the matrices. Needs `per_tensor_groups`.
+    #[serde(default)]
+    pub qgz_exclude_1d: bool,
     /// Stochastic rounding in the quantizers (seeded, deterministic).
     pub stochastic_rounding: bool,
     /// Prefetch the next layer's forward gather while the current layer computes.
@@ -105,7 +131,8 @@ impl ZeroConfig {
             qgz_bits: 4,
             qgz_group_size: 256,
             comm_dtype: CommDtype::Bf16,
-            error_feedback: false,
+            error_feedback: None,
+            qgz_exclude_1d: false,
             stochastic_rounding: false,
             prefetch: true,
             per_tensor_groups: true,
@@ -172,6 +199,19 @@ impl ZeroConfig {
                     "{name} group size must be a positive even number, got {group}"
                 )));
             }
+        }
+        if let Some(l) = self.error_feedback
+            && !(l.err_beta.is_finite() && (0.0..1.0).contains(&l.err_beta))
+        {
+            return Err(EngineError::InvalidConfig(format!(
+                "LoCo err_beta must be in [0, 1), got {}",
+                l.err_beta
+            )));
+        }
+        if self.qgz_exclude_1d && !self.per_tensor_groups {
+            return Err(EngineError::InvalidConfig(
+                "the qgZ 1-D exclusion needs per-tensor quantization groups (per_tensor_groups)".into(),
+            ));
         }
         Ok(())
     }

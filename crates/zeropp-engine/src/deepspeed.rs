@@ -14,6 +14,7 @@
 //! | `zero_optimization.zero_quantized_weights` | `zero.qwz` |
 //! | `zero_optimization.zero_hpz_partition_size` | `zero.hpz_size` |
 //! | `zero_optimization.zero_quantized_gradients` | `zero.qgz` |
+//! | `zero_optimization.zeropp_loco_param.{err_beta,reset_T}` | `zero.error_feedback` (LoCo) |
 //!
 //! Keys DeepSpeed knows but this engine does not model (bucket sizes, overlap
 //! switches, logging) are reported as warnings; unknown keys are warnings too.
@@ -74,7 +75,6 @@ const IGNORED_ZERO: &[&str] = &[
     "offload_param",
     "offload_optimizer",
     "memory_efficient_linear",
-    "zeropp_loco_param",
     "mics_shard_size",
 ];
 
@@ -326,6 +326,38 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
                                 cfg.zero.qgz = b;
                             }
                         }
+                        "zeropp_loco_param" => {
+                            let lp = as_object("zero_optimization.zeropp_loco_param", zv)?;
+                            let mut loco = crate::config::LocoConfig::default();
+                            for (lk, lv) in lp {
+                                match lk.as_str() {
+                                    "err_beta" => match lv.as_f64() {
+                                        Some(b) => loco.err_beta = b as f32,
+                                        None => {
+                                            return Err(type_err(
+                                                "zero_optimization.zeropp_loco_param.err_beta",
+                                                "a number",
+                                                lv,
+                                            ));
+                                        }
+                                    },
+                                    "reset_T" => match lv.as_u64() {
+                                        Some(t) => loco.reset_t = t as usize,
+                                        None => {
+                                            return Err(type_err(
+                                                "zero_optimization.zeropp_loco_param.reset_T",
+                                                "a non-negative integer",
+                                                lv,
+                                            ));
+                                        }
+                                    },
+                                    other => warnings.push(format!(
+                                        "unknown key `zero_optimization.zeropp_loco_param.{other}` was ignored"
+                                    )),
+                                }
+                            }
+                            cfg.zero.error_feedback = Some(loco);
+                        }
                         "zero_hpz_partition_size" => {
                             if let Some(n) = opt_usize(z, zk, &mut warnings)? {
                                 cfg.zero.hpz_size = n;
@@ -394,6 +426,20 @@ mod tests {
         assert_eq!(imp.config.gradient_clipping, Some(0.5));
         assert_eq!(imp.config.zero.comm_dtype, CommDtype::F32);
         assert_eq!(imp.warnings, vec!["unknown key `fancy` was ignored".to_string()]);
+    }
+
+    #[test]
+    fn loco_params_are_imported() {
+        let j = r#"{"zero_optimization": {"stage": 3, "zero_quantized_gradients": true,
+                   "zeropp_loco_param": {"err_beta": 0.6, "reset_T": 512}}}"#;
+        let imp = from_json_str(j, 4, &EngineConfig::default()).unwrap();
+        assert_eq!(
+            imp.config.zero.error_feedback,
+            Some(crate::config::LocoConfig { err_beta: 0.6, reset_t: 512 })
+        );
+        assert!(imp.warnings.is_empty(), "{:?}", imp.warnings);
+        let bad = r#"{"zero_optimization": {"zeropp_loco_param": {"err_beta": "high"}}}"#;
+        assert!(from_json_str(bad, 4, &EngineConfig::default()).is_err());
     }
 
     #[test]

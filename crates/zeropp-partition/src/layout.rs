@@ -207,8 +207,7 @@ impl BucketLayout {
     /// Lays out `spec` for shards of `granule = world × align` elements, each
     /// parameter starting at a multiple of `param_align`.
     pub(crate) fn new(spec: &BucketSpec, granule: usize, param_align: usize) -> Result<Self> {
-        let overflow =
-            || PartitionError::InvalidRegistry(format!("bucket {:?} size overflows", spec.name));
+        let overflow = || PartitionError::InvalidRegistry(format!("bucket {:?} size overflows", spec.name));
         let mut offset = 0usize;
         let mut numel_sum = 0usize;
         let mut params = Vec::with_capacity(spec.params.len());
@@ -216,7 +215,8 @@ impl BucketLayout {
             let numel = p
                 .numel()
                 .ok_or_else(|| PartitionError::InvalidRegistry(format!("shape of {:?} overflows", p.name)))?;
-            offset = offset.div_ceil(param_align.max(1)).checked_mul(param_align.max(1)).ok_or_else(overflow)?;
+            offset =
+                offset.div_ceil(param_align.max(1)).checked_mul(param_align.max(1)).ok_or_else(overflow)?;
             params.push(ParamSlot {
                 name: p.name.clone(),
                 shape: p.shape.clone(),

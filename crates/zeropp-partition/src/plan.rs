@@ -189,8 +189,7 @@ impl PartitionPlan {
                 config.align
             ))
         })?;
-        let buckets =
-            registry
+        let buckets = registry
             .buckets()
             .iter()
             .map(|b| BucketLayout::new(b, granule, config.param_align))

@@ -118,9 +118,21 @@ pub(crate) struct TrainArgs {
     /// qgZ bits (4 or 8).
     #[arg(long = "qgz-bits")]
     pub qgz_bits: Option<u8>,
-    /// qgZ error feedback.
+    /// qgZ error feedback on both hops, LoCo style (err_beta 0.8, reset every 1024 steps).
     #[arg(long = "error-feedback")]
     pub error_feedback: bool,
+    /// LoCo moving-average factor err_beta in [0, 1) (implies --error-feedback).
+    #[arg(long = "loco-beta")]
+    pub loco_beta: Option<f32>,
+    /// Reset the LoCo residuals every N optimizer steps (0 = never; implies --error-feedback).
+    #[arg(long = "loco-reset")]
+    pub loco_reset: Option<usize>,
+    /// Reduce 1-D parameters (biases, norms) at full precision under qgZ, as DeepSpeed does.
+    #[arg(long = "qgz-exclude-1d")]
+    pub qgz_exclude_1d: bool,
+    /// Let quantization groups straddle two tensors (the pre-0.2 layout; for comparisons).
+    #[arg(long = "packed-groups")]
+    pub packed_groups: bool,
     /// Stochastic rounding in the quantizers.
     #[arg(long = "stochastic-rounding")]
     pub stochastic_rounding: bool,
@@ -215,7 +227,19 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> ZeroConfig {
     if let Some(b) = a.qgz_bits {
         z.qgz_bits = b;
     }
-    z.error_feedback = a.error_feedback;
+    if a.error_feedback || a.loco_beta.is_some() || a.loco_reset.is_some() {
+        let d = zeropp_engine::config::LocoConfig::default();
+        z.error_feedback = Some(zeropp_engine::config::LocoConfig {
+            err_beta: a.loco_beta.unwrap_or(d.err_beta),
+            reset_t: a.loco_reset.unwrap_or(d.reset_t),
+        });
+    }
+    if a.qgz_exclude_1d {
+        z.qgz_exclude_1d = true;
+    }
+    if a.packed_groups {
+        z.per_tensor_groups = false;
+    }
     z.stochastic_rounding = a.stochastic_rounding;
     z.prefetch = !a.no_prefetch;
     z

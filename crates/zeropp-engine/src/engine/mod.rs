@@ -336,7 +336,9 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 got: full.len(),
             })
         } else {
-            Ok(std::borrow::Cow::Owned(layout.compact(full).map_err(|e| EngineError::Partition(e.to_string()))?))
+            Ok(std::borrow::Cow::Owned(
+                layout.compact(full).map_err(|e| EngineError::Partition(e.to_string()))?,
+            ))
         }
     }
 
@@ -485,7 +487,9 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 } else {
                     let mut compact = vec![0.0f32; layout.numel];
                     model.backward(l, &self.model_view(l, &full)?, &mut tape, &mut compact)?;
-                    layout.expand_into(&compact, &mut grad).map_err(|e| EngineError::Partition(e.to_string()))?;
+                    layout
+                        .expand_into(&compact, &mut grad)
+                        .map_err(|e| EngineError::Partition(e.to_string()))?;
                 }
                 drop(full);
                 if inject == Inject::NanGradient

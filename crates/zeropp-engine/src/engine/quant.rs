@@ -53,7 +53,7 @@ impl QgzState {
     pub(crate) fn new(
         bits: u8,
         group: usize,
-        error_feedback: bool,
+        error_feedback: Option<crate::config::LocoConfig>,
         layers: usize,
         rank: usize,
     ) -> Result<Self, EngineError> {
@@ -61,7 +61,7 @@ impl QgzState {
         let local = spec(8, group)?;
         let opts =
             QgzOptions { intra_spec: wire, inter_spec: wire, local_spec: local, ..QgzOptions::default() };
-        let feedback = error_feedback.then(|| (0..layers).map(|_| ErrorFeedback::new()).collect());
+        let feedback = error_feedback.map(|l| (0..layers).map(|_| ErrorFeedback::loco(l.err_beta)).collect());
         Ok(Self { rank, opts, feedback })
     }
 
