@@ -15,6 +15,7 @@
 //! ```
 
 use half::bf16;
+use zeropp_quant::rng::splitmix64 as splitmix;
 use zeropp_quant::{Bits, QuantSpec, dequantize, quantize};
 
 use crate::collectives::{
@@ -31,13 +32,6 @@ pub struct Case {
     pub seed: u64,
     /// Length parameter (elements per shard or per rank, depending on the check).
     pub len: usize,
-}
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 fn key(seed: u64, rank: usize, salt: u64) -> u64 {
@@ -91,6 +85,11 @@ pub fn groups(topology: &Topology, rank: usize) -> Vec<Group> {
 /// Exact sum in group order, as the primitives compute it.
 fn ordered_sum(parts: impl Iterator<Item = f32>) -> f32 {
     parts.fold(0.0f32, |a, b| a + b)
+}
+
+/// The reduction's last step on a sum over `g` ranks: the mean divides by `g`.
+fn finish(sum: f32, reduce: Reduce, g: usize) -> f32 {
+    if reduce == Reduce::Mean && g > 1 { sum / g as f32 } else { sum }
 }
 
 /// All-gather of bytes and of `f32` on every group of [`groups`].
@@ -230,9 +229,8 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
             let mut out = vec![f32::NAN; s];
             reduce_scatter(comm, group, &inputs[me], &mut out, reduce)
                 .map_err(|e| err("reduce_scatter", e))?;
-            let scale = if reduce == Reduce::Mean && g > 1 { 1.0 / g as f32 } else { 1.0 };
             let expect: Vec<f32> =
-                (0..s).map(|k| ordered_sum(inputs.iter().map(|x| at(x, k))) * scale).collect();
+                (0..s).map(|k| finish(ordered_sum(inputs.iter().map(|x| at(x, k))), reduce, g)).collect();
             ensure(out == expect, || {
                 format!("reduce_scatter {reduce:?} on {:?}: wrong result", group.ranks())
             })?;
@@ -245,7 +243,7 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
                     if me * s + k >= n {
                         return 0.0;
                     }
-                    ordered_sum(inputs.iter().map(|x| bf16::from_f32(at(x, k)).to_f32())) * scale
+                    finish(ordered_sum(inputs.iter().map(|x| bf16::from_f32(at(x, k)).to_f32())), reduce, g)
                 })
                 .collect();
             ensure(out == expect, || {

@@ -130,6 +130,9 @@ pub(crate) fn with_part<R>(full: &[f32], s: usize, index: usize, f: impl FnOnce(
 }
 
 /// Applies the reduction's scaling and zeroes the padding of part `index`.
+///
+/// The mean divides by `ranks` (`x / W`, correctly rounded), rather than
+/// multiplying by a rounded `1/W`, which is off by one ulp for some `x`.
 pub(crate) fn finish_shard(
     shard: &mut [f32],
     n: usize,
@@ -139,8 +142,8 @@ pub(crate) fn finish_shard(
     ranks: usize,
 ) {
     if reduce == Reduce::Mean && ranks > 1 {
-        let inv = 1.0 / ranks as f32;
-        shard.iter_mut().for_each(|x| *x *= inv);
+        let w = ranks as f32;
+        shard.iter_mut().for_each(|x| *x /= w);
     }
     let real = shard_range(n, parts, index).len();
     shard.get_mut(real..).unwrap_or(&mut []).fill(0.0);
