@@ -7,13 +7,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
 
-use zeropp_comm::collectives::{Reduce, reduce_scatter, reduce_scatter_bf16_wire, shard_len};
+use zeropp_comm::collectives::{
+    DenseWire, Reduce, Routing, reduce_scatter, reduce_scatter_bf16_wire, shard_len, world_reduce_scatter,
+};
 use zeropp_comm::{Group, ThreadCluster, ThreadOptions, Topology};
 use zeropp_quant::rng::splitmix64;
 
-/// Integers in [-100, 100]: exact in bf16, and every sum of up to 6 is exact in f32.
+/// Integers in [-40, 40]: exact in bf16, and so is every partial or total sum of up
+/// to 6 of them (|sum| <= 240 < 256), so every routing and wire sums exactly.
 fn input(rank: usize, i: usize) -> f32 {
-    (splitmix64(((rank as u64) << 32) ^ i as u64) % 201) as f32 - 100.0
+    (splitmix64(((rank as u64) << 32) ^ i as u64) % 81) as f32 - 40.0
 }
 
 fn check(world: usize, local: usize) {
@@ -29,7 +32,15 @@ fn check(world: usize, local: usize) {
             reduce_scatter(comm, &g, &full, &mut a, Reduce::Mean)?;
             let mut b = vec![0.0; s];
             reduce_scatter_bf16_wire(comm, &g, &full, &mut b, Reduce::Mean)?;
-            Ok(vec![a, b])
+            let mut v = vec![a, b];
+            for routing in Routing::ALL {
+                for wire in DenseWire::ALL {
+                    let mut c = vec![0.0; s];
+                    world_reduce_scatter(comm, routing, wire, &full, &mut c, Reduce::Mean)?;
+                    v.push(c);
+                }
+            }
+            Ok(v)
         })
         .unwrap();
     let w = world as f32;
