@@ -8,8 +8,9 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
 use zeropp_comm::collectives::{
-    QgzOptions, QwzOptions, Reduce, all_gather_f32, all_gather_f32_via_bf16, qgz_reduce_scatter,
-    qwz_all_gather, reduce_scatter, reduce_scatter_bf16_wire, shard_len,
+    DenseWire, QgzOptions, QwzOptions, Reduce, Routing, all_gather_f32, all_gather_f32_via_bf16,
+    qgz_reduce_scatter, qwz_all_gather, reduce_scatter, reduce_scatter_bf16_wire, shard_len,
+    world_all_gather, world_reduce_scatter,
 };
 use zeropp_comm::{
     CommError, CommExt, Communicator, Group, ThreadCluster, ThreadComm, ThreadOptions, Topology,
@@ -26,6 +27,10 @@ enum Op {
     ReduceScatterF32,
     ReduceScatterBf16,
     Qgz,
+    /// [`world_all_gather`] with bf16 on the wire, flat or hierarchical routing.
+    WorldAllGatherBf16(Routing),
+    /// [`world_reduce_scatter`] with bf16 on the wire, flat or hierarchical routing.
+    WorldReduceScatterBf16(Routing),
 }
 
 impl Op {
@@ -37,9 +42,25 @@ impl Op {
             Op::ReduceScatterF32 => "baseline_reduce_scatter_f32",
             Op::ReduceScatterBf16 => "reduce_scatter_bf16_wire",
             Op::Qgz => "qgz_reduce_scatter_int4",
+            Op::WorldAllGatherBf16(Routing::Flat) => "world_all_gather_bf16_flat",
+            Op::WorldAllGatherBf16(Routing::Hierarchical) => "world_all_gather_bf16_hierarchical",
+            Op::WorldReduceScatterBf16(Routing::Flat) => "world_reduce_scatter_bf16_flat",
+            Op::WorldReduceScatterBf16(Routing::Hierarchical) => "world_reduce_scatter_bf16_hierarchical",
         }
     }
+
+    fn is_gather(self) -> bool {
+        matches!(self, Op::AllGatherF32 | Op::AllGatherBf16 | Op::QwzAllGather | Op::WorldAllGatherBf16(_))
+    }
 }
+
+/// The routed bf16 world collectives, flat next to hierarchical.
+const ROUTED: [Op; 4] = [
+    Op::WorldAllGatherBf16(Routing::Flat),
+    Op::WorldAllGatherBf16(Routing::Hierarchical),
+    Op::WorldReduceScatterBf16(Routing::Flat),
+    Op::WorldReduceScatterBf16(Routing::Hierarchical),
+];
 
 /// Buffers of one rank for `n` full-length f32 elements.
 struct Bufs {
@@ -51,7 +72,7 @@ struct Bufs {
 
 fn bufs(op: Op, n: usize, w: usize, rank: usize) -> Bufs {
     let s = shard_len(n, w);
-    let gather = matches!(op, Op::AllGatherF32 | Op::AllGatherBf16 | Op::QwzAllGather);
+    let gather = op.is_gather();
     let val = |i: usize| ((i * 31 + rank * 7) % 1000) as f32 / 1000.0 - 0.5;
     Bufs {
         full_in: if gather { Vec::new() } else { (0..n).map(val).collect() },
@@ -74,6 +95,12 @@ fn step(comm: &mut ThreadComm, op: Op, b: &mut Bufs) -> Result<(), CommError> {
             reduce_scatter_bf16_wire(comm, &world, &b.full_in, &mut b.shard_out, Reduce::Mean)
         }
         Op::Qgz => qgz_reduce_scatter(comm, &b.full_in, &mut b.shard_out, &QgzOptions::default()),
+        Op::WorldAllGatherBf16(routing) => {
+            world_all_gather(comm, routing, DenseWire::Bf16, &b.shard_in, &mut b.full_out)
+        }
+        Op::WorldReduceScatterBf16(routing) => {
+            world_reduce_scatter(comm, routing, DenseWire::Bf16, &b.full_in, &mut b.shard_out, Reduce::Mean)
+        }
     }
 }
 
@@ -96,7 +123,8 @@ fn bench_collectives(c: &mut Criterion) {
     for mib in SIZES_MIB {
         let n = mib * MIB / 4;
         group.throughput(Throughput::Bytes((mib * MIB) as u64));
-        for op in [Op::AllGatherF32, Op::ReduceScatterF32, Op::ReduceScatterBf16, Op::Qgz] {
+        let ops = [Op::AllGatherF32, Op::ReduceScatterF32, Op::ReduceScatterBf16, Op::Qgz];
+        for op in ops.into_iter().chain(ROUTED) {
             group.bench_with_input(BenchmarkId::new(op.name(), format!("{mib}MiB")), &n, |bch, &n| {
                 bch.iter_custom(|iters| {
                     let times = cl
@@ -142,6 +170,10 @@ fn bytes_report(_c: &mut Criterion) {
             Op::ReduceScatterF32,
             Op::ReduceScatterBf16,
             Op::Qgz,
+            ROUTED[0],
+            ROUTED[1],
+            ROUTED[2],
+            ROUTED[3],
         ];
         let snaps = cl
             .run(|comm| -> Result<_, CommError> {
@@ -157,7 +189,7 @@ fn bytes_report(_c: &mut Criterion) {
         for op in ops {
             let t = s.op(op.name());
             let base = |b: Op| s.op(b.name()).inter.bytes_sent as f64;
-            let (bf32, bbf16) = if matches!(op, Op::AllGatherF32 | Op::AllGatherBf16 | Op::QwzAllGather) {
+            let (bf32, bbf16) = if op.is_gather() {
                 (base(Op::AllGatherF32), base(Op::AllGatherBf16))
             } else {
                 (base(Op::ReduceScatterF32), base(Op::ReduceScatterBf16))

@@ -15,11 +15,14 @@
 //! ```
 
 use half::bf16;
-use zeropp_quant::{Bits, QuantSpec, dequantize, quantize};
+use zeropp_quant::rng::splitmix64 as splitmix;
+use zeropp_quant::{Bits, QuantSpec, dequantize, encoded_len, quantize, quantize_to_wire};
 
 use crate::collectives::{
-    QgzOptions, QwzOptions, Reduce, RingOptions, all_gather_f32, all_gather_f32_via_bf16, qgz_reduce_scatter,
-    qwz_all_gather, reduce_scatter, reduce_scatter_bf16_wire, ring_quantized_reduce_scatter, shard_len,
+    DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, all_gather_f32, all_gather_f32_via_bf16,
+    dequantize_encodings, qgz_reduce_scatter, qwz_all_gather, reduce_scatter, reduce_scatter_bf16_wire,
+    ring_quantized_reduce_scatter, shard_len, world_all_gather, world_qwz_all_gather,
+    world_qwz_gather_encoded, world_reduce_scatter,
 };
 use crate::{AsyncComm, CommError, CommExt, Communicator, Group, Topology};
 
@@ -31,13 +34,6 @@ pub struct Case {
     pub seed: u64,
     /// Length parameter (elements per shard or per rank, depending on the check).
     pub len: usize,
-}
-
-fn splitmix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
 }
 
 fn key(seed: u64, rank: usize, salt: u64) -> u64 {
@@ -91,6 +87,19 @@ pub fn groups(topology: &Topology, rank: usize) -> Vec<Group> {
 /// Exact sum in group order, as the primitives compute it.
 fn ordered_sum(parts: impl Iterator<Item = f32>) -> f32 {
     parts.fold(0.0f32, |a, b| a + b)
+}
+
+/// The reduction's last step on a sum over `g` ranks: the mean divides by `g`.
+fn finish(sum: f32, reduce: Reduce, g: usize) -> f32 {
+    if reduce == Reduce::Mean && g > 1 { sum / g as f32 } else { sum }
+}
+
+/// `x` after a trip over the wire as `wire`.
+fn on_wire(wire: DenseWire, x: f32) -> f32 {
+    match wire {
+        DenseWire::Bf16 => bf16::from_f32(x).to_f32(),
+        DenseWire::F32 => x,
+    }
 }
 
 /// All-gather of bytes and of `f32` on every group of [`groups`].
@@ -230,9 +239,8 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
             let mut out = vec![f32::NAN; s];
             reduce_scatter(comm, group, &inputs[me], &mut out, reduce)
                 .map_err(|e| err("reduce_scatter", e))?;
-            let scale = if reduce == Reduce::Mean && g > 1 { 1.0 / g as f32 } else { 1.0 };
             let expect: Vec<f32> =
-                (0..s).map(|k| ordered_sum(inputs.iter().map(|x| at(x, k))) * scale).collect();
+                (0..s).map(|k| finish(ordered_sum(inputs.iter().map(|x| at(x, k))), reduce, g)).collect();
             ensure(out == expect, || {
                 format!("reduce_scatter {reduce:?} on {:?}: wrong result", group.ranks())
             })?;
@@ -245,7 +253,7 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
                     if me * s + k >= n {
                         return 0.0;
                     }
-                    ordered_sum(inputs.iter().map(|x| bf16::from_f32(at(x, k)).to_f32())) * scale
+                    finish(ordered_sum(inputs.iter().map(|x| bf16::from_f32(at(x, k)).to_f32())), reduce, g)
                 })
                 .collect();
             ensure(out == expect, || {
@@ -289,6 +297,131 @@ pub fn check_qwz<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<
             ensure(full16.iter().zip(&expect).all(|(a, b)| *a == bf16::from_f32(*b)), || {
                 "qwz_all_gather to bf16: wrong result".into()
             })?;
+        }
+    }
+    Ok(())
+}
+
+/// What [`world_reduce_scatter`] must return, bit for bit, for element `i` (of
+/// shard `t = (mt, lt)`) given every rank's input, computed sequentially from the
+/// definition of each routing. Flat: the sum of the `W` (wire-rounded) inputs in
+/// rank order. Hierarchical: node `m'`'s partial is the sum over local ranks `j` in
+/// order of `(m', j)`'s input, wire-rounded unless `j == lt` (`L > 1`; for `L = 1`
+/// the input itself); the result is the sum over nodes in order of the partials,
+/// wire-rounded unless `m' == mt` (`N > 1`; for `N = 1` the one partial).
+fn world_reduce_reference(
+    topology: &Topology,
+    inputs: &[Vec<f32>],
+    routing: Routing,
+    wire: DenseWire,
+    reduce: Reduce,
+    t: usize,
+    i: usize,
+) -> f32 {
+    let (w, nodes, local) = (topology.world(), topology.nodes(), topology.local_size());
+    let x = |r: usize| inputs.get(r).and_then(|v| v.get(i)).copied().unwrap_or(0.0);
+    let sum = match routing {
+        Routing::Flat => ordered_sum((0..w).map(|r| on_wire(wire, x(r)))),
+        Routing::Hierarchical => {
+            let (mt, lt) = (topology.node_of(t), topology.local_rank(t));
+            let partial = |m: usize| {
+                if local == 1 {
+                    x(topology.rank_of(m, 0))
+                } else {
+                    ordered_sum((0..local).map(|j| {
+                        let v = x(topology.rank_of(m, j));
+                        if j == lt { v } else { on_wire(wire, v) }
+                    }))
+                }
+            };
+            if nodes == 1 {
+                partial(0)
+            } else {
+                ordered_sum((0..nodes).map(|m| if m == mt { partial(m) } else { on_wire(wire, partial(m)) }))
+            }
+        }
+    };
+    finish(sum, reduce, w)
+}
+
+/// The world collectives with both [`Routing`]s and both [`DenseWire`] types:
+/// dense all-gathers equal the wire-rounded inputs bit for bit; qwZ's gathered
+/// encodings equal every rank's local `quantize_to_wire`, byte for byte, and its
+/// gather (and [`dequantize_encodings`] of any suffix) a local dequantization, bit
+/// for bit; reduce-scatters (sum and mean) equal the sequential reference of their
+/// routing ([`world_reduce_scatter`]'s documented summation order) bit for bit.
+pub fn check_world_collectives<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
+    let topo = *comm.topology();
+    let (w, rank, c) = (topo.world(), comm.rank(), case.len);
+    let seed = case.seed + 900;
+    let shards: Vec<Vec<f32>> = (0..w).map(|r| rank_data(seed, r, c)).collect();
+    for routing in Routing::ALL {
+        for wire in DenseWire::ALL {
+            let mut full = vec![f32::NAN; c * w];
+            world_all_gather(comm, routing, wire, &shards[rank], &mut full)
+                .map_err(|e| err("world_all_gather", e))?;
+            let expect = shards.iter().flatten().map(|&x| on_wire(wire, x));
+            ensure(full.iter().zip(expect).all(|(a, b)| a.to_bits() == b.to_bits()), || {
+                format!("world_all_gather {routing} {wire}: wrong result")
+            })?;
+        }
+    }
+
+    let int4 = QwzOptions::with_spec(QuantSpec::int4(7).map_err(|e| e.to_string())?);
+    for o in [QwzOptions::default(), int4] {
+        let e = encoded_len(o.spec, c);
+        let mut expect_enc = vec![0u8; e * w];
+        let mut expect_full = Vec::with_capacity(c * w);
+        for (r, x) in shards.iter().enumerate() {
+            quantize_to_wire(x, o.spec, &o.quant, &mut expect_enc[r * e..(r + 1) * e])
+                .map_err(|e| e.to_string())?;
+            let q = quantize(x, o.spec, &o.quant).map_err(|e| e.to_string())?;
+            expect_full.extend(dequantize(&q, &o.quant).map_err(|e| e.to_string())?);
+        }
+        for routing in Routing::ALL {
+            let enc = world_qwz_gather_encoded(comm, routing, &shards[rank], &o)
+                .map_err(|e| err("world_qwz_gather_encoded", e))?;
+            ensure(enc == expect_enc, || format!("world_qwz_gather_encoded {routing}: wrong bytes"))?;
+            let mut full = vec![f32::NAN; c * w];
+            world_qwz_all_gather(comm, routing, &shards[rank], &mut full, &o)
+                .map_err(|e| err("world_qwz_all_gather", e))?;
+            ensure(full.iter().zip(&expect_full).all(|(a, b)| a.to_bits() == b.to_bits()), || {
+                format!("world_qwz_all_gather {routing}: differs from the local reference")
+            })?;
+            // The encodings of ranks rank..W (a suffix, as the engine keeps a range).
+            let mut part = vec![f32::NAN; c * (w - rank)];
+            dequantize_encodings(&enc[rank * e..], c, &mut part, &o.quant)
+                .map_err(|e| err("dequantize_encodings", e))?;
+            ensure(
+                part.iter().zip(&expect_full[rank * c..]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                || format!("dequantize_encodings of ranks {rank}..{w}: wrong result"),
+            )?;
+        }
+    }
+
+    let n = case.len;
+    let s = shard_len(n, w);
+    let inputs: Vec<Vec<f32>> = (0..w).map(|r| rank_data(seed + 1, r, n)).collect();
+    for routing in Routing::ALL {
+        for wire in DenseWire::ALL {
+            for reduce in [Reduce::Sum, Reduce::Mean] {
+                let mut out = vec![f32::NAN; s];
+                world_reduce_scatter(comm, routing, wire, &inputs[rank], &mut out, reduce)
+                    .map_err(|e| err("world_reduce_scatter", e))?;
+                for (k, &y) in out.iter().enumerate() {
+                    let i = rank * s + k;
+                    let expect = if i < n {
+                        world_reduce_reference(&topo, &inputs, routing, wire, reduce, rank, i)
+                    } else {
+                        0.0
+                    };
+                    ensure(y == expect, || {
+                        format!(
+                            "world_reduce_scatter {routing} {wire} {reduce:?} element {i}: got {y}, expected {expect}"
+                        )
+                    })?;
+                }
+            }
         }
     }
     Ok(())
@@ -453,5 +586,6 @@ pub fn run_all<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<()
     check_baselines(comm, case)?;
     check_qwz(comm, case)?;
     check_qgz(comm, case)?;
+    check_world_collectives(comm, case)?;
     check_duplicate_async(comm, case)
 }

@@ -37,4 +37,4 @@ pub use group::Group;
 pub use link::{Link, LinkModel};
 pub use threads::{RunError, ThreadCluster, ThreadComm, ThreadOptions};
 pub use topology::Topology;
-pub use traffic::{LinkClass, LinkCounters, OpTraffic, TrafficCounter, TrafficSnapshot};
+pub use traffic::{LinkBytes, LinkClass, LinkCounters, OpTraffic, TrafficCounter, TrafficSnapshot};

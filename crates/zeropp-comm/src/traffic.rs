@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::Topology;
+use crate::{Group, Topology};
 
 /// Which kind of link a message crosses, decided by the peer's node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -25,6 +25,74 @@ impl LinkClass {
     }
 }
 
+/// Bytes one rank sends per link class: the analytic prediction of a collective's
+/// traffic (what [`LinkCounters::bytes_sent`] of each class will show).
+///
+/// ```
+/// use zeropp_comm::{Group, LinkBytes, Topology};
+/// let t = Topology::new(8, 4)?;
+/// // 100 bytes to every other rank of the world: 3 peers on the node, 4 on the other.
+/// let b = LinkBytes::to_members(&t, 0, &Group::world(&t), 100);
+/// assert_eq!(b, LinkBytes { intra: 300, inter: 400 });
+/// assert_eq!((b + b).total(), 1400);
+/// assert_eq!(b.scaled(2), b + b);
+/// # Ok::<(), zeropp_comm::CommError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LinkBytes {
+    /// Bytes sent to peers on the same node.
+    pub intra: u64,
+    /// Bytes sent to peers on other nodes.
+    pub inter: u64,
+}
+
+impl LinkBytes {
+    /// Adds `other` to these bytes.
+    pub fn add(&mut self, other: LinkBytes) {
+        *self += other;
+    }
+
+    /// Both classes multiplied by `k` (e.g. `k` calls of one collective).
+    pub fn scaled(self, k: u64) -> Self {
+        Self { intra: self.intra * k, inter: self.inter * k }
+    }
+
+    /// Intra-node plus inter-node bytes.
+    pub fn total(self) -> u64 {
+        self.intra + self.inter
+    }
+
+    /// The bytes `rank` sends when it sends `payload` bytes to each other member of
+    /// `group` (itself excluded, whether or not it is a member), classed by
+    /// [`LinkClass::between`].
+    pub fn to_members(topology: &Topology, rank: usize, group: &Group, payload: u64) -> LinkBytes {
+        let mut out = LinkBytes::default();
+        for &peer in group.ranks().iter().filter(|&&p| p != rank) {
+            match LinkClass::between(topology, rank, peer) {
+                LinkClass::IntraNode => out.intra += payload,
+                LinkClass::InterNode => out.inter += payload,
+            }
+        }
+        out
+    }
+}
+
+impl std::ops::Add for LinkBytes {
+    type Output = LinkBytes;
+
+    fn add(mut self, other: LinkBytes) -> LinkBytes {
+        self += other;
+        self
+    }
+}
+
+impl std::ops::AddAssign for LinkBytes {
+    fn add_assign(&mut self, other: LinkBytes) {
+        self.intra += other.intra;
+        self.inter += other.inter;
+    }
+}
+
 /// Bytes and messages in both directions on one link class.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LinkCounters {
@@ -39,7 +107,16 @@ pub struct LinkCounters {
 }
 
 impl LinkCounters {
-    fn add(&mut self, other: &Self) {
+    /// Adds `other`'s counters to these (e.g. to merge the counters of two
+    /// communicators of one rank).
+    ///
+    /// ```
+    /// use zeropp_comm::LinkCounters;
+    /// let mut a = LinkCounters { bytes_sent: 10, messages_sent: 1, ..Default::default() };
+    /// a.add(&LinkCounters { bytes_sent: 5, messages_sent: 2, ..Default::default() });
+    /// assert_eq!((a.bytes_sent, a.messages_sent), (15, 3));
+    /// ```
+    pub fn add(&mut self, other: &Self) {
         self.bytes_sent += other.bytes_sent;
         self.bytes_received += other.bytes_received;
         self.messages_sent += other.messages_sent;
@@ -65,6 +142,12 @@ impl OpTraffic {
         }
     }
 
+    /// Adds `other`'s counters (both link classes) to these.
+    pub fn add(&mut self, other: &Self) {
+        self.intra.add(&other.intra);
+        self.inter.add(&other.inter);
+    }
+
     fn class_mut(&mut self, class: LinkClass) -> &mut LinkCounters {
         match class {
             LinkClass::IntraNode => &mut self.intra,
@@ -85,10 +168,35 @@ impl TrafficSnapshot {
     pub fn total(&self) -> OpTraffic {
         let mut t = OpTraffic::default();
         for op in self.by_op.values() {
-            t.intra.add(&op.intra);
-            t.inter.add(&op.inter);
+            t.add(op);
         }
         t
+    }
+
+    /// Adds every tag's counters of `other` to this snapshot (tags missing here are
+    /// inserted), e.g. to merge the counters of a rank's main and prefetch communicators.
+    ///
+    /// ```
+    /// use zeropp_comm::{Topology, TrafficCounter};
+    /// let t = Topology::new(4, 2)?;
+    /// let (mut a, mut b) = (TrafficCounter::new(t, 0), TrafficCounter::new(t, 0));
+    /// a.set_op("gather");
+    /// a.record_send(1, 100);
+    /// b.set_op("gather");
+    /// b.record_send(2, 30);
+    /// b.set_op("reduce");
+    /// b.record_send(3, 7);
+    /// let mut s = a.snapshot();
+    /// s.merge(&b.snapshot());
+    /// assert_eq!(s.op("gather").intra.bytes_sent, 100);
+    /// assert_eq!(s.op("gather").inter.bytes_sent, 30);
+    /// assert_eq!(s.op("reduce").inter.messages_sent, 1);
+    /// # Ok::<(), zeropp_comm::CommError>(())
+    /// ```
+    pub fn merge(&mut self, other: &TrafficSnapshot) {
+        for (tag, op) in &other.by_op {
+            self.by_op.entry(tag.clone()).or_default().add(op);
+        }
     }
 
     /// The counters of one tag (zero when the tag never sent anything).

@@ -3,11 +3,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
 
 use zeropp_comm::collectives::{
-    QgzOptions, QwzOptions, Reduce, RingOptions, qgz_reduce_scatter, qwz_all_gather, reduce_scatter,
-    reduce_scatter_bf16_wire, ring_quantized_reduce_scatter, shard_len,
+    DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, all_gather_f32_via_bf16,
+    group_all_gather_bytes, group_qwz_bytes, group_reduce_scatter_bytes, qgz_reduce_scatter, qwz_all_gather,
+    reduce_scatter, reduce_scatter_bf16_wire, ring_quantized_reduce_scatter, shard_len, world_all_gather,
+    world_all_gather_bytes, world_qwz_all_gather, world_qwz_bytes, world_qwz_gather_encoded,
+    world_reduce_scatter, world_reduce_scatter_bytes,
 };
 use zeropp_comm::{
-    CommExt, Communicator, Group, LinkClass, OpTraffic, ThreadCluster, ThreadOptions, Topology,
+    CommExt, Communicator, Group, LinkBytes, LinkClass, OpTraffic, ThreadCluster, ThreadOptions, Topology,
     TrafficSnapshot,
 };
 use zeropp_quant::encoded_len;
@@ -178,4 +181,167 @@ fn qgz_cuts_cross_node_bytes() {
         .unwrap();
     let ratio = snaps[0].op("qgz").inter.bytes_sent as f64 / snaps[0].op("base").inter.bytes_sent as f64;
     assert!((ratio - 1.0 / 16.0).abs() < 0.01, "ratio {ratio}");
+}
+
+/// Expected counters of a collective that sends `per_msg_intra` bytes to each of
+/// `intra_msgs` local peers and `per_msg_inter` to each of `inter_msgs` remote ones,
+/// and receives the same (every collective here is symmetric).
+fn symmetric(intra_msgs: usize, per_msg_intra: usize, inter_msgs: usize, per_msg_inter: usize) -> OpTraffic {
+    let mut o = OpTraffic::default();
+    o.intra.bytes_sent = (intra_msgs * per_msg_intra) as u64;
+    o.intra.messages_sent = intra_msgs as u64;
+    o.inter.bytes_sent = (inter_msgs * per_msg_inter) as u64;
+    o.inter.messages_sent = inter_msgs as u64;
+    for c in [&mut o.intra, &mut o.inter] {
+        c.bytes_received = c.bytes_sent;
+        c.messages_received = c.messages_sent;
+    }
+    o
+}
+
+/// The routed world collectives and the group collectives: every rank's counters
+/// equal the byte-formula functions exactly (intra and inter, sent and received),
+/// and the message counts follow the routing.
+fn check_world(nodes: usize, local: usize, c: usize, n: usize) {
+    let t = Topology::new(nodes * local, local).unwrap();
+    let w = t.world();
+    let qwz = QwzOptions::default();
+    let snaps: Vec<TrafficSnapshot> = ThreadCluster::new(t, ThreadOptions::default())
+        .run(|comm| -> Result<TrafficSnapshot, zeropp_comm::CommError> {
+            let me = comm.rank();
+            for routing in Routing::ALL {
+                for wire in DenseWire::ALL {
+                    comm.set_op(&format!("ag-{routing}-{wire}"));
+                    world_all_gather(comm, routing, wire, &vec![0.5; c], &mut vec![0.0; c * w])?;
+                    comm.set_op(&format!("rs-{routing}-{wire}"));
+                    world_reduce_scatter(
+                        comm,
+                        routing,
+                        wire,
+                        &vec![0.5; n],
+                        &mut vec![0.0; shard_len(n, w)],
+                        Reduce::Mean,
+                    )?;
+                }
+                comm.set_op(&format!("qwz-{routing}"));
+                world_qwz_all_gather(comm, routing, &vec![0.5; c], &mut vec![0.0; c * w], &qwz)?;
+                comm.set_op(&format!("qwz-enc-{routing}"));
+                world_qwz_gather_encoded(comm, routing, &vec![0.5; c], &qwz)?;
+            }
+            // The group collectives on the node and the rail.
+            for (name, g) in [("node", Group::intra_node(&t, me)), ("rail", Group::rail(&t, me))] {
+                comm.set_op(&format!("g-ag-{name}"));
+                all_gather_f32_via_bf16(comm, &g, &vec![0.5; c], &mut vec![0.0; c * g.size()])?;
+                comm.set_op(&format!("g-rs-{name}"));
+                reduce_scatter(comm, &g, &vec![0.5; n], &mut vec![0.0; shard_len(n, g.size())], Reduce::Sum)?;
+                comm.set_op(&format!("g-qwz-{name}"));
+                qwz_all_gather(comm, &g, &vec![0.5f32; c], &mut vec![0.0f32; c * g.size()], &qwz)?;
+            }
+            Ok(comm.traffic().snapshot())
+        })
+        .unwrap();
+    let s = shard_len(n, w);
+    let e = encoded_len(qwz.spec, c);
+    for (me, snap) in snaps.iter().enumerate() {
+        let ctx = format!("rank {me} of {nodes}x{local}, c {c}, n {n}");
+        let same = |tag: &str, f: LinkBytes| {
+            let o = snap.op(tag);
+            assert_eq!((o.intra.bytes_sent, o.inter.bytes_sent), (f.intra, f.inter), "{tag}, {ctx}");
+            assert_eq!(
+                (o.intra.bytes_received, o.inter.bytes_received),
+                (f.intra, f.inter),
+                "{tag} received, {ctx}"
+            );
+        };
+        for routing in Routing::ALL {
+            for wire in DenseWire::ALL {
+                let b = wire.bytes();
+                let ag = format!("ag-{routing}-{wire}");
+                let rs = format!("rs-{routing}-{wire}");
+                same(&ag, world_all_gather_bytes(&t, routing, wire, c));
+                same(&rs, world_reduce_scatter_bytes(&t, routing, wire, n));
+                // The formulas written out, and the messages per routing.
+                let (ag_o, rs_o) = match routing {
+                    Routing::Flat => (
+                        symmetric(local - 1, c * b, w - local, c * b),
+                        symmetric(local - 1, s * b, w - local, s * b),
+                    ),
+                    Routing::Hierarchical => (
+                        symmetric(local - 1, nodes * c * b, nodes - 1, c * b),
+                        symmetric(local - 1, nodes * s * b, nodes - 1, s * b),
+                    ),
+                };
+                assert_eq!(snap.op(&ag), ag_o, "{ag}, {ctx}");
+                assert_eq!(snap.op(&rs), rs_o, "{rs}, {ctx}");
+            }
+            let f = world_qwz_bytes(&t, routing, qwz.spec, c);
+            same(&format!("qwz-{routing}"), f);
+            same(&format!("qwz-enc-{routing}"), f);
+            let expect = match routing {
+                Routing::Flat => symmetric(local - 1, e, w - local, e),
+                Routing::Hierarchical => symmetric(local - 1, nodes * e, nodes - 1, e),
+            };
+            assert_eq!(snap.op(&format!("qwz-{routing}")), expect, "qwz {routing}, {ctx}");
+        }
+        for (name, g) in [("node", Group::intra_node(&t, me)), ("rail", Group::rail(&t, me))] {
+            same(&format!("g-ag-{name}"), group_all_gather_bytes(&t, me, &g, 2, c));
+            same(&format!("g-rs-{name}"), group_reduce_scatter_bytes(&t, me, &g, 4, n));
+            same(&format!("g-qwz-{name}"), group_qwz_bytes(&t, me, &g, qwz.spec, c));
+        }
+        // Hierarchical routing sends each byte across nodes once per node.
+        let inter = |tag: &str| snap.op(tag).inter.bytes_sent;
+        assert_eq!(inter("rs-hierarchical-bf16") * local as u64, inter("rs-flat-bf16"), "{ctx}");
+        assert_eq!(inter("ag-hierarchical-bf16") * local as u64, inter("ag-flat-bf16"), "{ctx}");
+    }
+}
+
+#[test]
+fn world_collectives_counters_match_formulas() {
+    for (nodes, local) in [(1, 1), (2, 1), (4, 1), (1, 4), (2, 2), (2, 4), (4, 2), (3, 3)] {
+        for (c, n) in [(0, 0), (1, 1), (37, 1000), (13, 20_011)] {
+            check_world(nodes, local, c, n);
+        }
+    }
+}
+
+#[test]
+fn snapshots_of_two_communicators_merge() {
+    // A rank's main communicator and its duplicate count separately; merging their
+    // snapshots adds every tag's counters.
+    let t = Topology::new(4, 2).unwrap();
+    let out = ThreadCluster::new(t, ThreadOptions::default())
+        .run(|comm| -> Result<_, zeropp_comm::CommError> {
+            let mut dup = comm.duplicate()?;
+            comm.set_op("gather");
+            world_all_gather(comm, Routing::Hierarchical, DenseWire::Bf16, &[1.0; 8], &mut [0.0; 32])?;
+            dup.set_op("gather");
+            world_all_gather(&mut *dup, Routing::Flat, DenseWire::F32, &[1.0; 8], &mut [0.0; 32])?;
+            dup.set_op("reduce");
+            world_reduce_scatter(
+                &mut *dup,
+                Routing::Hierarchical,
+                DenseWire::Bf16,
+                &[1.0; 40],
+                &mut [0.0; 10],
+                Reduce::Sum,
+            )?;
+            Ok((comm.traffic().snapshot(), dup.traffic().snapshot()))
+        })
+        .unwrap();
+    for (main, dup) in &out {
+        let mut merged = main.clone();
+        merged.merge(dup);
+        let g = merged.op("gather");
+        let (a, b) = (main.op("gather"), dup.op("gather"));
+        assert_eq!(g.intra.bytes_sent, a.intra.bytes_sent + b.intra.bytes_sent);
+        assert_eq!(g.inter.messages_received, a.inter.messages_received + b.inter.messages_received);
+        assert_eq!(merged.op("reduce"), dup.op("reduce"));
+        let (mt, dt, tt) = (main.total(), dup.total(), merged.total());
+        assert_eq!(tt.intra.bytes_sent, mt.intra.bytes_sent + dt.intra.bytes_sent);
+        assert_eq!(tt.inter.bytes_sent, mt.inter.bytes_sent + dt.inter.bytes_sent);
+        let predicted = world_all_gather_bytes(&t, Routing::Hierarchical, DenseWire::Bf16, 8)
+            + world_all_gather_bytes(&t, Routing::Flat, DenseWire::F32, 8)
+            + world_reduce_scatter_bytes(&t, Routing::Hierarchical, DenseWire::Bf16, 40);
+        assert_eq!(LinkBytes { intra: tt.intra.bytes_sent, inter: tt.inter.bytes_sent }, predicted);
+    }
 }

@@ -2,8 +2,43 @@
 
 use half::bf16;
 
-use super::{Reduce, check_shard, finish_shard, my_index};
-use crate::{CommError, CommExt, Communicator, Group};
+use super::{Reduce, check_shard, finish_shard, my_index, shard_len};
+use crate::{CommError, CommExt, Communicator, Group, LinkBytes, Topology};
+
+/// Bytes `rank` sends in a dense all-gather on `group` ([`all_gather_f32`],
+/// [`all_gather_bf16`], [`all_gather_f32_via_bf16`]) of a shard of `shard_len`
+/// elements of `elem_bytes` bytes: `elem_bytes·shard_len` to each other member.
+///
+/// ```
+/// use zeropp_comm::collectives::group_all_gather_bytes;
+/// use zeropp_comm::{Group, LinkBytes, Topology};
+/// let t = Topology::new(8, 4)?;
+/// let b = group_all_gather_bytes(&t, 0, &Group::world(&t), 2, 10);
+/// assert_eq!(b, LinkBytes { intra: 3 * 20, inter: 4 * 20 });
+/// # Ok::<(), zeropp_comm::CommError>(())
+/// ```
+pub fn group_all_gather_bytes(
+    topology: &Topology,
+    rank: usize,
+    group: &Group,
+    elem_bytes: usize,
+    shard_len: usize,
+) -> LinkBytes {
+    LinkBytes::to_members(topology, rank, group, (elem_bytes * shard_len) as u64)
+}
+
+/// Bytes `rank` sends in a dense reduce-scatter on `group` ([`reduce_scatter`]
+/// with `elem_bytes = 4`, [`reduce_scatter_bf16_wire`] with 2) of a full tensor of
+/// `n` elements: `elem_bytes·⌈n/g⌉` to each other member.
+pub fn group_reduce_scatter_bytes(
+    topology: &Topology,
+    rank: usize,
+    group: &Group,
+    elem_bytes: usize,
+    n: usize,
+) -> LinkBytes {
+    LinkBytes::to_members(topology, rank, group, (elem_bytes * shard_len(n, group.size())) as u64)
+}
 
 /// Plain f32 all-gather: `full.len() == shard.len() * group.size()`.
 /// Sends `4·shard.len()` bytes to each other member.

@@ -26,6 +26,18 @@
 //! copies. Optional error feedback ([`qgz_reduce_scatter_with_feedback`]) keeps the
 //! first hop's quantization residual and adds it to the next call's gradient.
 //!
+//! # Routing
+//!
+//! The `world_*` collectives ([`world_all_gather`], [`world_reduce_scatter`],
+//! [`world_qwz_all_gather`]) run over the whole world with a [`Routing`]: flat
+//! (every rank with every rank, the group baselines on [`Group::world`]) or
+//! hierarchical (an inter-node hop over [`Group::rail`] and an intra-node hop over
+//! [`Group::intra_node`], as NCCL and torch HSDP route), which sends each byte
+//! across nodes once per node instead of once per rank. Hierarchical gathers are
+//! bit-identical to flat ones; the hierarchical reduce-scatter sums in a different
+//! order (local ranks, then nodes) and, on a bf16 wire, rounds twice (contributions,
+//! then node partials).
+//!
 //! # Traffic formulas (bytes sent by one rank, per collective)
 //!
 //! `g` is the group size; `E(spec, k)` = [`zeropp_quant::encoded_len`]`(spec, k)`
@@ -44,27 +56,166 @@
 //! | [`qgz_reduce_scatter`], hop 2 (`N > 1`) | inter only | `E(inter_spec, s)` to each of the `N-1` rail peers |
 //! | [`ring_quantized_reduce_scatter`] | by peer | `(g-1)·E(spec, s)` to the next member, in `g-1` steps; each step is an all-to-all-v that also sends `0`-byte messages to the `g-2` others |
 //!
+//! The world collectives with a [`Routing`] (over all `W = N·L` ranks; `b` =
+//! [`DenseWire::bytes`], shard `c`, full `n`, `s = ⌈n/W⌉`, `E = E(spec, c)`), each
+//! with its formula function returning [`LinkBytes`](crate::LinkBytes):
+//!
+//! | collective | routing | intra-node bytes per rank | inter-node bytes per rank |
+//! |---|---|---|---|
+//! | [`world_all_gather`] ([`world_all_gather_bytes`]) | flat | `(L-1)·c·b` | `(W-L)·c·b` |
+//! | | hierarchical | `(L-1)·N·c·b` (node hop: `L-1` messages of `N·c·b`) | `(N-1)·c·b` (rail hop) |
+//! | [`world_reduce_scatter`] ([`world_reduce_scatter_bytes`]) | flat | `(L-1)·s·b` | `(W-L)·s·b` |
+//! | | hierarchical | `(L-1)·N·s·b` (hop 1: `L-1` messages of `N·s·b`) | `(N-1)·s·b` (hop 2) |
+//! | [`world_qwz_all_gather`], [`world_qwz_gather_encoded`] ([`world_qwz_bytes`]) | flat | `(L-1)·E` | `(W-L)·E` |
+//! | | hierarchical | `(L-1)·N·E` | `(N-1)·E` |
+//!
+//! The group collectives' formulas are [`group_all_gather_bytes`],
+//! [`group_reduce_scatter_bytes`] and [`group_qwz_bytes`].
+//!
 //! So with `M = 2n` bytes (the model at 16 bits): qgZ puts `(L-1)·N·E(s) ≈ M/4`
 //! on intra-node links and `(N-1)·E(s) ≈ M/(4L)` on inter-node links per rank,
-//! against `(W-L)·2s ≈ M·(N-1)/N` inter-node bytes for the 16-bit baseline. Each
+//! against `(W-L)·2s ≈ M·(N-1)/N` inter-node bytes for the flat 16-bit baseline
+//! and `(N-1)·2s ≈ M·(N-1)/W` for the hierarchical one (NCCL/HSDP routing), whose
+//! intra-node bytes grow to `(L-1)·N·2s ≈ M·(L-1)/L`. Each
 //! message also counts as one message in [`LinkCounters`](crate::LinkCounters); the
 //! group primitives' own formulas are in [`threads`](crate::threads).
 
 mod baseline;
+mod hierarchical;
 mod qgz;
 mod qwz;
 mod ring;
 
+use std::fmt;
 use std::ops::Range;
+use std::str::FromStr;
 
 pub use baseline::{
-    all_gather_bf16, all_gather_f32, all_gather_f32_via_bf16, reduce_scatter, reduce_scatter_bf16_wire,
+    all_gather_bf16, all_gather_f32, all_gather_f32_via_bf16, group_all_gather_bytes,
+    group_reduce_scatter_bytes, reduce_scatter, reduce_scatter_bf16_wire,
+};
+pub use hierarchical::{
+    dequantize_encodings, world_all_gather, world_all_gather_bytes, world_qwz_all_gather, world_qwz_bytes,
+    world_qwz_gather_encoded, world_reduce_scatter, world_reduce_scatter_bytes,
 };
 pub use qgz::{ErrorFeedback, QgzOptions, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback};
-pub use qwz::{QwzOptions, qwz_all_gather};
+pub use qwz::{QwzOptions, group_qwz_bytes, qwz_all_gather};
 pub use ring::{RingOptions, ring_quantized_reduce_scatter};
 
 use crate::{CommError, Communicator, Group};
+
+/// How a world collective is routed over the topology.
+///
+/// ```
+/// use zeropp_comm::collectives::Routing;
+/// assert_eq!("flat".parse::<Routing>()?, Routing::Flat);
+/// assert_eq!(Routing::default().name(), "hierarchical");
+/// assert!("ring".parse::<Routing>().is_err());
+/// # Ok::<(), zeropp_comm::CommError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Routing {
+    /// Every rank exchanges directly with every rank: `(N-1)/N` of the data a rank
+    /// sends crosses nodes.
+    Flat,
+    /// The inter-node hop goes over the rail ([`Group::rail`]), the intra-node hop
+    /// over the node ([`Group::intra_node`]), as NCCL and torch HSDP route.
+    #[default]
+    Hierarchical,
+}
+
+impl Routing {
+    /// Every routing, in declaration order.
+    pub const ALL: [Routing; 2] = [Routing::Flat, Routing::Hierarchical];
+
+    /// The name [`FromStr`] accepts: `flat` or `hierarchical`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Routing::Flat => "flat",
+            Routing::Hierarchical => "hierarchical",
+        }
+    }
+}
+
+impl fmt::Display for Routing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Routing {
+    type Err = CommError;
+
+    fn from_str(s: &str) -> Result<Self, CommError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "flat" => Ok(Routing::Flat),
+            "hierarchical" => Ok(Routing::Hierarchical),
+            _ => Err(CommError::InvalidConfig(format!(
+                "unknown routing {s:?}: expected `flat` or `hierarchical`"
+            ))),
+        }
+    }
+}
+
+/// Element type of the dense (baseline) collectives on the wire.
+///
+/// ```
+/// use zeropp_comm::collectives::DenseWire;
+/// assert_eq!("f32".parse::<DenseWire>()?.bytes(), 4);
+/// assert_eq!(DenseWire::default().bytes(), 2);
+/// assert_eq!(DenseWire::Bf16.name(), "bf16");
+/// assert!("fp8".parse::<DenseWire>().is_err());
+/// # Ok::<(), zeropp_comm::CommError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DenseWire {
+    /// bf16, rounded to nearest even (the 16-bit ZeRO-3 baseline).
+    #[default]
+    Bf16,
+    /// f32, exact.
+    F32,
+}
+
+impl DenseWire {
+    /// Every wire type, in declaration order.
+    pub const ALL: [DenseWire; 2] = [DenseWire::Bf16, DenseWire::F32];
+
+    /// Bytes per element on the wire (2 or 4).
+    pub fn bytes(self) -> usize {
+        match self {
+            DenseWire::Bf16 => 2,
+            DenseWire::F32 => 4,
+        }
+    }
+
+    /// The name [`FromStr`] accepts: `bf16` or `f32`.
+    pub fn name(self) -> &'static str {
+        match self {
+            DenseWire::Bf16 => "bf16",
+            DenseWire::F32 => "f32",
+        }
+    }
+}
+
+impl fmt::Display for DenseWire {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DenseWire {
+    type Err = CommError;
+
+    fn from_str(s: &str) -> Result<Self, CommError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "bf16" => Ok(DenseWire::Bf16),
+            "f32" => Ok(DenseWire::F32),
+            _ => Err(CommError::InvalidConfig(format!(
+                "unknown dense wire type {s:?}: expected `bf16` or `f32`"
+            ))),
+        }
+    }
+}
 
 /// How a reduce-scatter combines the ranks' contributions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -130,6 +281,9 @@ pub(crate) fn with_part<R>(full: &[f32], s: usize, index: usize, f: impl FnOnce(
 }
 
 /// Applies the reduction's scaling and zeroes the padding of part `index`.
+///
+/// The mean divides by `ranks` (`x / W`, correctly rounded), rather than
+/// multiplying by a rounded `1/W`, which is off by one ulp for some `x`.
 pub(crate) fn finish_shard(
     shard: &mut [f32],
     n: usize,
@@ -139,8 +293,8 @@ pub(crate) fn finish_shard(
     ranks: usize,
 ) {
     if reduce == Reduce::Mean && ranks > 1 {
-        let inv = 1.0 / ranks as f32;
-        shard.iter_mut().for_each(|x| *x *= inv);
+        let w = ranks as f32;
+        shard.iter_mut().for_each(|x| *x /= w);
     }
     let real = shard_range(n, parts, index).len();
     shard.get_mut(real..).unwrap_or(&mut []).fill(0.0);

@@ -5,7 +5,30 @@ use zeropp_quant::{
 };
 
 use super::my_index;
-use crate::{CommError, Communicator, Group};
+use crate::{CommError, Communicator, Group, LinkBytes, Topology};
+
+/// Bytes `rank` sends in a [`qwz_all_gather`] on `group` of a shard of
+/// `shard_len` elements: one encoding of `E(spec, shard_len)` bytes
+/// ([`encoded_len`]) to each other member.
+///
+/// ```
+/// use zeropp_comm::collectives::{QwzOptions, group_qwz_bytes};
+/// use zeropp_comm::{Group, LinkBytes, Topology};
+/// let t = Topology::new(8, 4)?;
+/// let e = zeropp_quant::encoded_len(QwzOptions::default().spec, 1000) as u64;
+/// let b = group_qwz_bytes(&t, 5, &Group::rail(&t, 5), QwzOptions::default().spec, 1000);
+/// assert_eq!(b, LinkBytes { intra: 0, inter: e });
+/// # Ok::<(), zeropp_comm::CommError>(())
+/// ```
+pub fn group_qwz_bytes(
+    topology: &Topology,
+    rank: usize,
+    group: &Group,
+    spec: QuantSpec,
+    shard_len: usize,
+) -> LinkBytes {
+    LinkBytes::to_members(topology, rank, group, encoded_len(spec, shard_len) as u64)
+}
 
 /// Options of [`qwz_all_gather`].
 #[derive(Debug, Clone, Copy, PartialEq)]

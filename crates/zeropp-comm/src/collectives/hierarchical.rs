@@ -1,0 +1,566 @@
+//! World collectives with a choice of [`Routing`]: flat (every rank with every
+//! rank) or hierarchical (the inter-node hop over the rail, the intra-node hop over
+//! the node, as NCCL and torch HSDP route), for the dense baselines and for qwZ.
+//!
+//! Rank `r = (m, l)` is local rank `l` of node `m` ([`Topology::rank_of`]); `N`
+//! nodes × `L` ranks per node, `W = N·L`.
+//!
+//! - **Gathers** (dense and qwZ): all-gather over [`Group::rail`] (rank `(m, l)`
+//!   then holds the shards of `(m', l)` for all `m'`), then all-gather of that
+//!   `N`-shard chunk over [`Group::intra_node`], then every shard is put at its
+//!   world position. Gathers only copy, so the result is bit-identical to the flat
+//!   gather.
+//! - **Reduce-scatter**: an intra-node all-to-all where the chunk for local peer `j`
+//!   holds the shards of ranks `(m', j)`, `m' = 0..N` (qgZ's slice reordering),
+//!   summed in f32 in local-rank order into one partial per node; then the partial
+//!   for node `m'` goes to rail peer `m'` by an all-to-all, and the `N` partials are
+//!   summed in f32 in node order. What never leaves a rank (its own chunk at hop 1,
+//!   its own node's partial at hop 2) stays f32; everything on the wire is in the
+//!   [`DenseWire`] type.
+//!
+//! A hop whose group has one member (`N = 1` or `L = 1`) is skipped.
+
+use bytemuck::Pod;
+use half::bf16;
+use zeropp_quant::{
+    Options, QuantError, QuantSpec, QuantizedRef, dequantize_into, encoded_len, quantize_to_wire,
+};
+
+use super::{
+    DenseWire, QwzOptions, Reduce, Routing, all_gather_f32, all_gather_f32_via_bf16, check_shard,
+    finish_shard, group_all_gather_bytes, group_qwz_bytes, group_reduce_scatter_bytes, reduce_scatter,
+    reduce_scatter_bf16_wire, shard_len, with_part,
+};
+use crate::{CommError, CommExt, Communicator, Group, LinkBytes, Topology};
+
+/// A dense element type on the wire: narrowed from f32 before sending, widened after.
+trait WireElem: Pod {
+    fn narrow(x: f32) -> Self;
+    fn widen(self) -> f32;
+}
+
+impl WireElem for f32 {
+    fn narrow(x: f32) -> Self {
+        x
+    }
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl WireElem for bf16 {
+    /// Round to nearest even, as [`all_gather_f32_via_bf16`] does.
+    fn narrow(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// Slot `index` of `len` elements of `buf`, or an error naming `what`.
+fn slot<'a, T>(what: &str, buf: &'a [T], index: usize, len: usize) -> Result<&'a [T], CommError> {
+    let total = buf.len();
+    buf.get(index * len..(index + 1) * len).ok_or_else(|| {
+        CommError::Mismatch(format!("{what}: slot {index} of {len} elements outside a buffer of {total}"))
+    })
+}
+
+/// Mutable slot `index` of `len` elements of `buf`, or an error naming `what`.
+fn slot_mut<'a, T>(what: &str, buf: &'a mut [T], index: usize, len: usize) -> Result<&'a mut [T], CommError> {
+    let total = buf.len();
+    buf.get_mut(index * len..(index + 1) * len).ok_or_else(|| {
+        CommError::Mismatch(format!("{what}: slot {index} of {len} elements outside a buffer of {total}"))
+    })
+}
+
+/// The two gather hops: all-gather `mine` over the rail, then the `N`-chunk result
+/// over the node. Returns `W` chunks of `mine.len()` in (local rank, node) order:
+/// chunk `l·N + m` came from rank `(m, l)`.
+fn gather_two_hop<C: Communicator + ?Sized, T: Pod>(
+    comm: &mut C,
+    topo: &Topology,
+    mine: Vec<T>,
+) -> Result<Vec<T>, CommError> {
+    let rank = comm.rank();
+    let (nodes, local) = (topo.nodes(), topo.local_size());
+    let rail = if nodes > 1 {
+        let mut buf = vec![T::zeroed(); mine.len() * nodes];
+        comm.all_gather(&Group::rail(topo, rank), &mine, &mut buf)?;
+        buf
+    } else {
+        mine
+    };
+    if local > 1 {
+        let mut buf = vec![T::zeroed(); rail.len() * local];
+        comm.all_gather(&Group::intra_node(topo, rank), &rail, &mut buf)?;
+        Ok(buf)
+    } else {
+        Ok(rail)
+    }
+}
+
+/// Moves the chunks of [`gather_two_hop`]'s (local rank, node) order to world
+/// rank order, converting each element with `f`.
+fn to_world_order<T: Copy, U>(
+    what: &str,
+    topo: &Topology,
+    gathered: &[T],
+    c: usize,
+    out: &mut [U],
+    f: impl Fn(T) -> U,
+) -> Result<(), CommError> {
+    let nodes = topo.nodes();
+    for l in 0..topo.local_size() {
+        for m in 0..nodes {
+            let src = slot(what, gathered, l * nodes + m, c)?;
+            let dst = slot_mut(what, out, topo.rank_of(m, l), c)?;
+            dst.iter_mut().zip(src).for_each(|(d, &s)| *d = f(s));
+        }
+    }
+    Ok(())
+}
+
+/// All-gather of every rank's f32 shard over the whole world of
+/// `comm.topology()`: `full.len() == shard.len() · W`, rank `r`'s shard at
+/// `[r·c, (r+1)·c)`, sent as `wire` (bf16 rounds to nearest even, like
+/// [`all_gather_f32_via_bf16`]).
+///
+/// [`Routing::Flat`] is [`all_gather_f32`] / [`all_gather_f32_via_bf16`] on
+/// [`Group::world`]; [`Routing::Hierarchical`] gathers over the rail, then over
+/// the node, and gives the bit-identical result. Bytes per rank:
+/// [`world_all_gather_bytes`].
+///
+/// ```
+/// use zeropp_comm::collectives::{DenseWire, Routing, world_all_gather};
+/// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
+/// let cluster = ThreadCluster::new(Topology::new(6, 3)?, ThreadOptions::default());
+/// let fulls = cluster.run(|comm| {
+///     let shard = [comm.rank() as f32, 0.5];
+///     let mut full = vec![0.0f32; 12];
+///     world_all_gather(comm, Routing::Hierarchical, DenseWire::Bf16, &shard, &mut full)?;
+///     Ok::<_, zeropp_comm::CommError>(full)
+/// })?;
+/// let expect: Vec<f32> = (0..6).flat_map(|r| [r as f32, 0.5]).collect();
+/// assert!(fulls.iter().all(|f| f == &expect));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn world_all_gather<C: Communicator + ?Sized>(
+    comm: &mut C,
+    routing: Routing,
+    wire: DenseWire,
+    shard: &[f32],
+    full: &mut [f32],
+) -> Result<(), CommError> {
+    let world = Group::world(comm.topology());
+    match (routing, wire) {
+        (Routing::Flat, DenseWire::F32) => all_gather_f32(comm, &world, shard, full),
+        (Routing::Flat, DenseWire::Bf16) => all_gather_f32_via_bf16(comm, &world, shard, full),
+        (Routing::Hierarchical, DenseWire::F32) => hier_all_gather::<C, f32>(comm, shard, full),
+        (Routing::Hierarchical, DenseWire::Bf16) => hier_all_gather::<C, bf16>(comm, shard, full),
+    }
+}
+
+fn hier_all_gather<C: Communicator + ?Sized, T: WireElem>(
+    comm: &mut C,
+    shard: &[f32],
+    full: &mut [f32],
+) -> Result<(), CommError> {
+    const WHAT: &str = "world_all_gather";
+    let topo = *comm.topology();
+    let (w, c) = (topo.world(), shard.len());
+    if full.len() != c * w {
+        return Err(CommError::Mismatch(format!(
+            "{WHAT}: output of {} elements for {w} shards of {c}",
+            full.len()
+        )));
+    }
+    let narrow: Vec<T> = shard.iter().map(|&x| T::narrow(x)).collect();
+    let gathered = gather_two_hop(comm, &topo, narrow)?;
+    to_world_order(WHAT, &topo, &gathered, c, full, T::widen)
+}
+
+/// Bytes one rank sends in [`world_all_gather`] of a shard of `shard_len`
+/// elements (the same on every rank). With `b = wire.bytes()`, `c = shard_len`:
+/// flat sends `c·b` to each other rank, i.e. intra `(L-1)·c·b`, inter `(W-L)·c·b`;
+/// hierarchical sends inter `(N-1)·c·b` (rail hop) and intra `(L-1)·N·c·b` (node hop).
+///
+/// ```
+/// use zeropp_comm::collectives::{DenseWire, Routing, world_all_gather_bytes};
+/// use zeropp_comm::{LinkBytes, Topology};
+/// let t = Topology::new(8, 4)?; // 2 nodes x 4
+/// let flat = world_all_gather_bytes(&t, Routing::Flat, DenseWire::Bf16, 100);
+/// let hier = world_all_gather_bytes(&t, Routing::Hierarchical, DenseWire::Bf16, 100);
+/// assert_eq!(flat, LinkBytes { intra: 3 * 200, inter: 4 * 200 });
+/// assert_eq!(hier, LinkBytes { intra: 3 * 2 * 200, inter: 200 });
+/// # Ok::<(), zeropp_comm::CommError>(())
+/// ```
+pub fn world_all_gather_bytes(
+    topology: &Topology,
+    routing: Routing,
+    wire: DenseWire,
+    shard_len: usize,
+) -> LinkBytes {
+    match routing {
+        Routing::Flat => {
+            group_all_gather_bytes(topology, 0, &Group::world(topology), wire.bytes(), shard_len)
+        }
+        Routing::Hierarchical => two_hop_gather_bytes(topology, (wire.bytes() * shard_len) as u64),
+    }
+}
+
+/// Hierarchical gather of one `chunk`-byte payload per rank: `(N-1)` chunks over
+/// the rail, `(L-1)` messages of `N` chunks over the node.
+fn two_hop_gather_bytes(topology: &Topology, chunk: u64) -> LinkBytes {
+    let (n, l) = (topology.nodes() as u64, topology.local_size() as u64);
+    LinkBytes { intra: (l - 1) * n * chunk, inter: (n - 1) * chunk }
+}
+
+/// Reduce-scatter over the whole world of `comm.topology()`: `full` is this rank's
+/// tensor of `n` elements (any `n`, padded with zeros to `W·s`, `s = ⌈n/W⌉`);
+/// `shard` (`s` elements) receives shard `rank` of the sum or mean over all ranks,
+/// its padding set to 0. Everything that travels is sent as `wire`; sums are f32.
+///
+/// [`Routing::Flat`] is [`reduce_scatter`] (f32) / [`reduce_scatter_bf16_wire`] on
+/// [`Group::world`]. [`Routing::Hierarchical`] runs (1) an intra-node all-to-all
+/// where the chunk for local peer `j` holds the shards of ranks `(m', j)`, summed in
+/// local-rank order into one partial per node (the own chunk never travels and stays
+/// f32), then (2) an all-to-all of the node partials over the rail (the own node's
+/// partial stays f32), summed in node order; the mean divides by `W`. Each bf16 hop
+/// rounds every value once (relative error `≤ 2^-9`). Bytes per rank:
+/// [`world_reduce_scatter_bytes`].
+///
+/// ```
+/// use zeropp_comm::collectives::{DenseWire, Reduce, Routing, shard_len, world_reduce_scatter};
+/// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
+/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let n = 10;
+/// let shards = cluster.run(|comm| {
+///     let full: Vec<f32> = (0..n).map(|i| (i * (comm.rank() + 1)) as f32).collect();
+///     let mut shard = vec![0.0f32; shard_len(n, 4)];
+///     world_reduce_scatter(comm, Routing::Hierarchical, DenseWire::Bf16, &full, &mut shard, Reduce::Sum)?;
+///     Ok::<_, zeropp_comm::CommError>(shard)
+/// })?;
+/// // Sum over ranks of i·(r+1) = 10·i; shard 3 holds element 9 and two padding zeros.
+/// assert_eq!(shards[0], [0.0, 10.0, 20.0]);
+/// assert_eq!(shards[3], [90.0, 0.0, 0.0]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn world_reduce_scatter<C: Communicator + ?Sized>(
+    comm: &mut C,
+    routing: Routing,
+    wire: DenseWire,
+    full: &[f32],
+    shard: &mut [f32],
+    reduce: Reduce,
+) -> Result<(), CommError> {
+    let world = Group::world(comm.topology());
+    match (routing, wire) {
+        (Routing::Flat, DenseWire::F32) => reduce_scatter(comm, &world, full, shard, reduce),
+        (Routing::Flat, DenseWire::Bf16) => reduce_scatter_bf16_wire(comm, &world, full, shard, reduce),
+        (Routing::Hierarchical, DenseWire::F32) => hier_reduce_scatter::<C, f32>(comm, full, shard, reduce),
+        (Routing::Hierarchical, DenseWire::Bf16) => hier_reduce_scatter::<C, bf16>(comm, full, shard, reduce),
+    }
+}
+
+fn hier_reduce_scatter<C: Communicator + ?Sized, T: WireElem>(
+    comm: &mut C,
+    full: &[f32],
+    shard: &mut [f32],
+    reduce: Reduce,
+) -> Result<(), CommError> {
+    const WHAT: &str = "world_reduce_scatter";
+    let topo = *comm.topology();
+    let (w, nodes, local) = (topo.world(), topo.nodes(), topo.local_size());
+    let rank = comm.rank();
+    let n = full.len();
+    let s = check_shard(WHAT, n, w, shard.len())?;
+    let (me_node, me_local) = (topo.node_of(rank), topo.local_rank(rank));
+
+    // Slot m: this node's partial sum of shard (m, me_local), in f32.
+    let mut partial = vec![0.0f32; nodes * s];
+    if local > 1 {
+        // Hop 1: the chunk for local peer j holds the shards of (m, j), m = 0..N.
+        // The own chunk is not sent (its slot stays zero and is never read).
+        let chunk = nodes * s;
+        let mut send = vec![T::zeroed(); chunk * local];
+        for j in (0..local).filter(|&j| j != me_local) {
+            for m in 0..nodes {
+                let out = slot_mut(WHAT, &mut send, j * nodes + m, s)?;
+                with_part(full, s, topo.rank_of(m, j), |x| {
+                    out.iter_mut().zip(x).for_each(|(d, &v)| *d = T::narrow(v));
+                });
+            }
+        }
+        let mut recv = vec![T::zeroed(); chunk * local];
+        comm.all_to_all(&Group::intra_node(&topo, rank), &send, &mut recv)?;
+        drop(send);
+        // Sum the L contributions in local-rank order; the own one in f32.
+        for m in 0..nodes {
+            let acc = slot_mut(WHAT, &mut partial, m, s)?;
+            for j in 0..local {
+                if j == me_local {
+                    with_part(full, s, topo.rank_of(m, j), |x| {
+                        acc.iter_mut().zip(x).for_each(|(a, &v)| *a += v);
+                    });
+                } else {
+                    let got = slot(WHAT, &recv, j * nodes + m, s)?;
+                    acc.iter_mut().zip(got).for_each(|(a, &v)| *a += v.widen());
+                }
+            }
+        }
+    } else {
+        // One rank per node: the partials are this rank's own parts.
+        for m in 0..nodes {
+            let dst = slot_mut(WHAT, &mut partial, m, s)?;
+            with_part(full, s, topo.rank_of(m, me_local), |x| dst.copy_from_slice(x));
+        }
+    }
+
+    if nodes > 1 {
+        // Hop 2: partial m goes to rail peer m; the own node's partial stays f32.
+        let mut send = vec![T::zeroed(); nodes * s];
+        for m in (0..nodes).filter(|&m| m != me_node) {
+            let src = slot(WHAT, &partial, m, s)?;
+            let dst = slot_mut(WHAT, &mut send, m, s)?;
+            dst.iter_mut().zip(src).for_each(|(d, &v)| *d = T::narrow(v));
+        }
+        let mut recv = vec![T::zeroed(); nodes * s];
+        comm.all_to_all(&Group::rail(&topo, rank), &send, &mut recv)?;
+        drop(send);
+        shard.fill(0.0);
+        for m in 0..nodes {
+            if m == me_node {
+                let own = slot(WHAT, &partial, m, s)?;
+                shard.iter_mut().zip(own).for_each(|(a, &v)| *a += v);
+            } else {
+                let got = slot(WHAT, &recv, m, s)?;
+                shard.iter_mut().zip(got).for_each(|(a, &v)| *a += v.widen());
+            }
+        }
+    } else {
+        shard.copy_from_slice(slot(WHAT, &partial, 0, s)?);
+    }
+    finish_shard(shard, n, w, rank, reduce, w);
+    Ok(())
+}
+
+/// Bytes one rank sends in [`world_reduce_scatter`] of a full tensor of `n`
+/// elements (the same on every rank). With `s = ⌈n/W⌉`, `b = wire.bytes()`: flat
+/// sends `s·b` to each other rank (intra `(L-1)·s·b`, inter `(W-L)·s·b`);
+/// hierarchical sends intra `(L-1)·N·s·b` (hop 1) and inter `(N-1)·s·b` (hop 2).
+///
+/// ```
+/// use zeropp_comm::collectives::{DenseWire, Routing, world_reduce_scatter_bytes};
+/// use zeropp_comm::{LinkBytes, Topology};
+/// let t = Topology::new(8, 4)?; // 2 nodes x 4, s = 100
+/// let flat = world_reduce_scatter_bytes(&t, Routing::Flat, DenseWire::Bf16, 800);
+/// let hier = world_reduce_scatter_bytes(&t, Routing::Hierarchical, DenseWire::Bf16, 800);
+/// assert_eq!(flat, LinkBytes { intra: 3 * 200, inter: 4 * 200 });
+/// assert_eq!(hier, LinkBytes { intra: 3 * 2 * 200, inter: 200 });
+/// # Ok::<(), zeropp_comm::CommError>(())
+/// ```
+pub fn world_reduce_scatter_bytes(
+    topology: &Topology,
+    routing: Routing,
+    wire: DenseWire,
+    n: usize,
+) -> LinkBytes {
+    match routing {
+        Routing::Flat => group_reduce_scatter_bytes(topology, 0, &Group::world(topology), wire.bytes(), n),
+        Routing::Hierarchical => {
+            let (nodes, local) = (topology.nodes() as u64, topology.local_size() as u64);
+            let sb = (shard_len(n, topology.world()) * wire.bytes()) as u64;
+            LinkBytes { intra: (local - 1) * nodes * sb, inter: (nodes - 1) * sb }
+        }
+    }
+}
+
+/// The wire encodings of every rank's shard over the whole world: the own shard
+/// is quantized once (`E = encoded_len(opts.spec, shard.len())` bytes, one wire
+/// encoding with header and scales), gathered flat or hierarchically (rail, then
+/// node; the bytes are forwarded as they are, never requantized), and returned in
+/// world rank order (`W·E` bytes, rank `r`'s encoding at `[r·E, (r+1)·E)`).
+/// Dequantize them with [`dequantize_encodings`]. Every rank must pass a shard of
+/// the same length. Bytes per rank: [`world_qwz_bytes`].
+///
+/// ```
+/// use zeropp_comm::collectives::{QwzOptions, Routing, dequantize_encodings, world_qwz_gather_encoded};
+/// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
+/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let opts = QwzOptions::default();
+/// let out = cluster.run(|comm| {
+///     let shard = vec![comm.rank() as f32; 8];
+///     let enc = world_qwz_gather_encoded(comm, Routing::Hierarchical, &shard, &opts)?;
+///     // Keep only ranks 2 and 3 (e.g. a secondary range) and dequantize them.
+///     let e = enc.len() / 4;
+///     let mut part = vec![0.0f32; 16];
+///     dequantize_encodings(&enc[2 * e..], 8, &mut part, &opts.quant)?;
+///     Ok::<_, zeropp_comm::CommError>(part)
+/// })?;
+/// // INT8: within one step (amax/128) of ranks 2 and 3's values.
+/// assert!(out[0][..8].iter().all(|x| (x - 2.0).abs() <= 2.0 / 128.0));
+/// assert!(out[0][8..].iter().all(|x| (x - 3.0).abs() <= 3.0 / 128.0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn world_qwz_gather_encoded<C: Communicator + ?Sized>(
+    comm: &mut C,
+    routing: Routing,
+    shard: &[f32],
+    opts: &QwzOptions,
+) -> Result<Vec<u8>, CommError> {
+    let topo = *comm.topology();
+    let w = topo.world();
+    let e = encoded_len(opts.spec, shard.len());
+    let total = e
+        .checked_mul(w)
+        .filter(|_| e != usize::MAX)
+        .ok_or(CommError::Quant(QuantError::TooLarge(shard.len() as u64)))?;
+    let mut mine = vec![0u8; e];
+    quantize_to_wire(shard, opts.spec, &opts.quant, &mut mine)?;
+    let mut out = vec![0u8; total];
+    match routing {
+        Routing::Flat => comm.all_gather_bytes(&Group::world(&topo), &mine, &mut out)?,
+        Routing::Hierarchical => {
+            let gathered = gather_two_hop(comm, &topo, mine)?;
+            to_world_order("world_qwz_gather_encoded", &topo, &gathered, e, &mut out, |b| b)?;
+        }
+    }
+    Ok(out)
+}
+
+/// qwZ all-gather over the whole world: [`world_qwz_gather_encoded`], then every
+/// rank's encoding (the own one included) is dequantized into its world position
+/// (`full.len() == shard.len() · W`). Both routings give bit-identical results,
+/// equal to [`qwz_all_gather`](super::qwz_all_gather) on [`Group::world`]; only the
+/// traffic differs ([`world_qwz_bytes`]).
+///
+/// ```
+/// use zeropp_comm::collectives::{QwzOptions, Routing, world_qwz_all_gather};
+/// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
+/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let fulls = cluster.run(|comm| {
+///     let shard: Vec<f32> = (0..100).map(|i| (comm.rank() * 100 + i) as f32 / 400.0).collect();
+///     let mut flat = vec![0.0f32; 400];
+///     world_qwz_all_gather(comm, Routing::Flat, &shard, &mut flat, &QwzOptions::default())?;
+///     let mut hier = vec![0.0f32; 400];
+///     world_qwz_all_gather(comm, Routing::Hierarchical, &shard, &mut hier, &QwzOptions::default())?;
+///     assert_eq!(flat, hier);
+///     Ok::<_, zeropp_comm::CommError>(hier)
+/// })?;
+/// for (i, x) in fulls[0].iter().enumerate() {
+///     assert!((x - i as f32 / 400.0).abs() <= 1.0 / 128.0); // INT8: one step of amax/128
+/// }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn world_qwz_all_gather<C: Communicator + ?Sized>(
+    comm: &mut C,
+    routing: Routing,
+    shard: &[f32],
+    full: &mut [f32],
+    opts: &QwzOptions,
+) -> Result<(), CommError> {
+    let (w, c) = (comm.topology().world(), shard.len());
+    if full.len() != c * w {
+        return Err(CommError::Mismatch(format!(
+            "world_qwz_all_gather: output of {} elements for {w} shards of {c}",
+            full.len()
+        )));
+    }
+    let encodings = world_qwz_gather_encoded(comm, routing, shard, opts)?;
+    dequantize_encodings(&encodings, c, full, &opts.quant)
+}
+
+/// Bytes one rank sends in [`world_qwz_all_gather`] / [`world_qwz_gather_encoded`]
+/// of a shard of `shard_len` elements, with `E = encoded_len(spec, shard_len)`:
+/// flat sends `E` to each other rank (intra `(L-1)·E`, inter `(W-L)·E`);
+/// hierarchical sends inter `(N-1)·E` and intra `(L-1)·N·E`.
+pub fn world_qwz_bytes(
+    topology: &Topology,
+    routing: Routing,
+    spec: QuantSpec,
+    shard_len: usize,
+) -> LinkBytes {
+    match routing {
+        Routing::Flat => group_qwz_bytes(topology, 0, &Group::world(topology), spec, shard_len),
+        Routing::Hierarchical => two_hop_gather_bytes(topology, encoded_len(spec, shard_len) as u64),
+    }
+}
+
+/// Offset of the `payload_len` field (`u64`, little-endian) in a wire header
+/// (see [`zeropp_quant::wire`]).
+const PAYLOAD_LEN_AT: usize = 20;
+
+/// The first encoding of `rest`: its length as its header declares it, or all of
+/// `rest` when the header is truncated or declares more (so that decoding reports
+/// the damage).
+fn first_encoding(rest: &[u8]) -> &[u8] {
+    let declared = rest
+        .get(PAYLOAD_LEN_AT..PAYLOAD_LEN_AT + 8)
+        .and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .and_then(|b| usize::try_from(u64::from_le_bytes(b)).ok())
+        .and_then(|p| p.checked_add(zeropp_quant::wire::HEADER_LEN));
+    match declared {
+        Some(len) if len <= rest.len() => rest.split_at(len).0,
+        _ => rest,
+    }
+}
+
+/// Dequantizes `k` consecutive wire encodings of `shard_len` elements each
+/// (e.g. part of [`world_qwz_gather_encoded`]'s output) into `full`
+/// (`k · shard_len` elements, encoding `j` at `[j·shard_len, (j+1)·shard_len)`).
+///
+/// Every encoding's header is validated (magic, version, checksum, lengths); an
+/// encoding of another length than `shard_len`, or a count of encodings that does
+/// not fill `full` exactly, is a [`CommError::Mismatch`]; damaged bytes are a
+/// [`CommError::Quant`].
+///
+/// ```
+/// use zeropp_comm::collectives::dequantize_encodings;
+/// use zeropp_quant::{Options, QuantSpec, encoded_len, quantize_to_wire};
+/// let spec = QuantSpec::int8(4)?;
+/// let e = encoded_len(spec, 4);
+/// let mut bytes = vec![0u8; 2 * e];
+/// quantize_to_wire(&[1.0f32, 2.0, 3.0, 4.0], spec, &Options::default(), &mut bytes[..e])?;
+/// quantize_to_wire(&[-1.0f32; 4], spec, &Options::default(), &mut bytes[e..])?;
+/// let mut full = [0.0f32; 8];
+/// dequantize_encodings(&bytes, 4, &mut full, &Options::default())?;
+/// assert!(full[4..].iter().all(|x| (x + 1.0).abs() <= 1.0 / 128.0));
+/// assert!(dequantize_encodings(&bytes, 3, &mut [0.0f32; 6], &Options::default()).is_err());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn dequantize_encodings(
+    bytes: &[u8],
+    shard_len: usize,
+    full: &mut [f32],
+    opts: &Options,
+) -> Result<(), CommError> {
+    const WHAT: &str = "dequantize_encodings";
+    let total = full.len();
+    let mut rest = bytes;
+    let mut count = 0usize;
+    while !rest.is_empty() {
+        let enc = first_encoding(rest);
+        rest = rest.split_at(enc.len()).1;
+        let q = QuantizedRef::from_bytes(enc)?;
+        if q.len() != shard_len {
+            return Err(CommError::Mismatch(format!(
+                "{WHAT}: encoding {count} holds {} elements, expected {shard_len}",
+                q.len()
+            )));
+        }
+        let out = full.get_mut(count * shard_len..(count + 1) * shard_len).ok_or_else(|| {
+            CommError::Mismatch(format!(
+                "{WHAT}: more than {count} encodings of {shard_len} elements for an output of {total}"
+            ))
+        })?;
+        dequantize_into(&q, out, opts)?;
+        count += 1;
+    }
+    if count * shard_len != total {
+        return Err(CommError::Mismatch(format!(
+            "{WHAT}: {count} encodings of {shard_len} elements for an output of {total}"
+        )));
+    }
+    Ok(())
+}
