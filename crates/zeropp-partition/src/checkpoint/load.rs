@@ -1,13 +1,14 @@
 //! Reading checkpoints: resolving `LATEST`, verifying and consolidating the
 //! shards, and cutting the state of any rank of any new plan out of them.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors};
 use zeropp_comm::Topology;
 
-use super::format::{SHARD_FORMAT, bytes_f32, tensor_name};
+use super::format::{EXTRA_PREFIX, SHARD_FORMAT, bytes_f32, compare_extras, extra_tensor_name, tensor_name};
 use super::fs::read_file;
 use super::manifest::Manifest;
 use super::state::{BucketShard, ShardState};
@@ -52,12 +53,14 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf> {
 }
 
 /// A loaded checkpoint, consolidated: full per-bucket state with padding
-/// stripped, plus the manifest.
+/// stripped, the manifest, and every saved rank's extras.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Checkpoint {
     pub(super) dir: PathBuf,
     pub(super) manifest: Manifest,
     pub(super) buckets: Vec<FullBucket>,
+    /// Rank-local extras, one map per saved rank (empty maps when none).
+    pub(super) extras: Vec<BTreeMap<String, Vec<f32>>>,
 }
 
 /// The consolidated state of one bucket: `numel` real elements each.
@@ -78,8 +81,11 @@ pub struct FullBucket {
 /// for an example).
 ///
 /// Verifies the manifest's own checksum and structure, then the size and
-/// crc32c of every shard file, then each file's tensors; any missing,
-/// truncated or corrupted file is an error naming the file.
+/// crc32c of every shard file, then each file's tensors, rank-local extras
+/// included (exactly those [`Manifest::extras`] lists, f32, of the listed
+/// lengths); any missing, truncated or corrupted file or tensor is an error
+/// naming the file. Checkpoints written before extras existed load with
+/// no extras.
 pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let step_dir = resolve_checkpoint_dir(dir)?;
     let manifest_path = step_dir.join(MANIFEST_FILE);
@@ -87,6 +93,7 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let plan = manifest.validate(&manifest_path)?;
 
     let mut buckets: Vec<FullBucket> = plan.buckets().iter().map(|_| FullBucket::default()).collect();
+    let mut extras = vec![BTreeMap::new(); plan.world()];
     for rec in &manifest.shards {
         let path = step_dir.join(&rec.file);
         let bytes = read_file(&path)?;
@@ -101,16 +108,18 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
         if crc != rec.crc32c {
             return Err(PartitionError::ChecksumMismatch { path, expected: rec.crc32c, actual: crc });
         }
-        read_shard(&path, &bytes, &plan, &manifest, rec.rank, &mut buckets)?;
+        read_shard(&path, &bytes, &plan, &manifest, rec.rank, &mut buckets, &mut extras[rec.rank])?;
     }
     for (b, layout) in buckets.iter_mut().zip(plan.buckets()) {
         b.master.truncate(layout.numel);
         b.exp_avg.truncate(layout.numel);
         b.exp_avg_sq.truncate(layout.numel);
     }
-    Ok(Checkpoint { dir: step_dir, manifest, buckets })
+    Ok(Checkpoint { dir: step_dir, manifest, buckets, extras })
 }
 
+/// Checks one verified (size, crc32c) shard file and appends its primary
+/// state to the consolidated `buckets`; its extras go to `extras`.
 fn read_shard(
     path: &Path,
     bytes: &[u8],
@@ -118,6 +127,7 @@ fn read_shard(
     manifest: &Manifest,
     rank: usize,
     buckets: &mut [FullBucket],
+    extras: &mut BTreeMap<String, Vec<f32>>,
 ) -> Result<()> {
     let bad = |reason: String| PartitionError::corrupt(path, reason);
     let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
@@ -160,6 +170,19 @@ fn read_shard(
         } else if full.step != step {
             return Err(bad(format!("bucket {b} step counter {step} differs from rank 0's {}", full.step)));
         }
+    }
+    let found = st
+        .iter()
+        .filter_map(|(name, t)| {
+            name.strip_prefix(EXTRA_PREFIX).map(|n| (n.to_string(), (t.dtype(), t.shape().to_vec())))
+        })
+        .collect();
+    let listed = manifest.extras_of(rank);
+    compare_extras(&found, listed).map_err(bad)?;
+    for name in listed.keys() {
+        let tensor = extra_tensor_name(name);
+        let t = st.tensor(&tensor).map_err(|e| bad(format!("tensor {tensor}: {e}")))?;
+        extras.insert(name.clone(), bytes_f32(t.data()));
     }
     Ok(())
 }
@@ -208,11 +231,53 @@ impl Checkpoint {
         })
     }
 
+    /// The rank-local extras saved by `rank` of the saved topology (name →
+    /// values, bit for bit as saved; empty if that rank saved none), or
+    /// `None` if `rank` is not below the saved world size.
+    pub fn rank_extra(&self, rank: usize) -> Option<&BTreeMap<String, Vec<f32>>> {
+        self.extras.get(rank)
+    }
+
+    /// Whether any rank saved extras.
+    pub fn has_extras(&self) -> bool {
+        self.extras.iter().any(|e| !e.is_empty())
+    }
+
+    /// Whether [`Checkpoint::shard_for`] under `plan` leaves saved extras
+    /// out: true when the checkpoint has extras ([`Checkpoint::has_extras`])
+    /// and `plan` partitions differently from the saved plan. Extras belong
+    /// to a rank, not to parameter elements, so they cannot be re-sharded;
+    /// a caller resuming onto another topology should warn that this state
+    /// (e.g. qgZ error feedback) restarts from zero.
+    ///
+    /// "The same partitioning" means the same world size, the same ranks
+    /// per node, and the same bucket layouts (so every rank owns the same
+    /// elements as when it saved: an alignment change that alters the
+    /// padding counts as different). The hpZ group size may differ.
+    pub fn extras_dropped(&self, plan: &PartitionPlan) -> bool {
+        self.has_extras() && !self.same_partitioning(plan)
+    }
+
+    /// Same world size, ranks per node and bucket layouts as at save time.
+    fn same_partitioning(&self, plan: &PartitionPlan) -> bool {
+        let saved = &self.manifest.topology;
+        let topology = plan.topology();
+        topology.world() == saved.world
+            && topology.local_size() == saved.local_size
+            && plan.buckets() == self.manifest.buckets.as_slice()
+    }
+
     /// The state of `rank` under `plan`, which may have any topology,
     /// alignment or hpZ size, but must describe the same model (same buckets
     /// with the same parameter names, shapes and dtypes, in order).
     /// Padding is zero.
+    ///
+    /// The rank's extras ([`ShardState::extra`]) are those it saved when
+    /// `plan` partitions like the saved plan, and empty otherwise: check
+    /// [`Checkpoint::extras_dropped`] to tell that apart from a checkpoint
+    /// without extras.
     pub fn shard_for(&self, plan: &PartitionPlan, rank: usize) -> Result<ShardState> {
+        plan.check_rank(rank)?;
         let saved = &self.manifest.buckets;
         if plan.num_buckets() != saved.len() {
             return Err(PartitionError::LayoutMismatch(format!(
@@ -242,6 +307,11 @@ impl Checkpoint {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(ShardState { buckets })
+        let extra = if self.same_partitioning(plan) {
+            self.extras.get(rank).cloned().unwrap_or_default()
+        } else {
+            BTreeMap::new()
+        };
+        Ok(ShardState { buckets, extra })
     }
 }

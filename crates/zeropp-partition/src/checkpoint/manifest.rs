@@ -1,12 +1,13 @@
 //! The checkpoint manifest and its self-checksummed file encoding.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use zeropp_comm::Topology;
 
 use super::FORMAT_VERSION;
-use super::format::shard_file_name;
+use super::format::{check_extra_name, shard_file_name};
 use crate::error::{PartitionError, Result};
 use crate::layout::{BucketLayout, ParamRegistry};
 use crate::plan::{PartitionPlan, PlanConfig};
@@ -61,11 +62,30 @@ pub struct Manifest {
     pub user_config: serde_json::Value,
     /// One record per rank, in rank order.
     pub shards: Vec<ShardRecord>,
+    /// Rank-local extras ([`ShardState::extra`](super::ShardState::extra)):
+    /// either empty (no rank saved any), or one map per rank, in rank
+    /// order, from the name of each extra of that rank to its length.
+    ///
+    /// Empty is not written to the file at all, so a checkpoint without
+    /// extras is byte for byte the format of before extras existed, and
+    /// such older manifests read as empty. Loading checks every shard file
+    /// against this listing: a missing, unlisted, mistyped or truncated
+    /// extra is an error naming the file.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extras: Vec<BTreeMap<String, usize>>,
 }
+
+/// What [`Manifest::extras_of`] answers for a rank without extras.
+static NO_EXTRAS: BTreeMap<String, usize> = BTreeMap::new();
 
 impl Manifest {
     /// Builds the manifest of a checkpoint of `plan` at `step`, from every
     /// rank's [`ShardRecord`] (in any order; exactly one per rank).
+    ///
+    /// The manifest lists no extras; if any rank's shard holds some, add
+    /// them with [`Manifest::with_extras`] before committing
+    /// ([`commit_checkpoint`](super::commit_checkpoint) refuses a manifest
+    /// that does not list exactly what the shard files hold).
     pub fn new(
         plan: &PartitionPlan,
         step: u64,
@@ -83,11 +103,86 @@ impl Manifest {
             buckets: plan.buckets().to_vec(),
             user_config,
             shards,
+            extras: Vec::new(),
         };
         manifest.check_shards()?;
         Ok(manifest)
     }
 
+    /// Lists the rank-local extras of every rank: `extras[r]` is
+    /// [`ShardState::extra_lens`](super::ShardState::extra_lens) of rank
+    /// `r`'s state (one map per rank, in rank order). If every map is empty
+    /// nothing is listed, and the manifest stays in the format of before
+    /// extras existed.
+    ///
+    /// In a multi-process save each rank sends its (usually identical)
+    /// listing to rank 0 along with its [`ShardRecord`].
+    ///
+    /// ```
+    /// use std::collections::BTreeMap;
+    /// use zeropp_comm::Topology;
+    /// use zeropp_partition::*;
+    ///
+    /// let mut reg = ParamRegistry::new();
+    /// reg.push_bucket("layer0", vec![ParamSpec::new("w", [8], DType::F32)])?;
+    /// let plan = PartitionPlan::new(&reg, Topology::new(2, 2)?, PlanConfig::default())?;
+    /// let dir = std::env::temp_dir().join(format!("zeropp-doc-extras-{}", std::process::id()));
+    ///
+    /// // Phase 1, on every rank: write the shard, keep its extras listing.
+    /// let mut records = Vec::new();
+    /// let mut listings = Vec::new();
+    /// for rank in 0..2 {
+    ///     let mut state = ShardState::zeros(&plan, rank)?;
+    ///     state.extra.insert("qgz.residual".into(), vec![0.25 * rank as f32; 3]);
+    ///     records.push(write_shard(&dir, &plan, 1, rank, &state)?);
+    ///     listings.push(state.extra_lens());
+    /// }
+    /// // Phase 2, on rank 0: list the extras, then commit.
+    /// let manifest = Manifest::new(&plan, 1, serde_json::Value::Null, records)?.with_extras(listings)?;
+    /// commit_checkpoint(&dir, &manifest)?;
+    ///
+    /// let ckpt = load_checkpoint(&dir)?;
+    /// assert_eq!(ckpt.rank_extra(1).and_then(|e| e.get("qgz.residual")), Some(&vec![0.25; 3]));
+    /// assert_eq!(ckpt.shard_for(&plan, 1)?.extra["qgz.residual"], [0.25; 3]);
+    /// # std::fs::remove_dir_all(&dir).ok();
+    /// # Ok::<(), PartitionError>(())
+    /// ```
+    pub fn with_extras(mut self, extras: Vec<BTreeMap<String, usize>>) -> Result<Self> {
+        self.extras = if extras.iter().all(BTreeMap::is_empty) { Vec::new() } else { extras };
+        self.check_extras()?;
+        Ok(self)
+    }
+
+    /// The extras listed for `rank` (name → length); empty when the rank
+    /// saved none, when no rank did, or when `rank` is out of range.
+    pub fn extras_of(&self, rank: usize) -> &BTreeMap<String, usize> {
+        self.extras.get(rank).unwrap_or(&NO_EXTRAS)
+    }
+
+    /// Checks the extras listing: empty, or one map per rank with valid names.
+    pub(super) fn check_extras(&self) -> Result<()> {
+        if self.extras.is_empty() {
+            return Ok(());
+        }
+        let world = self.topology.world;
+        if self.extras.len() != world {
+            return Err(PartitionError::LengthMismatch {
+                what: "extras listings (one per rank)".into(),
+                expected: world,
+                actual: self.extras.len(),
+            });
+        }
+        for (rank, listing) in self.extras.iter().enumerate() {
+            for name in listing.keys() {
+                check_extra_name(name)
+                    .map_err(|e| PartitionError::InvalidConfig(format!("extras of rank {rank}: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the shard records: one per rank, in rank order, with the
+    /// expected file names.
     pub(super) fn check_shards(&self) -> Result<()> {
         let world = self.topology.world;
         if self.shards.len() != world {
@@ -157,9 +252,11 @@ impl Manifest {
             return Err(PartitionError::corrupt(path, "node count is inconsistent"));
         }
         self.check_shards().map_err(bad)?;
+        self.check_extras().map_err(bad)?;
         Ok(plan)
     }
 
+    /// The file bytes: pretty JSON with `manifest_crc32c` first.
     pub(super) fn to_file_bytes(&self) -> Result<Vec<u8>> {
         let body = serde_json::to_string_pretty(self)
             .map_err(|e| PartitionError::InvalidConfig(format!("cannot serialize manifest: {e}")))?;
@@ -171,6 +268,7 @@ impl Manifest {
         Ok(assemble(&format!("{crc:08x}")))
     }
 
+    /// Parses file bytes, verifying `manifest_crc32c` first.
     pub(super) fn from_file_bytes(path: &Path, bytes: &[u8]) -> Result<Self> {
         let start = MANIFEST_PREFIX.len();
         let end = start + MANIFEST_CRC_PLACEHOLDER.len();

@@ -6,7 +6,8 @@
 //! DIR/
 //!   LATEST                               "step-00000200\n", replaced atomically after the manifest is durable
 //!   step-00000100/                       one folder per checkpoint, never modified once committed
-//!     rank-00000-of-00004.safetensors    rank 0's primary shards: master, exp_avg, exp_avg_sq, step per bucket
+//!     rank-00000-of-00004.safetensors    rank 0's primary shards: master, exp_avg, exp_avg_sq, step per bucket,
+//!                                        and its rank-local extras (extra/NAME), if any
 //!     ...
 //!     manifest.json                      written last (by rank 0): its presence marks the checkpoint committed
 //!   step-00000200/
@@ -46,12 +47,35 @@
 //! state of any rank of any new plan (other world size, local size, alignment
 //! or hpZ group size) out of them.
 //!
+//! # Rank-local extras
+//!
+//! A rank may also save named f32 vectors that belong to it rather than to
+//! parameter elements ([`ShardState::extra`]; e.g. the qgZ error-feedback
+//! residuals, which a bitwise resume needs). They are stored bit for bit in
+//! the rank's shard file as tensors `extra/NAME`, under the same file
+//! crc32c, and listed per rank in the manifest ([`Manifest::extras`],
+//! filled by [`Manifest::with_extras`]); a missing, unlisted, mistyped or
+//! truncated extra is an error naming the file, at commit and at load.
+//!
+//! Extras cannot be re-sharded: [`Checkpoint::shard_for`] returns them only
+//! under a plan that partitions like the saved one (same world size, ranks
+//! per node and bucket layouts) and an empty map otherwise;
+//! [`Checkpoint::extras_dropped`] tells the caller when to warn.
+//! [`Checkpoint::rank_extra`] reads them by saved rank regardless. They are
+//! not model weights and stay out of [`Checkpoint::export_safetensors`].
+//!
+//! A checkpoint without extras is written exactly as before extras existed
+//! (no `extras` key, no `extra/` tensors, [`FORMAT_VERSION`] unchanged), and
+//! such checkpoints load with no extras. Readers that predate extras
+//! ignore them.
+//!
 //! # Source map
 //!
 //! * `manifest.rs`: [`Manifest`], [`ShardRecord`], [`TopologyInfo`] and the
 //!   self-checksummed `manifest.json` encoding.
 //! * `state.rs`: what one rank saves ([`ShardState`], [`BucketShard`]).
-//! * `format.rs`: names of folders, shard files and tensors; f32 encoding.
+//! * `format.rs`: names of folders, shard files and tensors; f32 encoding;
+//!   checks of the extras a shard file holds against the manifest.
 //! * `fs.rs`: atomic writes (temporary file, fsync, rename, fsync folder).
 //! * `save.rs`: [`write_shard`], [`commit_checkpoint`], [`save_checkpoint`].
 //! * `load.rs`: [`resolve_checkpoint_dir`], [`load_checkpoint`],

@@ -7,7 +7,10 @@ use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, TensorView};
 
-use super::format::{SHARD_FORMAT, f32_bytes, shard_file_name, step_dir_name, tensor_name};
+use super::format::{
+    SHARD_FORMAT, compare_extras, extra_tensor_name, f32_bytes, read_header_extras, shard_file_name,
+    step_dir_name, tensor_name,
+};
 use super::fs::atomic_write;
 use super::manifest::{Manifest, ShardRecord};
 use super::state::ShardState;
@@ -17,6 +20,10 @@ use crate::plan::PartitionPlan;
 
 /// Writes `rank`'s shard file of the checkpoint of `step` into
 /// `dir/step-…/` and returns its [`ShardRecord`]. Called by every rank.
+///
+/// The file holds the rank's primary state of every bucket and its
+/// rank-local extras ([`ShardState::extra`], as tensors `extra/NAME`); rank
+/// 0 must list the extras in the manifest ([`Manifest::with_extras`]).
 ///
 /// Fails with [`PartitionError::CheckpointExists`] if that checkpoint is
 /// already committed; files of an uncommitted (failed) attempt are replaced.
@@ -34,12 +41,16 @@ pub fn write_shard(
     }
     fs::create_dir_all(&step_dir).map_err(|e| PartitionError::io(&step_dir, e))?;
 
-    let mut data: Vec<(String, Dtype, Vec<u8>)> = Vec::with_capacity(4 * state.buckets.len());
+    let mut data: Vec<(String, Dtype, Vec<u8>)> =
+        Vec::with_capacity(4 * state.buckets.len() + state.extra.len());
     for (b, s) in state.buckets.iter().enumerate() {
         data.push((tensor_name(b, "master"), Dtype::F32, f32_bytes(&s.master)));
         data.push((tensor_name(b, "exp_avg"), Dtype::F32, f32_bytes(&s.exp_avg)));
         data.push((tensor_name(b, "exp_avg_sq"), Dtype::F32, f32_bytes(&s.exp_avg_sq)));
         data.push((tensor_name(b, "step"), Dtype::U64, s.step.to_le_bytes().to_vec()));
+    }
+    for (name, v) in &state.extra {
+        data.push((extra_tensor_name(name), Dtype::F32, f32_bytes(v)));
     }
     let world = plan.world();
     let file = shard_file_name(rank, world);
@@ -71,11 +82,18 @@ pub fn write_shard(
 }
 
 /// Commits a checkpoint (rank 0, after every rank's [`write_shard`]
-/// returned): checks that every shard file exists with its recorded size,
-/// writes `manifest.json` atomically, then points `dir/LATEST` at it
+/// returned): checks that every shard file exists with its recorded size
+/// and holds exactly the extras the manifest lists (from the file headers
+/// only), writes `manifest.json` atomically, then points `dir/LATEST` at it
 /// (atomically). Returns the checkpoint folder.
+///
+/// A shard whose extras differ from [`Manifest::extras`] (typically: the
+/// manifest was built without [`Manifest::with_extras`]) is a
+/// [`PartitionError::Corrupt`] naming the file, and nothing is committed,
+/// so a committed checkpoint always loads.
 pub fn commit_checkpoint(dir: &Path, manifest: &Manifest) -> Result<PathBuf> {
     manifest.check_shards()?;
+    manifest.check_extras()?;
     let step_dir = dir.join(step_dir_name(manifest.step));
     let manifest_path = step_dir.join(MANIFEST_FILE);
     if manifest_path.exists() {
@@ -87,6 +105,8 @@ pub fn commit_checkpoint(dir: &Path, manifest: &Manifest) -> Result<PathBuf> {
         if meta.len() != s.size {
             return Err(PartitionError::SizeMismatch { path, expected: s.size, actual: meta.len() });
         }
+        compare_extras(&read_header_extras(&path)?, manifest.extras_of(s.rank))
+            .map_err(|reason| PartitionError::corrupt(&path, reason))?;
     }
     atomic_write(&manifest_path, &manifest.to_file_bytes()?)?;
     let pointer = format!("{}\n", step_dir_name(manifest.step));
@@ -95,8 +115,8 @@ pub fn commit_checkpoint(dir: &Path, manifest: &Manifest) -> Result<PathBuf> {
 }
 
 /// Saves a whole checkpoint from one process: writes the shard of every
-/// rank of `plan` (`shards[r]` is rank `r`'s state), then commits it.
-/// Returns the checkpoint folder.
+/// rank of `plan` (`shards[r]` is rank `r`'s state, extras included), then
+/// commits it with the extras listed. Returns the checkpoint folder.
 ///
 /// ```
 /// use zeropp_comm::Topology;
@@ -146,6 +166,7 @@ pub fn save_checkpoint(
         .enumerate()
         .map(|(r, s)| write_shard(dir, plan, step, r, s))
         .collect::<Result<Vec<_>>>()?;
-    let manifest = Manifest::new(plan, step, user_config, records)?;
+    let manifest = Manifest::new(plan, step, user_config, records)?
+        .with_extras(shards.iter().map(ShardState::extra_lens).collect())?;
     commit_checkpoint(dir, &manifest)
 }

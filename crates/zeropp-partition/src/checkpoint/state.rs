@@ -1,5 +1,9 @@
-//! What one rank saves: its primary shard of every bucket.
+//! What one rank saves: its primary shard of every bucket, plus rank-local
+//! extra state.
 
+use std::collections::BTreeMap;
+
+use super::format::check_extra_name;
 use crate::error::{PartitionError, Result};
 use crate::plan::PartitionPlan;
 
@@ -17,11 +21,28 @@ pub struct BucketShard {
     pub step: u64,
 }
 
-/// One rank's saved state: one [`BucketShard`] per bucket, in bucket order.
+/// One rank's saved state: one [`BucketShard`] per bucket, in bucket order,
+/// and the rank's extra state.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct ShardState {
     /// Per-bucket primary state.
     pub buckets: Vec<BucketShard>,
+    /// Rank-local extra state: named f32 vectors that belong to this rank
+    /// only, not to a parameter shard (e.g. the qgZ error-feedback
+    /// residuals, without which a resumed run is not bitwise identical).
+    /// Empty by default.
+    ///
+    /// Saved bit for bit in the rank's shard file as tensors `extra/NAME`
+    /// and listed in the manifest ([`Manifest::extras`]). Opaque to this
+    /// crate: names must be non-empty and free of control characters, the
+    /// lengths are the owner's business. They cannot be re-sharded:
+    /// [`Checkpoint::shard_for`] returns them only on the saved
+    /// partitioning (see [`Checkpoint::extras_dropped`]).
+    ///
+    /// [`Manifest::extras`]: super::Manifest::extras
+    /// [`Checkpoint::shard_for`]: super::Checkpoint::shard_for
+    /// [`Checkpoint::extras_dropped`]: super::Checkpoint::extras_dropped
+    pub extra: BTreeMap<String, Vec<f32>>,
 }
 
 impl ShardState {
@@ -39,7 +60,7 @@ impl ShardState {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { buckets })
+        Ok(Self { buckets, extra: BTreeMap::new() })
     }
 
     /// Initial state of `rank`: master weights cut from full per-bucket
@@ -61,10 +82,17 @@ impl ShardState {
                 Ok(BucketShard { master, exp_avg: vec![0.0; n], exp_avg_sq: vec![0.0; n], step: 0 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { buckets })
+        Ok(Self { buckets, extra: BTreeMap::new() })
     }
 
-    /// Checks that the state has the shape `plan` requires for `rank`.
+    /// Names and lengths of the extras: what the manifest lists for this
+    /// rank (see [`Manifest::with_extras`](super::Manifest::with_extras)).
+    pub fn extra_lens(&self) -> BTreeMap<String, usize> {
+        self.extra.iter().map(|(name, v)| (name.clone(), v.len())).collect()
+    }
+
+    /// Checks that the state has the shape `plan` requires for `rank`, and
+    /// that the names of its extras are valid.
     pub fn validate(&self, plan: &PartitionPlan, rank: usize) -> Result<()> {
         if self.buckets.len() != plan.num_buckets() {
             return Err(PartitionError::LengthMismatch {
@@ -84,6 +112,9 @@ impl ShardState {
                     });
                 }
             }
+        }
+        for name in self.extra.keys() {
+            check_extra_name(name).map_err(|e| PartitionError::InvalidConfig(format!("rank {rank}: {e}")))?;
         }
         Ok(())
     }
