@@ -6,5 +6,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
 mod checkpoint;
+mod checkpoint_extras;
 mod plan;
 mod proptest_plan;
