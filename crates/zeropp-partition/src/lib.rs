@@ -51,8 +51,9 @@
 //! ## Checkpoints
 //!
 //! See the [`checkpoint`] module: per-rank safetensors shards, a JSON
-//! manifest with crc32c checksums, atomic commits, verified loads and
-//! re-sharding to any topology.
+//! manifest with crc32c checksums, atomic commits, verified loads,
+//! re-sharding to any topology, and rank-local extra state (such as qgZ
+//! error-feedback residuals) restored on the saved topology.
 
 pub mod checkpoint;
 mod error;

@@ -64,6 +64,7 @@ pub fn save<M: Model, C: Communicator + ?Sized, U: serde::Serialize>(
                 step: o.steps(),
             })
             .collect(),
+        extra: Default::default(),
     };
     let written = write_shard(dir, plan, step as u64, rank, &state);
     // Exchange (ok, size, crc) so rank 0 can commit, and everyone learns of failures.

@@ -14,7 +14,7 @@ use zeropp_partition::{
     ShardState, commit_checkpoint, load_checkpoint, save_checkpoint, write_shard,
 };
 
-fn registry() -> ParamRegistry {
+pub(super) fn registry() -> ParamRegistry {
     let mut reg = ParamRegistry::new();
     reg.push_bucket("embed", vec![ParamSpec::new("embed.w", [13, 5], DType::BF16)]).unwrap();
     reg.push_bucket(
@@ -26,13 +26,13 @@ fn registry() -> ParamRegistry {
     reg
 }
 
-fn plan(world: usize, local: usize, align: usize, hpz: usize) -> PartitionPlan {
+pub(super) fn plan(world: usize, local: usize, align: usize, hpz: usize) -> PartitionPlan {
     PartitionPlan::new(&registry(), Topology::new(world, local).unwrap(), PlanConfig::new(align, hpz))
         .unwrap()
 }
 
 /// Deterministic, distinct per-element values for the "model state": padding zero.
-fn full_state(plan: &PartitionPlan, seed: f32) -> Vec<[Vec<f32>; 3]> {
+pub(super) fn full_state(plan: &PartitionPlan, seed: f32) -> Vec<[Vec<f32>; 3]> {
     plan.buckets()
         .iter()
         .enumerate()
@@ -45,7 +45,7 @@ fn full_state(plan: &PartitionPlan, seed: f32) -> Vec<[Vec<f32>; 3]> {
         .collect()
 }
 
-fn shards_of(plan: &PartitionPlan, full: &[[Vec<f32>; 3]]) -> Vec<ShardState> {
+pub(super) fn shards_of(plan: &PartitionPlan, full: &[[Vec<f32>; 3]]) -> Vec<ShardState> {
     (0..plan.world())
         .map(|r| ShardState {
             buckets: full
@@ -58,6 +58,7 @@ fn shards_of(plan: &PartitionPlan, full: &[[Vec<f32>; 3]]) -> Vec<ShardState> {
                     step: 40 + b as u64,
                 })
                 .collect(),
+            extra: Default::default(),
         })
         .collect()
 }

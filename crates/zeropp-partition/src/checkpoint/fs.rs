@@ -1,0 +1,38 @@
+//! Filesystem helpers: atomic, durable writes and reads that name the file
+//! in their errors.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::Path;
+
+use crate::error::{PartitionError, Result};
+
+/// fsyncs a folder so that a rename inside it is durable (no-op off Unix).
+fn sync_dir(dir: &Path) -> Result<()> {
+    #[cfg(unix)]
+    {
+        File::open(dir).and_then(|d| d.sync_all()).map_err(|e| PartitionError::io(dir, e))?;
+    }
+    #[cfg(not(unix))]
+    let _ = dir;
+    Ok(())
+}
+
+/// Writes `bytes` to `path` atomically: `path.tmp`, fsync, rename, fsync the folder.
+pub(super) fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
+    // A bare file name has an empty parent: that is the current directory.
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or_else(|| Path::new("."));
+    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = dir.join(tmp_name);
+    let mut f = File::create(&tmp).map_err(|e| PartitionError::io(&tmp, e))?;
+    f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| PartitionError::io(&tmp, e))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(|e| PartitionError::io(path, e))?;
+    sync_dir(dir)
+}
+
+/// Reads a whole file; a missing file is [`PartitionError::MissingFile`].
+pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
+    fs::read(path).map_err(|e| PartitionError::io(path, e))
+}

@@ -1,0 +1,11 @@
+//! The integration tests of `zeropp-partition`, in one test binary (one link
+//! instead of one per file): a module per area.
+//!
+//! Proptest failure seeds persist next to the module that found them
+//! (`tests/it/<module>.proptest-regressions`); commit them when they appear.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
+
+mod checkpoint;
+mod checkpoint_extras;
+mod plan;
+mod proptest_plan;
