@@ -5,8 +5,61 @@
 //! from the CLI flags, or from a DeepSpeed JSON file ([`crate::deepspeed`]).
 
 use serde::{Deserialize, Serialize};
+pub use zeropp_comm::collectives::Routing;
 
 use crate::EngineError;
+
+/// How the hpZ secondary shard is held and gathered in the backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum HpzWire {
+    /// In the baseline element type ([`CommDtype`], bf16 by default): the
+    /// gathered weights as the forward pass used them. `2·Ψ/hpz` bytes held.
+    #[default]
+    Dense,
+    /// As the qwZ INT8 encodings the forward gather received (DeepSpeed's choice
+    /// when qwZ is on): about half the bytes held and sent, the same weights (they
+    /// are the same bytes). Needs qwZ; without it the dense wire is used.
+    Int8,
+}
+
+impl HpzWire {
+    /// The lower-case name (`dense`, `int8`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Dense => "dense",
+            Self::Int8 => "int8",
+        }
+    }
+}
+
+impl std::str::FromStr for HpzWire {
+    type Err = EngineError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            "dense" | "bf16" | "16bit" => Ok(Self::Dense),
+            "int8" => Ok(Self::Int8),
+            other => Err(EngineError::InvalidConfig(format!(
+                "unknown hpZ wire `{other}` (expected dense or int8)"
+            ))),
+        }
+    }
+}
+
+/// Serde for [`Routing`] (a comm type) as its name.
+mod routing_serde {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use zeropp_comm::collectives::Routing;
+
+    pub(super) fn serialize<S: Serializer>(r: &Routing, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(r.name())
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Routing, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
 
 /// The element type the baseline (non-quantized) collectives put on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -20,6 +73,14 @@ pub enum CommDtype {
 }
 
 impl CommDtype {
+    /// The comm crate's name for this wire type.
+    pub fn wire(self) -> zeropp_comm::collectives::DenseWire {
+        match self {
+            Self::Bf16 => zeropp_comm::collectives::DenseWire::Bf16,
+            Self::F32 => zeropp_comm::collectives::DenseWire::F32,
+        }
+    }
+
     /// Bytes per element on the wire.
     pub fn bytes(self) -> usize {
         match self {
@@ -91,6 +152,15 @@ pub struct ZeroConfig {
     pub qgz_group_size: usize,
     /// Element type of the baseline collectives.
     pub comm_dtype: CommDtype,
+    /// Routing of every world collective (the dense ZeRO-3 gathers and
+    /// reduce-scatters, and ZeRO++'s qwZ gathers): hierarchical (inter-node hop
+    /// over the rail, then intra-node, as NCCL and torch HSDP route; the default)
+    /// or flat (every rank with every rank). qgZ is hierarchical by construction.
+    #[serde(default, with = "routing_serde")]
+    pub routing: Routing,
+    /// How hpZ holds and gathers its secondary shard (see [`HpzWire`]).
+    #[serde(default)]
+    pub hpz_wire: HpzWire,
     /// qgZ error feedback, LoCo style, on both quantizing hops (`None` = off; see
     /// [`LocoConfig`] and `zeropp_comm::collectives::ErrorFeedback`).
     pub error_feedback: Option<LocoConfig>,
@@ -131,6 +201,8 @@ impl ZeroConfig {
             qgz_bits: 4,
             qgz_group_size: 256,
             comm_dtype: CommDtype::Bf16,
+            routing: Routing::Hierarchical,
+            hpz_wire: HpzWire::Dense,
             error_feedback: None,
             qgz_exclude_1d: false,
             stochastic_rounding: false,

@@ -127,6 +127,18 @@ pub(crate) struct TrainArgs {
     /// Reset the LoCo residuals every N optimizer steps (0 = never; implies --error-feedback).
     #[arg(long = "loco-reset")]
     pub loco_reset: Option<usize>,
+    /// Routing of the world collectives: hierarchical (rail then node, as NCCL/HSDP; default) or flat.
+    #[arg(long, value_name = "hierarchical|flat")]
+    pub baseline: Option<String>,
+    /// How hpZ holds and gathers its secondary shard: dense (the baseline dtype) or int8 (qwZ's encodings).
+    #[arg(long = "hpz-wire", value_name = "dense|int8")]
+    pub hpz_wire: Option<String>,
+    /// qwZ quantization group size (elements per scale).
+    #[arg(long = "qwz-group-size")]
+    pub qwz_group_size: Option<usize>,
+    /// qgZ quantization group size (elements per scale).
+    #[arg(long = "qgz-group-size")]
+    pub qgz_group_size: Option<usize>,
     /// Reduce 1-D parameters (biases, norms) at full precision under qgZ, as DeepSpeed does.
     #[arg(long = "qgz-exclude-1d")]
     pub qgz_exclude_1d: bool,
@@ -201,7 +213,7 @@ pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<(TrainConf
     Ok((cfg, warnings))
 }
 
-pub(crate) fn zero_from_flags(a: &TrainArgs) -> ZeroConfig {
+pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
     let mut z = match a.mode {
         Mode::Zero3 => ZeroConfig::zero3(),
         Mode::Zeropp => ZeroConfig::zeropp(a.run.local_size),
@@ -240,9 +252,21 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> ZeroConfig {
     if a.packed_groups {
         z.per_tensor_groups = false;
     }
+    if let Some(b) = &a.baseline {
+        z.routing = b.parse().map_err(|e| format!("--baseline: {e}"))?;
+    }
+    if let Some(w) = &a.hpz_wire {
+        z.hpz_wire = w.parse().map_err(|e| format!("--hpz-wire: {e}"))?;
+    }
+    if let Some(g) = a.qwz_group_size {
+        z.qwz_group_size = g;
+    }
+    if let Some(g) = a.qgz_group_size {
+        z.qgz_group_size = g;
+    }
     z.stochastic_rounding = a.stochastic_rounding;
     z.prefetch = !a.no_prefetch;
-    z
+    Ok(z)
 }
 
 /// A progress bar over `steps` steps.
@@ -297,10 +321,10 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
 /// preset, then the DeepSpeed file, then explicit technique flags, then the
 /// metrics/checkpoint paths. Returns the DeepSpeed import warnings too.
 pub(crate) fn train_config(args: &TrainArgs) -> Result<(TrainConfig, Vec<String>), CliError> {
-    let (mut cfg, warnings) = build_config(&args.run, zero_from_flags(args))?;
+    let (mut cfg, warnings) = build_config(&args.run, zero_from_flags(args)?)?;
     // Explicit technique flags win over the DeepSpeed file.
     if args.run.config.is_some() {
-        let z = zero_from_flags(args);
+        let z = zero_from_flags(args)?;
         if args.qwz || args.no_qwz {
             cfg.engine.zero.qwz = z.qwz;
         }
