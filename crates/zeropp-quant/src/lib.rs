@@ -73,6 +73,7 @@ mod quantized;
 pub mod rng;
 mod simd;
 mod spec;
+#[cfg(feature = "tools")]
 pub mod tools;
 pub mod wire;
 
