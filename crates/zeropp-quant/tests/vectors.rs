@@ -1,7 +1,8 @@
-//! Fixed vectors from the independent Python reference
-//! (`tests/data/gen_vectors.py`, output in `tests/data/vectors.json`):
-//! DeepSpeed-compatible bytes, scales, offsets, dequantized values and the
-//! wire encoding, checked for every available kernel.
+//! Fixed vectors from our own Python emulation of DeepSpeed's quantization
+//! formula (`tests/data/gen_vectors.py`, output in `tests/data/vectors.json`;
+//! not produced by or compared with DeepSpeed itself, see
+//! `tests/data/README.md`): bytes, scales, offsets, dequantized values and
+//! the wire encoding, checked for every available kernel.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
 
