@@ -2,7 +2,7 @@
 //! counterpart operation for operation (no FMA), so results are bit-identical.
 //! Vector loops handle whole chunks; remainders go through the scalar code.
 
-use super::{Stoch, scalar};
+use super::{RoundParams, Stoch, scalar};
 use std::arch::x86_64::*;
 
 /// Lane indices 0..8 as i32.
@@ -109,13 +109,13 @@ fn store32(r: [__m256; 4], out: &mut [u8], at: usize) {
 }
 
 #[target_feature(enable = "avx2")]
-pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
+pub(super) fn round_nearest(x: &[f32], p: &RoundParams, out: &mut [u8]) {
     let n = x.len().min(out.len());
     let body = n - n % 32;
-    let vs = _mm256_set1_ps(s);
-    let vo = _mm256_set1_ps(offset);
-    let vlo = _mm256_set1_ps(qmin);
-    let vhi = _mm256_set1_ps(qmax);
+    let vs = _mm256_set1_ps(p.s);
+    let vo = _mm256_set1_ps(p.offset);
+    let vlo = _mm256_set1_ps(p.qmin);
+    let vhi = _mm256_set1_ps(p.qmax);
     let mut i = 0;
     while i < body {
         let mut r = [_mm256_setzero_ps(); 4];
@@ -127,7 +127,7 @@ pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32
         store32(r, out, i);
         i += 32;
     }
-    scalar::round_nearest(&x[body..n], s, offset, qmin, qmax, &mut out[body..n]);
+    scalar::round_nearest(&x[body..n], p, &mut out[body..n]);
 }
 
 /// lowbias32 on 8 lanes.
@@ -142,21 +142,13 @@ fn lowbias32(mut x: __m256i) -> __m256i {
 }
 
 #[target_feature(enable = "avx2")]
-pub(super) fn round_stochastic(
-    x: &[f32],
-    s: f32,
-    offset: f32,
-    qmin: f32,
-    qmax: f32,
-    st: Stoch,
-    out: &mut [u8],
-) {
+pub(super) fn round_stochastic(x: &[f32], p: &RoundParams, st: Stoch, out: &mut [u8]) {
     let n = x.len().min(out.len());
     let body = n - n % 32;
-    let vs = _mm256_set1_ps(s);
-    let vo = _mm256_set1_ps(offset);
-    let vlo = _mm256_set1_ps(qmin);
-    let vhi = _mm256_set1_ps(qmax);
+    let vs = _mm256_set1_ps(p.s);
+    let vo = _mm256_set1_ps(p.offset);
+    let vlo = _mm256_set1_ps(p.qmin);
+    let vhi = _mm256_set1_ps(p.qmax);
     let one = _mm256_set1_ps(1.0);
     let inv24 = _mm256_set1_ps(1.0 / 16_777_216.0);
     let k1 = _mm256_set1_epi32(st.k1 as i32);
@@ -181,7 +173,7 @@ pub(super) fn round_stochastic(
         i += 32;
     }
     let tail = Stoch { lo: st.lo.wrapping_add(body as u32), ..st };
-    scalar::round_stochastic(&x[body..n], s, offset, qmin, qmax, tail, &mut out[body..n]);
+    scalar::round_stochastic(&x[body..n], p, tail, &mut out[body..n]);
 }
 
 /// Converts `q[at..at + 8]` to f32 and applies `* scale + offset`.

@@ -2,7 +2,7 @@
 //! (no FMA), so results are bit-identical. Compiled on x86-64 with Rust >= 1.89; used only when
 //! `is_x86_feature_detected!("avx512f")` says so.
 
-use super::{Stoch, scalar};
+use super::{RoundParams, Stoch, scalar};
 use std::arch::x86_64::*;
 
 /// Loads 16 floats from `c[at..at + 16]`.
@@ -77,13 +77,13 @@ pub(super) fn min_max(x: &[f32]) -> Option<(f32, f32)> {
 }
 
 #[target_feature(enable = "avx512f")]
-pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
+pub(super) fn round_nearest(x: &[f32], p: &RoundParams, out: &mut [u8]) {
     let n = x.len().min(out.len());
     let body = n - n % 16;
-    let vs = _mm512_set1_ps(s);
-    let vo = _mm512_set1_ps(offset);
-    let vlo = _mm512_set1_ps(qmin);
-    let vhi = _mm512_set1_ps(qmax);
+    let vs = _mm512_set1_ps(p.s);
+    let vo = _mm512_set1_ps(p.offset);
+    let vlo = _mm512_set1_ps(p.qmin);
+    let vhi = _mm512_set1_ps(p.qmax);
     let mut i = 0;
     while i < body {
         let y = _mm512_mul_ps(_mm512_sub_ps(load16(x, i), vo), vs);
@@ -91,7 +91,7 @@ pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32
         store_i8(out, i, _mm512_min_ps(_mm512_max_ps(y, vlo), vhi));
         i += 16;
     }
-    scalar::round_nearest(&x[body..n], s, offset, qmin, qmax, &mut out[body..n]);
+    scalar::round_nearest(&x[body..n], p, &mut out[body..n]);
 }
 
 /// lowbias32 on 16 lanes.
@@ -106,21 +106,13 @@ fn lowbias32(mut x: __m512i) -> __m512i {
 }
 
 #[target_feature(enable = "avx512f")]
-pub(super) fn round_stochastic(
-    x: &[f32],
-    s: f32,
-    offset: f32,
-    qmin: f32,
-    qmax: f32,
-    st: Stoch,
-    out: &mut [u8],
-) {
+pub(super) fn round_stochastic(x: &[f32], p: &RoundParams, st: Stoch, out: &mut [u8]) {
     let n = x.len().min(out.len());
     let body = n - n % 16;
-    let vs = _mm512_set1_ps(s);
-    let vo = _mm512_set1_ps(offset);
-    let vlo = _mm512_set1_ps(qmin);
-    let vhi = _mm512_set1_ps(qmax);
+    let vs = _mm512_set1_ps(p.s);
+    let vo = _mm512_set1_ps(p.offset);
+    let vlo = _mm512_set1_ps(p.qmin);
+    let vhi = _mm512_set1_ps(p.qmax);
     let one = _mm512_set1_ps(1.0);
     let inv24 = _mm512_set1_ps(1.0 / 16_777_216.0);
     let k1 = _mm512_set1_epi32(st.k1 as i32);
@@ -141,7 +133,7 @@ pub(super) fn round_stochastic(
         i += 16;
     }
     let tail = Stoch { lo: st.lo.wrapping_add(body as u32), ..st };
-    scalar::round_stochastic(&x[body..n], s, offset, qmin, qmax, tail, &mut out[body..n]);
+    scalar::round_stochastic(&x[body..n], p, tail, &mut out[body..n]);
 }
 
 /// Converts `q[at..at + 16]` to f32 and applies `* scale + offset`.
@@ -182,4 +174,18 @@ pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
         i += 16;
     }
     scalar::dequant_add(&q[body..n], scale, offset, &mut acc[body..n]);
+}
+
+/// INT4 packing: the AVX2 kernel. AVX-512F implies AVX2 (rustc and LLVM
+/// enable `avx2` with `avx512f`, so this call needs no `unsafe`), and AVX2's
+/// 32-byte shuffles already keep up with memory here.
+#[target_feature(enable = "avx512f")]
+pub(super) fn pack4(q: &[u8], out: &mut [u8]) {
+    super::avx2::pack4(q, out);
+}
+
+/// INT4 unpacking: the AVX2 kernel (see [`pack4`]).
+#[target_feature(enable = "avx512f")]
+pub(super) fn unpack4(data: &[u8], out: &mut [u8]) {
+    super::avx2::unpack4(data, out);
 }
