@@ -11,9 +11,14 @@
 //! Every kernel module has the same functions with the same signatures
 //! (`abs_max`, `min_max`, `round_nearest`, `round_stochastic`, `dequant`,
 //! `dequant_add`, `pack4`, `unpack4`), so [`Dispatch`] forwards each call
-//! with one macro.
+//! with one macro. AVX2 and AVX-512 share their rounding bodies, nearest
+//! and stochastic (the `x86` module); each supplies only its lane operations.
 
 pub(crate) mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+#[macro_use]
+mod x86;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
