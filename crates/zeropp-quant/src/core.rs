@@ -6,8 +6,8 @@ use crate::element::Element;
 use crate::error::{QuantError, Result};
 use crate::quantized::{AsQuantizedRef, QOut, QuantizedRef};
 use crate::rng;
-use crate::simd::{Dispatch, Stoch};
-use crate::spec::{Bits, PARALLEL_THRESHOLD_BYTES, Parallelism, QuantSpec, Rounding, Scheme};
+use crate::simd::{Dispatch, RoundParams, Stoch};
+use crate::spec::{Bits, Options, PARALLEL_THRESHOLD_BYTES, Parallelism, QuantSpec, Rounding, Scheme};
 
 /// f32 elements in a tile of converted/summed values (32 KiB: stays in L1/L2).
 pub(crate) const TILE: usize = 8192;
@@ -52,6 +52,22 @@ impl<Q: AsQuantizedRef + Sync> Source for SumSource<'_, Q> {
         for q in self.inputs {
             dequant_range(self.d, q.as_quantized_ref(), start, out, Mode::Add, &mut scratch);
         }
+    }
+}
+
+/// What every group of one quantization call shares: the kernel, the format
+/// and the rounding.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Plan {
+    pub(crate) d: Dispatch,
+    pub(crate) spec: QuantSpec,
+    pub(crate) rounding: Rounding,
+}
+
+impl Plan {
+    /// The plan for quantizing to `spec` with kernel `d` and `opts`' rounding.
+    pub(crate) fn new(d: Dispatch, spec: QuantSpec, opts: &Options) -> Self {
+        Self { d, spec, rounding: opts.rounding }
     }
 }
 
@@ -172,18 +188,16 @@ impl Packer<'_> {
 }
 
 /// Rounds `x` (global index `base`) into `out` as two's complement bytes.
-fn round(
-    d: Dispatch,
-    x: &[f32],
-    base: usize,
-    p: GroupParams,
-    bits: Bits,
-    rounding: Rounding,
-    out: &mut [u8],
-) {
-    let qmin = bits.qmin() as f32;
-    let qmax = bits.qmax() as f32;
-    match rounding {
+fn round(plan: Plan, x: &[f32], base: usize, p: GroupParams, out: &mut [u8]) {
+    let bits = plan.spec.bits();
+    let mut rp = RoundParams {
+        s: p.s,
+        offset: p.offset,
+        qmin: bits.qmin() as f32,
+        qmax: bits.qmax() as f32,
+        stochastic: None,
+    };
+    match plan.rounding {
         Rounding::Stochastic { seed } => {
             // Split at multiples of 2^32 so each block has fixed high bits.
             let mut i = 0;
@@ -193,37 +207,34 @@ fn round(
                 let room = (1u64 << 32) - u64::from(lo);
                 let n = (x.len() - i).min(usize::try_from(room).unwrap_or(usize::MAX));
                 let (k1, k2) = rng::keys(seed, (g >> 32) as u32);
-                let st = Stoch { k1, k2, lo };
-                d.round_stochastic(&x[i..i + n], p.s, p.offset, qmin, qmax, st, &mut out[i..i + n]);
+                rp.stochastic = Some(Stoch { k1, k2, lo });
+                plan.d.round(&x[i..i + n], &rp, &mut out[i..i + n]);
                 i += n;
             }
         }
-        _ => d.round_nearest(x, p.s, p.offset, qmin, qmax, out),
+        _ => plan.d.round(x, &rp, out),
     }
 }
 
 /// Quantizes `x` (global index `base`) and appends it to the packer.
-#[allow(clippy::too_many_arguments)]
 fn emit(
-    d: Dispatch,
+    plan: Plan,
     x: &[f32],
     base: usize,
     p: GroupParams,
-    bits: Bits,
-    rounding: Rounding,
     packer: &mut Packer<'_>,
     scratch: &mut [u8; QBLK],
 ) {
-    match bits {
+    match plan.spec.bits() {
         Bits::Int8 => {
             let out = &mut packer.data[packer.pos..packer.pos + x.len()];
-            round(d, x, base, p, bits, rounding, out);
+            round(plan, x, base, p, out);
             packer.pos += x.len();
         }
         Bits::Int4 => {
             for (k, c) in x.chunks(QBLK).enumerate() {
                 let s = &mut scratch[..c.len()];
-                round(d, c, base + k * QBLK, p, bits, rounding, s);
+                round(plan, c, base + k * QBLK, p, s);
                 packer.push4(s);
             }
         }
@@ -240,16 +251,8 @@ fn put(out: &mut QOut<'_>, g: usize, p: GroupParams) {
 
 /// Quantizes elements `start..end` (group-aligned; even for INT4) of `src`
 /// on the calling thread into `out`, whose first group/byte is `start`'s.
-#[allow(clippy::too_many_arguments)]
-fn quantize_seq<S: Source>(
-    d: Dispatch,
-    src: &S,
-    start: usize,
-    end: usize,
-    spec: &QuantSpec,
-    rounding: Rounding,
-    out: QOut<'_>,
-) -> Result<()> {
+fn quantize_seq<S: Source>(plan: Plan, src: &S, start: usize, end: usize, out: QOut<'_>) -> Result<()> {
+    let (d, spec) = (plan.d, &plan.spec);
     let gs = spec.group_size();
     let bits = spec.bits();
     let QOut { data, scales, offsets } = out;
@@ -264,7 +267,7 @@ fn quantize_seq<S: Source>(
             let x = &all[pos..ge];
             let p = group_params(d, spec, x, pos)?;
             put(&mut params_out, g, p);
-            emit(d, x, pos, p, bits, rounding, &mut packer, &mut scratch);
+            emit(plan, x, pos, p, &mut packer, &mut scratch);
             g += 1;
             pos = ge;
         }
@@ -280,7 +283,7 @@ fn quantize_seq<S: Source>(
                 let x = &t[a..b];
                 let p = group_params(d, spec, x, pos + a)?;
                 put(&mut params_out, g, p);
-                emit(d, x, pos + a, p, bits, rounding, &mut packer, &mut scratch);
+                emit(plan, x, pos + a, p, &mut packer, &mut scratch);
                 g += 1;
                 a = b;
             }
@@ -308,7 +311,7 @@ fn quantize_seq<S: Source>(
                 let b = (a + TILE).min(ge);
                 let t = &mut tile[..b - a];
                 src.fill(a, t);
-                emit(d, t, a, p, bits, rounding, &mut packer, &mut scratch);
+                emit(plan, t, a, p, &mut packer, &mut scratch);
                 a = b;
             }
             g += 1;
@@ -328,29 +331,27 @@ pub(crate) fn use_parallel(par: Parallelism, len: usize) -> bool {
 
 /// Quantizes `start..end` of `src` into `out`, splitting across rayon
 /// workers at group boundaries (even element indices for INT4) when `par`.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn quantize_range<S: Source>(
-    d: Dispatch,
+    plan: Plan,
     src: &S,
     start: usize,
     end: usize,
-    spec: &QuantSpec,
-    rounding: Rounding,
     out: QOut<'_>,
     par: bool,
 ) -> Result<()> {
+    let spec = &plan.spec;
     let n = end - start;
     let gs = spec.group_size();
     let unit = if spec.bits() == Bits::Int4 && gs % 2 == 1 { gs.saturating_mul(2) } else { gs };
     let units = n / unit;
     if !par || n < 2 * CHUNK || units < 2 {
-        return quantize_seq(d, src, start, end, spec, rounding, out);
+        return quantize_seq(plan, src, start, end, out);
     }
     let mid = start + (units / 2) * unit;
     let (lo, hi) = out.split_at((mid - start) / gs, spec.data_len(mid - start));
     let (a, b) = rayon::join(
-        || quantize_range(d, src, start, mid, spec, rounding, lo, true),
-        || quantize_range(d, src, mid, end, spec, rounding, hi, true),
+        || quantize_range(plan, src, start, mid, lo, true),
+        || quantize_range(plan, src, mid, end, hi, true),
     );
     a.and(b)
 }

@@ -7,7 +7,9 @@
 //!
 //! A vector of `len` elements is cut into contiguous groups of
 //! `group_size` elements (the last group may be partial). Each group gets
-//! its own parameters, computed in f32 exactly as DeepSpeed's kernels do:
+//! its own parameters, computed in f32 with the formulas of DeepSpeed's
+//! kernels (as read from their source; the crate's fixed test vectors come
+//! from our own Python emulation of those formulas, not from DeepSpeed):
 //!
 //! * **Symmetric** ([`Scheme::Symmetric`]), `b` bits: `amax = max|x|`,
 //!   `s = 2^(b-1) / amax` (`s = 1` when `amax = 0`),
@@ -73,6 +75,7 @@ mod quantized;
 pub mod rng;
 mod simd;
 mod spec;
+#[cfg(feature = "tools")]
 pub mod tools;
 pub mod wire;
 

@@ -2,7 +2,7 @@
 //! dequantize-reduce-quantize, each with variants writing into caller
 //! buffers.
 
-use crate::core::{self, Mode, SliceSource, SumSource};
+use crate::core::{self, Mode, Plan, SliceSource, SumSource};
 use crate::element::Element;
 use crate::error::{QuantError, Result};
 use crate::quantized::{AsQuantizedRef, ParamsMut, QOut, Quantized};
@@ -53,7 +53,7 @@ pub fn quantize_into<T: Element>(input: &[T], opts: &Options, out: &mut Quantize
     let par = core::use_parallel(opts.parallelism, input.len());
     // On error, groups not reached keep their previous (valid) parameters,
     // so `out` stays a valid value.
-    core::quantize_range(d, &SliceSource(input), 0, input.len(), &spec, opts.rounding, out.out(), par)
+    core::quantize_range(Plan::new(d, spec, opts), &SliceSource(input), 0, input.len(), out.out(), par)
 }
 
 /// Splits a wire buffer into the kernel destination after writing the header.
@@ -88,7 +88,7 @@ pub fn quantize_to_wire<T: Element>(
     let d = Dispatch::resolve(opts.kernel)?;
     let (out, total) = wire_out(buf, &spec, input.len())?;
     let par = core::use_parallel(opts.parallelism, input.len());
-    core::quantize_range(d, &SliceSource(input), 0, input.len(), &spec, opts.rounding, out, par)?;
+    core::quantize_range(Plan::new(d, spec, opts), &SliceSource(input), 0, input.len(), out, par)?;
     Ok(total)
 }
 
@@ -218,7 +218,7 @@ pub fn dequant_reduce_quant_into<Q: AsQuantizedRef + Sync>(
     let spec = out.spec();
     let par = core::use_parallel(opts.parallelism, len);
     let src = SumSource { inputs, d };
-    core::quantize_range(d, &src, 0, len, &spec, opts.rounding, out.out(), par)
+    core::quantize_range(Plan::new(d, spec, opts), &src, 0, len, out.out(), par)
 }
 
 /// [`dequant_reduce_quant`] straight into a wire buffer; returns the bytes
@@ -234,6 +234,6 @@ pub fn dequant_reduce_quant_to_wire<Q: AsQuantizedRef + Sync>(
     let (out, total) = wire_out(buf, &out_spec, len)?;
     let par = core::use_parallel(opts.parallelism, len);
     let src = SumSource { inputs, d };
-    core::quantize_range(d, &src, 0, len, &out_spec, opts.rounding, out, par)?;
+    core::quantize_range(Plan::new(d, out_spec, opts), &src, 0, len, out, par)?;
     Ok(total)
 }

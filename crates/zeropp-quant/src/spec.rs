@@ -58,7 +58,7 @@ impl Bits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Scheme {
-    /// `s = 2^(b-1) / max|x|`; one scale per group (DeepSpeed-compatible).
+    /// `s = 2^(b-1) / max|x|`; one scale per group (the formula of DeepSpeed's kernels).
     Symmetric,
     /// `s = 2^b / (max - min)`, `offset = (max + min) / 2`; a scale and an
     /// offset per group.

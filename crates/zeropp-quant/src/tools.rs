@@ -1,5 +1,8 @@
 //! Helpers behind the `zeropp quant` command: test data, raw f32 files,
 //! error statistics and a timed round trip through the wire format.
+//!
+//! Only with the cargo feature `tools` (off by default): these are for the
+//! command line, the benches and the tests, not part of the quantization API.
 
 use crate::error::{QuantError, Result};
 use crate::ops::{dequantize_into, quantize_to_wire};

@@ -44,19 +44,6 @@ pub const VERSION: u16 = 1;
 /// The magic bytes at offset 0.
 pub const MAGIC: [u8; 4] = *b"ZPPQ";
 
-/// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), bitwise.
-pub(crate) fn crc32c(bytes: &[u8]) -> u32 {
-    let mut crc = !0u32;
-    for &b in bytes {
-        crc ^= u32::from(b);
-        for _ in 0..8 {
-            let mask = (crc & 1).wrapping_neg();
-            crc = (crc >> 1) ^ (0x82F6_3B78 & mask);
-        }
-    }
-    !crc
-}
-
 /// Payload bytes (everything after the header) for `len` elements, if it
 /// fits in a `u64`.
 pub(crate) fn payload_len_u64(spec: &QuantSpec, len: u64) -> Option<u64> {
@@ -110,7 +97,8 @@ pub(crate) fn write_header(buf: &mut [u8], spec: &QuantSpec, len: usize) -> Resu
     h[8..12].copy_from_slice(&gs.to_le_bytes());
     h[12..20].copy_from_slice(&(len as u64).to_le_bytes());
     h[20..28].copy_from_slice(&payload.to_le_bytes());
-    let crc = crc32c(&h[..28]);
+    // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), from the `crc32c` crate.
+    let crc = crc32c::crc32c(&h[..28]);
     h[28..32].copy_from_slice(&crc.to_le_bytes());
     Ok(())
 }
@@ -155,7 +143,7 @@ pub(crate) fn read_header(buf: &[u8]) -> Result<Header, DecodeError> {
         return Err(DecodeError::UnsupportedVersion(version));
     }
     let stored = le_u32(buf, 28);
-    let computed = crc32c(&buf[..28]);
+    let computed = crc32c::crc32c(&buf[..28]);
     if stored != computed {
         return Err(DecodeError::HeaderChecksum { stored, computed });
     }
@@ -190,4 +178,28 @@ pub(crate) fn read_header(buf: &[u8]) -> Result<Header, DecodeError> {
     // The whole encoding is in memory, so `len` fits in `usize`.
     let len = usize::try_from(len64).map_err(|_| DecodeError::BadField { field: "len", value: len64 })?;
     Ok(Header { spec, len })
+}
+
+#[cfg(test)]
+mod tests {
+    /// The checksum is the standard CRC-32C: its published check value, and
+    /// the bitwise definition the header used before it came from the crate.
+    #[test]
+    fn header_crc_is_standard_crc32c() {
+        assert_eq!(crc32c::crc32c(b"123456789"), 0xE306_9283);
+        let bitwise = |bytes: &[u8]| {
+            let mut crc = !0u32;
+            for &b in bytes {
+                crc ^= u32::from(b);
+                for _ in 0..8 {
+                    crc = (crc >> 1) ^ (0x82F6_3B78 & (crc & 1).wrapping_neg());
+                }
+            }
+            !crc
+        };
+        let bytes: Vec<u8> = (0..=255u8).cycle().take(28 * 10).collect();
+        for chunk in bytes.chunks(28) {
+            assert_eq!(crc32c::crc32c(chunk), bitwise(chunk));
+        }
+    }
 }

@@ -1,6 +1,7 @@
 //! `zeropp quant`: quantize a raw f32 file or a random vector to the wire
-//! format and back. All logic is in `zeropp_quant`; this module only reads
-//! arguments and prints.
+//! format and back. All logic is in `zeropp_quant` (its `tools` module, which
+//! this crate's manifest enables with the `tools` feature); this module only
+//! reads arguments and prints.
 
 use crate::CliError;
 use clap::Args;

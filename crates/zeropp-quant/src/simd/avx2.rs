@@ -1,15 +1,58 @@
 //! AVX2 kernels (x86-64). Each function mirrors its [`super::scalar`]
 //! counterpart operation for operation (no FMA), so results are bit-identical.
 //! Vector loops handle whole chunks; remainders go through the scalar code.
+//! The rounding kernels are the shared x86 bodies (`super::x86`) over the
+//! 8-lane vocabulary in [`lanes`].
 
-use super::{Stoch, scalar};
+use super::scalar;
 use std::arch::x86_64::*;
 
-/// Lane indices 0..8 as i32.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn lane_ids() -> __m256i {
-    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+x86_rounding!("avx2");
+
+/// The lane vocabulary of the shared x86 rounding bodies, on 8 lanes.
+mod lanes {
+    pub(super) use super::{load8 as load, store32 as store};
+    use std::arch::x86_64::*;
+    pub(super) use std::arch::x86_64::{
+        __m256 as F, __m256i as I, _mm256_add_epi32 as add_i, _mm256_cvtepi32_ps as i_to_f,
+        _mm256_max_ps as max_f, _mm256_min_ps as min_f, _mm256_mul_ps as mul_f,
+        _mm256_mullo_epi32 as mullo_i, _mm256_set1_epi32 as splat_i, _mm256_set1_ps as splat_f,
+        _mm256_srli_epi32 as shr_i, _mm256_sub_ps as sub_f, _mm256_xor_si256 as xor_i,
+    };
+
+    /// Lanes in a vector.
+    pub(super) const WIDTH: usize = 8;
+    /// Vectors [`store`] takes at once (32 bytes).
+    pub(super) const PER_STORE: usize = 4;
+
+    /// Lane indices 0..8 as i32.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn lane_ids() -> I {
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+    }
+
+    /// Round to nearest, ties to even (as `f32::round_ties_even`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn round_f(y: F) -> F {
+        _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y)
+    }
+
+    /// Round toward negative infinity (as `f32::floor`).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn floor_f(y: F) -> F {
+        _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y)
+    }
+
+    /// `f + 1` in the lanes where `u < frac`, `f + 0` elsewhere (which only
+    /// changes -0 to +0, the same integer).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn add_one_if_lt(f: F, u: F, frac: F, one: F) -> F {
+        _mm256_add_ps(f, _mm256_and_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(u, frac), one))
+    }
 }
 
 /// Horizontal max of 8 lanes.
@@ -106,82 +149,6 @@ fn store32(r: [__m256; 4], out: &mut [u8], at: usize) {
     assert!(at + 32 <= out.len());
     // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
     unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(at).cast::<__m256i>(), p) }
-}
-
-#[target_feature(enable = "avx2")]
-pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
-    let n = x.len().min(out.len());
-    let body = n - n % 32;
-    let vs = _mm256_set1_ps(s);
-    let vo = _mm256_set1_ps(offset);
-    let vlo = _mm256_set1_ps(qmin);
-    let vhi = _mm256_set1_ps(qmax);
-    let mut i = 0;
-    while i < body {
-        let mut r = [_mm256_setzero_ps(); 4];
-        for (j, rj) in r.iter_mut().enumerate() {
-            let y = _mm256_mul_ps(_mm256_sub_ps(load8(x, i + 8 * j), vo), vs);
-            let y = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y);
-            *rj = _mm256_min_ps(_mm256_max_ps(y, vlo), vhi);
-        }
-        store32(r, out, i);
-        i += 32;
-    }
-    scalar::round_nearest(&x[body..n], s, offset, qmin, qmax, &mut out[body..n]);
-}
-
-/// lowbias32 on 8 lanes.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn lowbias32(mut x: __m256i) -> __m256i {
-    x = _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb_352d));
-    x = _mm256_xor_si256(x, _mm256_srli_epi32::<15>(x));
-    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x846c_a68b_u32 as i32));
-    _mm256_xor_si256(x, _mm256_srli_epi32::<16>(x))
-}
-
-#[target_feature(enable = "avx2")]
-pub(super) fn round_stochastic(
-    x: &[f32],
-    s: f32,
-    offset: f32,
-    qmin: f32,
-    qmax: f32,
-    st: Stoch,
-    out: &mut [u8],
-) {
-    let n = x.len().min(out.len());
-    let body = n - n % 32;
-    let vs = _mm256_set1_ps(s);
-    let vo = _mm256_set1_ps(offset);
-    let vlo = _mm256_set1_ps(qmin);
-    let vhi = _mm256_set1_ps(qmax);
-    let one = _mm256_set1_ps(1.0);
-    let inv24 = _mm256_set1_ps(1.0 / 16_777_216.0);
-    let k1 = _mm256_set1_epi32(st.k1 as i32);
-    let k2 = _mm256_set1_epi32(st.k2 as i32);
-    let ids = lane_ids();
-    let mut i = 0;
-    while i < body {
-        let mut r = [_mm256_setzero_ps(); 4];
-        for (j, rj) in r.iter_mut().enumerate() {
-            let lo = st.lo.wrapping_add((i + 8 * j) as u32);
-            let idx = _mm256_add_epi32(_mm256_set1_epi32(lo as i32), ids);
-            let h = lowbias32(_mm256_xor_si256(lowbias32(_mm256_xor_si256(idx, k1)), k2));
-            let u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32::<8>(h)), inv24);
-            let y = _mm256_mul_ps(_mm256_sub_ps(load8(x, i + 8 * j), vo), vs);
-            let f = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y);
-            let frac = _mm256_sub_ps(y, f);
-            let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(u, frac), one);
-            let y = _mm256_add_ps(f, up);
-            *rj = _mm256_min_ps(_mm256_max_ps(y, vlo), vhi);
-        }
-        store32(r, out, i);
-        i += 32;
-    }
-    let tail = Stoch { lo: st.lo.wrapping_add(body as u32), ..st };
-    scalar::round_stochastic(&x[body..n], s, offset, qmin, qmax, tail, &mut out[body..n]);
 }
 
 /// Converts `q[at..at + 8]` to f32 and applies `* scale + offset`.

@@ -1,9 +1,65 @@
 //! AVX-512F kernels (x86-64). Same operation order as [`super::scalar`]
 //! (no FMA), so results are bit-identical. Compiled on x86-64 with Rust >= 1.89; used only when
-//! `is_x86_feature_detected!("avx512f")` says so.
+//! `is_x86_feature_detected!("avx512f")` says so. The rounding kernels are
+//! the shared x86 bodies (`super::x86`) over the 16-lane vocabulary in
+//! [`lanes`]; INT4 (un)packing is AVX2's.
 
-use super::{Stoch, scalar};
+use super::scalar;
 use std::arch::x86_64::*;
+
+x86_rounding!("avx512f");
+
+/// The lane vocabulary of the shared x86 rounding bodies, on 16 lanes.
+mod lanes {
+    pub(super) use super::load16 as load;
+    use std::arch::x86_64::*;
+    pub(super) use std::arch::x86_64::{
+        __m512 as F, __m512i as I, _mm512_add_epi32 as add_i, _mm512_cvtepi32_ps as i_to_f,
+        _mm512_max_ps as max_f, _mm512_min_ps as min_f, _mm512_mul_ps as mul_f,
+        _mm512_mullo_epi32 as mullo_i, _mm512_set1_epi32 as splat_i, _mm512_set1_ps as splat_f,
+        _mm512_srli_epi32 as shr_i, _mm512_sub_ps as sub_f, _mm512_xor_si512 as xor_i,
+    };
+
+    /// Lanes in a vector.
+    pub(super) const WIDTH: usize = 16;
+    /// Vectors [`store`] takes at once (16 bytes).
+    pub(super) const PER_STORE: usize = 1;
+
+    /// Lane indices 0..16 as i32.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn lane_ids() -> I {
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+    }
+
+    /// Round to nearest, ties to even (as `f32::round_ties_even`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn round_f(y: F) -> F {
+        _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y)
+    }
+
+    /// Round toward negative infinity (as `f32::floor`).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn floor_f(y: F) -> F {
+        _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y)
+    }
+
+    /// `f + 1` in the lanes where `u < frac`, `f` elsewhere.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn add_one_if_lt(f: F, u: F, frac: F, one: F) -> F {
+        _mm512_mask_add_ps(f, _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, frac), f, one)
+    }
+
+    /// Stores 16 clamped integral floats as i8 to `out[at..at + 16]`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn store(r: [F; PER_STORE], out: &mut [u8], at: usize) {
+        super::store_i8(out, at, r[0]);
+    }
+}
 
 /// Loads 16 floats from `c[at..at + 16]`.
 #[inline]
@@ -76,74 +132,6 @@ pub(super) fn min_max(x: &[f32]) -> Option<(f32, f32)> {
     Some((_mm512_reduce_min_ps(lo).min(tl), _mm512_reduce_max_ps(hi).max(th)))
 }
 
-#[target_feature(enable = "avx512f")]
-pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
-    let n = x.len().min(out.len());
-    let body = n - n % 16;
-    let vs = _mm512_set1_ps(s);
-    let vo = _mm512_set1_ps(offset);
-    let vlo = _mm512_set1_ps(qmin);
-    let vhi = _mm512_set1_ps(qmax);
-    let mut i = 0;
-    while i < body {
-        let y = _mm512_mul_ps(_mm512_sub_ps(load16(x, i), vo), vs);
-        let y = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y);
-        store_i8(out, i, _mm512_min_ps(_mm512_max_ps(y, vlo), vhi));
-        i += 16;
-    }
-    scalar::round_nearest(&x[body..n], s, offset, qmin, qmax, &mut out[body..n]);
-}
-
-/// lowbias32 on 16 lanes.
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn lowbias32(mut x: __m512i) -> __m512i {
-    x = _mm512_xor_si512(x, _mm512_srli_epi32::<16>(x));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb_352d));
-    x = _mm512_xor_si512(x, _mm512_srli_epi32::<15>(x));
-    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x846c_a68b_u32 as i32));
-    _mm512_xor_si512(x, _mm512_srli_epi32::<16>(x))
-}
-
-#[target_feature(enable = "avx512f")]
-pub(super) fn round_stochastic(
-    x: &[f32],
-    s: f32,
-    offset: f32,
-    qmin: f32,
-    qmax: f32,
-    st: Stoch,
-    out: &mut [u8],
-) {
-    let n = x.len().min(out.len());
-    let body = n - n % 16;
-    let vs = _mm512_set1_ps(s);
-    let vo = _mm512_set1_ps(offset);
-    let vlo = _mm512_set1_ps(qmin);
-    let vhi = _mm512_set1_ps(qmax);
-    let one = _mm512_set1_ps(1.0);
-    let inv24 = _mm512_set1_ps(1.0 / 16_777_216.0);
-    let k1 = _mm512_set1_epi32(st.k1 as i32);
-    let k2 = _mm512_set1_epi32(st.k2 as i32);
-    let ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    let mut i = 0;
-    while i < body {
-        let lo = st.lo.wrapping_add(i as u32);
-        let idx = _mm512_add_epi32(_mm512_set1_epi32(lo as i32), ids);
-        let h = lowbias32(_mm512_xor_si512(lowbias32(_mm512_xor_si512(idx, k1)), k2));
-        let u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32::<8>(h)), inv24);
-        let y = _mm512_mul_ps(_mm512_sub_ps(load16(x, i), vo), vs);
-        let f = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y);
-        let frac = _mm512_sub_ps(y, f);
-        let up = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, frac);
-        let y = _mm512_mask_add_ps(f, up, f, one);
-        store_i8(out, i, _mm512_min_ps(_mm512_max_ps(y, vlo), vhi));
-        i += 16;
-    }
-    let tail = Stoch { lo: st.lo.wrapping_add(body as u32), ..st };
-    scalar::round_stochastic(&x[body..n], s, offset, qmin, qmax, tail, &mut out[body..n]);
-}
-
 /// Converts `q[at..at + 16]` to f32 and applies `* scale + offset`.
 #[inline]
 #[target_feature(enable = "avx512f")]
@@ -182,4 +170,18 @@ pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
         i += 16;
     }
     scalar::dequant_add(&q[body..n], scale, offset, &mut acc[body..n]);
+}
+
+/// INT4 packing: the AVX2 kernel. AVX-512F implies AVX2 (rustc and LLVM
+/// enable `avx2` with `avx512f`, so this call needs no `unsafe`), and AVX2's
+/// 32-byte shuffles already keep up with memory here.
+#[target_feature(enable = "avx512f")]
+pub(super) fn pack4(q: &[u8], out: &mut [u8]) {
+    super::avx2::pack4(q, out);
+}
+
+/// INT4 unpacking: the AVX2 kernel (see [`pack4`]).
+#[target_feature(enable = "avx512f")]
+pub(super) fn unpack4(data: &[u8], out: &mut [u8]) {
+    super::avx2::unpack4(data, out);
 }

@@ -6,9 +6,19 @@
 //! they perform the same IEEE f32 operations in the same order per element
 //! (no FMA contraction), and reductions (max/min) are order-independent.
 //! All `unsafe` code of the crate lives in the `avx2`, `avx512` and `neon`
-//! modules.
+//! modules, and in the one dispatch point, `dispatch!`.
+//!
+//! Every kernel module has the same functions with the same signatures
+//! (`abs_max`, `min_max`, `round_nearest`, `round_stochastic`, `dequant`,
+//! `dequant_add`, `pack4`, `unpack4`), so [`Dispatch`] forwards each call
+//! with one macro. AVX2 and AVX-512 share their rounding bodies, nearest
+//! and stochastic (the `x86` module); each supplies only its lane operations.
 
 pub(crate) mod scalar;
+
+#[cfg(target_arch = "x86_64")]
+#[macro_use]
+mod x86;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
@@ -89,7 +99,7 @@ pub fn available_kernels() -> Vec<Kernel> {
 
 /// A kernel whose availability has been checked. Only [`Dispatch::resolve`]
 /// constructs it, which is what makes the `unsafe` calls into
-/// `#[target_feature]` functions below sound.
+/// `#[target_feature]` functions in `dispatch!` sound.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dispatch(Kernel);
 
@@ -101,6 +111,43 @@ pub(crate) struct Stoch {
     pub(crate) k1: u32,
     pub(crate) k2: u32,
     pub(crate) lo: u32,
+}
+
+/// How one block of f32 values becomes integers:
+/// `q = clamp(round((x - offset) * s), qmin, qmax)`, where `round` is
+/// round-to-nearest-even, or stochastic rounding when `stochastic` is set.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RoundParams {
+    /// The multiplier `s` (the reciprocal of the stored scale).
+    pub(crate) s: f32,
+    /// Subtracted before scaling (0 for symmetric groups).
+    pub(crate) offset: f32,
+    /// The smallest integer, as f32.
+    pub(crate) qmin: f32,
+    /// The largest integer, as f32.
+    pub(crate) qmax: f32,
+    /// Stochastic rounding with these keys; nearest-even when `None`.
+    pub(crate) stochastic: Option<Stoch>,
+}
+
+/// Calls kernel function `$f` of the module that `$d` (a [`Dispatch`])
+/// selects. Every kernel module defines every function, so this is the one
+/// place that turns a checked [`Kernel`] into an `unsafe` call.
+macro_rules! dispatch {
+    ($d:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match $d.0 {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Dispatch` holds Avx2 only after `is_x86_feature_detected!("avx2")`.
+            Kernel::Avx2 => unsafe { avx2::$f($($arg),*) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Dispatch` holds Avx512 only after `is_x86_feature_detected!("avx512f")`.
+            Kernel::Avx512 => unsafe { avx512::$f($($arg),*) },
+            #[cfg(target_arch = "aarch64")]
+            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
+            Kernel::Neon => unsafe { neon::$f($($arg),*) },
+            _ => scalar::$f($($arg),*),
+        }
+    };
 }
 
 impl Dispatch {
@@ -117,81 +164,25 @@ impl Dispatch {
     /// `x` must be non-empty.
     #[inline]
     pub(crate) fn abs_max(self, x: &[f32]) -> Option<f32> {
-        match self.0 {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Dispatch` holds Avx2 only after `is_x86_feature_detected!("avx2")`.
-            Kernel::Avx2 => unsafe { avx2::abs_max(x) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Dispatch` holds Avx512 only after `is_x86_feature_detected!("avx512f")`.
-            Kernel::Avx512 => unsafe { avx512::abs_max(x) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
-            Kernel::Neon => unsafe { neon::abs_max(x) },
-            _ => scalar::abs_max(x),
-        }
+        dispatch!(self, abs_max(x))
     }
 
     /// `(min, max)` over `x`, or `None` if any element is NaN or ±Inf.
     /// `x` must be non-empty.
     #[inline]
     pub(crate) fn min_max(self, x: &[f32]) -> Option<(f32, f32)> {
-        match self.0 {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx2 => unsafe { avx2::min_max(x) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx512 => unsafe { avx512::min_max(x) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
-            Kernel::Neon => unsafe { neon::min_max(x) },
-            _ => scalar::min_max(x),
-        }
+        dispatch!(self, min_max(x))
     }
 
-    /// `out[i] = clamp(round_ties_even((x[i] - offset) * s), qmin, qmax)`.
+    /// `out[i] = clamp(round((x[i] - p.offset) * p.s), p.qmin, p.qmax)` as
+    /// two's complement bytes, rounding as `p.stochastic` says (element `i`
+    /// draws the random number of index `p.stochastic.lo + i`).
     #[inline]
-    pub(crate) fn round_nearest(self, x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
+    pub(crate) fn round(self, x: &[f32], p: &RoundParams, out: &mut [u8]) {
         debug_assert_eq!(x.len(), out.len());
-        match self.0 {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx2 => unsafe { avx2::round_nearest(x, s, offset, qmin, qmax, out) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx512 => unsafe { avx512::round_nearest(x, s, offset, qmin, qmax, out) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
-            Kernel::Neon => unsafe { neon::round_nearest(x, s, offset, qmin, qmax, out) },
-            _ => scalar::round_nearest(x, s, offset, qmin, qmax, out),
-        }
-    }
-
-    /// Stochastic rounding of `(x[i] - offset) * s`, clamped.
-    #[inline]
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn round_stochastic(
-        self,
-        x: &[f32],
-        s: f32,
-        offset: f32,
-        qmin: f32,
-        qmax: f32,
-        st: Stoch,
-        out: &mut [u8],
-    ) {
-        debug_assert_eq!(x.len(), out.len());
-        match self.0 {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx2 => unsafe { avx2::round_stochastic(x, s, offset, qmin, qmax, st, out) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx512 => unsafe { avx512::round_stochastic(x, s, offset, qmin, qmax, st, out) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
-            Kernel::Neon => unsafe { neon::round_stochastic(x, s, offset, qmin, qmax, st, out) },
-            _ => scalar::round_stochastic(x, s, offset, qmin, qmax, st, out),
+        match p.stochastic {
+            None => dispatch!(self, round_nearest(x, p, out)),
+            Some(st) => dispatch!(self, round_stochastic(x, p, st, out)),
         }
     }
 
@@ -199,54 +190,22 @@ impl Dispatch {
     #[inline]
     pub(crate) fn dequant(self, q: &[u8], scale: f32, offset: f32, out: &mut [f32]) {
         debug_assert_eq!(q.len(), out.len());
-        match self.0 {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx2 => unsafe { avx2::dequant(q, scale, offset, out) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx512 => unsafe { avx512::dequant(q, scale, offset, out) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
-            Kernel::Neon => unsafe { neon::dequant(q, scale, offset, out) },
-            _ => scalar::dequant(q, scale, offset, out),
-        }
+        dispatch!(self, dequant(q, scale, offset, out))
     }
 
     /// `acc[i] += q[i] as f32 * scale + offset`.
     #[inline]
     pub(crate) fn dequant_add(self, q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
         debug_assert_eq!(q.len(), acc.len());
-        match self.0 {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx2 => unsafe { avx2::dequant_add(q, scale, offset, acc) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx512 => unsafe { avx512::dequant_add(q, scale, offset, acc) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: `Dispatch` holds Neon only after `is_aarch64_feature_detected!("neon")`.
-            Kernel::Neon => unsafe { neon::dequant_add(q, scale, offset, acc) },
-            _ => scalar::dequant_add(q, scale, offset, acc),
-        }
+        dispatch!(self, dequant_add(q, scale, offset, acc))
     }
+
     /// INT4 packing of whole pairs: `out[k] = (q[2k] << 4) | (q[2k+1] & 0xF)`
     /// for `k < out.len()`; `q` holds at least `2 * out.len()` bytes.
     #[inline]
     pub(crate) fn pack4(self, q: &[u8], out: &mut [u8]) {
         debug_assert!(q.len() >= 2 * out.len());
-        match self.0 {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx2 => unsafe { avx2::pack4(q, out) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 detected at run time (cached) just before the call.
-            Kernel::Avx512 if std::arch::is_x86_feature_detected!("avx2") => unsafe { avx2::pack4(q, out) },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Neon => unsafe { neon::pack4(q, out) },
-            _ => scalar::pack4(q, out),
-        }
+        dispatch!(self, pack4(q, out))
     }
 
     /// INT4 unpacking of whole bytes: `out[2k]`, `out[2k+1]` are the
@@ -255,19 +214,6 @@ impl Dispatch {
     #[inline]
     pub(crate) fn unpack4(self, data: &[u8], out: &mut [u8]) {
         debug_assert!(out.len() >= 2 * data.len());
-        match self.0 {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Avx2 => unsafe { avx2::unpack4(data, out) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 detected at run time (cached) just before the call.
-            Kernel::Avx512 if std::arch::is_x86_feature_detected!("avx2") => unsafe {
-                avx2::unpack4(data, out)
-            },
-            #[cfg(target_arch = "aarch64")]
-            // SAFETY: availability checked in `resolve` (see `abs_max`).
-            Kernel::Neon => unsafe { neon::unpack4(data, out) },
-            _ => scalar::unpack4(data, out),
-        }
+        dispatch!(self, unpack4(data, out))
     }
 }

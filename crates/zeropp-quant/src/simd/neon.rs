@@ -3,7 +3,7 @@
 //! `vfma`), so results are bit-identical. Vector loops handle whole chunks;
 //! remainders go through the scalar code.
 
-use super::{Stoch, scalar};
+use super::{RoundParams, Stoch, scalar};
 use std::arch::aarch64::*;
 
 /// Loads 4 floats from `c[at..at + 4]`.
@@ -93,13 +93,13 @@ fn store16(r: [float32x4_t; 4], out: &mut [u8], at: usize) {
 }
 
 #[target_feature(enable = "neon")]
-pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
+pub(super) fn round_nearest(x: &[f32], p: &RoundParams, out: &mut [u8]) {
     let n = x.len().min(out.len());
     let body = n - n % 16;
-    let vs = vdupq_n_f32(s);
-    let vo = vdupq_n_f32(offset);
-    let vlo = vdupq_n_f32(qmin);
-    let vhi = vdupq_n_f32(qmax);
+    let vs = vdupq_n_f32(p.s);
+    let vo = vdupq_n_f32(p.offset);
+    let vlo = vdupq_n_f32(p.qmin);
+    let vhi = vdupq_n_f32(p.qmax);
     let mut i = 0;
     while i < body {
         let mut r = [vdupq_n_f32(0.0); 4];
@@ -112,7 +112,7 @@ pub(super) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32
         store16(r, out, i);
         i += 16;
     }
-    scalar::round_nearest(&x[body..n], s, offset, qmin, qmax, &mut out[body..n]);
+    scalar::round_nearest(&x[body..n], p, &mut out[body..n]);
 }
 
 /// lowbias32 on 4 lanes.
@@ -127,21 +127,13 @@ fn lowbias32(mut x: uint32x4_t) -> uint32x4_t {
 }
 
 #[target_feature(enable = "neon")]
-pub(super) fn round_stochastic(
-    x: &[f32],
-    s: f32,
-    offset: f32,
-    qmin: f32,
-    qmax: f32,
-    st: Stoch,
-    out: &mut [u8],
-) {
+pub(super) fn round_stochastic(x: &[f32], p: &RoundParams, st: Stoch, out: &mut [u8]) {
     let n = x.len().min(out.len());
     let body = n - n % 16;
-    let vs = vdupq_n_f32(s);
-    let vo = vdupq_n_f32(offset);
-    let vlo = vdupq_n_f32(qmin);
-    let vhi = vdupq_n_f32(qmax);
+    let vs = vdupq_n_f32(p.s);
+    let vo = vdupq_n_f32(p.offset);
+    let vlo = vdupq_n_f32(p.qmin);
+    let vhi = vdupq_n_f32(p.qmax);
     let one = vreinterpretq_u32_f32(vdupq_n_f32(1.0));
     let inv24 = vdupq_n_f32(1.0 / 16_777_216.0);
     let k1 = vdupq_n_u32(st.k1);
@@ -168,7 +160,7 @@ pub(super) fn round_stochastic(
         i += 16;
     }
     let tail = Stoch { lo: st.lo.wrapping_add(body as u32), ..st };
-    scalar::round_stochastic(&x[body..n], s, offset, qmin, qmax, tail, &mut out[body..n]);
+    scalar::round_stochastic(&x[body..n], p, tail, &mut out[body..n]);
 }
 
 /// Converts `q[at..at + 16]` to f32 and applies `* scale + offset`.

@@ -1,7 +1,7 @@
 //! Portable scalar reference kernels. Every SIMD kernel must match these
 //! bit for bit.
 
-use super::Stoch;
+use super::{RoundParams, Stoch};
 use crate::rng;
 
 /// See [`super::Dispatch::abs_max`].
@@ -35,11 +35,12 @@ pub(crate) fn min_max(x: &[f32]) -> Option<(f32, f32)> {
     ok.then_some((lo, hi))
 }
 
-/// See [`super::Dispatch::round_nearest`].
-pub(crate) fn round_nearest(x: &[f32], s: f32, offset: f32, qmin: f32, qmax: f32, out: &mut [u8]) {
+/// Round-to-nearest-even of [`super::Dispatch::round`] (`p.stochastic` is
+/// not read).
+pub(crate) fn round_nearest(x: &[f32], p: &RoundParams, out: &mut [u8]) {
     for (o, &v) in out.iter_mut().zip(x) {
-        let r = ((v - offset) * s).round_ties_even();
-        *o = r.max(qmin).min(qmax) as i8 as u8;
+        let r = ((v - p.offset) * p.s).round_ties_even();
+        *o = r.max(p.qmin).min(p.qmax) as i8 as u8;
     }
 }
 
@@ -49,23 +50,17 @@ pub(crate) fn uniform(k1: u32, k2: u32, lo: u32) -> f32 {
     (rng::hash32(k1, k2, lo) >> 8) as f32 * (1.0 / 16_777_216.0)
 }
 
-/// See [`super::Dispatch::round_stochastic`].
-pub(crate) fn round_stochastic(
-    x: &[f32],
-    s: f32,
-    offset: f32,
-    qmin: f32,
-    qmax: f32,
-    st: Stoch,
-    out: &mut [u8],
-) {
+/// Stochastic rounding of [`super::Dispatch::round`] with `st` (in place
+/// of `p.stochastic`, which is not read): element `i` rounds up when its
+/// uniform is below the fractional part.
+pub(crate) fn round_stochastic(x: &[f32], p: &RoundParams, st: Stoch, out: &mut [u8]) {
     for (i, (o, &v)) in out.iter_mut().zip(x).enumerate() {
-        let y = (v - offset) * s;
+        let y = (v - p.offset) * p.s;
         let f = y.floor();
         let frac = y - f;
         let u = uniform(st.k1, st.k2, st.lo.wrapping_add(i as u32));
         let r = if u < frac { f + 1.0 } else { f };
-        *o = r.max(qmin).min(qmax) as i8 as u8;
+        *o = r.max(p.qmin).min(p.qmax) as i8 as u8;
     }
 }
 

@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""Independent reference for zeropp-quant's fixed test vectors.
+"""Second implementation, in Python, behind zeropp-quant's fixed test vectors.
 
 How `vectors.json` was produced:
 
     python3 crates/zeropp-quant/tests/data/gen_vectors.py > crates/zeropp-quant/tests/data/vectors.json
 
+This is our own emulation of the quantization formula of DeepSpeed's kernels
+(csrc/includes/quantization_utils.h), written from reading that source; it
+does not run DeepSpeed, and its output was never compared with DeepSpeed's.
+The stochastic-rounding RNG, the INT4 packing and the wire encoding below are
+zeropp's own formats, not DeepSpeed's. See README.md in this folder.
+
 Pure Python 3 (standard library only, no numpy). DeepSpeed's quantization
-kernels (csrc/includes/quantization_utils.h) compute in f32; this script
-emulates every f32 operation by computing in Python's double and rounding
+kernels compute in f32; this script emulates every f32 operation by computing in Python's double and rounding
 the result to f32 with a `struct` round trip (`f32()` below). For +, -, *, /
 of two f32 values, the double result rounded once to f32 equals the
 correctly rounded f32 result (double has more than 2*24+2 bits), so this is

@@ -115,3 +115,17 @@ pub fn values(len: usize) -> impl Strategy<Value = Vec<f32>> {
 pub fn vector() -> impl Strategy<Value = Vec<f32>> {
     length().prop_flat_map(values)
 }
+
+/// The proptest configuration of every property block: `cases` cases, and
+/// failures persisted next to the test's own source file
+/// (`properties.rs` -> `properties.proptest-regressions`). Proptest's default
+/// would look for a `proptest-regressions/` folder beside `tests/it/`,
+/// because `tests/it/main.rs` makes it treat `tests/it` as a crate root.
+pub fn config(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::WithSource(
+            "proptest-regressions",
+        ))),
+        ..ProptestConfig::with_cases(cases)
+    }
+}

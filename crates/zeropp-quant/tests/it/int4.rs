@@ -3,8 +3,6 @@
 //! odd start offsets (the fused kernel's tiles), all bit-identical to the
 //! scalar reference.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
-
 use zeropp_quant::{
     Bits, Kernel, Options, QuantSpec, Rounding, Scheme, available_kernels, dequant_reduce_quant, dequantize,
     dequantize_add, quantize,

@@ -1,10 +1,6 @@
 //! Wire encoding: round trips, validation errors and fuzzed decoding.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use proptest::prelude::*;
 use zeropp_quant::wire::{HEADER_LEN, VERSION};
 use zeropp_quant::{
@@ -133,7 +129,7 @@ fn from_parts_validates() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(config(256))]
 
     #[test]
     fn round_trip(x in vector(), gs in group_size(), bits in prop_oneof![Just(Bits::Int4), Just(Bits::Int8)], asym: bool) {

@@ -1,8 +1,6 @@
 //! Stochastic rounding: unbiasedness (statistical, with a stated bound) and
 //! determinism.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
-
 use zeropp_quant::{Bits, Options, QuantSpec, Rounding, Scheme, dequantize, quantize};
 
 const TRIALS: usize = 4000;

@@ -1,10 +1,6 @@
 //! Property tests against the independent reference in `common`.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
-
-mod common;
-
-use common::*;
+use crate::common::*;
 use proptest::prelude::*;
 use zeropp_quant::{
     Bits, Kernel, Options, QuantSpec, Quantized, Rounding, Scheme, available_kernels, dequant_reduce_quant,
@@ -52,7 +48,7 @@ fn check_bound(x: &[f32], q: &Quantized, y: &[f32], stochastic: bool) -> Result<
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(256))]
+    #![proptest_config(config(256))]
 
     /// Error bound for both widths, both schemes, both roundings.
     #[test]

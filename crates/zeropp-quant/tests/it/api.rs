@@ -1,7 +1,5 @@
 //! API behaviour: errors, element types, buffer variants, edge cases.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
-
 use zeropp_quant::half::{bf16, f16};
 use zeropp_quant::{
     Bits, Options, QuantError, QuantSpec, Quantized, QuantizedRef, Scheme, dequant_reduce_quant,
