@@ -4,13 +4,28 @@
 //! forward and backward passes, the training data, the optimizer, the stage
 //! engine and the training loop.
 //!
-//! The model side is organised around the [`model::Model`] trait: a model is
-//! an ordered list of gather units ([`model::LayerSpec`]); the engine gathers
-//! the flat parameters of layer `i` before calling `forward(i)` /
-//! `backward(i)`, so a model never owns its weights.
+//! The main entry points are re-exported here: a run is a [`TrainConfig`]
+//! (model, data, cluster, [`EngineConfig`] with its [`ZeroConfig`] switches),
+//! [`train()`] runs it and returns a [`TrainReport`]; [`ZeroEngine`] is the
+//! per-rank step underneath, for drivers of their own.
 //!
-//! - [`model`]: the `Model` contract and two models, [`model::Mlp`] and
-//!   [`model::Gpt`], with GEMM through `matrixmultiply`.
+//! ```
+//! use zeropp_engine::{TrainConfig, ZeroConfig, train};
+//! let mut cfg = TrainConfig { steps: 2, ..TrainConfig::tiny() };
+//! cfg.engine.zero = ZeroConfig::zero3();
+//! let report = train(&cfg)?;
+//! assert_eq!(report.summary.mode, "zero3");
+//! assert_eq!(report.steps.len(), 2);
+//! # Ok::<(), zeropp_engine::EngineError>(())
+//! ```
+//!
+//! The model side is organised around the [`Model`] trait: a model is an
+//! ordered list of gather units ([`model::LayerSpec`]); the engine gathers the
+//! flat parameters of layer `i` before calling `forward(i)` / `backward(i)`, so
+//! a model never owns its weights.
+//!
+//! - [`model`]: the `Model` contract and two models, [`Mlp`] and [`Gpt`], with
+//!   GEMM through `matrixmultiply`.
 //! - [`data`]: a seeded Markov text source with an exact entropy rate, a
 //!   character-level text dataset and world-size-independent batch sampling.
 //! - [`config`], [`deepspeed`]: the ZeRO-3 / ZeRO++ switches, batch arithmetic
@@ -18,8 +33,9 @@
 //! - [`optim`]: AdamW on f32 master shards.
 //! - [`engine`]: the per-rank ZeRO-3 / ZeRO++ step (gathers, prefetch, hpZ,
 //!   qgZ, clipping, skip on non-finite gradients) and the analytic byte model.
-//! - [`metrics`], [`train`], [`compare`]: JSON Lines metrics, the training
-//!   driver behind `zeropp train`, and the side-by-side runs of `zeropp compare`.
+//! - [`metrics`], [`train`](mod@train), [`compare`]: JSON Lines metrics, the
+//!   training driver behind `zeropp train`, and the side-by-side runs of
+//!   `zeropp compare` (their records; the CLI draws the plots).
 
 mod error;
 
@@ -38,4 +54,8 @@ pub mod train;
 #[cfg(feature = "mpi")]
 pub mod train_mpi;
 
+pub use config::{EngineConfig, ZeroConfig};
+pub use engine::ZeroEngine;
 pub use error::EngineError;
+pub use model::{Gpt, GptConfig, Mlp, MlpConfig, Model};
+pub use train::{DataChoice, ModelChoice, TrainConfig, TrainReport, train, train_with};

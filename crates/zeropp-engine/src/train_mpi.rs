@@ -1,11 +1,11 @@
 //! The MPI training driver behind `zeropp train --backend mpi` (feature `mpi`).
 //!
 //! Each MPI process is one rank: [`train_mpi`] runs the same per-rank loop as the
-//! thread backend ([`run_rank`]) on an [`MpiComm`], so with the default
+//! thread backend (the crate-private `train::rank` module) on an [`MpiComm`], so with the default
 //! [`Reduction::Ordered`](zeropp_comm::mpi::Reduction::Ordered) the losses, norms and
 //! byte counters equal those of `--backend threads` with the same world and node size.
 //!
-//! The per-step records ([`RankStep`]) of every rank are gathered to all ranks on a
+//! The per-step records of every rank are gathered to all ranks on a
 //! private duplicate of the world communicator (after each step, outside the timed
 //! region and outside the engine's traffic counters), and aggregated exactly as the
 //! thread driver does; only rank 0 writes the metrics file and receives the report.
@@ -15,46 +15,19 @@
 
 use std::cell::RefCell;
 
-pub use zeropp_comm::Communicator;
 pub use zeropp_comm::mpi::{LOCAL_SIZE_ENV, MpiComm, MpiOptions, or_abort};
-use zeropp_comm::{CommExt, Group, OpTraffic, TrafficSnapshot};
+use zeropp_comm::{CommExt, Communicator, Group, OpTraffic, TrafficSnapshot};
 
 use crate::EngineError;
 use crate::data::TextDataset;
 use crate::engine::{build_plan, bytes::step_bytes};
 use crate::metrics::{MetricsWriter, StepRecord};
 use crate::model::{Gpt, Mlp, Model};
-use crate::train::{
-    Backend, DataInfo, Faults, ModelChoice, RankJob, RankStep, TrainConfig, TrainReport, aggregate,
-    load_data, run_rank, summarize,
-};
-
-/// Environment variable read by [`faults_from_env`]: `fail:RANK:STEP` makes that
-/// rank fail in the middle of that step, `nan:RANK:STEP` makes its gradient NaN.
-pub const FAULT_ENV: &str = "ZEROPP_FAULT";
-
-/// Parses [`FAULT_ENV`] (test hook; unset or empty means no fault).
-pub fn faults_from_env() -> Result<Faults, EngineError> {
-    match std::env::var(FAULT_ENV) {
-        Ok(v) if !v.trim().is_empty() => parse_faults(&v),
-        _ => Ok(Faults::default()),
-    }
-}
-
-/// Parses a fault spec: `fail:RANK:STEP` or `nan:RANK:STEP`.
-pub fn parse_faults(spec: &str) -> Result<Faults, EngineError> {
-    let bad = || {
-        EngineError::InvalidConfig(format!("{FAULT_ENV}=`{spec}`: expected fail:RANK:STEP or nan:RANK:STEP"))
-    };
-    let parts: Vec<&str> = spec.trim().split(':').collect();
-    let [kind, rank, step] = parts.as_slice() else { return Err(bad()) };
-    let at = (rank.parse::<usize>().map_err(|_| bad())?, step.parse::<usize>().map_err(|_| bad())?);
-    match *kind {
-        "fail" => Ok(Faults { fail: Some(at), ..Faults::default() }),
-        "nan" => Ok(Faults { nan_gradient: Some(at), ..Faults::default() }),
-        _ => Err(bad()),
-    }
-}
+use crate::train::aggregate::aggregate;
+use crate::train::preflight::check_run;
+use crate::train::rank::{RankJob, RankStep, run_rank};
+use crate::train::summary::summarize;
+use crate::train::{Backend, DataInfo, ModelChoice, TrainConfig, TrainReport, load_data};
 
 /// Trains as configured with this process as one rank of `comm`'s world
 /// (collective over the MPI world: every rank must call it with the same `cfg`).
@@ -214,7 +187,7 @@ fn train_model_mpi<M: Model>(
     on_step: &mut dyn FnMut(&StepRecord),
 ) -> Result<Option<TrainReport>, EngineError> {
     // The same checks as the thread driver, on every rank (they all fail alike).
-    let (seq_len, micro) = crate::train::check_run(model, data, cfg)?;
+    let (seq_len, micro) = check_run(model, data, cfg)?;
     let topo = *comm.topology();
     let rank = comm.rank();
     let plan = build_plan(model, &cfg.engine, topo)?;
@@ -309,15 +282,6 @@ fn train_model_mpi<M: Model>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn fault_specs_parse() -> Result<(), EngineError> {
-        assert_eq!(parse_faults("fail:3:2")?.fail, Some((3, 2)));
-        assert_eq!(parse_faults("nan:0:1")?.nan_gradient, Some((0, 1)));
-        assert!(parse_faults("boom:1:1").is_err());
-        assert!(parse_faults("fail:1").is_err());
-        Ok(())
-    }
 
     #[test]
     fn step_records_round_trip() -> Result<(), EngineError> {

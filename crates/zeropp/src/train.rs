@@ -8,6 +8,7 @@ use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use zeropp_engine::config::{CommDtype, ZeroConfig};
 use zeropp_engine::metrics::{StepRecord, format_summary};
+use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, load_data, train_with};
 
 use crate::CliError;
@@ -165,11 +166,24 @@ pub(crate) struct TrainArgs {
     pub resume: Option<PathBuf>,
 }
 
+/// The model of a `--model` name (`gpt`, `gpt-tiny`, `mlp`, `mlp-tiny`) with its default shape.
+pub(crate) fn model_choice(name: &str) -> Result<ModelChoice, CliError> {
+    match name.to_ascii_lowercase().as_str() {
+        "gpt" | "gpt-small" => Ok(ModelChoice::Gpt(GptConfig::default_small())),
+        "gpt-tiny" => Ok(ModelChoice::Gpt(GptConfig::tiny())),
+        "mlp" | "mlp-small" => Ok(ModelChoice::Mlp(MlpConfig::default_small())),
+        "mlp-tiny" => Ok(ModelChoice::Mlp(MlpConfig::tiny())),
+        other => {
+            Err(format!("--model: unknown model `{other}` (expected gpt, gpt-tiny, mlp or mlp-tiny)").into())
+        }
+    }
+}
+
 /// Builds the run configuration shared by `train` and `compare` (ZeRO switches
 /// start from `zero`, then the DeepSpeed config, then the explicit flags).
 pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<(TrainConfig, Vec<String>), CliError> {
     let mut cfg = TrainConfig {
-        model: ModelChoice::from_name(&run.model)?,
+        model: model_choice(&run.model)?,
         data: match &run.data {
             Some(p) => DataChoice::File(p.clone()),
             None => TrainConfig::default().data,
@@ -352,4 +366,21 @@ pub(crate) fn show_step(pb: &ProgressBar, r: &StepRecord) {
         r.tokens_per_s,
         r.inter_node_bytes / 1e6
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn model_names_map_to_their_default_shapes() {
+        assert!(matches!(model_choice("gpt"), Ok(ModelChoice::Gpt(g)) if g == GptConfig::default_small()));
+        assert!(matches!(model_choice("GPT-Tiny"), Ok(ModelChoice::Gpt(g)) if g == GptConfig::tiny()));
+        assert!(
+            matches!(model_choice("mlp-small"), Ok(ModelChoice::Mlp(m)) if m == MlpConfig::default_small())
+        );
+        assert!(matches!(model_choice("mlp-tiny"), Ok(ModelChoice::Mlp(m)) if m == MlpConfig::tiny()));
+        let err = model_choice("rnn").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("unknown model `rnn`"), "{err}");
+    }
 }

@@ -6,8 +6,40 @@
 //! whole job through `MPI_Abort`, with a message naming the rank and the cause.
 //! Without the `mpi` feature, `--backend mpi` is a one-line error.
 
+#[cfg(any(feature = "mpi", test))]
+use zeropp_engine::train::Faults;
+
 use crate::CliError;
 use crate::train::TrainArgs;
+
+/// Environment variable read by [`faults_from_env`] (a test hook of the MPI
+/// tests): `fail:RANK:STEP` makes that rank fail in the middle of that step,
+/// `nan:RANK:STEP` makes its gradient NaN.
+#[cfg(any(feature = "mpi", test))]
+pub(crate) const FAULT_ENV: &str = "ZEROPP_FAULT";
+
+/// Parses [`FAULT_ENV`] (unset or empty means no fault).
+#[cfg(feature = "mpi")]
+fn faults_from_env() -> Result<Faults, CliError> {
+    match std::env::var(FAULT_ENV) {
+        Ok(v) if !v.trim().is_empty() => parse_faults(&v),
+        _ => Ok(Faults::default()),
+    }
+}
+
+/// Parses a fault spec: `fail:RANK:STEP` or `nan:RANK:STEP`.
+#[cfg(any(feature = "mpi", test))]
+fn parse_faults(spec: &str) -> Result<Faults, CliError> {
+    let bad = || format!("{FAULT_ENV}=`{spec}`: expected fail:RANK:STEP or nan:RANK:STEP");
+    let parts: Vec<&str> = spec.trim().split(':').collect();
+    let [kind, rank, step] = parts.as_slice() else { return Err(bad().into()) };
+    let at = (rank.parse::<usize>().map_err(|_| bad())?, step.parse::<usize>().map_err(|_| bad())?);
+    match *kind {
+        "fail" => Ok(Faults { fail: Some(at), ..Faults::default() }),
+        "nan" => Ok(Faults { nan_gradient: Some(at), ..Faults::default() }),
+        _ => Err(bad().into()),
+    }
+}
 
 /// The error of `--backend mpi` in a build without the `mpi` feature.
 #[cfg(not(feature = "mpi"))]
@@ -33,9 +65,10 @@ fn flag_given(name: &str) -> bool {
 
 #[cfg(feature = "mpi")]
 fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
+    use zeropp_comm::Communicator as _;
     use zeropp_engine::metrics::format_summary;
     use zeropp_engine::train::load_data;
-    use zeropp_engine::train_mpi::{Communicator as _, MpiComm, MpiOptions, faults_from_env, train_mpi};
+    use zeropp_engine::train_mpi::{MpiComm, MpiOptions, train_mpi};
 
     use crate::train::{progress_bar, show_step, train_config};
 
@@ -103,4 +136,19 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     }
     drop(comm);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fault_specs_parse() -> Result<(), CliError> {
+        assert_eq!(parse_faults("fail:3:2")?.fail, Some((3, 2)));
+        assert_eq!(parse_faults("nan:0:1")?.nan_gradient, Some((0, 1)));
+        assert!(parse_faults("boom:1:1").is_err());
+        assert!(parse_faults("fail:1").is_err());
+        assert!(parse_faults("fail:x:1").is_err());
+        Ok(())
+    }
 }

@@ -1,0 +1,35 @@
+//! The checks every driver (threads or MPI) makes before it starts a rank.
+
+use crate::EngineError;
+use crate::data::TextDataset;
+use crate::model::Model;
+
+use super::TrainConfig;
+
+/// Checks the engine config, the sequence length, the batch arithmetic, a
+/// non-zero step count, and data large enough for one global batch (and for
+/// validation). Returns `(seq_len, micro-batch per rank)`.
+pub(crate) fn check_run<M: Model>(
+    model: &M,
+    data: &TextDataset,
+    cfg: &TrainConfig,
+) -> Result<(usize, usize), EngineError> {
+    cfg.engine.validate(cfg.world, cfg.local_size)?;
+    let seq_len = model.seq_len();
+    data.check_seq_len(seq_len)?;
+    let micro = cfg.engine.micro_batch(cfg.world)?;
+    if cfg.steps == 0 {
+        return Err(EngineError::InvalidConfig("steps must be > 0".into()));
+    }
+    let windows = data.train_tokens().len().saturating_sub(seq_len);
+    if micro * cfg.world > windows {
+        return Err(EngineError::InvalidConfig(format!(
+            "a batch of {} sequences of {seq_len} tokens is larger than the training data ({windows} windows)",
+            micro * cfg.world
+        )));
+    }
+    if cfg.eval_batches > 0 {
+        data.val_batches(micro * cfg.world, seq_len, 1)?;
+    }
+    Ok((seq_len, micro))
+}

@@ -1,0 +1,176 @@
+//! The thread driver: one OS thread per rank on a [`ThreadCluster`] (simulated
+//! nodes), the per-step records aggregated on the calling thread as they arrive.
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+
+use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
+
+use crate::EngineError;
+use crate::data::TextDataset;
+use crate::engine::bytes::step_bytes;
+use crate::engine::{build_plan, checkpoint};
+use crate::metrics::{MetricsWriter, StepRecord};
+use crate::model::Model;
+
+use super::aggregate::aggregate;
+use super::failure::root_cause;
+use super::preflight::check_run;
+use super::rank::{RankJob, RankResult, RankStep, run_rank};
+use super::summary::summarize;
+use super::{Backend, DataInfo, TrainConfig, TrainReport};
+
+/// Trains `model` on `data` on the thread backend (see [`super::train_with`]).
+pub(crate) fn train_model<M: Model>(
+    model: &M,
+    data: &TextDataset,
+    info: &DataInfo,
+    cfg: &TrainConfig,
+    on_step: &mut dyn FnMut(&StepRecord),
+) -> Result<TrainReport, EngineError> {
+    if cfg.backend != Backend::Threads {
+        return Err(EngineError::InvalidConfig(
+            "this driver runs the thread backend; the MPI backend runs under `mpirun zeropp train --backend mpi`"
+                .into(),
+        ));
+    }
+    let (seq_len, micro) = check_run(model, data, cfg)?;
+    let topo =
+        Topology::new(cfg.world, cfg.local_size).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+    let plan = build_plan(model, &cfg.engine, topo)?;
+    let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
+
+    // Resume: read every rank's state before starting the ranks.
+    let (start_step, resume_states) = match &cfg.resume {
+        Some(dir) => {
+            let (step, states) = checkpoint::load(dir, &plan, &cfg.engine)?;
+            (step, Some(states))
+        }
+        None => (0, None),
+    };
+    if start_step >= cfg.steps {
+        return Err(EngineError::InvalidConfig(format!(
+            "the checkpoint is at step {start_step}, not before the last step {}",
+            cfg.steps
+        )));
+    }
+
+    let mut metrics = match &cfg.metrics {
+        Some(p) => Some(MetricsWriter::create(p)?),
+        None => None,
+    };
+    let mut options = ThreadOptions::default().with_timeout(cfg.timeout);
+    if let Some(l) = cfg.link {
+        options = options.with_link_model(l);
+    }
+    let cluster = ThreadCluster::new(topo, options);
+    let tokens = micro * cfg.world * cfg.engine.grad_accum * seq_len;
+
+    let (tx, rx) = mpsc::channel::<RankStep>();
+    let mut records = Vec::new();
+    let mut pending: BTreeMap<usize, Vec<RankStep>> = BTreeMap::new();
+    let mut metrics_err = None;
+    let results = std::thread::scope(|scope| {
+        let runner = scope.spawn(move || {
+            let tx = tx;
+            cluster.run_each(|comm| {
+                let job = RankJob {
+                    model,
+                    data,
+                    cfg,
+                    seq_len,
+                    start_step,
+                    resume: resume_states.as_ref().and_then(|s| s.get(comm.rank()).cloned()),
+                };
+                let sink = |r: RankStep| {
+                    // The driver only stops listening once every rank is done.
+                    let _ = tx.send(r);
+                };
+                run_rank(comm, &job, &sink)
+            })
+        });
+        for ev in rx {
+            let step = ev.step;
+            let entry = pending.entry(step).or_default();
+            entry.push(ev);
+            if entry.len() == cfg.world
+                && let Some(mut ranks) = pending.remove(&step)
+            {
+                ranks.sort_by_key(|r| r.rank);
+                let rec = aggregate(step, &ranks, tokens);
+                if let Some(m) = metrics.as_mut()
+                    && let Err(e) = m.step(&rec)
+                {
+                    metrics_err.get_or_insert(e);
+                }
+                on_step(&rec);
+                records.push(rec);
+            }
+        }
+        runner.join()
+    });
+    let results = results.map_err(|_| EngineError::Training("the cluster runner panicked".into()))?;
+    let mut ok = Vec::new();
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(v) => ok.push(v),
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(root_cause(errors));
+    }
+    if let Some(e) = metrics_err {
+        return Err(e);
+    }
+    ok.sort_by_key(|r| r.rank);
+    check_skips_agree(&ok)?;
+
+    let val_loss = if cfg.eval_batches > 0 { mean_val_loss(&ok) } else { None };
+    let params = if cfg.keep_params {
+        let mut full = Vec::new();
+        for l in 0..plan.num_buckets() {
+            let shards: Vec<&[f32]> = ok
+                .iter()
+                .filter_map(|r| r.master.as_ref().and_then(|m| m.get(l)).map(Vec::as_slice))
+                .collect();
+            let v = plan.gather(l, &shards).map_err(|e| EngineError::Partition(e.to_string()))?;
+            let layout = plan.bucket(l).map_err(|e| EngineError::Partition(e.to_string()))?;
+            full.push(layout.compact(&v).map_err(|e| EngineError::Partition(e.to_string()))?);
+        }
+        Some(full)
+    } else {
+        None
+    };
+    let summary = summarize(&records, val_loss, info, cfg, model, &analytic);
+    if let Some(m) = metrics.as_mut() {
+        m.summary(&summary)?;
+    }
+    Ok(TrainReport { steps: records, summary, params })
+}
+
+/// Every rank takes the same skip decision (one f64 norm exchange); a
+/// disagreement would mean ranks applied different updates.
+fn check_skips_agree(ranks: &[RankResult]) -> Result<(), EngineError> {
+    if let Some(first) = ranks.first()
+        && let Some(other) = ranks.iter().find(|r| r.skipped != first.skipped)
+    {
+        return Err(EngineError::Training(format!(
+            "ranks disagree on skipped steps: rank {} skipped {}, rank {} skipped {}",
+            first.rank, first.skipped, other.rank, other.skipped
+        )));
+    }
+    Ok(())
+}
+
+/// The mean validation loss over every rank's batches (`None` when none ran).
+fn mean_val_loss(ranks: &[RankResult]) -> Option<f32> {
+    let n = ranks.first().map_or(0, |r| r.val_losses.len());
+    // Per-rank sums first, then over ranks: the MPI driver sums in the same order.
+    let mut sum = 0.0f64;
+    for r in ranks {
+        sum += r.val_losses.iter().map(|&v| f64::from(v)).sum::<f64>();
+    }
+    (n > 0).then(|| (sum / (n * ranks.len()) as f64) as f32)
+}
