@@ -1,2 +1,131 @@
-//! Workspace-level integration tests live in `tests/tests/*.rs`; this library only
-//! holds helpers they share.
+//! Workspace-level tests of zeropp and the helpers the crates' tests share.
+//!
+//! The integration tests that span several crates live in `tests/tests/*.rs`.
+//! This library holds what more than one crate's tests need, so each helper
+//! exists once:
+//!
+//! - [`data`]: finding the shared data files under `../shared/data` (relative
+//!   to the workspace root), failing loudly when CI needs them and they are
+//!   absent, and saying so in one counted line when a local run skips.
+
+pub mod data {
+    //! The shared data files (`<workspace>/../shared/data/<name>`).
+    //!
+    //! A test that needs one calls [`require`]: it gets the path when the file
+    //! exists; when it does not, the test fails under `CI=true` (set by CI) or
+    //! `ZEROPP_REQUIRE_DATA=1` with a message naming the file and where it was
+    //! looked for, and otherwise [`require`] writes one counted line to stderr
+    //! (past the test harness's capture, so a skip is never silent) and returns
+    //! `None`: the test returns early.
+    //!
+    //! ```
+    //! use zeropp_tests::data;
+    //! // A file that never exists: a skip outside CI, a panic under CI=true.
+    //! if !data::required() {
+    //!     assert!(data::require("no-such-file.txt", "doc_example").is_none());
+    //! }
+    //! assert!(data::path(data::TINYSHAKESPEARE).ends_with("shared/data/tinyshakespeare.txt"));
+    //! ```
+
+    use std::io::Write;
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// The tiny Shakespeare corpus (about 1.1 MB of text, 65 distinct characters).
+    pub const TINYSHAKESPEARE: &str = "tinyshakespeare.txt";
+
+    /// Environment variable that makes a missing data file a failure (`1` or `true`).
+    pub const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_DATA";
+
+    /// Where the file comes from, for the failure message.
+    const SOURCES: &[(&str, &str)] = &[(
+        TINYSHAKESPEARE,
+        "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+    )];
+
+    /// Tests skipped so far in this process for want of a data file.
+    static SKIPPED: AtomicUsize = AtomicUsize::new(0);
+
+    /// The path of data file `name`, whether or not it exists.
+    pub fn path(name: &str) -> PathBuf {
+        // This crate sits at `<workspace>/tests`.
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data").join(name)
+    }
+
+    /// The path of data file `name` when it exists (no policy: for benches and
+    /// optional extras).
+    pub fn find(name: &str) -> Option<PathBuf> {
+        let p = path(name);
+        p.is_file().then_some(p)
+    }
+
+    /// Whether a missing data file fails the test: `CI` or
+    /// [`REQUIRE_ENV`] set to `1` or `true`.
+    pub fn required() -> bool {
+        required_by(std::env::var("CI").ok().as_deref(), std::env::var(REQUIRE_ENV).ok().as_deref())
+    }
+
+    /// [`required`] on given values of `CI` and [`REQUIRE_ENV`].
+    pub fn required_by(ci: Option<&str>, require: Option<&str>) -> bool {
+        let on = |v: Option<&str>| {
+            v.is_some_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"))
+        };
+        on(ci) || on(require)
+    }
+
+    /// The path of data file `name` for test `test`: `Some` when it exists;
+    /// when it does not, a panic if [`required`], else one counted line on
+    /// stderr (`skipped: 1 test needs ../shared/data/NAME`) and `None`.
+    ///
+    /// # Panics
+    ///
+    /// When the file is absent and [`required`] is true: under CI a test that
+    /// needs data must not pass without it.
+    pub fn require(name: &str, test: &str) -> Option<PathBuf> {
+        if let Some(p) = find(name) {
+            return Some(p);
+        }
+        let shown = format!("../shared/data/{name}");
+        if required() {
+            let from = SOURCES
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or_else(String::new, |(_, url)| format!(" (download it from {url})"));
+            panic!(
+                "{test} needs {shown} (relative to the workspace root; looked for {}), which is absent{from}. \
+                 CI=true or {REQUIRE_ENV}=1 makes a missing data file a failure rather than a skip.",
+                path(name).display()
+            );
+        }
+        let n = SKIPPED.fetch_add(1, Ordering::Relaxed) + 1;
+        let (tests, needs) = if n == 1 { ("test", "needs") } else { ("tests", "need") };
+        // Straight to stderr: the harness captures `eprintln!` of passing tests.
+        let _ = writeln!(
+            std::io::stderr(),
+            "skipped: {n} {tests} {needs} {shown} (now: {test}; set {REQUIRE_ENV}=1 to make this a failure)"
+        );
+        None
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn ci_or_the_switch_requires_the_data() {
+            assert!(!required_by(None, None));
+            assert!(required_by(Some("true"), None));
+            assert!(required_by(Some("TRUE"), None));
+            assert!(required_by(None, Some("1")));
+            assert!(!required_by(Some("false"), Some("0")));
+            assert!(!required_by(Some(""), None));
+        }
+
+        #[test]
+        fn the_path_is_under_shared_data() {
+            let p = path(TINYSHAKESPEARE);
+            assert!(p.ends_with("shared/data/tinyshakespeare.txt"), "{}", p.display());
+            assert_eq!(find("no-such-file.txt"), None);
+        }
+    }
+}

@@ -95,9 +95,10 @@ fn main() {
 
     // Full-size fidelity: ZeRO++ vs ZeRO-3 (bf16) on tinyshakespeare.
     let fsteps = env_usize("ZEROPP_BENCH_FIDELITY_STEPS", 300);
-    let shakespeare =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
-    if fsteps > 0 && shakespeare.exists() {
+    let shakespeare = zeropp_tests::data::find(zeropp_tests::data::TINYSHAKESPEARE);
+    if fsteps > 0
+        && let Some(shakespeare) = shakespeare
+    {
         let f = TrainConfig {
             model: ModelChoice::Gpt(GptConfig::default_small()),
             data: DataChoice::File(shakespeare),

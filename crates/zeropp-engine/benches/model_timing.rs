@@ -1,8 +1,9 @@
-//! Timing of one forward+backward of the default models (ignored by default:
-//! run with `cargo test --release -p zeropp-engine --test model_timing -- --ignored --nocapture`).
+//! Timing of one forward+backward of the default models, without the engine
+//! or any communication: `cargo bench -p zeropp-engine --bench model_timing`.
+//! Prints one line per model and rayon thread count (wall time, and CPU time of
+//! the calling thread, which other load on the machine does not inflate).
 
-// Test helpers outside #[test] fns panic on failure by design.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark may unwrap
 
 use std::time::Instant;
 
@@ -53,14 +54,14 @@ fn time<M: Model>(label: &str, model: &M, threads: usize) -> f64 {
     })
 }
 
-#[test]
-#[ignore = "timing, not a check; run explicitly"]
-fn default_models_step_time() {
+fn main() {
     let gpt = Gpt::new(GptConfig::default_small()).unwrap();
     println!("gpt default_small: {} parameters", gpt.num_params());
     let ms = time("gpt default_small", &gpt, 1);
     time("gpt default_small", &gpt, 2);
     let mlp = Mlp::new(MlpConfig::default_small()).unwrap();
     time("mlp default_small", &mlp, 1);
-    assert!(ms < 1000.0);
+    if ms >= 1000.0 {
+        eprintln!("warning: one fwd+bwd of gpt default_small took {ms:.0} ms (expected well under 1 s)");
+    }
 }

@@ -1,7 +1,5 @@
 //! `zeropp compare` end to end through the built binary: the table and the SVG plots.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
-
 use std::path::Path;
 use std::process::Command;
 

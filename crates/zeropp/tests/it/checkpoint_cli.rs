@@ -1,5 +1,4 @@
 //! `zeropp checkpoint inspect | export` on checkpoints written through the library.
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

@@ -1,8 +1,6 @@
 //! Faults and bad inputs end with a clear error (naming the rank) or a counted
 //! skipped step: never a hang or a panic.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
-
 use std::time::{Duration, Instant};
 
 use zeropp_engine::EngineError;

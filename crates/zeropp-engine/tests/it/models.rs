@@ -2,9 +2,6 @@
 //! own sensitivity, determinism across runs and rayon thread counts, call
 //! protocol errors, GEMM and attention kernels.
 
-// Test helpers outside #[test] fns panic on failure by design.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use zeropp_engine::EngineError;
 use zeropp_engine::model::gemm::{MatView, Trans, matmul, sgemm_strided};
 use zeropp_engine::model::ops::{self, AttnShape};

@@ -1,8 +1,6 @@
 //! Measured bytes per rank per step equal the analytic model exactly, and
 //! ZeRO++ cuts cross-node bytes to at most a quarter of ZeRO-3's on 2 nodes x 4.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
-
 use zeropp_engine::config::{CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};

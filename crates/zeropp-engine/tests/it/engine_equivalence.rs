@@ -1,8 +1,6 @@
 //! ZeRO-3 with f32 communication on W ranks equals single-rank training, and
 //! hpZ without quantization equals plain ZeRO-3 exactly.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
-
 use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
 use zeropp_engine::model::{Gpt, GptConfig, Model, full_forward_backward, init_params};

@@ -1,9 +1,6 @@
 //! Data tests: Markov source entropy and determinism, the text dataset,
 //! world-size-independent global batches and sharding.
 
-// Test helpers outside #[test] fns panic on failure by design.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use proptest::prelude::*;
 use zeropp_engine::EngineError;
 use zeropp_engine::data::{MarkovConfig, MarkovSource, TextDataset, shard};

@@ -1,7 +1,5 @@
 //! Runs the `zeropp` binary.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
-
 use std::process::Command;
 
 fn zeropp() -> Command {

@@ -2,8 +2,6 @@
 //! world-size independence of ZeRO-3 (f32), clean one-line failures on bad
 //! inputs, and checkpoint save / resume.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a panic is a test failure
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

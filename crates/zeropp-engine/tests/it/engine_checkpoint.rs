@@ -1,8 +1,6 @@
 //! Checkpoint at step k + resume gives exactly the loss trajectory and the
 //! parameters of an uninterrupted run.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
-
 use zeropp_engine::config::{CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};

@@ -1,0 +1,20 @@
+//! The integration tests of `zeropp-engine`, in one test binary (one link
+//! instead of one per file): a module per area.
+//!
+//! - models and data: `models` (gradients, determinism, kernels), `model_data`;
+//! - the training engine: `engine_equivalence`, `engine_bytes`,
+//!   `engine_checkpoint`, `engine_faults`, `engine_fidelity` (needs
+//!   `../shared/data/tinyshakespeare.txt`, found by `zeropp_tests::data`).
+//!
+//! Proptest failure seeds persist next to the module that found them
+//! (`tests/it/<module>.proptest-regressions`); commit them when they appear.
+//! Timings are benches (`benches/model_timing.rs`), not tests.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap: a panic is a test failure
+
+mod engine_bytes;
+mod engine_checkpoint;
+mod engine_equivalence;
+mod engine_faults;
+mod engine_fidelity;
+mod model_data;
+mod models;
