@@ -1,31 +1,66 @@
 //! `zeropp compare`: ZeRO-3, ZeRO++ and each ZeRO++ technique alone on the same
-//! workload, seed and link model, side by side, with SVG plots.
+//! workload, seed and link model, side by side.
+//!
+//! Every ratio is taken against the fair baseline, ZeRO-3 with hierarchical
+//! routing (the inter-node hop over the rail, as NCCL and torch HSDP route),
+//! with the ratio against ZeRO-3 with flat routing (every rank with every rank)
+//! beside it: flat routing sends more bytes across nodes, so a ratio against it
+//! alone would flatter ZeRO++.
+//!
+//! This module runs the variants and keeps their records ([`Comparison`]);
+//! presentation beyond the markdown [`Comparison::table`] (the SVG plots) is
+//! the CLI's.
 
-use std::path::{Path, PathBuf};
-
-use plotters::prelude::*;
+use zeropp_comm::collectives::Routing;
 
 use crate::EngineError;
 use crate::config::ZeroConfig;
-use crate::metrics::{LinkBytes, StepRecord};
-use crate::train::{OP_TAGS, TrainConfig, TrainReport, train_with};
+use crate::metrics::{StepRecord, Summary};
+use crate::train::{TrainConfig, TrainReport, train_with};
+
+/// Name of the baseline variant of [`standard_variants`]: ZeRO-3, hierarchical routing.
+pub const BASELINE: &str = "zero3";
+/// Name of the flat-routing ZeRO-3 variant of [`standard_variants`], shown beside the baseline.
+pub const FLAT_BASELINE: &str = "zero3-flat";
 
 /// One configuration of a comparison.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Variant {
-    /// Label (`zero3`, `qwz`, `hpz`, `qgz`, `zeropp`).
+    /// Label (`zero3`, `zero3-flat`, `qwz`, `hpz`, `qgz`, `zeropp`).
     pub name: String,
     /// The ZeRO switches of this variant (the rest of the run is shared).
     pub zero: ZeroConfig,
 }
 
-/// The standard set: ZeRO-3, qwZ alone, hpZ alone, qgZ alone, full ZeRO++.
-/// The baseline dtype, group sizes and bits come from `base`.
+impl Variant {
+    /// True for plain ZeRO-3: no ZeRO++ technique on.
+    pub fn is_zero3(&self) -> bool {
+        !self.zero.qwz && !self.zero.hpz() && !self.zero.qgz
+    }
+}
+
+/// The standard set: ZeRO-3 with hierarchical routing (the baseline), ZeRO-3
+/// with flat routing, qwZ alone, hpZ alone, qgZ alone, full ZeRO++; every
+/// variant but `zero3-flat` routes hierarchically. The baseline dtype, group
+/// sizes and bits come from `base`.
+///
+/// ```
+/// use zeropp_comm::collectives::Routing;
+/// use zeropp_engine::compare::standard_variants;
+/// use zeropp_engine::config::ZeroConfig;
+/// let v = standard_variants(&ZeroConfig::zero3(), 4);
+/// let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
+/// assert_eq!(names, ["zero3", "zero3-flat", "qwz", "hpz", "qgz", "zeropp"]);
+/// assert_eq!(v[0].zero.routing, Routing::Hierarchical);
+/// assert_eq!(v[1].zero.routing, Routing::Flat);
+/// assert!(v[0].is_zero3() && v[1].is_zero3() && !v[5].is_zero3());
+/// ```
 pub fn standard_variants(base: &ZeroConfig, local_size: usize) -> Vec<Variant> {
-    let z3 = ZeroConfig { qwz: false, hpz_size: 1, qgz: false, ..*base };
+    let z3 = ZeroConfig { qwz: false, hpz_size: 1, qgz: false, routing: Routing::Hierarchical, ..*base };
     let hpz = local_size.max(1);
     vec![
-        Variant { name: "zero3".into(), zero: z3 },
+        Variant { name: BASELINE.into(), zero: z3 },
+        Variant { name: FLAT_BASELINE.into(), zero: ZeroConfig { routing: Routing::Flat, ..z3 } },
         Variant { name: "qwz".into(), zero: ZeroConfig { qwz: true, ..z3 } },
         Variant { name: "hpz".into(), zero: ZeroConfig { hpz_size: hpz, ..z3 } },
         Variant { name: "qgz".into(), zero: ZeroConfig { qgz: true, ..z3 } },
@@ -38,11 +73,42 @@ pub fn standard_variants(base: &ZeroConfig, local_size: usize) -> Vec<Variant> {
 pub struct VariantResult {
     /// The variant.
     pub variant: Variant,
-    /// Its run.
+    /// Its run: every step's record and the summary.
     pub report: TrainReport,
 }
 
-/// All results; the first is the baseline of the speedups.
+/// One variant against one reference run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ratios {
+    /// Reference mean step time / this variant's (above 1: faster).
+    pub speedup: f64,
+    /// This variant's inter-node bytes per rank per step / the reference's
+    /// (below 1: fewer; 0 when the reference sends none across nodes).
+    pub inter_bytes: f64,
+}
+
+impl Ratios {
+    /// `this` against `reference`.
+    pub fn between(this: &Summary, reference: &Summary) -> Self {
+        let inter_bytes = if reference.bytes_per_step.inter > 0.0 {
+            this.bytes_per_step.inter / reference.bytes_per_step.inter
+        } else {
+            0.0
+        };
+        Self { speedup: reference.mean_step_time_s / this.mean_step_time_s.max(1e-12), inter_bytes }
+    }
+}
+
+/// A variant's ratios against the baseline and, beside them, against flat ZeRO-3.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VariantRatios {
+    /// Against [`Comparison::baseline`] (hierarchical ZeRO-3).
+    pub baseline: Ratios,
+    /// Against [`Comparison::flat_baseline`] (flat ZeRO-3), when it ran.
+    pub flat: Option<Ratios>,
+}
+
+/// All results, in the order of the variants.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Comparison {
     /// One per variant, in order.
@@ -51,6 +117,22 @@ pub struct Comparison {
 
 /// Runs every variant on `base` (same data, seed, batch, link model).
 /// `on_step(variant_index, record)` is called after every step.
+///
+/// ```
+/// use zeropp_engine::compare::{Variant, compare};
+/// use zeropp_engine::config::ZeroConfig;
+/// use zeropp_engine::train::TrainConfig;
+/// let base = TrainConfig { steps: 2, ..TrainConfig::tiny() };
+/// let variants = [
+///     Variant { name: "zero3".into(), zero: ZeroConfig::zero3() },
+///     Variant { name: "zeropp".into(), zero: ZeroConfig::zeropp(base.local_size) },
+/// ];
+/// let cmp = compare(&base, &variants, &mut |_, _| {})?;
+/// assert_eq!(cmp.results.len(), 2);
+/// assert_eq!(cmp.baseline().map(|b| b.variant.name.as_str()), Some("zero3"));
+/// assert!(cmp.ratios(&cmp.results[1]).baseline.inter_bytes < 0.5);
+/// # Ok::<(), zeropp_engine::EngineError>(())
+/// ```
 pub fn compare(
     base: &TrainConfig,
     variants: &[Variant],
@@ -74,143 +156,63 @@ fn mb(b: f64) -> String {
 }
 
 impl Comparison {
-    /// The side-by-side table (markdown): final/val loss, step time, bytes per
-    /// rank per step by link class, and the ratios to the first variant.
+    /// The baseline of every ratio: the first plain ZeRO-3 run with hierarchical
+    /// routing, else the first run.
+    pub fn baseline(&self) -> Option<&VariantResult> {
+        self.results
+            .iter()
+            .find(|r| r.variant.is_zero3() && r.variant.zero.routing == Routing::Hierarchical)
+            .or_else(|| self.results.first())
+    }
+
+    /// The first plain ZeRO-3 run with flat routing, if any.
+    pub fn flat_baseline(&self) -> Option<&VariantResult> {
+        self.results.iter().find(|r| r.variant.is_zero3() && r.variant.zero.routing == Routing::Flat)
+    }
+
+    /// `r` against the baseline and against flat ZeRO-3 (ratios of 1 when
+    /// there is no baseline, i.e. no results).
+    pub fn ratios(&self, r: &VariantResult) -> VariantRatios {
+        let this = &r.report.summary;
+        let baseline = self
+            .baseline()
+            .map_or(Ratios { speedup: 1.0, inter_bytes: 1.0 }, |b| Ratios::between(this, &b.report.summary));
+        let flat = self.flat_baseline().map(|f| Ratios::between(this, &f.report.summary));
+        VariantRatios { baseline, flat }
+    }
+
+    /// The side-by-side table (markdown): routing, final/val loss, step time,
+    /// bytes per rank per step by link class, and each ratio against the
+    /// baseline with the ratio against flat ZeRO-3 beside it (`-` when flat
+    /// ZeRO-3 did not run).
     pub fn table(&self) -> String {
-        let mut s = String::from(
-            "| variant | final loss | val loss | step time (s) | speedup | inter-node MB/rank/step | intra-node MB/rank/step | inter-node vs first |\n|---|---|---|---|---|---|---|---|\n",
+        let base = self.baseline().map_or(BASELINE, |b| b.variant.name.as_str());
+        let flat = self.flat_baseline().map_or(FLAT_BASELINE, |f| f.variant.name.as_str());
+        let mut s = format!(
+            "| variant | routing | final loss | val loss | step time (s) | speedup vs {base} | speedup vs {flat} \
+             | inter-node MB/rank/step | intra-node MB/rank/step | inter-node vs {base} | inter-node vs {flat} |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|\n"
         );
-        let base = self.results.first().map(|r| &r.report.summary);
+        let or_dash =
+            |v: Option<f64>, digits: usize| v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}x"));
         for r in &self.results {
             let sm = &r.report.summary;
-            let speedup = base.map_or(1.0, |b| b.mean_step_time_s / sm.mean_step_time_s.max(1e-12));
-            let inter_ratio = base.map_or(1.0, |b| {
-                if b.bytes_per_step.inter > 0.0 {
-                    sm.bytes_per_step.inter / b.bytes_per_step.inter
-                } else {
-                    0.0
-                }
-            });
+            let ratios = self.ratios(r);
             s.push_str(&format!(
-                "| {} | {:.4} | {} | {:.4} | {:.2}x | {} | {} | {:.3}x |\n",
+                "| {} | {} | {:.4} | {} | {:.4} | {:.2}x | {} | {} | {} | {:.3}x | {} |\n",
                 r.variant.name,
+                r.variant.zero.routing.name(),
                 sm.final_loss,
                 sm.val_loss.map_or_else(|| "-".into(), |v| format!("{v:.4}")),
                 sm.mean_step_time_s,
-                speedup,
+                ratios.baseline.speedup,
+                or_dash(ratios.flat.map(|f| f.speedup), 2),
                 mb(sm.bytes_per_step.inter),
                 mb(sm.bytes_per_step.intra),
-                inter_ratio
+                ratios.baseline.inter_bytes,
+                or_dash(ratios.flat.map(|f| f.inter_bytes), 3),
             ));
         }
         s
-    }
-
-    /// Writes `loss.svg` (loss curves) and `bytes.svg` (bytes per rank per step
-    /// by operation and link class) into `dir`; returns their paths.
-    pub fn write_plots(&self, dir: &Path) -> Result<Vec<PathBuf>, EngineError> {
-        std::fs::create_dir_all(dir).map_err(|source| EngineError::Io { path: dir.to_path_buf(), source })?;
-        let loss = dir.join("loss.svg");
-        let bytes = dir.join("bytes.svg");
-        self.plot_loss(&loss)
-            .map_err(|e| EngineError::Training(format!("cannot draw {}: {e}", loss.display())))?;
-        self.plot_bytes(&bytes)
-            .map_err(|e| EngineError::Training(format!("cannot draw {}: {e}", bytes.display())))?;
-        Ok(vec![loss, bytes])
-    }
-
-    fn plot_loss(&self, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
-        let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
-        root.fill(&WHITE)?;
-        let steps = self.results.iter().map(|r| r.report.steps.len()).max().unwrap_or(1).max(2);
-        let finite =
-            self.results.iter().flat_map(|r| r.report.steps.iter().map(|s| s.loss)).filter(|l| l.is_finite());
-        let (lo, hi) = finite.fold((f32::MAX, f32::MIN), |(a, b), l| (a.min(l), b.max(l)));
-        let (lo, hi) = if lo <= hi { (lo, hi) } else { (0.0, 1.0) };
-        let pad = ((hi - lo) * 0.05).max(1e-3);
-        let mut chart = ChartBuilder::on(&root)
-            .caption("training loss", ("sans-serif", 22))
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(56)
-            .build_cartesian_2d(0usize..steps, (lo - pad)..(hi + pad))?;
-        chart.configure_mesh().x_desc("step").y_desc("loss").draw()?;
-        for (i, r) in self.results.iter().enumerate() {
-            let color = Palette99::pick(i).to_rgba();
-            let pts: Vec<(usize, f32)> =
-                r.report.steps.iter().filter(|s| s.loss.is_finite()).map(|s| (s.step, s.loss)).collect();
-            chart
-                .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
-                .label(r.variant.name.clone())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
-        }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
-        root.present()?;
-        Ok(())
-    }
-
-    fn plot_bytes(&self, path: &Path) -> Result<(), Box<dyn std::error::Error>> {
-        let root = SVGBackend::new(path, (1000, 560)).into_drawing_area();
-        root.fill(&WHITE)?;
-        // One group of bars per variant; one bar per (op, class).
-        let series: Vec<(String, bool)> =
-            OP_TAGS.iter().flat_map(|op| [(op.to_string(), false), (op.to_string(), true)]).collect();
-        let value = |r: &VariantResult, op: &str, inter: bool| {
-            let b: LinkBytes = r.report.summary.bytes_by_op.get(op).copied().unwrap_or_default();
-            (if inter { b.inter } else { b.intra }) / 1e6
-        };
-        let max = self
-            .results
-            .iter()
-            .flat_map(|r| series.iter().map(move |(op, c)| value(r, op, *c)))
-            .fold(0.0f64, f64::max)
-            .max(1e-6);
-        let n = self.results.len().max(1);
-        let per = series.len() + 1;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(
-                "MB sent per rank per step, by operation (solid: inter-node, light: intra-node)",
-                ("sans-serif", 18),
-            )
-            .margin(12)
-            .x_label_area_size(36)
-            .y_label_area_size(64)
-            .build_cartesian_2d(0.0f64..(n * per) as f64, 0.0..max * 1.1)?;
-        let names: Vec<String> = self.results.iter().map(|r| r.variant.name.clone()).collect();
-        chart
-            .configure_mesh()
-            .disable_x_mesh()
-            .x_labels(n * 2)
-            .x_label_formatter(&|x| {
-                let g = (*x as usize) / per;
-                if (*x as usize) % per == per / 2 {
-                    names.get(g).cloned().unwrap_or_default()
-                } else {
-                    String::new()
-                }
-            })
-            .y_desc("MB")
-            .draw()?;
-        for (si, (op, inter)) in series.iter().enumerate() {
-            let base = Palette99::pick(si / 2).to_rgba();
-            let color = if *inter { base.filled() } else { base.mix(0.35).filled() };
-            let bars: Vec<Rectangle<(f64, f64)>> = self
-                .results
-                .iter()
-                .enumerate()
-                .map(|(g, r)| {
-                    let x = (g * per + si) as f64;
-                    Rectangle::new([(x, 0.0), (x + 0.9, value(r, op, *inter))], color)
-                })
-                .collect();
-            let label = format!("{op} ({})", if *inter { "inter" } else { "intra" });
-            chart
-                .draw_series(bars)?
-                .label(label)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], color));
-        }
-        chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw()?;
-        root.present()?;
-        Ok(())
     }
 }
