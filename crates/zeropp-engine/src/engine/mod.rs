@@ -25,7 +25,7 @@ pub mod checkpoint;
 mod layer_comm;
 
 use zeropp_comm::{CommError, CommExt, Communicator, Group, Topology};
-use zeropp_partition::{DType, ParamRegistry, ParamSpec as PSpec, PartitionPlan, PlanConfig};
+use zeropp_partition::{DType, ParamRegistry, ParamSpec, PartitionPlan, PlanConfig};
 
 use crate::EngineError;
 use crate::config::EngineConfig;
@@ -124,7 +124,7 @@ pub fn build_plan<M: Model + ?Sized>(
         let params = layer
             .params
             .iter()
-            .map(|p| PSpec::new(format!("{}.{}", layer.name, p.name), p.shape.clone(), DType::F32))
+            .map(|p| ParamSpec::new(format!("{}.{}", layer.name, p.name), p.shape.clone(), DType::F32))
             .collect();
         reg.push_bucket(layer.name.clone(), params).map_err(|e| EngineError::Partition(e.to_string()))?;
     }
