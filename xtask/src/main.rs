@@ -17,7 +17,9 @@ tasks:
   ci               fmt --check, clippy -D warnings, the whole test suite, cargo doc -D warnings
                    (and the MPI tests when `mpirun` is on PATH; `--no-mpi` skips them)
   test             only the test suite (cargo test --workspace)
-  bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e);
+  bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e) and the
+                   fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds;
+                   ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 600 --variants all`);
                    writes a markdown summary to target/bench-report/NAME.md
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   help             this text
@@ -154,9 +156,13 @@ fn bench(args: &[String]) -> Result<(), String> {
     let report_dir = root().join("target/bench-report");
     std::fs::create_dir_all(&report_dir).map_err(|e| format!("{}: {e}", report_dir.display()))?;
     for name in names {
+        if name == "fidelity" {
+            fidelity(&report_dir)?;
+            continue;
+        }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
-            return Err(format!("unknown bench `{name}` (known: {})", known.join(", ")));
+            return Err(format!("unknown bench `{name}` (known: {}, fidelity)", known.join(", ")));
         };
         let home = root().join("target/criterion").join(name);
         // Start from an empty criterion home so the report holds only this run's figures.
@@ -178,6 +184,20 @@ fn bench(args: &[String]) -> Result<(), String> {
         }
         eprintln!("==> wrote {}", out.display());
     }
+    Ok(())
+}
+
+/// The fidelity bench: training runs, not criterion timings, so it is an example
+/// binary of zeropp-engine that writes its own markdown report.
+fn fidelity(report_dir: &Path) -> Result<(), String> {
+    let out = report_dir.join("fidelity.md");
+    let mut c = cargo();
+    c.args(["run", "--locked", "--release", "-p", "zeropp-engine", "--example", "fidelity", "--"]);
+    let extra = std::env::var("ZEROPP_FIDELITY_ARGS").unwrap_or_default();
+    c.args(extra.split_whitespace());
+    c.arg("--out").arg(&out);
+    run("bench fidelity", c)?;
+    eprintln!("==> wrote {}", out.display());
     Ok(())
 }
 

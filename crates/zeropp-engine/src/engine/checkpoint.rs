@@ -36,6 +36,14 @@ pub struct RankState {
     pub steps: usize,
     /// Steps skipped so far.
     pub skipped: usize,
+    /// The qgZ error-feedback residuals of every layer `(hop 1, hop 2)`, when the
+    /// checkpoint has them and the topology is the one they were saved on.
+    pub feedback: Option<Vec<(Vec<f32>, Vec<f32>)>>,
+}
+
+/// The checkpoint extra holding layer `l`'s hop-`hop` qgZ residual.
+fn feedback_key(l: usize, hop: u8) -> String {
+    format!("qgz_feedback.{l}.hop{hop}")
 }
 
 fn perr(e: zeropp_partition::PartitionError) -> EngineError {
@@ -64,7 +72,12 @@ pub fn save<M: Model, C: Communicator + ?Sized, U: serde::Serialize>(
                 step: o.steps(),
             })
             .collect(),
-        extra: Default::default(),
+        extra: engine
+            .feedback_state()
+            .into_iter()
+            .enumerate()
+            .flat_map(|(l, (h1, h2))| [(feedback_key(l, 1), h1.to_vec()), (feedback_key(l, 2), h2.to_vec())])
+            .collect(),
     };
     let written = write_shard(dir, plan, step as u64, rank, &state);
     // Exchange (ok, size, crc) so rank 0 can commit, and everyone learns of failures.
@@ -76,8 +89,7 @@ pub fn save<M: Model, C: Communicator + ?Sized, U: serde::Serialize>(
     comm.set_op("checkpoint");
     let mut all = vec![0u64; 3 * world.size()];
     comm.all_gather(&world, &mine, &mut all).map_err(comm_err(rank))?;
-    let written = written.map_err(perr)?;
-    let _ = written;
+    written.map_err(perr)?;
     if let Some(r) = all.chunks(3).position(|c| c[0] == 0) {
         comm.set_op("other");
         return Err(EngineError::Partition(format!("rank {r} could not write its checkpoint shard")));
@@ -95,14 +107,21 @@ pub fn save<M: Model, C: Communicator + ?Sized, U: serde::Serialize>(
                 crc32c: c[2] as u32,
             })
             .collect();
-        let meta = serde_json::json!({
-            "engine": serde_json::to_value(user_config).unwrap_or(serde_json::Value::Null),
-            "skipped": engine.skipped_steps(),
-        });
-        let res = Manifest::new(plan, step as u64, meta, records).and_then(|m| commit_checkpoint(dir, &m));
+        let res = match serde_json::to_value(user_config) {
+            Ok(cfg) => {
+                let meta = serde_json::json!({ "engine": cfg, "skipped": engine.skipped_steps() });
+                // Every rank saves the same extras (the residuals of every layer).
+                let extras = vec![state.extra_lens(); world.size()];
+                Manifest::new(plan, step as u64, meta, records)
+                    .and_then(|m| m.with_extras(extras))
+                    .and_then(|m| commit_checkpoint(dir, &m))
+                    .map_err(perr)
+            }
+            Err(e) => Err(EngineError::InvalidConfig(format!("the configuration cannot be saved: {e}"))),
+        };
         if let Err(e) = res {
             status[0] = 0;
-            commit_err = Some(perr(e));
+            commit_err = Some(e);
         }
     }
     comm.broadcast(&world, 0, &mut status).map_err(comm_err(rank))?;
@@ -127,15 +146,28 @@ pub fn load(
     let steps = ckpt.step() as usize;
     let skipped = ckpt.user_config().get("skipped").and_then(serde_json::Value::as_u64).unwrap_or(0) as usize;
     let mut out = Vec::with_capacity(plan.world());
+    if ckpt.has_extras() && ckpt.extras_dropped(plan) {
+        eprintln!(
+            "warning: the checkpoint's qgZ error-feedback residuals were saved on another topology or layout; \
+             they start from zero"
+        );
+    }
     for r in 0..plan.world() {
         let s = ckpt.shard_for(plan, r).map_err(perr)?;
+        let layers = s.buckets.len();
+        let feedback = (0..layers)
+            .map(|l| {
+                Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone()))
+            })
+            .collect::<Option<Vec<_>>>()
+            .filter(|v| !v.is_empty());
         let mut master = Vec::new();
         let mut optim = Vec::new();
         for b in s.buckets {
             optim.push(AdamW::from_state(cfg.optim, b.step, b.exp_avg, b.exp_avg_sq)?);
             master.push(b.master);
         }
-        out.push(RankState { master, optim, steps, skipped });
+        out.push(RankState { master, optim, steps, skipped, feedback });
     }
     Ok((steps, out))
 }

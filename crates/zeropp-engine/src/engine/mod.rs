@@ -22,18 +22,18 @@
 
 pub mod bytes;
 pub mod checkpoint;
-mod quant;
-mod wire;
+mod layer_comm;
 
 use zeropp_comm::{CommError, CommExt, Communicator, Group, Topology};
-use zeropp_partition::{DType, ParamRegistry, ParamSpec as PSpec, PartitionPlan, PlanConfig};
+use zeropp_partition::{DType, ParamRegistry, ParamSpec, PartitionPlan, PlanConfig};
 
 use crate::EngineError;
 use crate::config::EngineConfig;
 use crate::model::{Batch, Model};
 use crate::optim::{AdamW, clip_factor};
 
-pub use wire::Prefetcher;
+pub use layer_comm::Prefetcher;
+use layer_comm::{LayerComm, PendingGather, Secondary};
 
 /// Operation tags of the traffic counters.
 pub mod tags {
@@ -81,6 +81,15 @@ pub(crate) fn comm_err(rank: usize) -> impl Fn(CommError) -> EngineError {
     move |source| EngineError::Comm { rank, source }
 }
 
+/// The flat ranges of the 1-D parameters (biases, norm gains and shifts) of
+/// every layer, for the qgZ 1-D exclusion.
+fn one_d_ranges(plan: &PartitionPlan) -> Vec<Vec<std::ops::Range<usize>>> {
+    plan.buckets()
+        .iter()
+        .map(|b| b.params.iter().filter(|p| p.shape.len() == 1).map(|p| p.range()).collect())
+        .collect()
+}
+
 /// Replaces every non-finite value of `grad` by zero; true when there was one.
 fn sanitize(grad: &mut [f32]) -> bool {
     if grad.iter().all(|g| g.is_finite()) {
@@ -115,7 +124,7 @@ pub fn build_plan<M: Model + ?Sized>(
         let params = layer
             .params
             .iter()
-            .map(|p| PSpec::new(format!("{}.{}", layer.name, p.name), p.shape.clone(), DType::F32))
+            .map(|p| ParamSpec::new(format!("{}.{}", layer.name, p.name), p.shape.clone(), DType::F32))
             .collect();
         reg.push_bucket(layer.name.clone(), params).map_err(|e| EngineError::Partition(e.to_string()))?;
     }
@@ -152,8 +161,8 @@ pub struct ZeroEngine<'m, M: Model> {
     master: Vec<Vec<f32>>,
     optim: Vec<AdamW>,
     grad_acc: Vec<Vec<f32>>,
-    secondary: Vec<Option<wire::Secondary>>,
-    wire: wire::Wire,
+    secondary: Vec<Option<Secondary>>,
+    comms: LayerComm,
     steps: usize,
     skipped: usize,
 }
@@ -189,6 +198,9 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             None
         };
         let optim = master.iter().map(|m| AdamW::new(cfg.optim, m.len())).collect();
+        let one_d = one_d_ranges(&plan);
+        let shard_lens: Vec<usize> = master.iter().map(Vec::len).collect();
+        let comms = LayerComm::new(cfg, rank, topology.world(), &one_d, &shard_lens)?;
         let grad_acc = master.iter().map(|m| vec![0.0; m.len()]).collect();
         let n = master.len();
         Ok(Self {
@@ -196,7 +208,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             cfg: cfg.clone(),
             world: Group::world(&topology),
             hpz_group,
-            wire: wire::Wire::new(cfg, rank, n)?,
+            comms,
             plan,
             rank,
             master,
@@ -282,46 +294,58 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         Ok(())
     }
 
+    /// Restores a rank's state from a checkpoint (see [`checkpoint::load`]): the
+    /// model and optimizer states, the step counters and, when saved on this
+    /// topology, the qgZ error-feedback residuals.
+    pub fn restore(&mut self, state: &checkpoint::RankState) -> Result<(), EngineError> {
+        self.load_state(state.master.clone(), state.optim.clone(), state.steps, state.skipped)?;
+        if let Some(fb) = &state.feedback {
+            self.comms.restore_feedback(fb.clone())?;
+        }
+        Ok(())
+    }
+
+    /// The qgZ error-feedback residuals of every layer, `(hop 1, hop 2)` (empty
+    /// without error feedback).
+    pub(crate) fn feedback_state(&self) -> Vec<(&[f32], &[f32])> {
+        self.comms.feedback_state()
+    }
+
     fn invalidate_secondary(&mut self) {
         for s in &mut self.secondary {
             *s = None;
         }
     }
 
-    /// Gathers layer `l` for the forward pass (or evaluation when `eval`).
+    /// The range of layer `l` this rank keeps as its hpZ secondary shard, when a
+    /// forward gather (not an evaluation) should keep one.
+    fn keep_range(&self, l: usize, eval: bool) -> Result<Option<std::ops::Range<usize>>, EngineError> {
+        if eval || self.hpz_group.is_none() {
+            return Ok(None);
+        }
+        self.plan.secondary_range(self.rank, l).map_err(|e| EngineError::Partition(e.to_string()))
+    }
+
+    /// Gathers layer `l` for the forward pass (or evaluation when `eval`): from
+    /// the hpZ secondary shards once they exist, else over the world (keeping the
+    /// secondary shard).
     fn gather_forward<C: Communicator + ?Sized>(
         &mut self,
         comm: &mut C,
         l: usize,
         eval: bool,
     ) -> Result<Vec<f32>, EngineError> {
-        let padded = self.master[l].len() * self.world.size();
-        let mut full = vec![0.0f32; padded];
         if !eval && let (Some(g), Some(sec)) = (&self.hpz_group, &self.secondary[l]) {
             comm.traffic_mut().set_op(tags::FWD_GATHER);
-            self.wire.gather_secondary(comm, g, sec, &mut full)?;
-            return Ok(full);
+            return self.comms.gather_secondary(comm, g, sec);
         }
         comm.traffic_mut().set_op(if eval { tags::EVAL } else { tags::FWD_GATHER });
-        self.wire.gather_weights(comm, &self.world, l, &self.master[l], &mut full)?;
-        if !eval {
-            self.keep_secondary(l, &full)?;
+        let keep = self.keep_range(l, eval)?;
+        let (full, sec) = self.comms.gather_weights(comm, &self.master[l], keep)?;
+        if sec.is_some() {
+            self.secondary[l] = sec;
         }
         Ok(full)
-    }
-
-    fn keep_secondary(&mut self, l: usize, full: &[f32]) -> Result<(), EngineError> {
-        let range =
-            self.plan.secondary_range(self.rank, l).map_err(|e| EngineError::Partition(e.to_string()))?;
-        if let Some(r) = range {
-            let slice = full.get(r.clone()).ok_or(EngineError::LengthMismatch {
-                what: "gathered layer",
-                expected: r.end,
-                got: full.len(),
-            })?;
-            self.secondary[l] = Some(self.wire.keep_secondary(slice));
-        }
-        Ok(())
     }
 
     /// Layer `l`'s parameters back to back, as the model takes them, from the
@@ -348,33 +372,24 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         comm: &mut C,
         l: usize,
     ) -> Result<Vec<f32>, EngineError> {
-        let padded = self.master[l].len() * self.world.size();
-        let mut full = vec![0.0f32; padded];
         comm.traffic_mut().set_op(tags::BWD_GATHER);
         match (&self.hpz_group, &self.secondary[l]) {
-            (Some(g), Some(sec)) => self.wire.gather_secondary(comm, g, sec, &mut full)?,
-            (Some(_), None) => {
-                return Err(EngineError::Training(format!(
-                    "hpZ secondary shard of layer {l} missing in backward (forward did not run?)"
-                )));
-            }
-            _ => self.wire.gather_weights(comm, &self.world, l, &self.master[l], &mut full)?,
-        }
-        Ok(full)
-    }
-
-    /// Submits layer `l`'s backward re-gather to the prefetch stream.
-    fn prefetch_backward(
-        &mut self,
-        pf: &mut Prefetcher,
-        l: usize,
-    ) -> Result<wire::PendingGather, EngineError> {
-        match (&self.hpz_group, &self.secondary[l]) {
-            (Some(g), Some(sec)) => Ok(self.wire.prefetch_secondary(pf, g, sec, tags::BWD_GATHER)),
+            (Some(g), Some(sec)) => self.comms.gather_secondary(comm, g, sec),
             (Some(_), None) => Err(EngineError::Training(format!(
                 "hpZ secondary shard of layer {l} missing in backward (forward did not run?)"
             ))),
-            _ => self.wire.prefetch_weights(pf, l, &self.master[l], tags::BWD_GATHER),
+            _ => Ok(self.comms.gather_weights(comm, &self.master[l], None)?.0),
+        }
+    }
+
+    /// Submits layer `l`'s backward re-gather to the prefetch stream.
+    fn prefetch_backward(&mut self, pf: &mut Prefetcher, l: usize) -> Result<PendingGather, EngineError> {
+        match (&self.hpz_group, &self.secondary[l]) {
+            (Some(g), Some(sec)) => Ok(self.comms.prefetch_secondary(pf, g, sec, tags::BWD_GATHER)),
+            (Some(_), None) => Err(EngineError::Training(format!(
+                "hpZ secondary shard of layer {l} missing in backward (forward did not run?)"
+            ))),
+            _ => Ok(self.comms.prefetch_weights(pf, &self.master[l], None, tags::BWD_GATHER)),
         }
     }
 
@@ -394,13 +409,13 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         // are intra-node and cheap; they run inline).
         let can_prefetch =
             |this: &Self, l: usize| eval || this.hpz_group.is_none() || this.secondary[l].is_none();
-        let mut pending: Option<(usize, wire::PendingGather)> = None;
+        let mut pending: Option<(usize, PendingGather)> = None;
         for l in 0..n {
             let full = match pending.take() {
                 Some((pl, p)) if pl == l => {
-                    let full = p.wait(self.rank)?;
-                    if !eval {
-                        self.keep_secondary(l, &full)?;
+                    let (full, sec) = p.wait(self.rank)?;
+                    if sec.is_some() {
+                        self.secondary[l] = sec;
                     }
                     full
                 }
@@ -411,7 +426,8 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 && can_prefetch(self, l + 1)
             {
                 let tag = if eval { tags::EVAL } else { tags::FWD_GATHER };
-                let p = self.wire.prefetch_weights(pf, l + 1, &self.master[l + 1], tag)?;
+                let keep = self.keep_range(l + 1, eval)?;
+                let p = self.comms.prefetch_weights(pf, &self.master[l + 1], keep, tag);
                 pending = Some((l + 1, p));
             }
             model.forward(l, &self.model_view(l, &full)?, &mut tape)?;
@@ -430,7 +446,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         prefetch: Option<&mut Prefetcher>,
         batch: &Batch,
     ) -> Result<f32, EngineError> {
-        self.wire.start_step(self.steps);
+        self.comms.start_step(self.steps, false);
         let tape = self.forward_pass(comm, prefetch, batch, true)?;
         comm.traffic_mut().set_op(tags::OTHER);
         Ok(self.model.loss(&tape))
@@ -452,7 +468,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         }
         let model = self.model;
         let n = self.master.len();
-        self.wire.start_step(self.steps);
+        self.comms.start_step(self.steps, true);
         let mut loss_sum = 0.0f32;
         // Set when this rank's local gradient (before any reduce) held a NaN or an
         // infinity: the non-finite values are replaced by zeros so the collectives
@@ -468,10 +484,10 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             loss_sum += model.loss(&tape);
             // Backward: while layer l computes, the prefetch stream gathers layer
             // l-1 (from the hpZ secondary shards when they exist).
-            let mut pending: Option<(usize, wire::PendingGather)> = None;
+            let mut pending: Option<(usize, PendingGather)> = None;
             for l in (0..n).rev() {
                 let full = match pending.take() {
-                    Some((pl, p)) if pl == l => p.wait(self.rank)?,
+                    Some((pl, p)) if pl == l => p.wait(self.rank)?.0,
                     _ => self.gather_backward(comm, l)?,
                 };
                 if let Some(pf) = prefetch.as_deref_mut()
@@ -502,7 +518,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 non_finite |= sanitize(&mut grad);
                 comm.traffic_mut().set_op(tags::GRAD_REDUCE);
                 let mut shard = vec![0.0f32; self.master[l].len()];
-                self.wire.reduce_scatter_grads(comm, &self.world, l, &grad, &mut shard)?;
+                self.comms.reduce_grads(comm, l, &mut grad, &mut shard)?;
                 for (a, g) in self.grad_acc[l].iter_mut().zip(&shard) {
                     *a += g;
                 }
@@ -529,6 +545,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         let skipped = !norm.is_finite();
         if skipped {
             self.skipped += 1;
+            self.comms.undo_step();
         } else {
             let factor = clip_factor(norm, self.cfg.gradient_clipping);
             for ((p, g), opt) in self.master.iter_mut().zip(&self.grad_acc).zip(&mut self.optim) {

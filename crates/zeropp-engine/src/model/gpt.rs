@@ -21,8 +21,8 @@
 
 use super::ops::{self, AttnShape};
 use super::{
-    Batch, LayerSpec, Model, ParamSpec, check_backward_order, check_forward_order, fill_normal, split_params,
-    split_params_mut, validate_batch,
+    Batch, LayerSpec, Model, TensorSpec, check_backward_order, check_forward_order, fill_normal,
+    split_params, split_params_mut, validate_batch,
 };
 use crate::EngineError;
 
@@ -150,34 +150,34 @@ impl Gpt {
         let f = cfg.mlp_ratio * d;
         let mut layers = vec![LayerSpec {
             name: "embed".into(),
-            params: vec![ParamSpec::new("wte", vec![v, d]), ParamSpec::new("wpe", vec![t, d])],
+            params: vec![TensorSpec::new("wte", vec![v, d]), TensorSpec::new("wpe", vec![t, d])],
         }];
         for i in 0..cfg.n_layer {
             layers.push(LayerSpec {
                 name: format!("block{i}"),
                 params: vec![
-                    ParamSpec::new("ln1.gamma", vec![d]),
-                    ParamSpec::new("ln1.beta", vec![d]),
-                    ParamSpec::new("attn.qkv.weight", vec![d, 3 * d]),
-                    ParamSpec::new("attn.qkv.bias", vec![3 * d]),
-                    ParamSpec::new("attn.proj.weight", vec![d, d]),
-                    ParamSpec::new("attn.proj.bias", vec![d]),
-                    ParamSpec::new("ln2.gamma", vec![d]),
-                    ParamSpec::new("ln2.beta", vec![d]),
-                    ParamSpec::new("mlp.fc.weight", vec![d, f]),
-                    ParamSpec::new("mlp.fc.bias", vec![f]),
-                    ParamSpec::new("mlp.proj.weight", vec![f, d]),
-                    ParamSpec::new("mlp.proj.bias", vec![d]),
+                    TensorSpec::new("ln1.gamma", vec![d]),
+                    TensorSpec::new("ln1.beta", vec![d]),
+                    TensorSpec::new("attn.qkv.weight", vec![d, 3 * d]),
+                    TensorSpec::new("attn.qkv.bias", vec![3 * d]),
+                    TensorSpec::new("attn.proj.weight", vec![d, d]),
+                    TensorSpec::new("attn.proj.bias", vec![d]),
+                    TensorSpec::new("ln2.gamma", vec![d]),
+                    TensorSpec::new("ln2.beta", vec![d]),
+                    TensorSpec::new("mlp.fc.weight", vec![d, f]),
+                    TensorSpec::new("mlp.fc.bias", vec![f]),
+                    TensorSpec::new("mlp.proj.weight", vec![f, d]),
+                    TensorSpec::new("mlp.proj.bias", vec![d]),
                 ],
             });
         }
         layers.push(LayerSpec {
             name: "head".into(),
             params: vec![
-                ParamSpec::new("ln_f.gamma", vec![d]),
-                ParamSpec::new("ln_f.beta", vec![d]),
-                ParamSpec::new("lm_head.weight", vec![d, v]),
-                ParamSpec::new("lm_head.bias", vec![v]),
+                TensorSpec::new("ln_f.gamma", vec![d]),
+                TensorSpec::new("ln_f.beta", vec![d]),
+                TensorSpec::new("lm_head.weight", vec![d, v]),
+                TensorSpec::new("lm_head.bias", vec![v]),
             ],
         });
         Ok(Self { cfg, layers })

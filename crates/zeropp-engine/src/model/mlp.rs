@@ -14,8 +14,8 @@
 
 use super::ops;
 use super::{
-    Batch, LayerSpec, Model, ParamSpec, check_backward_order, check_forward_order, fill_normal, split_params,
-    split_params_mut, validate_batch,
+    Batch, LayerSpec, Model, TensorSpec, check_backward_order, check_forward_order, fill_normal,
+    split_params, split_params_mut, validate_batch,
 };
 use crate::EngineError;
 
@@ -108,18 +108,18 @@ impl Mlp {
         cfg.validate()?;
         let (v, h, c) = (cfg.vocab, cfg.hidden, cfg.context);
         let mut layers =
-            vec![LayerSpec { name: "embed".into(), params: vec![ParamSpec::new("wte", vec![v, h])] }];
+            vec![LayerSpec { name: "embed".into(), params: vec![TensorSpec::new("wte", vec![v, h])] }];
         for i in 0..cfg.layers {
             let din = if i == 0 { c * h } else { h };
             layers.push(LayerSpec {
                 name: format!("fc{i}"),
-                params: vec![ParamSpec::new("weight", vec![din, h]), ParamSpec::new("bias", vec![h])],
+                params: vec![TensorSpec::new("weight", vec![din, h]), TensorSpec::new("bias", vec![h])],
             });
         }
         let din = if cfg.layers == 0 { c * h } else { h };
         layers.push(LayerSpec {
             name: "head".into(),
-            params: vec![ParamSpec::new("weight", vec![din, v]), ParamSpec::new("bias", vec![v])],
+            params: vec![TensorSpec::new("weight", vec![din, v]), TensorSpec::new("bias", vec![v])],
         });
         Ok(Self { cfg, layers })
     }

@@ -2,7 +2,7 @@
 //!
 //! A [`Model`] is a list of gather units ([`LayerSpec`]). It never owns its
 //! weights: the engine all-gathers layer `i`'s flat parameters (the layer's
-//! [`ParamSpec`]s concatenated in order, each row-major) and hands them to
+//! [`TensorSpec`]s concatenated in order, each row-major) and hands them to
 //! [`Model::forward`] / [`Model::backward`]. Everything a micro-batch needs
 //! between forward and backward lives in the model's [`Model::Tape`].
 //!
@@ -24,14 +24,14 @@ use crate::EngineError;
 
 /// One parameter tensor of a layer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ParamSpec {
+pub struct TensorSpec {
     /// Name, unique within its layer (e.g. `attn.qkv.weight`).
     pub name: String,
     /// Shape, row-major. Linear weights are `[in, out]`.
     pub shape: Vec<usize>,
 }
 
-impl ParamSpec {
+impl TensorSpec {
     /// A parameter spec.
     pub fn new(name: impl Into<String>, shape: Vec<usize>) -> Self {
         Self { name: name.into(), shape }
@@ -49,13 +49,13 @@ pub struct LayerSpec {
     /// Name, unique within the model (e.g. `block0`).
     pub name: String,
     /// The parameters, in flat-layout order.
-    pub params: Vec<ParamSpec>,
+    pub params: Vec<TensorSpec>,
 }
 
 impl LayerSpec {
     /// Total elements; the flat layout is the params concatenated in order.
     pub fn numel(&self) -> usize {
-        self.params.iter().map(ParamSpec::numel).sum()
+        self.params.iter().map(TensorSpec::numel).sum()
     }
 
     /// Offset of each parameter in the flat layout (same order as `params`).
@@ -152,7 +152,7 @@ pub trait Model: Send + Sync {
     fn seq_len(&self) -> usize;
     /// Ordered layers; the engine gathers layer i's flat parameters before forward(i)/backward(i).
     fn layers(&self) -> &[LayerSpec];
-    /// Deterministic init of layer `layer` (flat, ParamSpec order) from `seed`; same seed => same values on every rank.
+    /// Deterministic init of layer `layer` (flat, TensorSpec order) from `seed`; same seed => same values on every rank.
     fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError>;
     /// Starts a micro-batch (validates token ids < vocab, shapes).
     fn start(&self, batch: &Batch) -> Result<Self::Tape, EngineError>;

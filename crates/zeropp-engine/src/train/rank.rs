@@ -103,7 +103,7 @@ pub(crate) fn run_rank<M: Model, C: Communicator + ?Sized>(
     let micro = ecfg.micro_batch(world)?;
     let mut engine = ZeroEngine::new(job.model, ecfg, topo, rank)?;
     if let Some(state) = &job.resume {
-        engine.load_state(state.master.clone(), state.optim.clone(), state.steps, state.skipped)?;
+        engine.restore(state)?;
     }
     let mut prefetch = if ecfg.zero.prefetch { Some(Prefetcher::new(comm)?) } else { None };
     for step in job.start_step..cfg.steps {

@@ -27,6 +27,12 @@ fn resume_reproduces_the_uninterrupted_run() {
         // The stochastic-rounding streams are keyed by the step, so a resume draws
         // exactly what the uninterrupted run drew.
         ZeroConfig { stochastic_rounding: true, ..ZeroConfig::zeropp(4) },
+        // The LoCo residuals are saved with the checkpoint.
+        ZeroConfig {
+            error_feedback: Some(zeropp_engine::config::LocoConfig::default()),
+            qgz_exclude_1d: true,
+            ..ZeroConfig::zeropp(4)
+        },
     ] {
         let dir = tempfile::tempdir().unwrap();
         let full = train(&cfg(zero, 10)).unwrap();

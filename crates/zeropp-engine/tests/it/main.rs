@@ -3,7 +3,8 @@
 //!
 //! - models and data: `models` (gradients, determinism, kernels), `model_data`;
 //! - the training engine: `engine_equivalence`, `engine_bytes`,
-//!   `engine_checkpoint`, `engine_faults`, `engine_fidelity` (needs
+//!   `engine_checkpoint`, `engine_faults`, `engine_zeropp_options` (INT8 hpZ
+//!   wire, 1-D exclusion, routing), `engine_fidelity` (needs
 //!   `../shared/data/tinyshakespeare.txt`, found by `zeropp_tests::data`).
 //!
 //! Proptest failure seeds persist next to the module that found them
@@ -16,5 +17,6 @@ mod engine_checkpoint;
 mod engine_equivalence;
 mod engine_faults;
 mod engine_fidelity;
+mod engine_zeropp_options;
 mod model_data;
 mod models;

@@ -1,0 +1,607 @@
+//! How the engine moves a layer over the network: its weight gathers (forward,
+//! backward, hpZ) and its gradient reduction.
+//!
+//! Each is one collective of `zeropp_comm::collectives`, chosen once from the
+//! config in [`LayerComm::new`]: the engine builds no collective of its own and
+//! knows no byte formula (the analytic model, [`super::bytes`], composes comm's).
+//!
+//! | what | collective |
+//! |---|---|
+//! | weight gather (forward; backward without hpZ) | `world_all_gather` (dense) or `world_qwz_gather_encoded` + `dequantize_encodings` (qwZ), with the config's [`Routing`] |
+//! | hpZ secondary gather (backward; forward of later micro-batches) | `all_gather_f32` / `all_gather_bf16` over the hpZ group, or the qwZ encodings by `all_gather_bytes` ([`HpzWire::Int8`]) |
+//! | gradient reduce-scatter | `world_reduce_scatter` (dense, with the config's routing) or qgZ (`qgz_reduce_scatter[_with_feedback]`), plus an all-to-all-v of the 1-D parameters when they are excluded from qgZ |
+
+use std::ops::Range;
+
+use zeropp_comm::collectives::{
+    self, DenseWire, ErrorFeedback, QgzOptions, QwzOptions, Reduce, Routing, qgz_reduce_scatter,
+    qgz_reduce_scatter_with_feedback,
+};
+use zeropp_comm::{AsyncComm, CommError, Communicator, Group, Pending, TrafficSnapshot};
+use zeropp_quant::half::bf16;
+use zeropp_quant::{Options, QuantSpec};
+
+use super::comm_err;
+use crate::EngineError;
+use crate::config::{EngineConfig, HpzWire, LocoConfig};
+
+/// The symmetric spec of `bits` (4 or 8) with `group` elements per scale.
+pub(crate) fn spec(bits: u8, group: usize) -> Result<QuantSpec, EngineError> {
+    let s = match bits {
+        8 => QuantSpec::int8(group),
+        4 => QuantSpec::int4(group),
+        b => return Err(EngineError::InvalidConfig(format!("quantization bits must be 4 or 8, got {b}"))),
+    };
+    s.map_err(|e| EngineError::InvalidConfig(format!("invalid quantization spec: {e}")))
+}
+
+fn options(stochastic: Option<u64>) -> Options {
+    match stochastic {
+        Some(seed) => Options::default().stochastic(seed),
+        None => Options::default(),
+    }
+}
+
+/// Rounds every value to the nearest bfloat16 (ties to even), in place.
+fn round_bf16(xs: &mut [f32]) {
+    xs.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+}
+
+/// How a layer's primary shards travel in a world gather.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) enum WeightGather {
+    /// Dense elements of the baseline type.
+    Dense(DenseWire),
+    /// qwZ: block-quantized, dequantized on arrival (and rounded to bf16 when the
+    /// working precision is bf16, as DeepSpeed dequantizes into its 16-bit dtype,
+    /// so the forward and the backward see the same weights).
+    Qwz { spec: QuantSpec, round_bf16: bool },
+}
+
+/// Everything a world weight gather needs; `Copy`, so a prefetch job can take it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GatherSpec {
+    routing: Routing,
+    weights: WeightGather,
+    dense: DenseWire,
+    hpz_int8: bool,
+    stochastic: Option<u64>,
+}
+
+/// An hpZ secondary shard: the slice of the gathered layer this rank serves to
+/// its hpZ group until the optimizer step.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Secondary {
+    /// f32 values (exact mode).
+    F32(Vec<f32>),
+    /// bf16 values: the gathered weights are bf16 values already, so this is exact
+    /// and costs the `2·Ψ/hpz` bytes the memory report counts.
+    Bf16(Vec<bf16>),
+    /// The qwZ encodings of the primary shards the slice covers (each of
+    /// `shard_len` elements), as received: about `Ψ/hpz` bytes, the same weights.
+    Encoded { bytes: Vec<u8>, shard_len: usize, round_bf16: bool },
+}
+
+/// Gathers `shard` over the world as `g` says; with `keep`, also returns the hpZ
+/// secondary shard covering that range of the gathered layer.
+fn gather_world<C: Communicator + ?Sized>(
+    comm: &mut C,
+    g: GatherSpec,
+    shard: &[f32],
+    keep: Option<Range<usize>>,
+) -> Result<(Vec<f32>, Option<Secondary>), CommError> {
+    let w = comm.topology().world();
+    let s = shard.len();
+    let mut full = vec![0.0f32; s * w];
+    let mut secondary = None;
+    match g.weights {
+        WeightGather::Dense(wire) => collectives::world_all_gather(comm, g.routing, wire, shard, &mut full)?,
+        WeightGather::Qwz { spec, round_bf16: round } => {
+            let opts = QwzOptions { spec, quant: options(g.stochastic) };
+            let enc = collectives::world_qwz_gather_encoded(comm, g.routing, shard, &opts)?;
+            collectives::dequantize_encodings(&enc, s, &mut full, &opts.quant)?;
+            if round {
+                round_bf16(&mut full);
+            }
+            if g.hpz_int8
+                && let Some(r) = &keep
+                && s > 0
+            {
+                let e = enc.len() / w;
+                let bytes = enc.get(r.start / s * e..r.end / s * e).ok_or_else(|| {
+                    CommError::Mismatch(format!("hpZ range {r:?} outside a layer of {} elements", full.len()))
+                })?;
+                secondary =
+                    Some(Secondary::Encoded { bytes: bytes.to_vec(), shard_len: s, round_bf16: round });
+            }
+        }
+    }
+    if secondary.is_none()
+        && let Some(r) = keep
+    {
+        let len = full.len();
+        let slice = full.get(r.clone()).ok_or_else(|| {
+            CommError::Mismatch(format!("hpZ range {r:?} outside a layer of {len} elements"))
+        })?;
+        secondary = Some(match g.dense {
+            DenseWire::F32 => Secondary::F32(slice.to_vec()),
+            DenseWire::Bf16 => Secondary::Bf16(slice.iter().map(|&x| bf16::from_f32(x)).collect()),
+        });
+    }
+    Ok((full, secondary))
+}
+
+/// All-gathers the hpZ secondary shards of `group` (the layer, as f32).
+fn gather_secondary<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    shard: &Secondary,
+) -> Result<Vec<f32>, CommError> {
+    let h = group.size();
+    match shard {
+        Secondary::F32(s) => {
+            let mut out = vec![0.0f32; s.len() * h];
+            collectives::all_gather_f32(comm, group, s, &mut out)?;
+            Ok(out)
+        }
+        Secondary::Bf16(s) => {
+            let mut bits = vec![bf16::ZERO; s.len() * h];
+            collectives::all_gather_bf16(comm, group, s, &mut bits)?;
+            Ok(bits.iter().map(|b| b.to_f32()).collect())
+        }
+        Secondary::Encoded { bytes, shard_len, round_bf16: round } => {
+            let mut gathered = vec![0u8; bytes.len() * h];
+            comm.all_gather_bytes(group, bytes, &mut gathered)?;
+            let count = comm.topology().world();
+            let mut out = vec![0.0f32; shard_len * count];
+            collectives::dequantize_encodings(&gathered, *shard_len, &mut out, &Options::default())?;
+            if *round {
+                round_bf16(&mut out);
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// The stochastic-rounding streams of one rank: every quantizing collective gets
+/// its own seed, keyed by `(base seed, kind, optimizer step, call within the
+/// step)` — the same on every rank, since all ranks call the collectives in the
+/// same order; the rank (and, in qgZ, the hop) is keyed in below that. Keying by
+/// the step (not a running counter) makes a resumed run draw exactly what the
+/// uninterrupted one drew.
+#[derive(Debug, Clone, Copy)]
+struct Streams {
+    base: Option<u64>,
+    step: u64,
+    call: u64,
+}
+
+impl Streams {
+    const QWZ: u64 = 1;
+    const QGZ: u64 = 2;
+
+    fn next(&mut self, kind: u64) -> Option<u64> {
+        let base = self.base?;
+        self.call += 1;
+        Some(zeropp_quant::rng::stream_seed(base, &[kind, self.step, self.call]))
+    }
+}
+
+/// qgZ with its per-layer LoCo state.
+#[derive(Debug)]
+struct Qgz {
+    opts: QgzOptions,
+    loco: Option<LocoConfig>,
+    feedback: Vec<ErrorFeedback>,
+    /// The residuals at the start of the step, restored when the step is skipped.
+    saved: Vec<ErrorFeedback>,
+}
+
+/// The elements of one layer that are reduced densely instead of by qgZ (the 1-D
+/// parameters): for every rank, the flat ranges of those elements inside its
+/// primary shard, in order.
+#[derive(Debug, Clone, Default)]
+struct DenseSlices {
+    per_rank: Vec<Vec<Range<usize>>>,
+}
+
+impl DenseSlices {
+    fn count(&self, rank: usize) -> usize {
+        self.per_rank.get(rank).map_or(0, |rs| rs.iter().map(Range::len).sum())
+    }
+}
+
+/// One rank's layer traffic: the collectives chosen from the config, the qgZ
+/// error-feedback state and the stochastic-rounding streams.
+#[derive(Debug)]
+pub(crate) struct LayerComm {
+    rank: usize,
+    gather: GatherSpec,
+    qgz: Option<Qgz>,
+    dense_slices: Vec<DenseSlices>,
+    streams: Streams,
+}
+
+impl LayerComm {
+    /// The collectives of `cfg` for `rank`; `one_d` lists, per layer, the flat
+    /// ranges of the 1-D parameters and `shard_lens` the primary shard length of
+    /// every layer (both used only when they are excluded from qgZ).
+    pub(crate) fn new(
+        cfg: &EngineConfig,
+        rank: usize,
+        world: usize,
+        one_d: &[Vec<Range<usize>>],
+        shard_lens: &[usize],
+    ) -> Result<Self, EngineError> {
+        let z = &cfg.zero;
+        let dense = z.comm_dtype.wire();
+        let round = dense == DenseWire::Bf16;
+        let weights = if z.qwz {
+            WeightGather::Qwz { spec: spec(z.qwz_bits, z.qwz_group_size)?, round_bf16: round }
+        } else {
+            WeightGather::Dense(dense)
+        };
+        let gather = GatherSpec {
+            routing: z.routing,
+            weights,
+            dense,
+            hpz_int8: z.qwz && z.hpz_wire == HpzWire::Int8,
+            stochastic: None,
+        };
+        let layers = shard_lens.len();
+        let qgz = if z.qgz {
+            let wire = spec(z.qgz_bits, z.qgz_group_size)?;
+            let local = spec(8, z.qgz_group_size)?;
+            let opts =
+                QgzOptions { intra_spec: wire, inter_spec: wire, local_spec: local, ..QgzOptions::default() };
+            let fb = |l: LocoConfig| ErrorFeedback::loco(l.err_beta);
+            let feedback: Vec<ErrorFeedback> = match z.error_feedback {
+                Some(l) => (0..layers).map(|_| fb(l)).collect(),
+                None => Vec::new(),
+            };
+            Some(Qgz { opts, loco: z.error_feedback, saved: feedback.clone(), feedback })
+        } else {
+            None
+        };
+        let dense_slices = if z.qgz && z.qgz_exclude_1d {
+            one_d
+                .iter()
+                .zip(shard_lens)
+                .map(|(ranges, &s)| DenseSlices {
+                    per_rank: (0..world)
+                        .map(|r| {
+                            let own = r * s..(r + 1) * s;
+                            ranges
+                                .iter()
+                                .map(|x| x.start.max(own.start)..x.end.min(own.end))
+                                .filter(|x| x.start < x.end)
+                                .collect()
+                        })
+                        .collect(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let streams = Streams {
+            base: z.stochastic_rounding.then_some(cfg.seed ^ 0x9E37_79B9_7F4A_7C15),
+            step: 0,
+            call: 0,
+        };
+        Ok(Self { rank, gather, qgz, dense_slices, streams })
+    }
+
+    /// Starts optimizer step `step` (also before an evaluation): restarts the
+    /// stochastic-rounding streams, saves the qgZ residuals so a skipped step can
+    /// restore them, and resets them every LoCo `reset_t` steps.
+    pub(crate) fn start_step(&mut self, step: usize, training: bool) {
+        self.streams.step = step as u64;
+        self.streams.call = 0;
+        if !training {
+            return;
+        }
+        if let Some(q) = &mut self.qgz {
+            if let Some(l) = q.loco
+                && l.reset_t > 0
+                && step > 0
+                && step.is_multiple_of(l.reset_t)
+            {
+                q.feedback.iter_mut().for_each(ErrorFeedback::reset);
+            }
+            q.saved.clone_from(&q.feedback);
+        }
+    }
+
+    /// Called when the step was skipped: the qgZ residuals go back to what they
+    /// were before it (the skipped gradient must leave no trace).
+    pub(crate) fn undo_step(&mut self) {
+        if let Some(q) = &mut self.qgz {
+            q.feedback.clone_from(&q.saved);
+        }
+    }
+
+    /// The gather spec of the next world gather, with its own stochastic-rounding
+    /// stream (keyed by this rank too: a rank quantizes only its own shard).
+    fn next_gather(&mut self) -> GatherSpec {
+        let mut g = self.gather;
+        if let WeightGather::Qwz { .. } = g.weights {
+            g.stochastic = self
+                .streams
+                .next(Streams::QWZ)
+                .map(|s| zeropp_quant::rng::stream_seed(s, &[self.rank as u64]));
+        }
+        g
+    }
+
+    /// World gather of a primary `shard`; with `keep`, the hpZ secondary shard of
+    /// that range is returned too.
+    pub(crate) fn gather_weights<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        shard: &[f32],
+        keep: Option<Range<usize>>,
+    ) -> Result<(Vec<f32>, Option<Secondary>), EngineError> {
+        let g = self.next_gather();
+        gather_world(comm, g, shard, keep).map_err(comm_err(self.rank))
+    }
+
+    /// Submits a world gather to the prefetch stream.
+    pub(crate) fn prefetch_weights(
+        &mut self,
+        pf: &mut Prefetcher,
+        shard: &[f32],
+        keep: Option<Range<usize>>,
+        tag: &str,
+    ) -> PendingGather {
+        let g = self.next_gather();
+        let shard = shard.to_vec();
+        let tag = tag.to_string();
+        let pending = pf.comm.submit(move |c| {
+            c.traffic_mut().set_op(&tag);
+            gather_world(c, g, &shard, keep)
+        });
+        PendingGather { pending: PendingKind::World(pending) }
+    }
+
+    /// All-gathers the hpZ secondary shards of `group`.
+    pub(crate) fn gather_secondary<C: Communicator + ?Sized>(
+        &self,
+        comm: &mut C,
+        group: &Group,
+        shard: &Secondary,
+    ) -> Result<Vec<f32>, EngineError> {
+        gather_secondary(comm, group, shard).map_err(comm_err(self.rank))
+    }
+
+    /// Submits the all-gather of the hpZ secondary shards of `group` to the
+    /// prefetch stream.
+    pub(crate) fn prefetch_secondary(
+        &self,
+        pf: &mut Prefetcher,
+        group: &Group,
+        shard: &Secondary,
+        tag: &str,
+    ) -> PendingGather {
+        let shard = shard.clone();
+        let group = group.clone();
+        let tag = tag.to_string();
+        let pending = pf.comm.submit(move |c| {
+            c.traffic_mut().set_op(&tag);
+            gather_secondary(c, &group, &shard)
+        });
+        PendingGather { pending: PendingKind::Secondary(pending) }
+    }
+
+    /// Gradient reduce-scatter of layer `layer`: `out` = this rank's shard of the
+    /// mean over the world of every rank's padded gradient `full` (which the call
+    /// may modify: the 1-D parameters excluded from qgZ are zeroed in it).
+    pub(crate) fn reduce_grads<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        layer: usize,
+        full: &mut [f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let seed = self.streams.next(Streams::QGZ);
+        let rank = self.rank;
+        let dense = self.gather.dense;
+        let Some(q) = &mut self.qgz else {
+            return collectives::world_reduce_scatter(
+                comm,
+                self.gather.routing,
+                dense,
+                full,
+                out,
+                Reduce::Mean,
+            )
+            .map_err(comm_err(rank));
+        };
+        let slices = self.dense_slices.get(layer).filter(|d| d.per_rank.iter().any(|r| !r.is_empty()));
+        // The 1-D parameters go to their owners densely; qgZ carries zeros there.
+        let dense_part = match slices {
+            Some(d) => {
+                let part = gather_slices(full, &d.per_rank, dense);
+                for r in d.per_rank.iter().flatten() {
+                    if let Some(x) = full.get_mut(r.clone()) {
+                        x.fill(0.0);
+                    }
+                }
+                Some(part)
+            }
+            None => None,
+        };
+        let mut opts = q.opts;
+        opts.quant = options(seed);
+        let res = match q.feedback.get_mut(layer) {
+            Some(fb) => qgz_reduce_scatter_with_feedback(comm, full, out, &opts, fb),
+            None => qgz_reduce_scatter(comm, full, out, &opts),
+        };
+        res.map_err(comm_err(rank))?;
+        if let (Some(d), Some(send)) = (slices, dense_part) {
+            exchange_dense_slices(comm, d, &send, dense, out).map_err(comm_err(rank))?;
+        }
+        Ok(())
+    }
+
+    /// The qgZ residuals of every layer, `(hop 1, hop 2)`, for checkpoints (empty
+    /// without error feedback).
+    pub(crate) fn feedback_state(&self) -> Vec<(&[f32], &[f32])> {
+        self.qgz.as_ref().map(|q| q.feedback.iter().map(ErrorFeedback::state).collect()).unwrap_or_default()
+    }
+
+    /// Restores the qgZ residuals of every layer (from [`Self::feedback_state`]).
+    pub(crate) fn restore_feedback(&mut self, state: Vec<(Vec<f32>, Vec<f32>)>) -> Result<(), EngineError> {
+        let Some(q) = &mut self.qgz else { return Ok(()) };
+        if q.feedback.is_empty() {
+            return Ok(());
+        }
+        if state.len() != q.feedback.len() {
+            return Err(EngineError::LengthMismatch {
+                what: "error-feedback layers in the checkpoint",
+                expected: q.feedback.len(),
+                got: state.len(),
+            });
+        }
+        for (fb, (h1, h2)) in q.feedback.iter_mut().zip(state) {
+            fb.restore(h1, h2);
+        }
+        q.saved.clone_from(&q.feedback);
+        Ok(())
+    }
+}
+
+/// The values of `full` in `per_rank` (owner order), in the wire type.
+fn gather_slices(full: &[f32], per_rank: &[Vec<Range<usize>>], wire: DenseWire) -> Vec<u8> {
+    let vals =
+        per_rank.iter().flatten().flat_map(|r| full.get(r.clone()).unwrap_or_default().iter().copied());
+    match wire {
+        DenseWire::F32 => vals.flat_map(f32::to_le_bytes).collect(),
+        DenseWire::Bf16 => vals.flat_map(|x| bf16::from_f32(x).to_le_bytes()).collect(),
+    }
+}
+
+/// The dense reduction of the 1-D parameters: an all-to-all-v that sends each
+/// owner its elements (in the wire type), summed in rank order in f32 and divided
+/// by the world size into the owner's shard. Sends `count(r)·b` bytes to each rank
+/// `r`.
+fn exchange_dense_slices<C: Communicator + ?Sized>(
+    comm: &mut C,
+    d: &DenseSlices,
+    send: &[u8],
+    wire: DenseWire,
+    out: &mut [f32],
+) -> Result<(), CommError> {
+    let topo = *comm.topology();
+    let (w, me) = (topo.world(), comm.rank());
+    let b = wire.bytes();
+    let send_counts: Vec<usize> = (0..w).map(|r| d.count(r) * b).collect();
+    let mine = d.count(me);
+    let recv_counts = vec![mine * b; w];
+    let mut recv = vec![0u8; mine * b * w];
+    comm.all_to_all_v_bytes(&Group::world(&topo), send, &send_counts, &mut recv, &recv_counts)?;
+    let mut sum = vec![0.0f32; mine];
+    let chunks = if mine == 0 { None } else { Some(recv.chunks_exact(mine * b)) };
+    for chunk in chunks.into_iter().flatten() {
+        for (acc, x) in sum.iter_mut().zip(chunk.chunks_exact(b)) {
+            *acc += match wire {
+                DenseWire::F32 => f32::from_le_bytes([x[0], x[1], x[2], x[3]]),
+                DenseWire::Bf16 => bf16::from_le_bytes([x[0], x[1]]).to_f32(),
+            };
+        }
+    }
+    let (base, len) = (me * out.len(), out.len());
+    let mut vals = sum.into_iter().map(|x| x / w as f32);
+    for r in d.per_rank.get(me).into_iter().flatten() {
+        let local = r.start - base..r.end - base;
+        let dst = out
+            .get_mut(local.clone())
+            .ok_or_else(|| CommError::Mismatch(format!("1-D range {local:?} outside a shard of {len}")))?;
+        for x in dst {
+            *x = vals.next().unwrap_or(0.0);
+        }
+    }
+    Ok(())
+}
+
+/// Bytes the 1-D exchange of one layer sends from `rank` to each link class:
+/// `count(r)·b` to every other rank `r`.
+pub(crate) fn dense_slices_bytes(
+    topology: &zeropp_comm::Topology,
+    rank: usize,
+    per_rank_counts: &[usize],
+    b: usize,
+) -> zeropp_comm::LinkBytes {
+    let mut out = zeropp_comm::LinkBytes::default();
+    for (r, &c) in per_rank_counts.iter().enumerate().filter(|&(r, _)| r != rank) {
+        if topology.node_of(r) == topology.node_of(rank) {
+            out.intra += (c * b) as u64;
+        } else {
+            out.inter += (c * b) as u64;
+        }
+    }
+    out
+}
+
+/// The part of a layer inside each rank's primary shard that is 1-D, for the
+/// byte model: the element counts per rank.
+pub(crate) fn dense_slice_counts(one_d: &[Range<usize>], shard_len: usize, world: usize) -> Vec<usize> {
+    (0..world)
+        .map(|r| {
+            let own = r * shard_len..(r + 1) * shard_len;
+            one_d.iter().map(|x| x.end.min(own.end).saturating_sub(x.start.max(own.start))).sum()
+        })
+        .collect()
+}
+
+/// A gather running on the prefetch stream.
+pub(crate) struct PendingGather {
+    pending: PendingKind,
+}
+
+enum PendingKind {
+    World(Pending<(Vec<f32>, Option<Secondary>)>),
+    Secondary(Pending<Vec<f32>>),
+}
+
+impl PendingGather {
+    /// Waits for the gathered layer (and the hpZ secondary shard a world gather kept).
+    pub(crate) fn wait(self, rank: usize) -> Result<(Vec<f32>, Option<Secondary>), EngineError> {
+        match self.pending {
+            PendingKind::World(p) => p.wait().map_err(comm_err(rank)),
+            PendingKind::Secondary(p) => Ok((p.wait().map_err(comm_err(rank))?, None)),
+        }
+    }
+}
+
+/// The prefetch stream: a duplicated communicator on its own worker thread
+/// (`zeropp_comm::AsyncComm`), on which the engine runs the next layer's gather
+/// while the current layer computes.
+pub struct Prefetcher {
+    comm: AsyncComm,
+    rank: usize,
+}
+
+impl std::fmt::Debug for Prefetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prefetcher").field("rank", &self.rank).finish()
+    }
+}
+
+impl Prefetcher {
+    /// Collective over the world: duplicates `comm` onto a worker thread.
+    pub fn new<C: Communicator + ?Sized>(comm: &mut C) -> Result<Self, EngineError> {
+        let rank = comm.rank();
+        let comm = AsyncComm::duplicate_from(comm).map_err(comm_err(rank))?;
+        Ok(Self { comm, rank })
+    }
+
+    /// The prefetch stream's traffic counters (after the jobs submitted so far).
+    pub fn traffic(&self) -> Result<TrafficSnapshot, EngineError> {
+        self.comm.traffic().wait().map_err(comm_err(self.rank))
+    }
+
+    /// Finishes the queued jobs and stops the worker.
+    pub fn shutdown(self) -> Result<(), EngineError> {
+        self.comm.shutdown().map_err(comm_err(self.rank))
+    }
+}
