@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use zeropp_engine::compare::{
     BASELINE, Comparison, FLAT_BASELINE, VariantResult, compare, standard_variants,
 };
@@ -142,20 +143,20 @@ fn plot_bars(bars: &Bars<'_>, path: &Path) -> Result<(), DrawError> {
         .x_label_area_size(36)
         .y_label_area_size(64)
         .build_cartesian_2d(0.0f64..(n * per) as f64, 0.0..max * 1.1)?;
+    // Group names are drawn under the middle of each group (mesh labels fall
+    // wherever the axis puts its ticks, which need not be a group's middle).
     chart
         .configure_mesh()
         .disable_x_mesh()
-        .x_labels(n * 2)
-        .x_label_formatter(&|x| {
-            let g = (*x as usize) / per;
-            if (*x as usize) % per == per / 2 {
-                bars.groups.get(g).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
+        .x_label_formatter(&|_| String::new())
         .y_desc(bars.y_desc)
         .draw()?;
+    let name_style = ("sans-serif", 13).into_font().color(&BLACK).pos(Pos::new(HPos::Center, VPos::Top));
+    for (g, name) in bars.groups.iter().enumerate() {
+        let middle = (g * per) as f64 + bars.series.len() as f64 / 2.0;
+        let (x, y) = chart.backend_coord(&(middle, 0.0));
+        root.draw(&Text::new(name.clone(), (x, y + 8), name_style.clone()))?;
+    }
     for (si, (label, color)) in bars.series.iter().enumerate() {
         let color = color.filled();
         let rects: Vec<Rectangle<(f64, f64)>> = bars
