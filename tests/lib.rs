@@ -82,11 +82,16 @@ pub mod data {
     /// When the file is absent and [`required`] is true: under CI a test that
     /// needs data must not pass without it.
     pub fn require(name: &str, test: &str) -> Option<PathBuf> {
+        require_if(required(), name, test)
+    }
+
+    /// [`require`] with the policy given (`required`) instead of read from the environment.
+    fn require_if(required: bool, name: &str, test: &str) -> Option<PathBuf> {
         if let Some(p) = find(name) {
             return Some(p);
         }
         let shown = format!("../shared/data/{name}");
-        if required() {
+        if required {
             let from = SOURCES
                 .iter()
                 .find(|(n, _)| *n == name)
@@ -119,6 +124,19 @@ pub mod data {
             assert!(required_by(None, Some("1")));
             assert!(!required_by(Some("false"), Some("0")));
             assert!(!required_by(Some(""), None));
+        }
+
+        #[test]
+        #[should_panic(expected = "a_test needs ../shared/data/no-such-file.txt")]
+        fn a_missing_file_fails_when_required() {
+            require_if(true, "no-such-file.txt", "a_test");
+        }
+
+        #[test]
+        fn a_missing_file_skips_otherwise() {
+            let before = SKIPPED.load(Ordering::Relaxed);
+            assert_eq!(require_if(false, "no-such-file.txt", "a_test"), None);
+            assert!(SKIPPED.load(Ordering::Relaxed) > before);
         }
 
         #[test]

@@ -16,7 +16,7 @@
 //! - `aggregate`: one step's per-rank records become one
 //!   [`StepRecord`];
 //! - `failure`: when ranks fail, which one is the root cause;
-//! - `summary`: the run's [`Summary`](crate::metrics::Summary).
+//! - `summary`: the run's [`Summary`].
 
 use std::path::PathBuf;
 use std::time::Duration;
