@@ -14,6 +14,7 @@
 //! - `mpi` (feature `mpi`): the MPI backend (`MpiComm`), launched by `mpirun`.
 
 mod async_comm;
+mod check;
 pub mod collectives;
 mod communicator;
 pub mod conformance;
@@ -23,6 +24,7 @@ pub mod group;
 pub mod link;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod slices;
 pub mod threads;
 pub mod topology;
 pub mod traffic;
@@ -30,7 +32,7 @@ pub mod traffic;
 #[cfg(feature = "mpi")]
 pub use crate::mpi::{Mpi, MpiComm, MpiOptions};
 pub use async_comm::{AsyncComm, Pending};
-pub use communicator::Communicator;
+pub use communicator::{Communicator, Primitive};
 pub use error::CommError;
 pub use ext::CommExt;
 pub use group::Group;
