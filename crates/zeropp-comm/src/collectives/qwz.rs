@@ -5,7 +5,7 @@ use zeropp_quant::{
 };
 
 use super::my_index;
-use crate::{CommError, Communicator, Group, LinkBytes, Topology};
+use crate::{CommError, Communicator, Group, LinkBytes, Topology, slices};
 
 /// Bytes `rank` sends in a [`qwz_all_gather`] on `group` of a shard of
 /// `shard_len` elements: one encoding of `E(spec, shard_len)` bytes
@@ -112,15 +112,15 @@ where
     comm.all_gather_bytes(group, &send, &mut gathered)?;
     drop(send);
     for j in 0..g {
-        let bytes = gathered.get(j * e..(j + 1) * e).unwrap_or(&[]);
-        let q = QuantizedRef::from_bytes(bytes)?;
+        let q =
+            QuantizedRef::from_bytes(slices::chunk(&gathered, j, e, "qwz_all_gather: gathered encodings")?)?;
         if q.len() != c {
             return Err(CommError::Mismatch(format!(
                 "qwz_all_gather: member {j} sent a shard of {} elements, expected {c}",
                 q.len()
             )));
         }
-        let out = full.get_mut(j * c..(j + 1) * c).unwrap_or(&mut []);
+        let out = slices::chunk_mut(full, j, c, "qwz_all_gather: output")?;
         dequantize_into(&q, out, &opts.quant)?;
     }
     Ok(())
