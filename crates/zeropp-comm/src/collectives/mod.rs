@@ -104,6 +104,21 @@ pub use ring::{RingOptions, ring_quantized_reduce_scatter};
 
 use crate::{CommError, Communicator, Group, slices};
 
+/// The quantization group size (elements per scale) of the default qwZ and qgZ
+/// formats, [`QwzOptions::default`] and [`QgzOptions::default`]; the engine's
+/// default too.
+///
+/// ```
+/// use zeropp_comm::collectives::{DEFAULT_GROUP_SIZE, QgzOptions, QwzOptions};
+/// assert_eq!(DEFAULT_GROUP_SIZE, 256);
+/// assert_eq!(QwzOptions::default().spec.group_size(), DEFAULT_GROUP_SIZE);
+/// let q = QgzOptions::default();
+/// for spec in [q.intra_spec, q.inter_spec, q.local_spec] {
+///     assert_eq!(spec.group_size(), DEFAULT_GROUP_SIZE);
+/// }
+/// ```
+pub const DEFAULT_GROUP_SIZE: usize = 256;
+
 /// How a world collective is routed over the topology.
 ///
 /// ```

@@ -61,8 +61,9 @@ pub struct QgzOptions {
 }
 
 impl QgzOptions {
-    /// The default quantization group size of qgZ.
-    pub const DEFAULT_GROUP_SIZE: usize = 128;
+    /// The default quantization group size of qgZ: [`super::DEFAULT_GROUP_SIZE`]
+    /// (256, as for qwZ and the engine).
+    pub const DEFAULT_GROUP_SIZE: usize = super::DEFAULT_GROUP_SIZE;
 
     /// These options with the sum instead of the mean.
     pub fn sum(mut self) -> Self {

@@ -41,8 +41,9 @@ pub struct QwzOptions {
 }
 
 impl QwzOptions {
-    /// The default quantization group size of qwZ.
-    pub const DEFAULT_GROUP_SIZE: usize = 256;
+    /// The default quantization group size of qwZ: [`super::DEFAULT_GROUP_SIZE`]
+    /// (256, as for qgZ and the engine).
+    pub const DEFAULT_GROUP_SIZE: usize = super::DEFAULT_GROUP_SIZE;
 
     /// Options with another spec.
     pub fn with_spec(spec: QuantSpec) -> Self {
