@@ -10,13 +10,17 @@
 //! - [`AsyncComm`] / [`Pending`]: non-blocking collectives on a worker thread.
 //! - [`collectives`]: ZeRO-3 baselines and the ZeRO++ collectives (qwZ, hpZ, qgZ),
 //!   written once on the primitives; their exact traffic formulas are documented there.
-//! - [`conformance`]: the backend-independent test suite.
+//! - [`quant`]: the zeropp-quant types comm's options and signatures use
+//!   ([`quant::QuantSpec`], [`quant::Options`], …), so users need no direct
+//!   zeropp-quant dependency.
+//! - `conformance` (feature `conformance`): the backend-independent test suite.
 //! - `mpi` (feature `mpi`): the MPI backend (`MpiComm`), launched by `mpirun`.
 
 mod async_comm;
 mod check;
 pub mod collectives;
 mod communicator;
+#[cfg(feature = "conformance")]
 pub mod conformance;
 mod error;
 mod ext;
@@ -24,6 +28,7 @@ pub mod group;
 pub mod link;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod quant;
 mod slices;
 pub mod threads;
 pub mod topology;

@@ -40,7 +40,7 @@
 //!
 //! # Traffic formulas (bytes sent by one rank, per collective)
 //!
-//! `g` is the group size; `E(spec, k)` = [`zeropp_quant::encoded_len`]`(spec, k)`
+//! `g` is the group size; `E(spec, k)` = [`quant::encoded_len`](crate::quant::encoded_len)`(spec, k)`
 //! `= 32 + 4·⌈k/group_size⌉·(1, or 2 if asymmetric) + (k, or ⌈k/2⌉ for INT4)`
 //! is the wire size of `k` quantized elements (header, scales, offsets, data). For
 //! qgZ on `N` nodes × `L` ranks per node, `W = N·L`, `s = ⌈n/W⌉`.

@@ -15,7 +15,7 @@ use crate::{CommError, Communicator, Group, LinkBytes, Topology, slices};
 /// use zeropp_comm::collectives::{QwzOptions, group_qwz_bytes};
 /// use zeropp_comm::{Group, LinkBytes, Topology};
 /// let t = Topology::new(8, 4)?;
-/// let e = zeropp_quant::encoded_len(QwzOptions::default().spec, 1000) as u64;
+/// let e = zeropp_comm::quant::encoded_len(QwzOptions::default().spec, 1000) as u64;
 /// let b = group_qwz_bytes(&t, 5, &Group::rail(&t, 5), QwzOptions::default().spec, 1000);
 /// assert_eq!(b, LinkBytes { intra: 0, inter: e });
 /// # Ok::<(), zeropp_comm::CommError>(())

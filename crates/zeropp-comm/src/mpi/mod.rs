@@ -156,8 +156,9 @@ impl fmt::Display for ThreadLevel {
 /// How [`MpiComm`] reduces `f32` data.
 ///
 /// The [`Communicator`](crate::Communicator) contract (and the conformance suite,
-/// [`crate::conformance`]) wants sums in group order, exactly as the thread backend
-/// computes them; only [`Reduction::Ordered`] guarantees that.
+/// `zeropp_comm::conformance`, feature `conformance`) wants sums in group order,
+/// exactly as the thread backend computes them; only [`Reduction::Ordered`]
+/// guarantees that.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Reduction {
     /// Exchange with `MPI_Alltoall` (and `MPI_Allgather` for all-reduce) and sum
