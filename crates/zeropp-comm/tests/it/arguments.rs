@@ -3,8 +3,6 @@
 //! backend that implements only the raw hooks, because the checks live in the
 //! [`Communicator`] trait's provided methods.
 
-#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
-
 use zeropp_comm::conformance::check_argument_errors;
 use zeropp_comm::{
     CommError, CommExt, Communicator, Group, Primitive, ThreadCluster, ThreadOptions, Topology,
