@@ -61,8 +61,9 @@ pub struct QgzOptions {
 }
 
 impl QgzOptions {
-    /// The default quantization group size of qgZ.
-    pub const DEFAULT_GROUP_SIZE: usize = 128;
+    /// The default quantization group size of qgZ: [`super::DEFAULT_GROUP_SIZE`]
+    /// (256, as for qwZ and the engine).
+    pub const DEFAULT_GROUP_SIZE: usize = super::DEFAULT_GROUP_SIZE;
 
     /// These options with the sum instead of the mean.
     pub fn sum(mut self) -> Self {
@@ -273,7 +274,7 @@ fn encode_part(
         Some(r) => Some((r.get_mut(part * s..(part + 1) * s).ok_or_else(|| residual_oob(part, s))?, beta)),
         None => None,
     };
-    with_part(grad, s, part, |x| encode_with_feedback(x, spec, opts, out, res))
+    with_part(grad, s, part, |x| encode_with_feedback(x, spec, opts, out, res))?
 }
 
 fn residual_oob(part: usize, s: usize) -> CommError {
@@ -398,7 +399,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
                 if let Some(res) = hop1.as_deref_mut().and_then(|r| r.get_mut(part * s..(part + 1) * s)) {
                     res.fill(0.0);
                 }
-                with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b));
+                with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
             } else {
                 let out = inter_send
                     .chunks_exact_mut(ei)
