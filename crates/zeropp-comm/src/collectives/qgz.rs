@@ -19,6 +19,18 @@
 //! 5. **Dequantize + sum** of the `N` partial sums (in node order), then divide by
 //!    `W` for the mean.
 //!
+//! The result is the true mean over all `W` ranks (up to quantization error; the
+//! accuracy tests check it against the f64 mean within [`crate::conformance`]'s
+//! analytic bound). DeepSpeed's `all_to_all_quant_reduce` differs here: its main
+//! path returns the sum divided by the number of nodes (`L ×` the mean, which its
+//! caller rescales), and only its fallback path returns the mean. Ours is the
+//! mean on every path.
+//!
+//! With stochastic rounding, every quantization draws from its own stream, keyed
+//! by `(seed, rank, hop, slot)`: the `L` (or `N`) contributions to one element
+//! round independently, so the error variance of their sum grows like `L`, not
+//! `L²` as it would if every rank reused one stream.
+//!
 //! What never leaves a rank is not quantized to INT4: at step 2 a rank's own
 //! chunk is kept in [`QgzOptions::local_spec`] (INT8 by default; it is an input of
 //! the fused kernel like the received ones), and at step 3 the own node's partial
