@@ -7,7 +7,9 @@
 //!    reordered and a partial group) against a sequential reference, with
 //!    `Reduction::Native` (exact data) and `Reduction::Ordered` (order-sensitive
 //!    data, bit-exact); the traffic counters against the thread backend running the
-//!    same workload in-process; size mismatches across ranks; the topology (with
+//!    same workload in-process; size mismatches across ranks; every kind of bad
+//!    argument, which must give the thread backend's exact errors
+//!    ([`zeropp_comm::conformance::check_argument_errors`]); the topology (with
 //!    `ZEROPP_LOCAL_SIZE`); a duplicated communicator on a second thread.
 //!
 //! Rank 0 prints `mpi_conformance: N checks passed`; any failure aborts the job
@@ -289,6 +291,14 @@ fn run() -> Result<(), String> {
 
     // Mismatched sizes are errors on every rank.
     checks += mismatches(&mut comm)?;
+
+    // Bad arguments give exactly the thread backend's errors (variant and words),
+    // with and without the size-agreement rounds.
+    checks += conformance::check_argument_errors(&mut comm).map_err(|e| format!("argument errors: {e}"))?;
+    let mut unchecked = ctx("unchecked", mpi.communicator(MpiOptions::default().with_check_sizes(false)))?;
+    checks += conformance::check_argument_errors(&mut unchecked)
+        .map_err(|e| format!("argument errors (check_sizes off): {e}"))?;
+    drop(unchecked);
 
     // A duplicated communicator on a second thread, concurrently with this one.
     let world = Group::world(&topo);

@@ -10,12 +10,17 @@
 //! - [`AsyncComm`] / [`Pending`]: non-blocking collectives on a worker thread.
 //! - [`collectives`]: ZeRO-3 baselines and the ZeRO++ collectives (qwZ, hpZ, qgZ),
 //!   written once on the primitives; their exact traffic formulas are documented there.
-//! - [`conformance`]: the backend-independent test suite.
+//! - [`quant`]: the zeropp-quant types comm's options and signatures use
+//!   ([`quant::QuantSpec`], [`quant::Options`], …), so users need no direct
+//!   zeropp-quant dependency.
+//! - `conformance` (feature `conformance`): the backend-independent test suite.
 //! - `mpi` (feature `mpi`): the MPI backend (`MpiComm`), launched by `mpirun`.
 
 mod async_comm;
+mod check;
 pub mod collectives;
 mod communicator;
+#[cfg(feature = "conformance")]
 pub mod conformance;
 mod error;
 mod ext;
@@ -23,6 +28,8 @@ pub mod group;
 pub mod link;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod quant;
+mod slices;
 pub mod threads;
 pub mod topology;
 pub mod traffic;
@@ -30,7 +37,7 @@ pub mod traffic;
 #[cfg(feature = "mpi")]
 pub use crate::mpi::{Mpi, MpiComm, MpiOptions};
 pub use async_comm::{AsyncComm, Pending};
-pub use communicator::Communicator;
+pub use communicator::{Communicator, Primitive};
 pub use error::CommError;
 pub use ext::CommExt;
 pub use group::Group;

@@ -3,7 +3,7 @@
 use half::bf16;
 
 use super::{Reduce, check_shard, finish_shard, my_index, shard_len};
-use crate::{CommError, CommExt, Communicator, Group, LinkBytes, Topology};
+use crate::{CommError, CommExt, Communicator, Group, LinkBytes, Topology, slices};
 
 /// Bytes `rank` sends in a dense all-gather on `group` ([`all_gather_f32`],
 /// [`all_gather_bf16`], [`all_gather_f32_via_bf16`]) of a shard of `shard_len`
@@ -105,7 +105,7 @@ pub fn reduce_scatter<C: Communicator + ?Sized>(
         comm.reduce_scatter_f32(group, full, shard)?;
     } else {
         let mut padded = vec![0.0f32; s * g];
-        padded.get_mut(..n).unwrap_or(&mut []).copy_from_slice(full);
+        slices::copy_to(&mut padded, 0, full, "reduce_scatter: padded input")?;
         comm.reduce_scatter_f32(group, &padded, shard)?;
     }
     finish_shard(shard, n, g, me, reduce, g);
@@ -134,15 +134,12 @@ pub fn reduce_scatter_bf16_wire<C: Communicator + ?Sized>(
     comm.all_to_all(group, &send, &mut recv)?;
     drop(send);
     shard.fill(0.0);
-    for j in 0..g {
-        with_part_bf16(&recv, s, j, |part| {
+    // The g received parts, in group order (none to add when the shards are empty).
+    if s > 0 {
+        for part in recv.chunks_exact(s) {
             shard.iter_mut().zip(part).for_each(|(a, b)| *a += b.to_f32());
-        });
+        }
     }
     finish_shard(shard, n, g, me, reduce, g);
     Ok(())
-}
-
-fn with_part_bf16(buf: &[bf16], s: usize, j: usize, f: impl FnOnce(&[bf16])) {
-    f(buf.get(j * s..(j + 1) * s).unwrap_or(&[]));
 }

@@ -31,7 +31,7 @@ use super::{
     finish_shard, group_all_gather_bytes, group_qwz_bytes, group_reduce_scatter_bytes, reduce_scatter,
     reduce_scatter_bf16_wire, shard_len, with_part,
 };
-use crate::{CommError, CommExt, Communicator, Group, LinkBytes, Topology};
+use crate::{CommError, CommExt, Communicator, Group, LinkBytes, Topology, slices};
 
 /// A dense element type on the wire: narrowed from f32 before sending, widened after.
 trait WireElem: Pod {
@@ -60,18 +60,12 @@ impl WireElem for bf16 {
 
 /// Slot `index` of `len` elements of `buf`, or an error naming `what`.
 fn slot<'a, T>(what: &str, buf: &'a [T], index: usize, len: usize) -> Result<&'a [T], CommError> {
-    let total = buf.len();
-    buf.get(index * len..(index + 1) * len).ok_or_else(|| {
-        CommError::Mismatch(format!("{what}: slot {index} of {len} elements outside a buffer of {total}"))
-    })
+    slices::chunk(buf, index, len, what)
 }
 
 /// Mutable slot `index` of `len` elements of `buf`, or an error naming `what`.
 fn slot_mut<'a, T>(what: &str, buf: &'a mut [T], index: usize, len: usize) -> Result<&'a mut [T], CommError> {
-    let total = buf.len();
-    buf.get_mut(index * len..(index + 1) * len).ok_or_else(|| {
-        CommError::Mismatch(format!("{what}: slot {index} of {len} elements outside a buffer of {total}"))
-    })
+    slices::chunk_mut(buf, index, len, what)
 }
 
 /// The two gather hops: all-gather `mine` over the rail, then the `N`-chunk result
@@ -289,7 +283,7 @@ fn hier_reduce_scatter<C: Communicator + ?Sized, T: WireElem>(
                 let out = slot_mut(WHAT, &mut send, j * nodes + m, s)?;
                 with_part(full, s, topo.rank_of(m, j), |x| {
                     out.iter_mut().zip(x).for_each(|(d, &v)| *d = T::narrow(v));
-                });
+                })?;
             }
         }
         let mut recv = vec![T::zeroed(); chunk * local];
@@ -302,7 +296,7 @@ fn hier_reduce_scatter<C: Communicator + ?Sized, T: WireElem>(
                 if j == me_local {
                     with_part(full, s, topo.rank_of(m, j), |x| {
                         acc.iter_mut().zip(x).for_each(|(a, &v)| *a += v);
-                    });
+                    })?;
                 } else {
                     let got = slot(WHAT, &recv, j * nodes + m, s)?;
                     acc.iter_mut().zip(got).for_each(|(a, &v)| *a += v.widen());
@@ -313,7 +307,7 @@ fn hier_reduce_scatter<C: Communicator + ?Sized, T: WireElem>(
         // One rank per node: the partials are this rank's own parts.
         for m in 0..nodes {
             let dst = slot_mut(WHAT, &mut partial, m, s)?;
-            with_part(full, s, topo.rank_of(m, me_local), |x| dst.copy_from_slice(x));
+            with_part(full, s, topo.rank_of(m, me_local), |x| dst.copy_from_slice(x))?;
         }
     }
 

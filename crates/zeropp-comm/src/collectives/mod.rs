@@ -40,7 +40,7 @@
 //!
 //! # Traffic formulas (bytes sent by one rank, per collective)
 //!
-//! `g` is the group size; `E(spec, k)` = [`zeropp_quant::encoded_len`]`(spec, k)`
+//! `g` is the group size; `E(spec, k)` = [`quant::encoded_len`](crate::quant::encoded_len)`(spec, k)`
 //! `= 32 + 4·⌈k/group_size⌉·(1, or 2 if asymmetric) + (k, or ⌈k/2⌉ for INT4)`
 //! is the wire size of `k` quantized elements (header, scales, offsets, data). For
 //! qgZ on `N` nodes × `L` ranks per node, `W = N·L`, `s = ⌈n/W⌉`.
@@ -102,7 +102,22 @@ pub use qgz::{ErrorFeedback, QgzOptions, qgz_reduce_scatter, qgz_reduce_scatter_
 pub use qwz::{QwzOptions, group_qwz_bytes, qwz_all_gather};
 pub use ring::{RingOptions, ring_quantized_reduce_scatter};
 
-use crate::{CommError, Communicator, Group};
+use crate::{CommError, Communicator, Group, slices};
+
+/// The quantization group size (elements per scale) of the default qwZ and qgZ
+/// formats, [`QwzOptions::default`] and [`QgzOptions::default`]; the engine's
+/// default too.
+///
+/// ```
+/// use zeropp_comm::collectives::{DEFAULT_GROUP_SIZE, QgzOptions, QwzOptions};
+/// assert_eq!(DEFAULT_GROUP_SIZE, 256);
+/// assert_eq!(QwzOptions::default().spec.group_size(), DEFAULT_GROUP_SIZE);
+/// let q = QgzOptions::default();
+/// for spec in [q.intra_spec, q.inter_spec, q.local_spec] {
+///     assert_eq!(spec.group_size(), DEFAULT_GROUP_SIZE);
+/// }
+/// ```
+pub const DEFAULT_GROUP_SIZE: usize = 256;
 
 /// How a world collective is routed over the topology.
 ///
@@ -267,17 +282,23 @@ pub(crate) fn check_shard(what: &str, n: usize, parts: usize, shard: usize) -> R
 
 /// Calls `f` with part `index` of `full` padded with zeros to `s` elements
 /// (borrowing when no padding is needed).
-pub(crate) fn with_part<R>(full: &[f32], s: usize, index: usize, f: impl FnOnce(&[f32]) -> R) -> R {
-    let lo = (index * s).min(full.len());
-    let hi = ((index + 1) * s).min(full.len());
-    let real = full.get(lo..hi).unwrap_or(&[]);
-    if real.len() == s {
+pub(crate) fn with_part<R>(
+    full: &[f32],
+    s: usize,
+    index: usize,
+    f: impl FnOnce(&[f32]) -> R,
+) -> Result<R, CommError> {
+    // Clipped to the tensor: trailing parts are (partly or wholly) padding.
+    let lo = index.saturating_mul(s).min(full.len());
+    let hi = index.saturating_add(1).saturating_mul(s).min(full.len());
+    let real = slices::window(full, lo, hi - lo, "part of the full tensor")?;
+    Ok(if real.len() == s {
         f(real)
     } else {
         let mut padded = vec![0.0f32; s];
-        padded.get_mut(..real.len()).unwrap_or(&mut []).copy_from_slice(real);
+        slices::copy_to(&mut padded, 0, real, "padded part")?;
         f(&padded)
-    }
+    })
 }
 
 /// Applies the reduction's scaling and zeroes the padding of part `index`.
@@ -296,6 +317,7 @@ pub(crate) fn finish_shard(
         let w = ranks as f32;
         shard.iter_mut().for_each(|x| *x /= w);
     }
+    // The entries past the part's real elements (if any) are padding.
     let real = shard_range(n, parts, index).len();
-    shard.get_mut(real..).unwrap_or(&mut []).fill(0.0);
+    shard.iter_mut().skip(real).for_each(|x| *x = 0.0);
 }

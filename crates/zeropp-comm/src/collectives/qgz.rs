@@ -19,6 +19,18 @@
 //! 5. **Dequantize + sum** of the `N` partial sums (in node order), then divide by
 //!    `W` for the mean.
 //!
+//! The result is the true mean over all `W` ranks (up to quantization error; the
+//! accuracy tests check it against the f64 mean within [`crate::conformance`]'s
+//! analytic bound). DeepSpeed's `all_to_all_quant_reduce` differs here: its main
+//! path returns the sum divided by the number of nodes (`L ×` the mean, which its
+//! caller rescales), and only its fallback path returns the mean. Ours is the
+//! mean on every path.
+//!
+//! With stochastic rounding, every quantization draws from its own stream, keyed
+//! by `(seed, rank, hop, slot)`: the `L` (or `N`) contributions to one element
+//! round independently, so the error variance of their sum grows like `L`, not
+//! `L²` as it would if every rank reused one stream.
+//!
 //! What never leaves a rank is not quantized to INT4: at step 2 a rank's own
 //! chunk is kept in [`QgzOptions::local_spec`] (INT8 by default; it is an input of
 //! the fused kernel like the received ones), and at step 3 the own node's partial
@@ -61,8 +73,9 @@ pub struct QgzOptions {
 }
 
 impl QgzOptions {
-    /// The default quantization group size of qgZ.
-    pub const DEFAULT_GROUP_SIZE: usize = 128;
+    /// The default quantization group size of qgZ: [`super::DEFAULT_GROUP_SIZE`]
+    /// (256, as for qwZ and the engine).
+    pub const DEFAULT_GROUP_SIZE: usize = super::DEFAULT_GROUP_SIZE;
 
     /// These options with the sum instead of the mean.
     pub fn sum(mut self) -> Self {
@@ -273,7 +286,7 @@ fn encode_part(
         Some(r) => Some((r.get_mut(part * s..(part + 1) * s).ok_or_else(|| residual_oob(part, s))?, beta)),
         None => None,
     };
-    with_part(grad, s, part, |x| encode_with_feedback(x, spec, opts, out, res))
+    with_part(grad, s, part, |x| encode_with_feedback(x, spec, opts, out, res))?
 }
 
 fn residual_oob(part: usize, s: usize) -> CommError {
@@ -398,7 +411,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
                 if let Some(res) = hop1.as_deref_mut().and_then(|r| r.get_mut(part * s..(part + 1) * s)) {
                     res.fill(0.0);
                 }
-                with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b));
+                with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
             } else {
                 let out = inter_send
                     .chunks_exact_mut(ei)

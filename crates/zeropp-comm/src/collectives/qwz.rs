@@ -5,7 +5,7 @@ use zeropp_quant::{
 };
 
 use super::my_index;
-use crate::{CommError, Communicator, Group, LinkBytes, Topology};
+use crate::{CommError, Communicator, Group, LinkBytes, Topology, slices};
 
 /// Bytes `rank` sends in a [`qwz_all_gather`] on `group` of a shard of
 /// `shard_len` elements: one encoding of `E(spec, shard_len)` bytes
@@ -15,7 +15,7 @@ use crate::{CommError, Communicator, Group, LinkBytes, Topology};
 /// use zeropp_comm::collectives::{QwzOptions, group_qwz_bytes};
 /// use zeropp_comm::{Group, LinkBytes, Topology};
 /// let t = Topology::new(8, 4)?;
-/// let e = zeropp_quant::encoded_len(QwzOptions::default().spec, 1000) as u64;
+/// let e = zeropp_comm::quant::encoded_len(QwzOptions::default().spec, 1000) as u64;
 /// let b = group_qwz_bytes(&t, 5, &Group::rail(&t, 5), QwzOptions::default().spec, 1000);
 /// assert_eq!(b, LinkBytes { intra: 0, inter: e });
 /// # Ok::<(), zeropp_comm::CommError>(())
@@ -41,8 +41,9 @@ pub struct QwzOptions {
 }
 
 impl QwzOptions {
-    /// The default quantization group size of qwZ.
-    pub const DEFAULT_GROUP_SIZE: usize = 256;
+    /// The default quantization group size of qwZ: [`super::DEFAULT_GROUP_SIZE`]
+    /// (256, as for qgZ and the engine).
+    pub const DEFAULT_GROUP_SIZE: usize = super::DEFAULT_GROUP_SIZE;
 
     /// Options with another spec.
     pub fn with_spec(spec: QuantSpec) -> Self {
@@ -112,15 +113,15 @@ where
     comm.all_gather_bytes(group, &send, &mut gathered)?;
     drop(send);
     for j in 0..g {
-        let bytes = gathered.get(j * e..(j + 1) * e).unwrap_or(&[]);
-        let q = QuantizedRef::from_bytes(bytes)?;
+        let q =
+            QuantizedRef::from_bytes(slices::chunk(&gathered, j, e, "qwz_all_gather: gathered encodings")?)?;
         if q.len() != c {
             return Err(CommError::Mismatch(format!(
                 "qwz_all_gather: member {j} sent a shard of {} elements, expected {c}",
                 q.len()
             )));
         }
-        let out = full.get_mut(j * c..(j + 1) * c).unwrap_or(&mut []);
+        let out = slices::chunk_mut(full, j, c, "qwz_all_gather: output")?;
         dequantize_into(&q, out, &opts.quant)?;
     }
     Ok(())

@@ -43,7 +43,7 @@ pub fn ring_quantized_reduce_scatter<C: Communicator + ?Sized>(
     let s = check_shard("ring_quantized_reduce_scatter", n, g, shard.len())?;
     let me = my_index(comm, group)?;
     if g == 1 {
-        with_part(full, s, 0, |x| shard.copy_from_slice(x));
+        with_part(full, s, 0, |x| shard.copy_from_slice(x))?;
         return Ok(());
     }
     let e = encoded_len(opts.spec, s);
@@ -53,7 +53,7 @@ pub fn ring_quantized_reduce_scatter<C: Communicator + ?Sized>(
     send_counts[next] = e;
     recv_counts[prev] = e;
     let mut acc = vec![0.0f32; s];
-    with_part(full, s, (me + g - 1) % g, |x| acc.copy_from_slice(x));
+    with_part(full, s, (me + g - 1) % g, |x| acc.copy_from_slice(x))?;
     let mut send = vec![0u8; e];
     let mut recv = vec![0u8; e];
     for t in 0..g - 1 {
@@ -65,7 +65,7 @@ pub fn ring_quantized_reduce_scatter<C: Communicator + ?Sized>(
         }
         dequantize_into(&got, &mut acc, &opts.quant)?;
         let part = (me + 2 * g - t - 2) % g;
-        with_part(full, s, part, |x| acc.iter_mut().zip(x).for_each(|(a, b)| *a += b));
+        with_part(full, s, part, |x| acc.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
     }
     shard.copy_from_slice(&acc);
     finish_shard(shard, n, g, me, opts.reduce, g);

@@ -9,7 +9,8 @@ use ::mpi::topology::{Communicator as _, Group as _};
 
 use super::ffi::SendComm;
 use super::{Env, MpiOptions, Reduction};
-use crate::{CommError, Communicator, Group, Topology, TrafficCounter};
+use crate::slices::{copy_to, window};
+use crate::{CommError, Communicator, Group, Primitive, Topology, TrafficCounter};
 
 /// One rank's communicator of the MPI backend.
 ///
@@ -104,22 +105,6 @@ impl MpiComm {
     /// `MPI_Abort(MPI_COMM_WORLD, code)`, so mpirun stops every rank and exits non-zero.
     pub fn abort(&self, code: i32, message: &str) -> ! {
         super::abort(code, message)
-    }
-
-    /// Checks the thread and the group; returns the caller's group index.
-    fn begin(&self, group: &Group, op: &str) -> Result<usize, CommError> {
-        self.env.check_thread()?;
-        let world = self.topology.world();
-        if let Some(&r) = group.ranks().iter().find(|&&r| r >= world) {
-            return Err(CommError::InvalidGroup(format!("rank {r} is outside a world of {world}")));
-        }
-        group.index_of(self.rank).ok_or_else(|| {
-            CommError::InvalidGroup(format!(
-                "rank {} called {op} on group {:?} without being a member",
-                self.rank,
-                group.ranks()
-            ))
-        })
     }
 
     /// True when `group` is the world in rank order (served by the base communicator).
@@ -235,16 +220,6 @@ fn real_ptr_mut<'a>(buf: &'a mut [u8], spare: &'a mut [u8; 1]) -> &'a mut [u8] {
     if buf.is_empty() { &mut spare[..0] } else { buf }
 }
 
-/// Records one message of `bytes` to and one from every other member.
-fn record_symmetric(traffic: &mut TrafficCounter, group: &Group, me: usize, bytes: usize) {
-    for (j, &peer) in group.ranks().iter().enumerate() {
-        if j != me {
-            traffic.record_send(peer, bytes);
-            traffic.record_recv(peer, bytes);
-        }
-    }
-}
-
 /// Byte offsets (as MPI `int`s) of consecutive chunks of `counts` bytes.
 fn displacements(counts: &[usize]) -> Vec<i32> {
     let mut at = 0usize;
@@ -260,12 +235,51 @@ fn displacements(counts: &[usize]) -> Vec<i32> {
 
 /// A group of one member needs no MPI call: report the local argument error, if
 /// any, else do the local part of the collective.
-fn single_member(local: Option<CommError>, op: impl FnOnce()) -> Result<(), CommError> {
+fn single_member(
+    local: Option<CommError>,
+    op: impl FnOnce() -> Result<(), CommError>,
+) -> Result<(), CommError> {
     match local {
         Some(e) => Err(e),
-        None => {
-            op();
-            Ok(())
+        None => op(),
+    }
+}
+
+/// The values every member of a fixed-size primitive must agree on (see
+/// [`MpiComm::prepare`]); their number decides the length of the agreement round,
+/// so a member that rejected its arguments ([`Communicator::raw_reject`]) sends
+/// as many (their values do not matter: the error flag is checked first).
+const CHUNK: &str = "the chunk length";
+const LENGTH: &str = "the length";
+const ROOT: &str = "the root";
+
+impl MpiComm {
+    /// The agreement round of `primitive` for a member whose arguments were
+    /// rejected with `error` (the twin of the round the raw hooks run), so the
+    /// other members fail with [`CommError::Mismatch`] instead of waiting.
+    fn reject(&mut self, group: &Group, primitive: Primitive, error: CommError) -> Result<(), CommError> {
+        self.env.check_thread()?;
+        let g = group.size();
+        if g == 1 {
+            return Err(error);
+        }
+        let op = primitive.name();
+        match primitive {
+            Primitive::AllGather | Primitive::AllToAll | Primitive::ReduceScatter => {
+                self.prepare(group, op, &[(CHUNK, 0)], Some(error), false)
+            }
+            Primitive::AllReduce => self.prepare(group, op, &[(LENGTH, 0)], Some(error), false),
+            Primitive::Broadcast => self.prepare(group, op, &[(LENGTH, 0), (ROOT, 0)], Some(error), false),
+            Primitive::AllToAllV => {
+                self.ensure(group)?;
+                // Announce "rejected" to every peer in the counts round, then the flag round.
+                let announced = vec![u64::MAX; g];
+                let mut incoming = vec![0u64; g];
+                self.comm_of(group)?.all_to_all_into(&announced[..], &mut incoming[..]);
+                self.prepare(group, op, &[], Some(error), true)
+            }
+            // A barrier takes no arguments to reject; other primitives (none yet) fail locally.
+            _ => Err(error),
         }
     }
 }
@@ -287,85 +301,75 @@ impl Communicator for MpiComm {
         &mut self.traffic
     }
 
-    fn all_gather_bytes(&mut self, group: &Group, send: &[u8], recv: &mut [u8]) -> Result<(), CommError> {
-        const OP: &str = "all_gather";
-        let me = self.begin(group, OP)?;
-        let (g, c) = (group.size(), send.len());
-        let local = if recv.len() != c * g {
-            Some(CommError::Mismatch(format!(
-                "{OP}: receive buffer of {} bytes for {g} chunks of {c} bytes",
-                recv.len()
-            )))
-        } else {
-            too_big(OP, "a chunk", c)
-        };
-        if g == 1 {
-            return single_member(local, || recv.copy_from_slice(send));
-        }
-        self.prepare(group, OP, &[("the chunk length", c as u64)], local, false)?;
-        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
-        self.comm_of(group)?.all_gather_into(real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
-        record_symmetric(&mut self.traffic, group, me, c);
-        Ok(())
-    }
-
-    fn all_to_all_bytes(&mut self, group: &Group, send: &[u8], recv: &mut [u8]) -> Result<(), CommError> {
-        const OP: &str = "all_to_all";
-        let me = self.begin(group, OP)?;
-        let g = group.size();
-        let c = send.len() / g;
-        let local = if send.len() != recv.len() || !send.len().is_multiple_of(g) {
-            Some(CommError::Mismatch(format!(
-                "{OP}: send {} and receive {} bytes must be equal multiples of the group size {g}",
-                send.len(),
-                recv.len()
-            )))
-        } else {
-            too_big(OP, "a chunk", c)
-        };
-        if g == 1 {
-            return single_member(local, || recv.copy_from_slice(send));
-        }
-        self.prepare(group, OP, &[("the chunk length", c as u64)], local, false)?;
-        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
-        self.comm_of(group)?.all_to_all_into(real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
-        record_symmetric(&mut self.traffic, group, me, c);
-        Ok(())
-    }
-
-    fn all_to_all_v_bytes(
+    fn raw_reject(
         &mut self,
         group: &Group,
+        _index: usize,
+        primitive: Primitive,
+        error: CommError,
+    ) -> CommError {
+        match self.reject(group, primitive, error) {
+            Err(e) => e,
+            Ok(()) => CommError::Mismatch(format!("{primitive}: arguments rejected")),
+        }
+    }
+
+    fn raw_all_gather_bytes(
+        &mut self,
+        group: &Group,
+        _index: usize,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_gather";
+        self.env.check_thread()?;
+        let c = send.len();
+        let local = too_big(OP, "a chunk", c);
+        if group.size() == 1 {
+            return single_member(local, || copy_to(recv, 0, send, "all_gather: receive buffer"));
+        }
+        self.prepare(group, OP, &[(CHUNK, c as u64)], local, false)?;
+        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
+        self.comm_of(group)?.all_gather_into(real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
+        Ok(())
+    }
+
+    fn raw_all_to_all_bytes(
+        &mut self,
+        group: &Group,
+        _index: usize,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> Result<(), CommError> {
+        const OP: &str = "all_to_all";
+        self.env.check_thread()?;
+        let c = send.len() / group.size();
+        let local = too_big(OP, "a chunk", c);
+        if group.size() == 1 {
+            return single_member(local, || copy_to(recv, 0, send, "all_to_all: receive buffer"));
+        }
+        self.prepare(group, OP, &[(CHUNK, c as u64)], local, false)?;
+        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
+        self.comm_of(group)?.all_to_all_into(real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
+        Ok(())
+    }
+
+    fn raw_all_to_all_v_bytes(
+        &mut self,
+        group: &Group,
+        _index: usize,
         send: &[u8],
         send_counts: &[usize],
         recv: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
         const OP: &str = "all_to_all_v";
-        let me = self.begin(group, OP)?;
+        self.env.check_thread()?;
         let g = group.size();
-        let mut local = if send_counts.len() != g || recv_counts.len() != g {
-            Some(CommError::Mismatch(format!(
-                "{OP}: {} send and {} receive counts for a group of {g}",
-                send_counts.len(),
-                recv_counts.len()
-            )))
-        } else if send_counts.iter().sum::<usize>() != send.len()
-            || recv_counts.iter().sum::<usize>() != recv.len()
-        {
-            Some(CommError::Mismatch(format!("{OP}: counts do not add up to the buffer lengths")))
-        } else if send_counts.get(me) != recv_counts.get(me) {
-            Some(CommError::Mismatch(format!(
-                "{OP}: this rank sends itself {:?} bytes but expects {:?}",
-                send_counts.get(me),
-                recv_counts.get(me)
-            )))
-        } else {
-            too_big(OP, "the send buffer", send.len())
-                .or_else(|| too_big(OP, "the receive buffer", recv.len()))
-        };
+        let mut local = too_big(OP, "the send buffer", send.len())
+            .or_else(|| too_big(OP, "the receive buffer", recv.len()));
         if g == 1 {
-            return single_member(local, || recv.copy_from_slice(send));
+            return single_member(local, || copy_to(recv, 0, send, "all_to_all_v: receive buffer"));
         }
         self.ensure(group)?;
         // Every member learns what each peer will send it and compares it with what
@@ -399,28 +403,27 @@ impl Communicator for MpiComm {
         let send_part = Partition::new(real_ptr(send, &s0), &sc[..], &sd[..]);
         let mut recv_part = PartitionMut::new(real_ptr_mut(recv, &mut r0), &rc[..], &rd[..]);
         self.comm_of(group)?.all_to_all_varcount_into(&send_part, &mut recv_part);
-        for (j, &peer) in group.ranks().iter().enumerate() {
-            if j != me {
-                self.traffic.record_send(peer, send_counts.get(j).copied().unwrap_or(0));
-                self.traffic.record_recv(peer, recv_counts.get(j).copied().unwrap_or(0));
-            }
-        }
         Ok(())
     }
 
-    fn reduce_scatter_f32(&mut self, group: &Group, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
+    fn raw_reduce_scatter_f32(
+        &mut self,
+        group: &Group,
+        _index: usize,
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
         const OP: &str = "reduce_scatter";
-        let me = self.begin(group, OP)?;
+        self.env.check_thread()?;
         let (g, n) = (group.size(), recv.len());
-        let local = if send.len() != n * g {
-            Some(CommError::Mismatch(format!("{OP}: send of {} elements for {g} chunks of {n}", send.len())))
-        } else {
-            too_big(OP, "a chunk", n)
-        };
+        let local = too_big(OP, "a chunk", n);
         if g == 1 {
-            return single_member(local, || ordered_sum(recv, send));
+            return single_member(local, || {
+                ordered_sum(recv, send);
+                Ok(())
+            });
         }
-        self.prepare(group, OP, &[("the chunk length", n as u64)], local, false)?;
+        self.prepare(group, OP, &[(CHUNK, n as u64)], local, false)?;
         let comm = self.comm_of(group)?;
         match self.options.reduction {
             Reduction::Native => comm.reduce_scatter_block_into(send, recv, SystemOperation::sum()),
@@ -430,20 +433,22 @@ impl Communicator for MpiComm {
                 ordered_sum(recv, &gathered);
             }
         }
-        record_symmetric(&mut self.traffic, group, me, 4 * n);
         Ok(())
     }
 
-    fn all_reduce_f32(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
+    fn raw_all_reduce_f32(&mut self, group: &Group, _index: usize, buf: &mut [f32]) -> Result<(), CommError> {
         const OP: &str = "all_reduce";
-        let me = self.begin(group, OP)?;
+        self.env.check_thread()?;
         let (g, n) = (group.size(), buf.len());
         let local = too_big(OP, "the buffer", n.div_ceil(g) * g);
         if g == 1 {
             // Same rounding as the thread backend: 0 + x (turns -0.0 into +0.0).
-            return single_member(local, || buf.iter_mut().for_each(|x| *x += 0.0));
+            return single_member(local, || {
+                buf.iter_mut().for_each(|x| *x += 0.0);
+                Ok(())
+            });
         }
-        self.prepare(group, OP, &[("the length", n as u64)], local, false)?;
+        self.prepare(group, OP, &[(LENGTH, n as u64)], local, false)?;
         let comm = self.comm_of(group)?;
         match self.options.reduction {
             Reduction::Native => {
@@ -455,56 +460,45 @@ impl Communicator for MpiComm {
                 // (zero-padded), summed in group order, then an all-gather.
                 let c = n.div_ceil(g);
                 let mut padded = vec![0.0f32; c * g];
-                padded.get_mut(..n).unwrap_or(&mut []).copy_from_slice(buf);
+                copy_to(&mut padded, 0, buf, "all_reduce: padded buffer")?;
                 let mut chunks = vec![0.0f32; c * g];
                 comm.all_to_all_into(&padded[..], &mut chunks[..]);
                 let mut mine = vec![0.0f32; c];
                 ordered_sum(&mut mine, &chunks);
                 comm.all_gather_into(&mine[..], &mut padded[..]);
-                buf.copy_from_slice(padded.get(..n).unwrap_or(&[]));
+                buf.copy_from_slice(window(&padded, 0, n, "all_reduce: padded buffer")?);
             }
         }
-        let k = n.div_ceil(g);
-        record_symmetric(&mut self.traffic, group, me, 4 * k);
-        record_symmetric(&mut self.traffic, group, me, 4 * k);
         Ok(())
     }
 
-    fn broadcast_bytes(&mut self, group: &Group, root: usize, buf: &mut [u8]) -> Result<(), CommError> {
+    fn raw_broadcast_bytes(
+        &mut self,
+        group: &Group,
+        _index: usize,
+        root: usize,
+        buf: &mut [u8],
+    ) -> Result<(), CommError> {
         const OP: &str = "broadcast";
-        let me = self.begin(group, OP)?;
-        let g = group.size();
-        let root_rank = group
-            .rank_at(root)
-            .ok_or_else(|| CommError::InvalidGroup(format!("{OP} root index {root} in a group of {g}")))?;
+        self.env.check_thread()?;
         let n = buf.len();
         let local = too_big(OP, "the buffer", n);
-        if g == 1 {
+        if group.size() == 1 {
             return local.map_or(Ok(()), Err);
         }
-        self.prepare(group, OP, &[("the length", n as u64), ("the root", root as u64)], local, false)?;
+        self.prepare(group, OP, &[(LENGTH, n as u64), (ROOT, root as u64)], local, false)?;
         let mut r0 = [0u8; 1];
         self.comm_of(group)?.process_at_rank(count(root)).broadcast_into(real_ptr_mut(buf, &mut r0));
-        if me == root {
-            for (j, &peer) in group.ranks().iter().enumerate() {
-                if j != me {
-                    self.traffic.record_send(peer, n);
-                }
-            }
-        } else {
-            self.traffic.record_recv(root_rank, n);
-        }
         Ok(())
     }
 
-    fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
-        let me = self.begin(group, "barrier")?;
+    fn raw_barrier(&mut self, group: &Group, _index: usize) -> Result<(), CommError> {
+        self.env.check_thread()?;
         if group.size() == 1 {
             return Ok(());
         }
         self.ensure(group)?;
         self.comm_of(group)?.barrier();
-        record_symmetric(&mut self.traffic, group, me, 0);
         Ok(())
     }
 

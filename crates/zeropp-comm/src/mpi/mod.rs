@@ -40,8 +40,12 @@
 //!
 //! # Validation
 //!
-//! Ranks that disagree on sizes get [`CommError::Mismatch`] on every member, never
-//! garbage or a hang:
+//! The local argument checks (group, buffer lengths, counts, root) are the
+//! [`Communicator`](crate::Communicator) trait's, with the same words as on every
+//! backend; a rank whose arguments they reject still joins the agreement round
+//! below ([`Communicator::raw_reject`](crate::Communicator::raw_reject)), so its
+//! peers fail too. Ranks that disagree on sizes get [`CommError::Mismatch`] on
+//! every member, never garbage or a hang:
 //!
 //! - With [`MpiOptions::check_sizes`] (the default), every fixed-size primitive is
 //!   preceded by one `MPI_Allreduce(MAX)` of a few integers: the chunk length (and
@@ -61,11 +65,13 @@
 //! # Traffic accounting
 //!
 //! The [`TrafficCounter`](crate::TrafficCounter) records exactly what the thread
-//! backend records (the table in [`crate::threads`]): one logical message per peer
-//! and primitive, `g - 1` messages even when empty, broadcast only root → members,
-//! `all_reduce_f32` as reduce-scatter + all-gather of `⌈n/g⌉` floats. The
-//! validation rounds and whatever MPI's algorithms put on the wire are not counted,
-//! so a collective gives the same counters on both backends.
+//! backend records, because the [`Communicator`](crate::Communicator) trait's
+//! provided methods count it for both (the table in [`crate::threads`]): one
+//! logical message per peer and primitive, `g - 1` messages even when empty,
+//! broadcast only root → members, `all_reduce_f32` as reduce-scatter + all-gather
+//! of `⌈n/g⌉` floats. The validation rounds and whatever MPI's algorithms put on
+//! the wire are not counted, so a collective gives the same counters on both
+//! backends.
 //!
 //! # Topology
 //!
@@ -150,8 +156,9 @@ impl fmt::Display for ThreadLevel {
 /// How [`MpiComm`] reduces `f32` data.
 ///
 /// The [`Communicator`](crate::Communicator) contract (and the conformance suite,
-/// [`crate::conformance`]) wants sums in group order, exactly as the thread backend
-/// computes them; only [`Reduction::Ordered`] guarantees that.
+/// `zeropp_comm::conformance`, feature `conformance`) wants sums in group order,
+/// exactly as the thread backend computes them; only [`Reduction::Ordered`]
+/// guarantees that.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Reduction {
     /// Exchange with `MPI_Alltoall` (and `MPI_Allgather` for all-reduce) and sum

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::fabric::{ChannelSet, Fabric, Header, Kind, Msg, Payload};
-use crate::{CommError, Communicator, Group, Topology, TrafficCounter};
+use crate::slices::{chunk, copy_to, window, window_mut};
+use crate::{CommError, Communicator, Group, Topology, TrafficCounter, check};
 
 /// One rank's communicator of the thread backend.
 ///
@@ -103,30 +104,17 @@ impl ThreadComm {
         self.timeout
     }
 
-    fn begin(&mut self, group: &Group, kind: Kind) -> Result<Op, CommError> {
-        if let Some(&r) = group.ranks().iter().find(|&&r| r >= self.topology.world()) {
-            return Err(CommError::InvalidGroup(format!(
-                "rank {r} is outside a world of {}",
-                self.topology.world()
-            )));
-        }
-        let index = group.index_of(self.rank).ok_or_else(|| {
-            CommError::InvalidGroup(format!(
-                "rank {} called {} on group {:?} without being a member",
-                self.rank,
-                kind.name(),
-                group.ranks()
-            ))
-        })?;
+    /// Starts collective `kind` on `group`, where this rank is member `index` (the
+    /// trait's provided methods validated the group): the next sequence number.
+    fn begin(&mut self, group: &Group, kind: Kind, index: usize) -> Op {
         let gid = group_id(group);
         let seq = self.seqs.entry(gid).or_insert(0);
         let op = Op { kind, group: gid, seq: *seq, index };
         *seq += 1;
-        Ok(op)
+        op
     }
 
     fn send(&mut self, op: &Op, dst: usize, payload: Payload) {
-        self.traffic.record_send(dst, payload.len);
         let deliver_at = self.fabric.book(self.rank, dst, payload.len);
         let header = Header { kind: op.kind, group: op.group, seq: op.seq, len: payload.len };
         self.set.send(self.rank, dst, Msg::Data { header, payload, deliver_at });
@@ -185,34 +173,79 @@ impl ThreadComm {
                 std::thread::sleep(at - now);
             }
         }
-        self.traffic.record_recv(src, payload.len);
         Ok(payload)
     }
 
-    /// Sends `bytes[chunk j]` to member `j` for every other member; `ranges` gives the
-    /// byte range of each member's chunk in `buf`.
-    fn scatter_out(&mut self, op: &Op, group: &Group, buf: &Arc<[u8]>, ranges: &[(usize, usize)]) {
-        for (j, &dst) in group.ranks().iter().enumerate() {
-            if j == op.index {
-                continue;
-            }
-            let (start, len) = ranges.get(j).copied().unwrap_or((0, 0));
-            self.send(op, dst, Payload { buf: Arc::clone(buf), start, len });
+    /// Sends window `ranges[j] = (start, len)` of `buf` to member `j`, for every
+    /// other member (one range per member, in group order).
+    fn scatter_out(
+        &mut self,
+        op: &Op,
+        group: &Group,
+        buf: &Arc<[u8]>,
+        ranges: &[(usize, usize)],
+    ) -> Result<(), CommError> {
+        if ranges.len() != group.size() {
+            return Err(CommError::Mismatch(format!(
+                "{}: {} send windows for a group of {}",
+                op.kind.name(),
+                ranges.len(),
+                group.size()
+            )));
         }
+        for (j, (&dst, &(start, len))) in group.ranks().iter().zip(ranges).enumerate() {
+            if j != op.index {
+                let payload = Payload::new(Arc::clone(buf), start, len)?;
+                self.send(op, dst, payload);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends all of `buf` to every other member.
+    fn send_to_all(&mut self, op: &Op, group: &Group, buf: &Arc<[u8]>) -> Result<(), CommError> {
+        self.scatter_out(op, group, buf, &vec![(0, buf.len()); group.size()])
+    }
+
+    /// Equal chunks of `chunk` bytes of `buf`, member `j` getting chunk `j`.
+    fn scatter_chunks(
+        &mut self,
+        op: &Op,
+        group: &Group,
+        buf: &Arc<[u8]>,
+        chunk: usize,
+    ) -> Result<(), CommError> {
+        let ranges: Vec<(usize, usize)> = (0..group.size()).map(|j| (j * chunk, chunk)).collect();
+        self.scatter_out(op, group, buf, &ranges)
     }
 }
 
-fn sum_into(acc: &mut [f32], bytes: &[u8]) {
+/// Adds the native-endian `f32`s in `bytes` to `acc`, element by element.
+fn sum_into(acc: &mut [f32], bytes: &[u8]) -> Result<(), CommError> {
+    if bytes.len() != 4 * acc.len() {
+        return Err(CommError::Mismatch(format!(
+            "received {} bytes for a sum of {} floats",
+            bytes.len(),
+            acc.len()
+        )));
+    }
     for (a, b) in acc.iter_mut().zip(bytes.chunks_exact(4)) {
         *a += f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
     }
+    Ok(())
 }
 
-fn copy_into(dst: &mut [u8], at: usize, src: &[u8]) -> Result<(), CommError> {
-    dst.get_mut(at..at + src.len())
-        .ok_or_else(|| CommError::Mismatch("receive buffer too small".into()))?
-        .copy_from_slice(src);
-    Ok(())
+/// Byte windows `(offset, len)` of consecutive chunks of `counts` bytes.
+fn windows(counts: &[usize]) -> Vec<(usize, usize)> {
+    let mut at = 0;
+    counts
+        .iter()
+        .map(|&c| {
+            let r = (at, c);
+            at += c;
+            r
+        })
+        .collect()
 }
 
 impl Communicator for ThreadComm {
@@ -232,160 +265,146 @@ impl Communicator for ThreadComm {
         &mut self.traffic
     }
 
-    fn all_gather_bytes(&mut self, group: &Group, send: &[u8], recv: &mut [u8]) -> Result<(), CommError> {
-        let g = group.size();
+    fn raw_all_gather_bytes(
+        &mut self,
+        group: &Group,
+        index: usize,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> Result<(), CommError> {
         let c = send.len();
-        if recv.len() != c * g {
-            return Err(CommError::Mismatch(format!(
-                "all_gather: receive buffer of {} bytes for {g} chunks of {c} bytes",
-                recv.len()
-            )));
-        }
-        let op = self.begin(group, Kind::AllGather)?;
+        let op = self.begin(group, Kind::AllGather, index);
         let buf: Arc<[u8]> = Arc::from(send);
-        self.scatter_out(&op, group, &buf, &vec![(0, c); g]);
-        copy_into(recv, op.index * c, send)?;
+        self.send_to_all(&op, group, &buf)?;
+        copy_to(recv, index * c, send, "all_gather: receive buffer")?;
         for (j, &src) in group.ranks().iter().enumerate() {
-            if j != op.index {
+            if j != index {
                 let p = self.recv(&op, src, c)?;
-                copy_into(recv, j * c, p.bytes())?;
+                copy_to(recv, j * c, p.bytes()?, "all_gather: receive buffer")?;
             }
         }
         Ok(())
     }
 
-    fn all_to_all_bytes(&mut self, group: &Group, send: &[u8], recv: &mut [u8]) -> Result<(), CommError> {
-        let g = group.size();
-        if send.len() != recv.len() || !send.len().is_multiple_of(g) {
-            return Err(CommError::Mismatch(format!(
-                "all_to_all: send {} and receive {} bytes must be equal multiples of the group size {g}",
-                send.len(),
-                recv.len()
-            )));
-        }
-        let c = send.len() / g;
-        let counts = vec![c; g];
-        self.all_to_all_generic(group, Kind::AllToAll, send, &counts, recv, &counts)
-    }
-
-    fn all_to_all_v_bytes(
+    fn raw_all_to_all_bytes(
         &mut self,
         group: &Group,
+        index: usize,
+        send: &[u8],
+        recv: &mut [u8],
+    ) -> Result<(), CommError> {
+        let counts = vec![send.len() / group.size(); group.size()];
+        self.all_to_all_generic(group, index, Kind::AllToAll, send, &counts, recv, &counts)
+    }
+
+    fn raw_all_to_all_v_bytes(
+        &mut self,
+        group: &Group,
+        index: usize,
         send: &[u8],
         send_counts: &[usize],
         recv: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        let g = group.size();
-        if send_counts.len() != g || recv_counts.len() != g {
-            return Err(CommError::Mismatch(format!(
-                "all_to_all_v: {} send and {} receive counts for a group of {g}",
-                send_counts.len(),
-                recv_counts.len()
-            )));
-        }
-        if send_counts.iter().sum::<usize>() != send.len() || recv_counts.iter().sum::<usize>() != recv.len()
-        {
-            return Err(CommError::Mismatch(
-                "all_to_all_v: counts do not add up to the buffer lengths".into(),
-            ));
-        }
-        self.all_to_all_generic(group, Kind::AllToAllV, send, send_counts, recv, recv_counts)
+        self.all_to_all_generic(group, index, Kind::AllToAllV, send, send_counts, recv, recv_counts)
     }
 
-    fn reduce_scatter_f32(&mut self, group: &Group, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
-        let g = group.size();
+    fn raw_reduce_scatter_f32(
+        &mut self,
+        group: &Group,
+        index: usize,
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
         let n = recv.len();
-        if send.len() != n * g {
-            return Err(CommError::Mismatch(format!(
-                "reduce_scatter: send of {} elements for {g} chunks of {n}",
-                send.len()
-            )));
-        }
-        let op = self.begin(group, Kind::ReduceScatter)?;
+        let op = self.begin(group, Kind::ReduceScatter, index);
         let buf: Arc<[u8]> = Arc::from(bytemuck::cast_slice::<f32, u8>(send));
-        let ranges: Vec<(usize, usize)> = (0..g).map(|j| (j * n * 4, n * 4)).collect();
-        self.scatter_out(&op, group, &buf, &ranges);
+        self.scatter_chunks(&op, group, &buf, 4 * n)?;
         recv.fill(0.0);
         for (j, &src) in group.ranks().iter().enumerate() {
-            if j == op.index {
-                let own = send.get(j * n..(j + 1) * n).unwrap_or(&[]);
+            if j == index {
+                let own = chunk(send, j, n, "reduce_scatter: send buffer")?;
                 recv.iter_mut().zip(own).for_each(|(a, b)| *a += b);
             } else {
-                let p = self.recv(&op, src, n * 4)?;
-                sum_into(recv, p.bytes());
+                let p = self.recv(&op, src, 4 * n)?;
+                sum_into(recv, p.bytes()?)?;
             }
         }
         Ok(())
     }
 
-    fn all_reduce_f32(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
+    fn raw_all_reduce_f32(&mut self, group: &Group, index: usize, buf: &mut [f32]) -> Result<(), CommError> {
         let g = group.size();
         let n = buf.len();
         let c = n.div_ceil(g);
         // Phase 1: reduce-scatter of chunks of c elements (the tail padded with zeros).
-        let op = self.begin(group, Kind::AllReduceScatter)?;
+        let op = self.begin(group, Kind::AllReduceScatter, index);
         let padded: Arc<[u8]> = if c * g == n {
             Arc::from(bytemuck::cast_slice::<f32, u8>(buf))
         } else {
             let mut v = vec![0.0f32; c * g];
-            v.get_mut(..n).unwrap_or(&mut []).copy_from_slice(buf);
+            copy_to(&mut v, 0, buf, "all_reduce: padded buffer")?;
             Arc::from(bytemuck::cast_slice::<f32, u8>(&v))
         };
-        let ranges: Vec<(usize, usize)> = (0..g).map(|j| (j * c * 4, c * 4)).collect();
-        self.scatter_out(&op, group, &padded, &ranges);
+        self.scatter_chunks(&op, group, &padded, 4 * c)?;
         let mut acc = vec![0.0f32; c];
         for (j, &src) in group.ranks().iter().enumerate() {
-            if j == op.index {
-                let own = padded.get(j * c * 4..(j + 1) * c * 4).unwrap_or(&[]);
-                sum_into(&mut acc, own);
+            if j == index {
+                sum_into(&mut acc, chunk(&padded, j, 4 * c, "all_reduce: padded buffer")?)?;
             } else {
-                let p = self.recv(&op, src, c * 4)?;
-                sum_into(&mut acc, p.bytes());
+                let p = self.recv(&op, src, 4 * c)?;
+                sum_into(&mut acc, p.bytes()?)?;
             }
         }
-        // Phase 2: all-gather of the reduced chunks.
-        let op2 = self.begin(group, Kind::AllReduceGather)?;
+        // Phase 2: all-gather of the reduced chunks; chunk j lands on elements
+        // [j·c, (j+1)·c) clipped to n (the padding is dropped).
+        let op2 = self.begin(group, Kind::AllReduceGather, index);
         let mine: Arc<[u8]> = Arc::from(bytemuck::cast_slice::<f32, u8>(&acc));
-        self.scatter_out(&op2, group, &mine, &vec![(0, c * 4); g]);
-        let place = |buf: &mut [f32], j: usize, bytes: &[u8]| {
+        self.send_to_all(&op2, group, &mine)?;
+        let place = |buf: &mut [f32], j: usize, bytes: &[u8]| -> Result<(), CommError> {
             let lo = (j * c).min(n);
             let hi = ((j + 1) * c).min(n);
-            for (d, b) in buf.get_mut(lo..hi).unwrap_or(&mut []).iter_mut().zip(bytes.chunks_exact(4)) {
+            let out = window_mut(buf, lo, hi - lo, "all_reduce: buffer")?;
+            for (d, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
                 *d = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
             }
+            Ok(())
         };
-        place(buf, op2.index, &mine);
+        place(buf, index, &mine)?;
         for (j, &src) in group.ranks().iter().enumerate() {
-            if j != op2.index {
-                let p = self.recv(&op2, src, c * 4)?;
-                place(buf, j, p.bytes());
+            if j != index {
+                let p = self.recv(&op2, src, 4 * c)?;
+                place(buf, j, p.bytes()?)?;
             }
         }
         Ok(())
     }
 
-    fn broadcast_bytes(&mut self, group: &Group, root: usize, buf: &mut [u8]) -> Result<(), CommError> {
-        let root_rank = group.rank_at(root).ok_or_else(|| {
-            CommError::InvalidGroup(format!("broadcast root index {root} in a group of {}", group.size()))
-        })?;
-        let op = self.begin(group, Kind::Broadcast)?;
-        if op.index == root {
+    fn raw_broadcast_bytes(
+        &mut self,
+        group: &Group,
+        index: usize,
+        root: usize,
+        buf: &mut [u8],
+    ) -> Result<(), CommError> {
+        let root_rank = check::broadcast(group, root)?;
+        let op = self.begin(group, Kind::Broadcast, index);
+        if index == root {
             let data: Arc<[u8]> = Arc::from(&*buf);
-            self.scatter_out(&op, group, &data, &vec![(0, buf.len()); group.size()]);
+            self.send_to_all(&op, group, &data)?;
         } else {
             let p = self.recv(&op, root_rank, buf.len())?;
-            buf.copy_from_slice(p.bytes());
+            buf.copy_from_slice(p.bytes()?);
         }
         Ok(())
     }
 
-    fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
-        let op = self.begin(group, Kind::Barrier)?;
+    fn raw_barrier(&mut self, group: &Group, index: usize) -> Result<(), CommError> {
+        let op = self.begin(group, Kind::Barrier, index);
         let empty: Arc<[u8]> = Arc::from(&[][..]);
-        self.scatter_out(&op, group, &empty, &vec![(0, 0); group.size()]);
+        self.send_to_all(&op, group, &empty)?;
         for (j, &src) in group.ranks().iter().enumerate() {
-            if j != op.index {
+            if j != index {
                 self.recv(&op, src, 0)?;
             }
         }
@@ -398,48 +417,31 @@ impl Communicator for ThreadComm {
 }
 
 impl ThreadComm {
+    /// Both all-to-alls: member `j` gets `send_counts[j]` bytes, member `j` sends
+    /// `recv_counts[j]` (the caller validated the counts).
+    #[allow(clippy::too_many_arguments)] // the primitive's arguments plus the message kind
     fn all_to_all_generic(
         &mut self,
         group: &Group,
+        index: usize,
         kind: Kind,
         send: &[u8],
         send_counts: &[usize],
         recv: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        let op = self.begin(group, kind)?;
-        let me = op.index;
-        if send_counts.get(me) != recv_counts.get(me) {
-            return Err(CommError::Mismatch(format!(
-                "{}: this rank sends itself {:?} bytes but expects {:?}",
-                kind.name(),
-                send_counts.get(me),
-                recv_counts.get(me)
-            )));
-        }
-        let offsets = |counts: &[usize]| -> Vec<(usize, usize)> {
-            let mut at = 0;
-            counts
-                .iter()
-                .map(|&c| {
-                    let r = (at, c);
-                    at += c;
-                    r
-                })
-                .collect()
-        };
-        let sr = offsets(send_counts);
-        let rr = offsets(recv_counts);
+        let op = self.begin(group, kind, index);
+        let sr = windows(send_counts);
+        let rr = windows(recv_counts);
         let buf: Arc<[u8]> = Arc::from(send);
-        self.scatter_out(&op, group, &buf, &sr);
-        if let (Some(&(s, c)), Some(&(r, _))) = (sr.get(me), rr.get(me)) {
-            copy_into(recv, r, send.get(s..s + c).unwrap_or(&[]))?;
-        }
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j != me {
-                let (at, c) = rr.get(j).copied().unwrap_or((0, 0));
-                let p = self.recv(&op, src, c)?;
-                copy_into(recv, at, p.bytes())?;
+        self.scatter_out(&op, group, &buf, &sr)?;
+        let what = format!("{}: receive buffer", kind.name());
+        for (j, ((&src, &(s, sc)), &(at, rc))) in group.ranks().iter().zip(&sr).zip(&rr).enumerate() {
+            if j == index {
+                copy_to(recv, at, window(send, s, sc, "all_to_all: send buffer")?, &what)?;
+            } else {
+                let p = self.recv(&op, src, rc)?;
+                copy_to(recv, at, p.bytes()?, &what)?;
             }
         }
         Ok(())

@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 
-use crate::{LinkClass, LinkModel, Topology};
+use crate::slices::window;
+use crate::{CommError, LinkClass, LinkModel, Topology};
 
 /// What a message belongs to; checked by the receiver.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,14 +41,21 @@ impl Kind {
 /// shared by every receiver.
 #[derive(Debug, Clone)]
 pub(crate) struct Payload {
-    pub(crate) buf: Arc<[u8]>,
-    pub(crate) start: usize,
+    buf: Arc<[u8]>,
+    start: usize,
     pub(crate) len: usize,
 }
 
 impl Payload {
-    pub(crate) fn bytes(&self) -> &[u8] {
-        self.buf.get(self.start..self.start + self.len).unwrap_or(&[])
+    /// The window `[start, start + len)` of `buf`; checked here, by the sender.
+    pub(crate) fn new(buf: Arc<[u8]>, start: usize, len: usize) -> Result<Self, CommError> {
+        window(&buf, start, len, "send window")?;
+        Ok(Self { buf, start, len })
+    }
+
+    /// The window's bytes.
+    pub(crate) fn bytes(&self) -> Result<&[u8], CommError> {
+        window(&self.buf, self.start, self.len, "received window")
     }
 }
 

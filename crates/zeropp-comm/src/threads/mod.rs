@@ -11,7 +11,10 @@
 //! Traffic is counted per message with its *payload* (the backend's small header
 //! is not counted; self-sends are not traffic). With `g = group.size()` and the
 //! caller at group index `i`, every primitive sends exactly one message to every
-//! other member (`g - 1` messages, even when empty) except broadcast:
+//! other member (`g - 1` messages, even when empty) except broadcast. The
+//! [`Communicator`](crate::Communicator) trait's provided methods count these
+//! figures for every backend once the backend's hook succeeded (a rejected or
+//! failed call counts nothing), so the table holds for all of them:
 //!
 //! | primitive | bytes sent by the caller | bytes received |
 //! |---|---|---|

@@ -1,0 +1,110 @@
+//! The argument checks of the [`Communicator`](crate::Communicator) primitives,
+//! written once: every backend reports the same error variant with the same words.
+//!
+//! Order: the group (every member inside the world), then membership of the
+//! caller, then the primitive's own arguments (buffer lengths, counts, root).
+
+use crate::{CommError, Group, Primitive, Topology};
+
+/// Checks that `group` fits the world and contains `rank`; returns the caller's
+/// group index. Both failures are [`CommError::InvalidGroup`].
+pub(crate) fn member(
+    topology: &Topology,
+    rank: usize,
+    group: &Group,
+    p: Primitive,
+) -> Result<usize, CommError> {
+    let world = topology.world();
+    if let Some(&r) = group.ranks().iter().find(|&&r| r >= world) {
+        return Err(CommError::InvalidGroup(format!("rank {r} is outside a world of {world}")));
+    }
+    group.index_of(rank).ok_or_else(|| {
+        CommError::InvalidGroup(format!(
+            "rank {rank} called {p} on group {:?} without being a member",
+            group.ranks()
+        ))
+    })
+}
+
+/// `recv == send · g`.
+pub(crate) fn all_gather(group: &Group, send: usize, recv: usize) -> Result<(), CommError> {
+    let g = group.size();
+    if send.checked_mul(g) != Some(recv) {
+        return Err(CommError::Mismatch(format!(
+            "{}: receive buffer of {recv} bytes for {g} chunks of {send} bytes",
+            Primitive::AllGather
+        )));
+    }
+    Ok(())
+}
+
+/// `send == recv`, a multiple of `g`; returns the chunk length.
+pub(crate) fn all_to_all(group: &Group, send: usize, recv: usize) -> Result<usize, CommError> {
+    let g = group.size();
+    if send != recv || !send.is_multiple_of(g) {
+        return Err(CommError::Mismatch(format!(
+            "{}: send {send} and receive {recv} bytes must be equal multiples of the group size {g}",
+            Primitive::AllToAll
+        )));
+    }
+    Ok(send / g)
+}
+
+/// `g` counts each, adding up to the buffer lengths, the caller's own chunk the
+/// same both ways.
+pub(crate) fn all_to_all_v(
+    group: &Group,
+    index: usize,
+    send: usize,
+    send_counts: &[usize],
+    recv: usize,
+    recv_counts: &[usize],
+) -> Result<(), CommError> {
+    let p = Primitive::AllToAllV;
+    let g = group.size();
+    if send_counts.len() != g || recv_counts.len() != g {
+        return Err(CommError::Mismatch(format!(
+            "{p}: {} send and {} receive counts for a group of {g}",
+            send_counts.len(),
+            recv_counts.len()
+        )));
+    }
+    // Saturating: a sum that overflows cannot equal a buffer length.
+    let total = |counts: &[usize]| counts.iter().fold(0usize, |a, &c| a.saturating_add(c));
+    let (ts, tr) = (total(send_counts), total(recv_counts));
+    if ts != send || tr != recv {
+        return Err(CommError::Mismatch(format!(
+            "{p}: counts do not add up to the buffer lengths (send counts {ts} for {send} bytes, receive counts {tr} for {recv} bytes)"
+        )));
+    }
+    match (send_counts.get(index), recv_counts.get(index)) {
+        (Some(s), Some(r)) if s == r => Ok(()),
+        (Some(s), Some(r)) => {
+            Err(CommError::Mismatch(format!("{p}: this rank sends itself {s} bytes but expects {r}")))
+        }
+        _ => Err(CommError::InvalidGroup(format!("{p}: group index {index} in a group of {g}"))),
+    }
+}
+
+/// `send == recv · g` (elements).
+pub(crate) fn reduce_scatter(group: &Group, send: usize, recv: usize) -> Result<(), CommError> {
+    let g = group.size();
+    if recv.checked_mul(g) != Some(send) {
+        return Err(CommError::Mismatch(format!(
+            "{}: send of {send} elements for {g} chunks of {recv}",
+            Primitive::ReduceScatter
+        )));
+    }
+    Ok(())
+}
+
+/// `root` is a group index; returns the root's global rank.
+pub(crate) fn broadcast(group: &Group, root: usize) -> Result<usize, CommError> {
+    group.rank_at(root).ok_or_else(|| {
+        CommError::InvalidGroup(format!(
+            "{} root index {root} in a group of {}",
+            Primitive::Broadcast,
+            group.size()
+        ))
+    })
+}

@@ -1,0 +1,18 @@
+//! The integration tests of zeropp-comm, in one binary: one module per area.
+//!
+//! One binary links the crate and its dependencies once instead of once per file.
+//! No test needs a process of its own: the thread backend's clusters are
+//! independent values, and the link-model timing bounds (`link_model`) hold with
+//! the other tests running beside them (they sleep on modelled delivery times).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
+
+mod accuracy;
+mod arguments;
+mod conformance;
+mod faults;
+mod hierarchical;
+mod link_model;
+mod qgz_streams;
+mod reduce_mean;
+mod traffic;
