@@ -40,7 +40,7 @@ pub mod data {
     /// Where the file comes from, for the failure message.
     const SOURCES: &[(&str, &str)] = &[(
         TINYSHAKESPEARE,
-        "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
+        "the tiny Shakespeare corpus of char-rnn (public domain), which CI's shared/ folder provides",
     )];
 
     /// Tests skipped so far in this process for want of a data file.
@@ -95,7 +95,7 @@ pub mod data {
             let from = SOURCES
                 .iter()
                 .find(|(n, _)| *n == name)
-                .map_or_else(String::new, |(_, url)| format!(" (download it from {url})"));
+                .map_or_else(String::new, |(_, source)| format!(" (it is {source})"));
             panic!(
                 "{test} needs {shown} (relative to the workspace root; looked for {}), which is absent{from}. \
                  CI=true or {REQUIRE_ENV}=1 makes a missing data file a failure rather than a skip.",

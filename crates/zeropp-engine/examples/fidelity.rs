@@ -72,8 +72,7 @@ const CORE: &[&str] =
     &["zero3-f32", "zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-loco", "zeropp-1d", "zeropp-hpz8"];
 
 fn shakespeare() -> Option<PathBuf> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data/tinyshakespeare.txt");
-    p.exists().then_some(p)
+    zeropp_tests::data::find(zeropp_tests::data::TINYSHAKESPEARE)
 }
 
 struct Args {
