@@ -64,7 +64,18 @@ pub fn standard_variants(base: &ZeroConfig, local_size: usize) -> Vec<Variant> {
         Variant { name: "qwz".into(), zero: ZeroConfig { qwz: true, ..z3 } },
         Variant { name: "hpz".into(), zero: ZeroConfig { hpz_size: hpz, ..z3 } },
         Variant { name: "qgz".into(), zero: ZeroConfig { qgz: true, ..z3 } },
-        Variant { name: "zeropp".into(), zero: ZeroConfig { qwz: true, hpz_size: hpz, qgz: true, ..z3 } },
+        // ZeRO++ with its default options (LoCo, 1-D parameters at the baseline precision).
+        Variant {
+            name: "zeropp".into(),
+            zero: ZeroConfig {
+                qwz: true,
+                hpz_size: hpz,
+                qgz: true,
+                error_feedback: ZeroConfig::zeropp(hpz).error_feedback,
+                qgz_exclude_1d: ZeroConfig::zeropp(hpz).qgz_exclude_1d,
+                ..z3
+            },
+        },
     ]
 }
 
