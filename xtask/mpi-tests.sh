@@ -185,13 +185,20 @@ done
 echo "==> end to end: checkpoints move between backends"
 full="$E2E_DIR/threads-zeropp.jsonl"   # the uninterrupted 20-step run above
 half=(--model gpt-tiny --steps 10 --seed 1 --eval-batches 1)
+# Joins the per-step losses of a saved run ($2) and of its resumption ($3),
+# then the resumption's final line, into $4, and compares that with the
+# uninterrupted run under the label $1.
+resumed_matches() {
+  cat "$2" "$3" | grep '"loss"' | grep -v final_loss >"$4"
+  tail -1 "$3" >>"$4"
+  same_jsonl "$1" "$4" "$full"
+}
 run "train: save under mpi (10 steps)" ok "metrics written" -- -np 8 "$zeropp" train --backend mpi \
   --local-size 4 "${half[@]}" --save "$E2E_DIR/ckpt-mpi" --metrics "$E2E_DIR/save-mpi.jsonl"
 if timeout -k 10 "$TIMEOUT" "$zeropp" train --backend threads --world 8 --local-size 4 "${TRAIN_ARGS[@]}" \
   --resume "$E2E_DIR/ckpt-mpi" --metrics "$E2E_DIR/resume-threads.jsonl" >"$E2E_DIR/resume-threads.log" 2>&1; then
-  cat "$E2E_DIR/save-mpi.jsonl" "$E2E_DIR/resume-threads.jsonl" | grep '"loss"' | grep -v final_loss >"$E2E_DIR/mpi-then-threads.jsonl"
-  tail -1 "$E2E_DIR/resume-threads.jsonl" >>"$E2E_DIR/mpi-then-threads.jsonl"
-  same_jsonl "checkpoint: mpi save -> threads resume == uninterrupted" "$E2E_DIR/mpi-then-threads.jsonl" "$full"
+  resumed_matches "checkpoint: mpi save -> threads resume == uninterrupted" \
+    "$E2E_DIR/save-mpi.jsonl" "$E2E_DIR/resume-threads.jsonl" "$E2E_DIR/mpi-then-threads.jsonl"
 else
   tail -20 "$E2E_DIR/resume-threads.log"
   fail "checkpoint: threads resume of an mpi checkpoint"
@@ -200,9 +207,8 @@ if timeout -k 10 "$TIMEOUT" "$zeropp" train --backend threads --world 8 --local-
   --save "$E2E_DIR/ckpt-threads" --metrics "$E2E_DIR/save-threads.jsonl" >"$E2E_DIR/save-threads.log" 2>&1; then
   run "train: resume under mpi (steps 10..20)" ok "metrics written" -- -np 8 "$zeropp" train --backend mpi \
     --local-size 4 "${TRAIN_ARGS[@]}" --resume "$E2E_DIR/ckpt-threads" --metrics "$E2E_DIR/resume-mpi.jsonl"
-  cat "$E2E_DIR/save-threads.jsonl" "$E2E_DIR/resume-mpi.jsonl" | grep '"loss"' | grep -v final_loss >"$E2E_DIR/threads-then-mpi.jsonl"
-  tail -1 "$E2E_DIR/resume-mpi.jsonl" >>"$E2E_DIR/threads-then-mpi.jsonl"
-  same_jsonl "checkpoint: threads save -> mpi resume == uninterrupted" "$E2E_DIR/threads-then-mpi.jsonl" "$full"
+  resumed_matches "checkpoint: threads save -> mpi resume == uninterrupted" \
+    "$E2E_DIR/save-threads.jsonl" "$E2E_DIR/resume-mpi.jsonl" "$E2E_DIR/threads-then-mpi.jsonl"
 else
   tail -20 "$E2E_DIR/save-threads.log"
   fail "checkpoint: threads save"

@@ -45,38 +45,28 @@ impl Element for f32 {
     }
 }
 
-impl Element for bf16 {
-    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
-    }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-        None
-    }
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
+/// The half-precision elements: converted through `half`'s slice kernels,
+/// never viewable as f32.
+macro_rules! half_element {
+    ($($t:ident),*) => {$(
+        impl Element for $t {
+            fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
+                src.convert_to_f32_slice(dst);
+            }
+            fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
+                dst.convert_from_f32_slice(src);
+            }
+            fn as_f32(_: &[Self]) -> Option<&[f32]> {
+                None
+            }
+            fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
+                None
+            }
+            fn to_f32(self) -> f32 {
+                $t::to_f32(self)
+            }
+        }
+    )*};
 }
 
-impl Element for f16 {
-    fn to_f32_slice(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn from_f32_slice(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
-    }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
-    fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
-        None
-    }
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-}
+half_element!(bf16, f16);

@@ -196,6 +196,32 @@ fn validate(
     Ok(())
 }
 
+/// The accessors [`QuantizedRef`] and [`Quantized`] share: both hold a
+/// `spec` and a `len`.
+macro_rules! shape_accessors {
+    () => {
+        /// The format.
+        pub fn spec(&self) -> QuantSpec {
+            self.spec
+        }
+
+        /// Number of elements.
+        pub fn len(&self) -> usize {
+            self.len
+        }
+
+        /// Whether there are no elements.
+        pub fn is_empty(&self) -> bool {
+            self.len == 0
+        }
+
+        /// Number of groups.
+        pub fn num_groups(&self) -> usize {
+            self.spec.num_groups(self.len)
+        }
+    };
+}
+
 impl<'a> QuantizedRef<'a> {
     /// Parses and validates a wire encoding without copying it.
     ///
@@ -230,25 +256,7 @@ impl<'a> QuantizedRef<'a> {
         Ok(Self { spec: h.spec, len: h.len, data, scales, offsets })
     }
 
-    /// The format.
-    pub fn spec(&self) -> QuantSpec {
-        self.spec
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether there are no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Number of groups.
-    pub fn num_groups(&self) -> usize {
-        self.spec.num_groups(self.len)
-    }
+    shape_accessors!();
 
     /// The packed integer data.
     pub fn data(&self) -> &'a [u8] {
@@ -381,25 +389,7 @@ impl Quantized {
         }
     }
 
-    /// The format.
-    pub fn spec(&self) -> QuantSpec {
-        self.spec
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether there are no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Number of groups.
-    pub fn num_groups(&self) -> usize {
-        self.spec.num_groups(self.len)
-    }
+    shape_accessors!();
 
     /// The packed integer data.
     pub fn data(&self) -> &[u8] {

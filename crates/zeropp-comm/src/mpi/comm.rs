@@ -143,6 +143,31 @@ impl MpiComm {
         })
     }
 
+    /// The shared body of the collectives whose members all send chunks of
+    /// one size (`send` holds `parts` of them): checks the thread and the
+    /// chunk size, copies for a group of one, agrees on the chunk size with
+    /// the peers, then runs `exchange` on buffers MPI can point into.
+    fn fixed_chunks(
+        &mut self,
+        group: &Group,
+        op: &'static str,
+        parts: usize,
+        send: &[u8],
+        recv: &mut [u8],
+        exchange: impl FnOnce(&::mpi::topology::SimpleCommunicator, &[u8], &mut [u8]),
+    ) -> Result<(), CommError> {
+        self.env.check_thread()?;
+        let c = send.len() / parts;
+        let local = too_big(op, "a chunk", c);
+        if group.size() == 1 {
+            return single_member(local, || copy_to(recv, 0, send, &format!("{op}: receive buffer")));
+        }
+        self.prepare(group, op, &[(CHUNK, c as u64)], local, false)?;
+        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
+        exchange(self.comm_of(group)?, real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
+        Ok(())
+    }
+
     /// Prepares a collective on `group` with `g > 1` members: creates the
     /// sub-communicator and makes every member agree on `values` and on whether
     /// some member's arguments were invalid (`local`). With `check_sizes` off only
@@ -321,17 +346,7 @@ impl Communicator for MpiComm {
         send: &[u8],
         recv: &mut [u8],
     ) -> Result<(), CommError> {
-        const OP: &str = "all_gather";
-        self.env.check_thread()?;
-        let c = send.len();
-        let local = too_big(OP, "a chunk", c);
-        if group.size() == 1 {
-            return single_member(local, || copy_to(recv, 0, send, "all_gather: receive buffer"));
-        }
-        self.prepare(group, OP, &[(CHUNK, c as u64)], local, false)?;
-        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
-        self.comm_of(group)?.all_gather_into(real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
-        Ok(())
+        self.fixed_chunks(group, "all_gather", 1, send, recv, |c, s, r| c.all_gather_into(s, r))
     }
 
     fn raw_all_to_all_bytes(
@@ -341,17 +356,8 @@ impl Communicator for MpiComm {
         send: &[u8],
         recv: &mut [u8],
     ) -> Result<(), CommError> {
-        const OP: &str = "all_to_all";
-        self.env.check_thread()?;
-        let c = send.len() / group.size();
-        let local = too_big(OP, "a chunk", c);
-        if group.size() == 1 {
-            return single_member(local, || copy_to(recv, 0, send, "all_to_all: receive buffer"));
-        }
-        self.prepare(group, OP, &[(CHUNK, c as u64)], local, false)?;
-        let (s0, mut r0) = ([0u8; 1], [0u8; 1]);
-        self.comm_of(group)?.all_to_all_into(real_ptr(send, &s0), real_ptr_mut(recv, &mut r0));
-        Ok(())
+        let parts = group.size();
+        self.fixed_chunks(group, "all_to_all", parts, send, recv, |c, s, r| c.all_to_all_into(s, r))
     }
 
     fn raw_all_to_all_v_bytes(

@@ -55,24 +55,27 @@ mod lanes {
     }
 }
 
-/// Horizontal max of 8 lanes.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hmax(v: __m256) -> f32 {
-    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    let m = _mm_max_ss(m, _mm_shuffle_ps::<0b01>(m, m));
-    _mm_cvtss_f32(m)
+/// Defines a horizontal reduction of 8 lanes with one 4-lane op and its
+/// lowest-lane (`_ss`) form: halves, then quarters, then the last pair.
+macro_rules! horizontal {
+    ($(#[$doc:meta] $name:ident: $op:ident, $op_ss:ident;)*) => {$(
+        #[$doc]
+        #[inline]
+        #[target_feature(enable = "avx2")]
+        fn $name(v: __m256) -> f32 {
+            let m = $op(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let m = $op(m, _mm_movehl_ps(m, m));
+            let m = $op_ss(m, _mm_shuffle_ps::<0b01>(m, m));
+            _mm_cvtss_f32(m)
+        }
+    )*};
 }
 
-/// Horizontal min of 8 lanes.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hmin(v: __m256) -> f32 {
-    let m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-    let m = _mm_min_ps(m, _mm_movehl_ps(m, m));
-    let m = _mm_min_ss(m, _mm_shuffle_ps::<0b01>(m, m));
-    _mm_cvtss_f32(m)
+horizontal! {
+    /// Horizontal max of 8 lanes.
+    hmax: _mm_max_ps, _mm_max_ss;
+    /// Horizontal min of 8 lanes.
+    hmin: _mm_min_ps, _mm_min_ss;
 }
 
 /// Loads 8 floats from `c[at..at + 8]`.
@@ -162,41 +165,28 @@ fn deq8(q: &[u8], at: usize, vs: __m256, vo: __m256) -> __m256 {
     _mm256_add_ps(_mm256_mul_ps(f, vs), vo)
 }
 
+/// Dequantizes `q` into `dst` (`ADD`: adds into it) — the one loop behind
+/// [`dequant`] and [`dequant_add`]; the remainder goes through the scalar kernel.
+#[inline]
 #[target_feature(enable = "avx2")]
-pub(super) fn dequant(q: &[u8], scale: f32, offset: f32, out: &mut [f32]) {
-    let n = q.len().min(out.len());
+fn dequant_into<const ADD: bool>(q: &[u8], scale: f32, offset: f32, dst: &mut [f32]) {
+    let n = q.len().min(dst.len());
     let body = n - n % 8;
     let vs = _mm256_set1_ps(scale);
     let vo = _mm256_set1_ps(offset);
     let mut i = 0;
     while i < body {
         let v = deq8(q, i, vs, vo);
-        assert!(i + 8 <= out.len());
+        let r = if ADD { _mm256_add_ps(load8(dst, i), v) } else { v };
+        assert!(i + 8 <= dst.len());
         // SAFETY: the assert keeps the 8-float unaligned store in bounds.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), v) };
+        unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(i), r) };
         i += 8;
     }
-    scalar::dequant(&q[body..n], scale, offset, &mut out[body..n]);
+    scalar::dequant_into::<ADD>(&q[body..n], scale, offset, &mut dst[body..n]);
 }
 
-#[target_feature(enable = "avx2")]
-pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
-    let n = q.len().min(acc.len());
-    let body = n - n % 8;
-    let vs = _mm256_set1_ps(scale);
-    let vo = _mm256_set1_ps(offset);
-    let mut i = 0;
-    while i < body {
-        let v = deq8(q, i, vs, vo);
-        let a = load8(acc, i);
-        let r = _mm256_add_ps(a, v);
-        assert!(i + 8 <= acc.len());
-        // SAFETY: the assert keeps the 8-float unaligned store in bounds.
-        unsafe { _mm256_storeu_ps(acc.as_mut_ptr().add(i), r) };
-        i += 8;
-    }
-    scalar::dequant_add(&q[body..n], scale, offset, &mut acc[body..n]);
-}
+dequant_entry_points!("avx2");
 
 /// Packs 32 bytes (16 pairs) of `q[at..]` into 16 nibble pairs (in 16-bit
 /// lanes, one result byte per lane low byte): `(q[2k] << 4) | (q[2k+1] & 0xF)`.

@@ -143,34 +143,26 @@ fn deq16(q: &[u8], at: usize, vs: __m512, vo: __m512) -> __m512 {
     _mm512_add_ps(_mm512_mul_ps(f, vs), vo)
 }
 
+/// Dequantizes `q` into `dst` (`ADD`: adds into it) — the one loop behind
+/// [`dequant`] and [`dequant_add`]; the remainder goes through the scalar kernel.
+#[inline]
 #[target_feature(enable = "avx512f")]
-pub(super) fn dequant(q: &[u8], scale: f32, offset: f32, out: &mut [f32]) {
-    let n = q.len().min(out.len());
+fn dequant_into<const ADD: bool>(q: &[u8], scale: f32, offset: f32, dst: &mut [f32]) {
+    let n = q.len().min(dst.len());
     let body = n - n % 16;
     let vs = _mm512_set1_ps(scale);
     let vo = _mm512_set1_ps(offset);
     let mut i = 0;
     while i < body {
-        store16(out, i, deq16(q, i, vs, vo));
+        let v = deq16(q, i, vs, vo);
+        let r = if ADD { _mm512_add_ps(load16(dst, i), v) } else { v };
+        store16(dst, i, r);
         i += 16;
     }
-    scalar::dequant(&q[body..n], scale, offset, &mut out[body..n]);
+    scalar::dequant_into::<ADD>(&q[body..n], scale, offset, &mut dst[body..n]);
 }
 
-#[target_feature(enable = "avx512f")]
-pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
-    let n = q.len().min(acc.len());
-    let body = n - n % 16;
-    let vs = _mm512_set1_ps(scale);
-    let vo = _mm512_set1_ps(offset);
-    let mut i = 0;
-    while i < body {
-        let r = _mm512_add_ps(load16(acc, i), deq16(q, i, vs, vo));
-        store16(acc, i, r);
-        i += 16;
-    }
-    scalar::dequant_add(&q[body..n], scale, offset, &mut acc[body..n]);
-}
+dequant_entry_points!("avx512f");
 
 /// INT4 packing: the AVX2 kernel. AVX-512F implies AVX2 (rustc and LLVM
 /// enable `avx2` with `avx512f`, so this call needs no `unsafe`), and AVX2's

@@ -16,6 +16,24 @@
 
 pub(crate) mod scalar;
 
+/// Defines `dequant` and `dequant_add` in a vector kernel module from its
+/// `dequant_into::<ADD>` (one loop for both; `$feature` is the module's
+/// target feature).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! dequant_entry_points {
+    ($feature:literal) => {
+        #[target_feature(enable = $feature)]
+        pub(super) fn dequant(q: &[u8], scale: f32, offset: f32, out: &mut [f32]) {
+            dequant_into::<false>(q, scale, offset, out);
+        }
+
+        #[target_feature(enable = $feature)]
+        pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
+            dequant_into::<true>(q, scale, offset, acc);
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 #[macro_use]
 mod x86;

@@ -92,14 +92,18 @@ fn store16(r: [float32x4_t; 4], out: &mut [u8], at: usize) {
     unsafe { vst1q_u8(out.as_mut_ptr().add(at), b) }
 }
 
+/// `[s, offset, qmin, qmax]` on every lane.
+#[inline]
+#[target_feature(enable = "neon")]
+fn splat_params(p: &RoundParams) -> [float32x4_t; 4] {
+    [vdupq_n_f32(p.s), vdupq_n_f32(p.offset), vdupq_n_f32(p.qmin), vdupq_n_f32(p.qmax)]
+}
+
 #[target_feature(enable = "neon")]
 pub(super) fn round_nearest(x: &[f32], p: &RoundParams, out: &mut [u8]) {
     let n = x.len().min(out.len());
     let body = n - n % 16;
-    let vs = vdupq_n_f32(p.s);
-    let vo = vdupq_n_f32(p.offset);
-    let vlo = vdupq_n_f32(p.qmin);
-    let vhi = vdupq_n_f32(p.qmax);
+    let [vs, vo, vlo, vhi] = splat_params(p);
     let mut i = 0;
     while i < body {
         let mut r = [vdupq_n_f32(0.0); 4];
@@ -130,10 +134,7 @@ fn lowbias32(mut x: uint32x4_t) -> uint32x4_t {
 pub(super) fn round_stochastic(x: &[f32], p: &RoundParams, st: Stoch, out: &mut [u8]) {
     let n = x.len().min(out.len());
     let body = n - n % 16;
-    let vs = vdupq_n_f32(p.s);
-    let vo = vdupq_n_f32(p.offset);
-    let vlo = vdupq_n_f32(p.qmin);
-    let vhi = vdupq_n_f32(p.qmax);
+    let [vs, vo, vlo, vhi] = splat_params(p);
     let one = vreinterpretq_u32_f32(vdupq_n_f32(1.0));
     let inv24 = vdupq_n_f32(1.0 / 16_777_216.0);
     let k1 = vdupq_n_u32(st.k1);
@@ -182,38 +183,28 @@ fn deq16(q: &[u8], at: usize, vs: float32x4_t, vo: float32x4_t) -> [float32x4_t;
     d.map(|v| vaddq_f32(vmulq_f32(vcvtq_f32_s32(v), vs), vo))
 }
 
+/// Dequantizes `q` into `dst` (`ADD`: adds into it) — the one loop behind
+/// [`dequant`] and [`dequant_add`]; the remainder goes through the scalar kernel.
+#[inline]
 #[target_feature(enable = "neon")]
-pub(super) fn dequant(q: &[u8], scale: f32, offset: f32, out: &mut [f32]) {
-    let n = q.len().min(out.len());
+fn dequant_into<const ADD: bool>(q: &[u8], scale: f32, offset: f32, dst: &mut [f32]) {
+    let n = q.len().min(dst.len());
     let body = n - n % 16;
     let vs = vdupq_n_f32(scale);
     let vo = vdupq_n_f32(offset);
     let mut i = 0;
     while i < body {
         for (j, v) in deq16(q, i, vs, vo).into_iter().enumerate() {
-            store4(out, i + 4 * j, v);
+            let at = i + 4 * j;
+            let r = if ADD { vaddq_f32(load4(dst, at), v) } else { v };
+            store4(dst, at, r);
         }
         i += 16;
     }
-    scalar::dequant(&q[body..n], scale, offset, &mut out[body..n]);
+    scalar::dequant_into::<ADD>(&q[body..n], scale, offset, &mut dst[body..n]);
 }
 
-#[target_feature(enable = "neon")]
-pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
-    let n = q.len().min(acc.len());
-    let body = n - n % 16;
-    let vs = vdupq_n_f32(scale);
-    let vo = vdupq_n_f32(offset);
-    let mut i = 0;
-    while i < body {
-        for (j, v) in deq16(q, i, vs, vo).into_iter().enumerate() {
-            let a = load4(acc, i + 4 * j);
-            store4(acc, i + 4 * j, vaddq_f32(a, v));
-        }
-        i += 16;
-    }
-    scalar::dequant_add(&q[body..n], scale, offset, &mut acc[body..n]);
-}
+dequant_entry_points!("neon");
 
 /// INT4 packing: `out[k] = (q[2k] << 4) | (q[2k+1] & 0xF)` for every `k`
 /// of `out` (`q` holds at least `2 * out.len()` bytes).

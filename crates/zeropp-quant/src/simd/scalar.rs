@@ -78,6 +78,16 @@ pub(crate) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
     }
 }
 
+/// [`dequant`] (`ADD` false) or [`dequant_add`] (`ADD` true): the remainder
+/// of every vector kernel's `dequant_into`.
+pub(crate) fn dequant_into<const ADD: bool>(q: &[u8], scale: f32, offset: f32, dst: &mut [f32]) {
+    if ADD {
+        dequant_add(q, scale, offset, dst);
+    } else {
+        dequant(q, scale, offset, dst);
+    }
+}
+
 /// See [`super::Dispatch::pack4`].
 pub(crate) fn pack4(q: &[u8], out: &mut [u8]) {
     for (d, p) in out.iter_mut().zip(q.chunks_exact(2)) {

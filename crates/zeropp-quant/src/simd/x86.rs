@@ -33,10 +33,7 @@ macro_rules! x86_rounding {
             const STEP: usize = WIDTH * PER_STORE;
             let n = x.len().min(out.len());
             let body = n - n % STEP;
-            let vs = splat_f(p.s);
-            let vo = splat_f(p.offset);
-            let vlo = splat_f(p.qmin);
-            let vhi = splat_f(p.qmax);
+            let [vs, vo, vlo, vhi] = splat_params(p);
             let mut i = 0;
             while i < body {
                 let mut r = [vlo; PER_STORE];
@@ -48,6 +45,14 @@ macro_rules! x86_rounding {
                 i += STEP;
             }
             $crate::simd::scalar::round_nearest(&x[body..n], p, &mut out[body..n]);
+        }
+
+        /// `[s, offset, qmin, qmax]` on every lane.
+        #[inline]
+        #[target_feature(enable = $feature)]
+        fn splat_params(p: &$crate::simd::RoundParams) -> [lanes::F; 4] {
+            use lanes::*;
+            [splat_f(p.s), splat_f(p.offset), splat_f(p.qmin), splat_f(p.qmax)]
         }
 
         /// lowbias32 on every lane (see [`crate::rng`]).
@@ -73,10 +78,7 @@ macro_rules! x86_rounding {
             const STEP: usize = WIDTH * PER_STORE;
             let n = x.len().min(out.len());
             let body = n - n % STEP;
-            let vs = splat_f(p.s);
-            let vo = splat_f(p.offset);
-            let vlo = splat_f(p.qmin);
-            let vhi = splat_f(p.qmax);
+            let [vs, vo, vlo, vhi] = splat_params(p);
             let one = splat_f(1.0);
             let inv24 = splat_f(1.0 / 16_777_216.0);
             let k1 = splat_i(st.k1 as i32);
