@@ -106,8 +106,6 @@ pub fn step_bytes(
     let b = dense.bytes();
     let a = micro_batches.max(1) as u64;
     let wu = w as u64;
-    let perr = |e: zeropp_partition::PartitionError| EngineError::Partition(e.to_string());
-    let cerr = |e: zeropp_comm::CommError| EngineError::InvalidConfig(e.to_string());
     let qwz_spec = if z.qwz { Some(spec(z.qwz_bits, z.qwz_group_size)?) } else { None };
     // Totals over all ranks; divided by W at the end, as the counters are averaged.
     let mut sums: BTreeMap<&str, CommBytes> = BTreeMap::new();
@@ -115,16 +113,16 @@ pub fn step_bytes(
     let hpz_groups = if z.hpz() {
         (0..w)
             .map(|r| {
-                let g = plan.hpz_group(r).map_err(perr)?;
-                Group::new(&t, g.ranks).map_err(cerr)
+                let g = plan.hpz_group(r)?;
+                Group::new(&t, g.ranks).map_err(EngineError::InvalidTopology)
             })
             .collect::<Result<Vec<_>, EngineError>>()?
     } else {
         Vec::new()
     };
     for l in 0..plan.num_buckets() {
-        let s = plan.shard_len(l).map_err(perr)?;
-        let layout = plan.bucket(l).map_err(perr)?;
+        let s = plan.shard_len(l)?;
+        let layout = plan.bucket(l)?;
         let padded = layout.padded_len;
         let world_gather = match qwz_spec {
             Some(q) => collectives::world_qwz_bytes(&t, z.routing, q, s),
