@@ -35,6 +35,19 @@ pub enum EngineError {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// A quantization spec (bits, group size) is unusable.
+    #[error("invalid configuration: invalid quantization spec: {0}")]
+    InvalidQuantSpec(#[source] zeropp_quant::QuantError),
+    /// A JSON document (a DeepSpeed config, the saved configuration, a metrics
+    /// record) cannot be parsed or serialized.
+    #[error("invalid configuration: {what}: {source}")]
+    Json {
+        /// What was being read or written.
+        what: &'static str,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A batch whose shape is inconsistent or unsupported by the model.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
@@ -89,8 +102,9 @@ pub enum EngineError {
     /// Partitioning or checkpoint I/O failed.
     #[error("partition/checkpoint error: {0}")]
     Partition(#[from] zeropp_partition::PartitionError),
-    /// A collective checkpoint save failed on another rank (this rank only
-    /// learns that it failed, its own error is reported there).
+    /// A checkpoint's metadata is unusable, or a collective save failed on
+    /// another rank (this rank only learns that it failed; the error itself is
+    /// reported on that rank).
     #[error("partition/checkpoint error: {0}")]
     Checkpoint(String),
     /// A rank's thread panicked; the panic message.

@@ -113,7 +113,7 @@ pub fn save<M: Model, C: Communicator + ?Sized, U: serde::Serialize>(
                     .and_then(|m| commit_checkpoint(dir, &m))
                     .map_err(EngineError::from)
             }
-            Err(e) => Err(EngineError::InvalidConfig(format!("the configuration cannot be saved: {e}"))),
+            Err(source) => Err(EngineError::Json { what: "the configuration cannot be saved", source }),
         };
         if let Err(e) = res {
             status[0] = 0;
@@ -140,7 +140,14 @@ pub fn load(
 ) -> Result<(usize, Vec<RankState>), EngineError> {
     let ckpt = load_checkpoint(dir)?;
     let steps = ckpt.step() as usize;
-    let skipped = ckpt.user_config().get("skipped").and_then(serde_json::Value::as_u64).unwrap_or(0) as usize;
+    // A checkpoint without the count (not written by `save`) starts it at zero;
+    // one that holds something else than a count is corrupt, not silently zero.
+    let skipped = match ckpt.user_config().get("skipped") {
+        None => 0,
+        Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).ok_or_else(|| {
+            EngineError::Checkpoint(format!("the manifest's `skipped` is not a step count: {v}"))
+        })?,
+    };
     let mut out = Vec::with_capacity(plan.world());
     if ckpt.has_extras() && ckpt.extras_dropped(plan) {
         eprintln!(

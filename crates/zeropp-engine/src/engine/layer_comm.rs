@@ -31,7 +31,7 @@ pub(crate) fn spec(bits: u8, group: usize) -> Result<QuantSpec, EngineError> {
         4 => QuantSpec::int4(group),
         b => return Err(EngineError::InvalidConfig(format!("quantization bits must be 4 or 8, got {b}"))),
     };
-    s.map_err(|e| EngineError::InvalidConfig(format!("invalid quantization spec: {e}")))
+    s.map_err(EngineError::InvalidQuantSpec)
 }
 
 fn options(stochastic: Option<u64>) -> Options {
