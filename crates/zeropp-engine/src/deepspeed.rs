@@ -202,7 +202,7 @@ pub fn resolve_batch(
 /// ```
 pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<DeepSpeedImport, EngineError> {
     let root: Value = serde_json::from_str(text)
-        .map_err(|e| EngineError::InvalidConfig(format!("DeepSpeed config is not valid JSON: {e}")))?;
+        .map_err(|source| EngineError::Json { what: "DeepSpeed config is not valid JSON", source })?;
     let obj = as_object("<root>", &root)?;
     let mut warnings = Vec::new();
     let mut cfg = base.clone();

@@ -35,6 +35,19 @@ pub enum EngineError {
         /// Vocabulary size.
         vocab: usize,
     },
+    /// A quantization spec (bits, group size) is unusable.
+    #[error("invalid configuration: invalid quantization spec: {0}")]
+    InvalidQuantSpec(#[source] zeropp_quant::QuantError),
+    /// A JSON document (a DeepSpeed config, the saved configuration, a metrics
+    /// record) cannot be parsed or serialized.
+    #[error("invalid configuration: {what}: {source}")]
+    Json {
+        /// What was being read or written.
+        what: &'static str,
+        /// The JSON error.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A batch whose shape is inconsistent or unsupported by the model.
     #[error("invalid batch: {0}")]
     InvalidBatch(String),
@@ -75,25 +88,36 @@ pub enum EngineError {
         #[source]
         source: std::io::Error,
     },
-    /// A collective failed (peer lost, mismatch, timeout).
-    #[error("communication failed on rank {rank}: {source}")]
-    Comm {
-        /// The rank that observed the failure.
-        rank: usize,
-        /// The communicator's error.
-        #[source]
-        source: zeropp_comm::CommError,
-    },
+    /// A collective failed (peer lost, mismatch, timeout). The failing rank is
+    /// named once, by the driver: [`EngineError::RankFailed`] on the thread
+    /// backend, the `rank R of W: fatal:` line of the MPI abort.
+    #[error("communication failed: {0}")]
+    Comm(#[from] zeropp_comm::CommError),
+    /// The world, node size or a group is rejected by the communication layer.
+    #[error("invalid configuration: {0}")]
+    InvalidTopology(#[source] zeropp_comm::CommError),
+    /// The thread cluster could not start its ranks.
+    #[error("training failed: cannot start the cluster: {0}")]
+    ClusterSetup(#[source] zeropp_comm::CommError),
     /// Partitioning or checkpoint I/O failed.
     #[error("partition/checkpoint error: {0}")]
-    Partition(String),
+    Partition(#[from] zeropp_partition::PartitionError),
+    /// A checkpoint's metadata is unusable, or a collective save failed on
+    /// another rank (this rank only learns that it failed; the error itself is
+    /// reported on that rank).
+    #[error("partition/checkpoint error: {0}")]
+    Checkpoint(String),
+    /// A rank's thread panicked; the panic message.
+    #[error("panicked: {0}")]
+    Panicked(String),
     /// A rank failed; `cause` is its own error (the root cause, not a peer's echo).
     #[error("rank {rank} failed: {cause}")]
     RankFailed {
         /// The failing rank.
         rank: usize,
         /// What went wrong on that rank.
-        cause: String,
+        #[source]
+        cause: Box<EngineError>,
     },
     /// Training cannot continue (e.g. every step is non-finite).
     #[error("training failed: {0}")]

@@ -121,7 +121,7 @@ impl MetricsWriter {
 
     fn line<T: Serialize>(&mut self, value: &T) -> Result<(), EngineError> {
         let s = serde_json::to_string(value)
-            .map_err(|e| EngineError::InvalidConfig(format!("cannot serialise metrics: {e}")))?;
+            .map_err(|source| EngineError::Json { what: "cannot serialise metrics", source })?;
         writeln!(self.out, "{s}")
             .and_then(|()| self.out.flush())
             .map_err(|source| EngineError::Io { path: self.path.clone(), source })

@@ -79,17 +79,15 @@ struct StepGather {
 impl StepGather {
     /// Gathers `mine` from every rank (in rank order); collective over the world.
     fn gather(&mut self, mine: &RankStep) -> Result<Vec<RankStep>, EngineError> {
-        let rank = self.side.rank();
-        let cerr = |e| EngineError::Comm { rank, source: e };
         let bytes = encode(mine);
         let n = self.world.size();
         let mut lens = vec![0u64; n];
-        self.side.all_gather(&self.world, &[bytes.len() as u64], &mut lens).map_err(cerr)?;
+        self.side.all_gather(&self.world, &[bytes.len() as u64], &mut lens)?;
         let max = lens.iter().copied().max().unwrap_or(0) as usize;
         let mut padded = bytes;
         padded.resize(max, 0);
         let mut all = vec![0u8; max * n];
-        self.side.all_gather_bytes(&self.world, &padded, &mut all).map_err(cerr)?;
+        self.side.all_gather_bytes(&self.world, &padded, &mut all)?;
         all.chunks(max.max(1))
             .zip(&lens)
             .map(|(chunk, &len)| decode(chunk.get(..len as usize).unwrap_or(chunk)))
@@ -214,7 +212,7 @@ fn train_model_mpi<M: Model>(
     let tokens = micro * cfg.world * cfg.engine.grad_accum * seq_len;
 
     let world = Group::world(&topo);
-    let side = comm.split_stream().map_err(|e| EngineError::Comm { rank, source: e })?;
+    let side = comm.split_stream()?;
     let gather = RefCell::new(StepGather { side, world: world.clone(), error: None });
     let records = RefCell::new(Vec::new());
     let on_step = RefCell::new(on_step);
@@ -254,10 +252,7 @@ fn train_model_mpi<M: Model>(
     // Validation losses of every rank, summed as the thread driver does.
     let n = result.val_losses.len();
     let mut all_val = vec![0f32; n * world.size()];
-    gather
-        .side
-        .all_gather(&world, &result.val_losses, &mut all_val)
-        .map_err(|e| EngineError::Comm { rank, source: e })?;
+    gather.side.all_gather(&world, &result.val_losses, &mut all_val)?;
     drop(gather);
     if rank != 0 {
         return Ok(None);

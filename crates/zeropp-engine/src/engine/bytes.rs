@@ -87,7 +87,7 @@ fn qgz_bytes(t: &Topology, padded: usize, bits: u8, group: usize) -> Result<Comm
 /// use zeropp_engine::engine::{build_plan, bytes::step_bytes};
 /// use zeropp_engine::model::{Gpt, GptConfig};
 /// let model = Gpt::new(GptConfig::tiny())?;
-/// let t = Topology::new(8, 4).map_err(|e| zeropp_engine::EngineError::InvalidConfig(e.to_string()))?;
+/// let t = Topology::new(8, 4).map_err(zeropp_engine::EngineError::InvalidTopology)?;
 /// let z3 = EngineConfig::default(); // hierarchical ZeRO-3
 /// let zpp = EngineConfig { zero: ZeroConfig::zeropp(4), ..EngineConfig::default() };
 /// let b3 = step_bytes(&build_plan(&model, &z3, t)?, &z3, 1)?.total();
@@ -106,8 +106,6 @@ pub fn step_bytes(
     let b = dense.bytes();
     let a = micro_batches.max(1) as u64;
     let wu = w as u64;
-    let perr = |e: zeropp_partition::PartitionError| EngineError::Partition(e.to_string());
-    let cerr = |e: zeropp_comm::CommError| EngineError::InvalidConfig(e.to_string());
     let qwz_spec = if z.qwz { Some(spec(z.qwz_bits, z.qwz_group_size)?) } else { None };
     // Totals over all ranks; divided by W at the end, as the counters are averaged.
     let mut sums: BTreeMap<&str, CommBytes> = BTreeMap::new();
@@ -115,16 +113,16 @@ pub fn step_bytes(
     let hpz_groups = if z.hpz() {
         (0..w)
             .map(|r| {
-                let g = plan.hpz_group(r).map_err(perr)?;
-                Group::new(&t, g.ranks).map_err(cerr)
+                let g = plan.hpz_group(r)?;
+                Group::new(&t, g.ranks).map_err(EngineError::InvalidTopology)
             })
             .collect::<Result<Vec<_>, EngineError>>()?
     } else {
         Vec::new()
     };
     for l in 0..plan.num_buckets() {
-        let s = plan.shard_len(l).map_err(perr)?;
-        let layout = plan.bucket(l).map_err(perr)?;
+        let s = plan.shard_len(l)?;
+        let layout = plan.bucket(l)?;
         let padded = layout.padded_len;
         let world_gather = match qwz_spec {
             Some(q) => collectives::world_qwz_bytes(&t, z.routing, q, s),

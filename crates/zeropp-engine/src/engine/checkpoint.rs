@@ -19,7 +19,7 @@ use zeropp_partition::{
     write_shard,
 };
 
-use super::{ZeroEngine, comm_err};
+use super::ZeroEngine;
 use crate::EngineError;
 use crate::config::EngineConfig;
 use crate::model::Model;
@@ -44,10 +44,6 @@ pub struct RankState {
 /// The checkpoint extra holding layer `l`'s hop-`hop` qgZ residual.
 fn feedback_key(l: usize, hop: u8) -> String {
     format!("qgz_feedback.{l}.hop{hop}")
-}
-
-fn perr(e: zeropp_partition::PartitionError) -> EngineError {
-    EngineError::Partition(e.to_string())
 }
 
 /// Saves the checkpoint of training step `step` (steps done) into `dir` (collective).
@@ -88,11 +84,11 @@ pub fn save<M: Model, C: Communicator + ?Sized, U: serde::Serialize>(
     let world = Group::world(comm.topology());
     comm.set_op("checkpoint");
     let mut all = vec![0u64; 3 * world.size()];
-    comm.all_gather(&world, &mine, &mut all).map_err(comm_err(rank))?;
-    written.map_err(perr)?;
+    comm.all_gather(&world, &mine, &mut all)?;
+    written?;
     if let Some(r) = all.chunks(3).position(|c| c[0] == 0) {
         comm.set_op("other");
-        return Err(EngineError::Partition(format!("rank {r} could not write its checkpoint shard")));
+        return Err(EngineError::Checkpoint(format!("rank {r} could not write its checkpoint shard")));
     }
     let mut status = [1u8];
     let mut commit_err = None;
@@ -115,22 +111,22 @@ pub fn save<M: Model, C: Communicator + ?Sized, U: serde::Serialize>(
                 Manifest::new(plan, step as u64, meta, records)
                     .and_then(|m| m.with_extras(extras))
                     .and_then(|m| commit_checkpoint(dir, &m))
-                    .map_err(perr)
+                    .map_err(EngineError::from)
             }
-            Err(e) => Err(EngineError::InvalidConfig(format!("the configuration cannot be saved: {e}"))),
+            Err(source) => Err(EngineError::Json { what: "the configuration cannot be saved", source }),
         };
         if let Err(e) = res {
             status[0] = 0;
             commit_err = Some(e);
         }
     }
-    comm.broadcast(&world, 0, &mut status).map_err(comm_err(rank))?;
+    comm.broadcast(&world, 0, &mut status)?;
     comm.set_op("other");
     if let Some(e) = commit_err {
         return Err(e);
     }
     if status[0] == 0 {
-        return Err(EngineError::Partition("rank 0 could not commit the checkpoint".into()));
+        return Err(EngineError::Checkpoint("rank 0 could not commit the checkpoint".into()));
     }
     Ok(())
 }
@@ -142,9 +138,16 @@ pub fn load(
     plan: &PartitionPlan,
     cfg: &EngineConfig,
 ) -> Result<(usize, Vec<RankState>), EngineError> {
-    let ckpt = load_checkpoint(dir).map_err(perr)?;
+    let ckpt = load_checkpoint(dir)?;
     let steps = ckpt.step() as usize;
-    let skipped = ckpt.user_config().get("skipped").and_then(serde_json::Value::as_u64).unwrap_or(0) as usize;
+    // A checkpoint without the count (not written by `save`) starts it at zero;
+    // one that holds something else than a count is corrupt, not silently zero.
+    let skipped = match ckpt.user_config().get("skipped") {
+        None => 0,
+        Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).ok_or_else(|| {
+            EngineError::Checkpoint(format!("the manifest's `skipped` is not a step count: {v}"))
+        })?,
+    };
     let mut out = Vec::with_capacity(plan.world());
     if ckpt.has_extras() && ckpt.extras_dropped(plan) {
         eprintln!(
@@ -153,7 +156,7 @@ pub fn load(
         );
     }
     for r in 0..plan.world() {
-        let s = ckpt.shard_for(plan, r).map_err(perr)?;
+        let s = ckpt.shard_for(plan, r)?;
         let layers = s.buckets.len();
         let feedback = (0..layers)
             .map(|l| {

@@ -21,7 +21,6 @@ use zeropp_comm::{AsyncComm, CommError, Communicator, Group, Pending, TrafficSna
 use zeropp_quant::half::bf16;
 use zeropp_quant::{Options, QuantSpec};
 
-use super::comm_err;
 use crate::EngineError;
 use crate::config::{EngineConfig, HpzWire, LocoConfig};
 
@@ -32,7 +31,7 @@ pub(crate) fn spec(bits: u8, group: usize) -> Result<QuantSpec, EngineError> {
         4 => QuantSpec::int4(group),
         b => return Err(EngineError::InvalidConfig(format!("quantization bits must be 4 or 8, got {b}"))),
     };
-    s.map_err(|e| EngineError::InvalidConfig(format!("invalid quantization spec: {e}")))
+    s.map_err(EngineError::InvalidQuantSpec)
 }
 
 fn options(stochastic: Option<u64>) -> Options {
@@ -342,7 +341,7 @@ impl LayerComm {
         keep: Option<Range<usize>>,
     ) -> Result<(Vec<f32>, Option<Secondary>), EngineError> {
         let g = self.next_gather();
-        gather_world(comm, g, shard, keep).map_err(comm_err(self.rank))
+        Ok(gather_world(comm, g, shard, keep)?)
     }
 
     /// Submits a world gather to the prefetch stream.
@@ -370,7 +369,7 @@ impl LayerComm {
         group: &Group,
         shard: &Secondary,
     ) -> Result<Vec<f32>, EngineError> {
-        gather_secondary(comm, group, shard).map_err(comm_err(self.rank))
+        Ok(gather_secondary(comm, group, shard)?)
     }
 
     /// Submits the all-gather of the hpZ secondary shards of `group` to the
@@ -403,18 +402,10 @@ impl LayerComm {
         out: &mut [f32],
     ) -> Result<(), EngineError> {
         let seed = self.streams.next(Streams::QGZ);
-        let rank = self.rank;
         let dense = self.gather.dense;
         let Some(q) = &mut self.qgz else {
-            return collectives::world_reduce_scatter(
-                comm,
-                self.gather.routing,
-                dense,
-                full,
-                out,
-                Reduce::Mean,
-            )
-            .map_err(comm_err(rank));
+            collectives::world_reduce_scatter(comm, self.gather.routing, dense, full, out, Reduce::Mean)?;
+            return Ok(());
         };
         let slices = self.dense_slices.get(layer).filter(|d| d.per_rank.iter().any(|r| !r.is_empty()));
         // The 1-D parameters go to their owners densely; qgZ carries zeros there.
@@ -436,9 +427,9 @@ impl LayerComm {
             Some(fb) => qgz_reduce_scatter_with_feedback(comm, full, out, &opts, fb),
             None => qgz_reduce_scatter(comm, full, out, &opts),
         };
-        res.map_err(comm_err(rank))?;
+        res?;
         if let (Some(d), Some(send)) = (slices, dense_part) {
-            exchange_dense_slices(comm, d, &send, dense, out).map_err(comm_err(rank))?;
+            exchange_dense_slices(comm, d, &send, dense, out)?;
         }
         Ok(())
     }
@@ -565,10 +556,10 @@ enum PendingKind {
 
 impl PendingGather {
     /// Waits for the gathered layer (and the hpZ secondary shard a world gather kept).
-    pub(crate) fn wait(self, rank: usize) -> Result<(Vec<f32>, Option<Secondary>), EngineError> {
+    pub(crate) fn wait(self) -> Result<(Vec<f32>, Option<Secondary>), EngineError> {
         match self.pending {
-            PendingKind::World(p) => p.wait().map_err(comm_err(rank)),
-            PendingKind::Secondary(p) => Ok((p.wait().map_err(comm_err(rank))?, None)),
+            PendingKind::World(p) => Ok(p.wait()?),
+            PendingKind::Secondary(p) => Ok((p.wait()?, None)),
         }
     }
 }
@@ -591,17 +582,17 @@ impl Prefetcher {
     /// Collective over the world: duplicates `comm` onto a worker thread.
     pub fn new<C: Communicator + ?Sized>(comm: &mut C) -> Result<Self, EngineError> {
         let rank = comm.rank();
-        let comm = AsyncComm::duplicate_from(comm).map_err(comm_err(rank))?;
+        let comm = AsyncComm::duplicate_from(comm)?;
         Ok(Self { comm, rank })
     }
 
     /// The prefetch stream's traffic counters (after the jobs submitted so far).
     pub fn traffic(&self) -> Result<TrafficSnapshot, EngineError> {
-        self.comm.traffic().wait().map_err(comm_err(self.rank))
+        Ok(self.comm.traffic().wait()?)
     }
 
     /// Finishes the queued jobs and stops the worker.
     pub fn shutdown(self) -> Result<(), EngineError> {
-        self.comm.shutdown().map_err(comm_err(self.rank))
+        Ok(self.comm.shutdown()?)
     }
 }

@@ -51,7 +51,8 @@ pub mod tags {
     pub const OTHER: &str = "other";
 }
 
-/// A failure injected into a step, to test fault handling (never used in normal runs).
+/// A failure injected into a step with [`ZeroEngine::inject_fault`], to test
+/// fault handling (never used in normal runs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Inject {
     /// Nothing injected.
@@ -74,11 +75,6 @@ pub struct StepOutcome {
     pub grad_norm: f32,
     /// True when the update was skipped (non-finite gradient somewhere).
     pub skipped: bool,
-}
-
-/// Converts a comm error into an engine error on `rank`.
-pub(crate) fn comm_err(rank: usize) -> impl Fn(CommError) -> EngineError {
-    move |source| EngineError::Comm { rank, source }
 }
 
 /// The flat ranges of the 1-D parameters (biases, norm gains and shifts) of
@@ -126,7 +122,7 @@ pub fn build_plan<M: Model + ?Sized>(
             .iter()
             .map(|p| ParamSpec::new(format!("{}.{}", layer.name, p.name), p.shape.clone(), DType::F32))
             .collect();
-        reg.push_bucket(layer.name.clone(), params).map_err(|e| EngineError::Partition(e.to_string()))?;
+        reg.push_bucket(layer.name.clone(), params)?;
     }
     let align = shard_align(cfg);
     let mut plan_cfg = PlanConfig::new(align, cfg.zero.hpz_size);
@@ -135,7 +131,7 @@ pub fn build_plan<M: Model + ?Sized>(
         // group mixes two tensors: per-tensor scales, as DeepSpeed quantizes.
         plan_cfg = plan_cfg.with_param_align(align);
     }
-    PartitionPlan::new(&reg, topology, plan_cfg).map_err(|e| EngineError::Partition(e.to_string()))
+    Ok(PartitionPlan::new(&reg, topology, plan_cfg)?)
 }
 
 /// Shard alignment: a common multiple of the qwZ and qgZ group sizes, whatever
@@ -165,6 +161,8 @@ pub struct ZeroEngine<'m, M: Model> {
     comms: LayerComm,
     steps: usize,
     skipped: usize,
+    /// The fault [`Self::inject_fault`] set for the next step (tests only).
+    inject: Inject,
 }
 
 impl<'m, M: Model> ZeroEngine<'m, M> {
@@ -184,16 +182,15 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             )));
         }
         let plan = build_plan(model, cfg, topology)?;
-        let perr = |e: zeropp_partition::PartitionError| EngineError::Partition(e.to_string());
         let mut master = Vec::with_capacity(plan.num_buckets());
         for (l, layer) in model.layers().iter().enumerate() {
             let mut full = vec![0.0f32; layer.numel()];
             model.init_layer(l, cfg.seed, &mut full)?;
-            master.push(plan.shard_of(l, rank, &full).map_err(perr)?);
+            master.push(plan.shard_of(l, rank, &full)?);
         }
         let hpz_group = if cfg.zero.hpz() {
-            let g = plan.hpz_group(rank).map_err(perr)?;
-            Some(Group::new(&topology, g.ranks).map_err(comm_err(rank))?)
+            let g = plan.hpz_group(rank)?;
+            Some(Group::new(&topology, g.ranks).map_err(EngineError::InvalidTopology)?)
         } else {
             None
         };
@@ -217,6 +214,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             secondary: vec![None; n],
             steps: 0,
             skipped: 0,
+            inject: Inject::None,
         })
     }
 
@@ -323,7 +321,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         if eval || self.hpz_group.is_none() {
             return Ok(None);
         }
-        self.plan.secondary_range(self.rank, l).map_err(|e| EngineError::Partition(e.to_string()))
+        Ok(self.plan.secondary_range(self.rank, l)?)
     }
 
     /// Gathers layer `l` for the forward pass (or evaluation when `eval`): from
@@ -351,7 +349,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
     /// Layer `l`'s parameters back to back, as the model takes them, from the
     /// gathered flat buffer (borrowed when the layout is packed).
     fn model_view<'a>(&self, l: usize, full: &'a [f32]) -> Result<std::borrow::Cow<'a, [f32]>, EngineError> {
-        let layout = self.plan.bucket(l).map_err(|e| EngineError::Partition(e.to_string()))?;
+        let layout = self.plan.bucket(l)?;
         if layout.is_packed() {
             let numel = layout.numel;
             full.get(..numel).map(std::borrow::Cow::Borrowed).ok_or(EngineError::LengthMismatch {
@@ -360,9 +358,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                 got: full.len(),
             })
         } else {
-            Ok(std::borrow::Cow::Owned(
-                layout.compact(full).map_err(|e| EngineError::Partition(e.to_string()))?,
-            ))
+            Ok(std::borrow::Cow::Owned(layout.compact(full)?))
         }
     }
 
@@ -413,7 +409,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         for l in 0..n {
             let full = match pending.take() {
                 Some((pl, p)) if pl == l => {
-                    let (full, sec) = p.wait(self.rank)?;
+                    let (full, sec) = p.wait()?;
                     if sec.is_some() {
                         self.secondary[l] = sec;
                     }
@@ -434,7 +430,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             drop(full);
         }
         if let Some((_, p)) = pending {
-            p.wait(self.rank)?;
+            p.wait()?;
         }
         Ok(tape)
     }
@@ -452,6 +448,12 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         Ok(self.model.loss(&tape))
     }
 
+    /// Test hook: injects `fault` into the next [`Self::train_step`] only (it is
+    /// cleared when that step starts). Normal runs never call it.
+    pub fn inject_fault(&mut self, fault: Inject) {
+        self.inject = fault;
+    }
+
     /// One optimizer step over this rank's `micro_batches` (one per gradient
     /// accumulation step). Every rank must call it with the same number of
     /// micro-batches; `prefetch` (a [`Prefetcher`] on a duplicated communicator)
@@ -461,8 +463,8 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         comm: &mut C,
         mut prefetch: Option<&mut Prefetcher>,
         micro_batches: &[Batch],
-        inject: Inject,
     ) -> Result<StepOutcome, EngineError> {
+        let inject = std::mem::take(&mut self.inject);
         if micro_batches.is_empty() {
             return Err(EngineError::InvalidBatch("a step needs at least one micro-batch".into()));
         }
@@ -487,7 +489,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             let mut pending: Option<(usize, PendingGather)> = None;
             for l in (0..n).rev() {
                 let full = match pending.take() {
-                    Some((pl, p)) if pl == l => p.wait(self.rank)?.0,
+                    Some((pl, p)) if pl == l => p.wait()?.0,
                     _ => self.gather_backward(comm, l)?,
                 };
                 if let Some(pf) = prefetch.as_deref_mut()
@@ -496,16 +498,14 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                     pending = Some((l - 1, self.prefetch_backward(pf, l - 1)?));
                 }
                 let mut grad = vec![0.0f32; full.len()];
-                let layout = self.plan.bucket(l).map_err(|e| EngineError::Partition(e.to_string()))?;
+                let layout = self.plan.bucket(l)?;
                 if layout.is_packed() {
                     let numel = layout.numel;
                     model.backward(l, &full[..numel], &mut tape, &mut grad[..numel])?;
                 } else {
                     let mut compact = vec![0.0f32; layout.numel];
                     model.backward(l, &self.model_view(l, &full)?, &mut tape, &mut compact)?;
-                    layout
-                        .expand_into(&compact, &mut grad)
-                        .map_err(|e| EngineError::Partition(e.to_string()))?;
+                    layout.expand_into(&compact, &mut grad)?;
                 }
                 drop(full);
                 if inject == Inject::NanGradient
@@ -539,7 +539,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             self.grad_acc.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum()
         };
         comm.traffic_mut().set_op(tags::GRAD_NORM);
-        let total_sq = global_sum_f64(comm, &self.world, local_sq).map_err(comm_err(self.rank))?;
+        let total_sq = global_sum_f64(comm, &self.world, local_sq)?;
         comm.traffic_mut().set_op(tags::OTHER);
         let norm = total_sq.sqrt() as f32;
         let skipped = !norm.is_finite();

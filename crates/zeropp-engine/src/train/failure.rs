@@ -8,7 +8,7 @@ use crate::EngineError;
 
 /// True for a communication failure that merely echoes another rank's death.
 fn is_echo(e: &EngineError) -> bool {
-    matches!(e, EngineError::Comm { source: CommError::PeerLost { .. } | CommError::Closed(_), .. })
+    matches!(e, EngineError::Comm(CommError::PeerLost { .. } | CommError::Closed(_)))
 }
 
 /// Picks the root cause among the ranks' failures: a panic, else a rank's own
@@ -23,10 +23,10 @@ pub(crate) fn root_cause(errors: Vec<RunError<EngineError>>) -> EngineError {
         .unwrap_or(0);
     match errors.into_iter().nth(pick) {
         Some(RunError::Panicked { rank, message }) => {
-            EngineError::RankFailed { rank, cause: format!("panicked: {message}") }
+            EngineError::RankFailed { rank, cause: Box::new(EngineError::Panicked(message)) }
         }
-        Some(RunError::Failed { rank, error }) => EngineError::RankFailed { rank, cause: error.to_string() },
-        Some(RunError::Setup(e)) => EngineError::Training(format!("cannot start the cluster: {e}")),
+        Some(RunError::Failed { rank, error }) => EngineError::RankFailed { rank, cause: Box::new(error) },
+        Some(RunError::Setup(e)) => EngineError::ClusterSetup(e),
         None => EngineError::Training("the run failed without an error".into()),
     }
 }
@@ -37,7 +37,7 @@ mod tests {
 
     fn lost(rank: usize, peer: usize) -> RunError<EngineError> {
         let source = CommError::PeerLost { rank: peer, reason: "hung up".into() };
-        RunError::Failed { rank, error: EngineError::Comm { rank, source } }
+        RunError::Failed { rank, error: EngineError::Comm(source) }
     }
 
     fn own(rank: usize) -> RunError<EngineError> {

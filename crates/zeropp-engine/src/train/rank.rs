@@ -113,10 +113,10 @@ pub(crate) fn run_rank<M: Model, C: Communicator + ?Sized>(
             let global = job.data.global_batch(step as u64, m, micro * world, job.seq_len, ecfg.seed)?;
             micro_batches.push(shard(&global, rank, world)?);
         }
-        let inject = injected(cfg.faults, rank, step);
+        engine.inject_fault(injected(cfg.faults, rank, step));
         let before = traffic(comm, prefetch.as_ref())?;
         let t0 = Instant::now();
-        let out = engine.train_step(comm, prefetch.as_mut(), &micro_batches, inject)?;
+        let out = engine.train_step(comm, prefetch.as_mut(), &micro_batches)?;
         let time_s = t0.elapsed().as_secs_f64();
         let after = traffic(comm, prefetch.as_ref())?;
         report(RankStep {

@@ -35,8 +35,7 @@ pub(crate) fn train_model<M: Model>(
         ));
     }
     let (seq_len, micro) = check_run(model, data, cfg)?;
-    let topo =
-        Topology::new(cfg.world, cfg.local_size).map_err(|e| EngineError::InvalidConfig(e.to_string()))?;
+    let topo = Topology::new(cfg.world, cfg.local_size).map_err(EngineError::InvalidTopology)?;
     let plan = build_plan(model, &cfg.engine, topo)?;
     let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
 
@@ -135,9 +134,8 @@ pub(crate) fn train_model<M: Model>(
                 .iter()
                 .filter_map(|r| r.master.as_ref().and_then(|m| m.get(l)).map(Vec::as_slice))
                 .collect();
-            let v = plan.gather(l, &shards).map_err(|e| EngineError::Partition(e.to_string()))?;
-            let layout = plan.bucket(l).map_err(|e| EngineError::Partition(e.to_string()))?;
-            full.push(layout.compact(&v).map_err(|e| EngineError::Partition(e.to_string()))?);
+            let v = plan.gather(l, &shards)?;
+            full.push(plan.bucket(l)?.compact(&v)?);
         }
         Some(full)
     } else {

@@ -33,7 +33,7 @@ fn a_failing_rank_is_named_with_its_cause() {
         match &err {
             EngineError::RankFailed { rank: r, cause } => {
                 assert_eq!(*r, rank, "{err}");
-                assert!(cause.contains("injected failure"), "{err}");
+                assert!(cause.to_string().contains("injected failure"), "{err}");
             }
             other => panic!("unexpected error {other}"),
         }
