@@ -166,7 +166,8 @@ pub struct ZeroConfig {
     pub error_feedback: Option<LocoConfig>,
     /// Reduce 1-D parameters (biases, LayerNorm gains and shifts) at full
     /// precision under qgZ, as DeepSpeed does, instead of through INT4: their
-    /// gradients go to their owners as f32 (a small all-to-all-v), while qgZ
+    /// gradients go to their owners in the baseline type (a small all-to-all-v,
+    /// routed like qgZ: inside the node, then over the rail), while qgZ
     /// carries the matrices (with zeros where the 1-D parameters are).
     #[serde(default)]
     pub qgz_exclude_1d: bool,

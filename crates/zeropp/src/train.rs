@@ -140,9 +140,16 @@ pub(crate) struct TrainArgs {
     /// qgZ quantization group size (elements per scale).
     #[arg(long = "qgz-group-size")]
     pub qgz_group_size: Option<usize>,
-    /// Reduce 1-D parameters (biases, norms) at full precision under qgZ, as DeepSpeed does.
-    #[arg(long = "qgz-exclude-1d")]
+    /// Reduce 1-D parameters (biases, norms) at full precision under qgZ, as DeepSpeed does
+    /// (on by default in zeropp mode).
+    #[arg(long = "qgz-exclude-1d", overrides_with = "no_qgz_exclude_1d")]
     pub qgz_exclude_1d: bool,
+    /// Send the 1-D parameters through INT4 qgZ like the matrices.
+    #[arg(long = "no-qgz-exclude-1d")]
+    pub no_qgz_exclude_1d: bool,
+    /// No qgZ error feedback (LoCo is on by default in zeropp mode).
+    #[arg(long = "no-error-feedback", conflicts_with_all = ["error_feedback", "loco_beta", "loco_reset"])]
+    pub no_error_feedback: bool,
     /// Let quantization groups straddle two tensors (the pre-0.2 layout; for comparisons).
     #[arg(long = "packed-groups")]
     pub packed_groups: bool,
@@ -262,6 +269,12 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
     }
     if a.qgz_exclude_1d {
         z.qgz_exclude_1d = true;
+    }
+    if a.no_qgz_exclude_1d {
+        z.qgz_exclude_1d = false;
+    }
+    if a.no_error_feedback {
+        z.error_feedback = None;
     }
     if a.packed_groups {
         z.per_tensor_groups = false;

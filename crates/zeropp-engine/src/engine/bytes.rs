@@ -154,7 +154,7 @@ pub fn step_bytes(
                     for r in 0..w {
                         add(
                             tags::GRAD_REDUCE,
-                            super::layer_comm::dense_slices_bytes(&t, r, &counts, b).scaled(a),
+                            super::layer_comm::dense_slices_bytes(&t, z.routing, r, &counts, b).scaled(a),
                         );
                     }
                 }

@@ -29,7 +29,13 @@ const BUDGET: f64 = 0.015;
 fn val_losses(path: &Path, zero: ZeroConfig) -> Vec<f64> {
     let base = TrainConfig {
         // The vocabulary (65 characters) is set from the data.
-        model: ModelChoice::Gpt(GptConfig { seq_len: 32, d_model: 32, n_head: 2, n_layer: 2, ..GptConfig::tiny() }),
+        model: ModelChoice::Gpt(GptConfig {
+            seq_len: 32,
+            d_model: 32,
+            n_head: 2,
+            n_layer: 2,
+            ..GptConfig::tiny()
+        }),
         data: DataChoice::File(path.to_path_buf()),
         world: 4,
         local_size: 2,
@@ -46,7 +52,8 @@ fn val_losses(path: &Path, zero: ZeroConfig) -> Vec<f64> {
     SEEDS
         .iter()
         .map(|&seed| {
-            let cfg = TrainConfig { engine: EngineConfig { zero, seed, ..base.engine.clone() }, ..base.clone() };
+            let cfg =
+                TrainConfig { engine: EngineConfig { zero, seed, ..base.engine.clone() }, ..base.clone() };
             let r = train(&cfg).unwrap();
             assert_eq!(r.summary.steps, base.steps);
             assert_eq!(r.summary.skipped_steps, 0);
@@ -73,8 +80,13 @@ fn zeropp_val_loss_within_budget_of_zero3_over_seeds() {
     let z3 = val_losses(&path, ZeroConfig::zero3());
     let zpp = val_losses(&path, ZeroConfig::zeropp(2));
     let (mean, per_seed) = mean_ratio(&zpp, &z3);
-    eprintln!("fidelity (seeds {SEEDS:?}): zero3 {z3:.4?}, zeropp {zpp:.4?}, ratios {per_seed:.4?}, mean {mean:.4}");
-    assert!(mean <= 1.0 + BUDGET, "zeropp / zero3 = {mean:.4} over seeds {SEEDS:?} (per seed {per_seed:.4?})");
+    eprintln!(
+        "fidelity (seeds {SEEDS:?}): zero3 {z3:.4?}, zeropp {zpp:.4?}, ratios {per_seed:.4?}, mean {mean:.4}"
+    );
+    assert!(
+        mean <= 1.0 + BUDGET,
+        "zeropp / zero3 = {mean:.4} over seeds {SEEDS:?} (per seed {per_seed:.4?})"
+    );
     // Better than ZeRO-3 by a wide margin would be as suspicious as worse.
     assert!(mean >= 1.0 - 3.0 * BUDGET, "zeropp / zero3 = {mean:.4}: implausibly better");
 }
@@ -97,5 +109,8 @@ fn the_budget_rejects_a_coarse_qgz() {
     };
     let (mean, per_seed) = mean_ratio(&val_losses(&path, coarse), &z3);
     eprintln!("fidelity control (coarse qgZ): ratios {per_seed:.4?}, mean {mean:.4}");
-    assert!(mean > 1.0 + BUDGET, "a coarse qgZ passed the fidelity budget: {mean:.4} (per seed {per_seed:.4?})");
+    assert!(
+        mean > 1.0 + BUDGET,
+        "a coarse qgZ passed the fidelity budget: {mean:.4} (per seed {per_seed:.4?})"
+    );
 }
