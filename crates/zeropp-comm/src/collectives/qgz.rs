@@ -52,7 +52,7 @@ use zeropp_quant::{
 };
 
 use super::{Reduce, check_shard, finish_shard, with_part};
-use crate::{CommError, Communicator, Group};
+use crate::{CommError, Communicator, Group, LinkBytes, Topology};
 
 /// Options of [`qgz_reduce_scatter`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -221,6 +221,35 @@ pub fn qgz_reduce_scatter_with_feedback<C: Communicator + ?Sized>(
     feedback: &mut ErrorFeedback,
 ) -> Result<(), CommError> {
     qgz_impl(comm, grad, shard, opts, Some(feedback))
+}
+
+/// Bytes one rank sends in a [`qgz_reduce_scatter`] of an `n`-element gradient
+/// (`N` nodes × `L` ranks, `s = ⌈n/W⌉`): `(L-1)·N·E(intra_spec, s)` to its local
+/// peers (when `L > 1`; the chunk it keeps never travels) and `(N-1)·E(inter_spec, s)`
+/// to its rail peers (when `N > 1`). The same on every rank; error feedback and
+/// rounding do not change it.
+///
+/// ```
+/// use zeropp_comm::collectives::{QgzOptions, qgz_bytes};
+/// use zeropp_comm::Topology;
+/// use zeropp_quant::encoded_len;
+/// let t = Topology::new(8, 4)?; // 2 nodes x 4
+/// let o = QgzOptions::default();
+/// let b = qgz_bytes(&t, &o, 8 * 1024);
+/// let e = encoded_len(o.intra_spec, 1024) as u64;
+/// assert_eq!((b.intra, b.inter), (3 * 2 * e, e));
+/// # Ok::<(), zeropp_comm::CommError>(())
+/// ```
+pub fn qgz_bytes(topology: &Topology, opts: &QgzOptions, n: usize) -> LinkBytes {
+    let (nodes, local, w) = (topology.nodes() as u64, topology.local_size() as u64, topology.world());
+    if w <= 1 {
+        return LinkBytes::default();
+    }
+    let s = n.div_ceil(w);
+    LinkBytes {
+        intra: if local > 1 { (local - 1) * nodes * encoded_len(opts.intra_spec, s) as u64 } else { 0 },
+        inter: if nodes > 1 { (nodes - 1) * encoded_len(opts.inter_spec, s) as u64 } else { 0 },
+    }
 }
 
 /// The kernel options of one quantization inside qgZ: with stochastic rounding,

@@ -23,7 +23,6 @@
 
 use std::collections::BTreeMap;
 
-use zeropp_comm::Topology;
 use zeropp_partition::PartitionPlan;
 
 use zeropp_comm::collectives;
@@ -61,21 +60,6 @@ impl ByteModel {
     fn add(&mut self, tag: &str, bytes: LinkBytes) {
         self.by_op.entry(tag.to_string()).or_default().add(&bytes);
     }
-}
-
-/// Bytes one rank sends in a qgZ reduce-scatter of a `padded`-element gradient
-/// (`N` nodes x `L` ranks, `s = padded / W`): `(L-1)·N·E(s)` intra-node (when
-/// `L > 1`), `(N-1)·E(s)` inter-node (when `N > 1`).
-fn qgz_bytes(t: &Topology, padded: usize, bits: u8, group: usize) -> Result<CommBytes, EngineError> {
-    let (n, l, w) = (t.nodes() as u64, t.local_size() as u64, t.world());
-    if w == 1 {
-        return Ok(CommBytes::default());
-    }
-    let e = encoded_len(spec(bits, group)?, padded.div_ceil(w)) as u64;
-    Ok(CommBytes {
-        intra: if l > 1 { (l - 1) * n * e } else { 0 },
-        inter: if n > 1 { (n - 1) * e } else { 0 },
-    })
 }
 
 /// The analytic bytes per rank per step of `cfg` on `plan`, with `micro_batches`
@@ -145,7 +129,13 @@ pub fn step_bytes(
             add(tags::BWD_GATHER, world_gather.scaled(a * wu));
         }
         if z.qgz {
-            add(tags::GRAD_REDUCE, qgz_bytes(&t, padded, z.qgz_bits, z.qgz_group_size)?.scaled(a * wu));
+            let wire = spec(z.qgz_bits, z.qgz_group_size)?;
+            let opts = collectives::QgzOptions {
+                intra_spec: wire,
+                inter_spec: wire,
+                ..collectives::QgzOptions::default()
+            };
+            add(tags::GRAD_REDUCE, collectives::qgz_bytes(&t, &opts, padded).scaled(a * wu));
             if z.qgz_exclude_1d {
                 let one_d: Vec<_> =
                     layout.params.iter().filter(|p| p.shape.len() == 1).map(|p| p.range()).collect();
