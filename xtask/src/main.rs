@@ -19,7 +19,7 @@ tasks:
   test             only the test suite (cargo test --workspace)
   bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e) and the
                    fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds;
-                   ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 600 --variants all`);
+                   ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
                    writes a markdown summary to target/bench-report/NAME.md
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   help             this text

@@ -11,7 +11,7 @@
 //!
 //! ```text
 //! cargo run --release -p zeropp-engine --example fidelity -- \
-//!     [--seeds 5] [--steps 600] [--variants core|all|NAME,NAME] [--data generated|shakespeare|both] [--out FILE.md]
+//!     [--seeds 5] [--steps 1000] [--variants core|all|NAME,NAME] [--data generated|shakespeare|both] [--out FILE.md]
 //! ```
 //!
 //! tinyshakespeare is read from `../shared/data/tinyshakespeare.txt` (relative to
@@ -70,8 +70,18 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
     ]
 }
 
-const CORE: &[&str] =
-    &["zero3-f32", "zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-loco", "zeropp-1d", "zeropp-hpz8"];
+const CORE: &[&str] = &[
+    "zero3-f32",
+    "zero3",
+    "qwz",
+    "hpz",
+    "qgz",
+    "zeropp",
+    "zeropp-loco",
+    "zeropp-1d",
+    "zeropp-hpz8",
+    "zeropp-loco-1d",
+];
 
 fn shakespeare() -> Option<PathBuf> {
     zeropp_tests::data::find(zeropp_tests::data::TINYSHAKESPEARE)
@@ -86,7 +96,7 @@ struct Args {
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { seeds: 5, steps: 600, variants: Vec::new(), data: "both".into(), out: None };
+    let mut a = Args { seeds: 5, steps: 1000, variants: Vec::new(), data: "both".into(), out: None };
     let mut sel = "core".to_string();
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
