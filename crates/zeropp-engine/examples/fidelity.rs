@@ -23,12 +23,20 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, HpzWire, LocoConfig, ZeroConfig};
+use zeropp_engine::config::{
+    AdamWConfig, CommDtype, EngineConfig, HpzWire, LocoConfig, QgzConfig, QuantSpec, ZeroConfig, quant_spec,
+};
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
 
 const LOCAL: usize = 4;
 const WORLD: usize = 8;
+
+/// The symmetric spec of `bits` with `group` elements per scale (the fixed,
+/// valid sizes below).
+fn spec(bits: u8, group: usize) -> QuantSpec {
+    quant_spec("fidelity", bits, group).unwrap_or_else(|e| panic!("{e}"))
+}
 
 /// `(name, what it is, config)`.
 fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
@@ -36,37 +44,49 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
     // The variants below spell out their options on the plain ZeRO++ (the
     // paper's three techniques), whatever ZeroConfig::zeropp's defaults are.
     let zpp = ZeroConfig::zeropp_plain(LOCAL);
+    // zpp's qgZ (plain INT4) with `f` applied.
+    let qgz = |f: fn(&mut QgzConfig)| {
+        let mut q = QgzConfig::default();
+        f(&mut q);
+        Some(q)
+    };
     vec![
         ("zero3-f32", "ZeRO-3, f32 communication (exact)", ZeroConfig { comm_dtype: CommDtype::F32, ..z3 }),
         ("zero3", "ZeRO-3, bf16 (the baseline)", z3),
-        ("qwz", "qwZ alone (INT8 weights, groups of 256)", ZeroConfig { qwz: true, ..z3 }),
-        ("hpz", "hpZ alone", ZeroConfig { hpz_size: LOCAL, ..z3 }),
-        ("qgz", "qgZ alone (INT4 gradients)", ZeroConfig { qgz: true, ..z3 }),
+        ("qwz", "qwZ alone (INT8 weights, groups of 256)", z3.with_qwz(ZeroConfig::default_qwz_spec())),
+        ("hpz", "hpZ alone", z3.with_hpz(LOCAL)),
+        ("qgz", "qgZ alone (INT4 gradients)", z3.with_qgz(QgzConfig::default())),
         ("zeropp", "ZeRO++: qwZ + hpZ + qgZ, no LoCo, no 1-D exclusion", zpp),
         (
             "zeropp-loco",
             "ZeRO++ + LoCo (err_beta 0.8)",
-            ZeroConfig { error_feedback: Some(LocoConfig::default()), ..zpp },
+            ZeroConfig { qgz: qgz(|q| q.error_feedback = Some(LocoConfig::default())), ..zpp },
         ),
-        ("zeropp-1d", "ZeRO++ + 1-D params at bf16 under qgZ", ZeroConfig { qgz_exclude_1d: true, ..zpp }),
+        (
+            "zeropp-1d",
+            "ZeRO++ + 1-D params at bf16 under qgZ",
+            ZeroConfig { qgz: qgz(|q| q.exclude_1d = true), ..zpp },
+        ),
         ("zeropp-hpz8", "ZeRO++ with the INT8 hpZ wire", ZeroConfig { hpz_wire: HpzWire::Int8, ..zpp }),
         ("zeropp-sr", "ZeRO++ + stochastic rounding", ZeroConfig { stochastic_rounding: true, ..zpp }),
         (
             "zeropp-loco-1d",
             "ZeRO++ + LoCo + 1-D exclusion (the default since this bench)",
-            ZeroConfig { error_feedback: Some(LocoConfig::default()), qgz_exclude_1d: true, ..zpp },
+            ZeroConfig {
+                qgz: qgz(|q| {
+                    q.error_feedback = Some(LocoConfig::default());
+                    q.exclude_1d = true;
+                }),
+                ..zpp
+            },
         ),
         (
             "zeropp-packed",
             "ZeRO++, groups straddling tensors (the old layout)",
             ZeroConfig { per_tensor_groups: false, ..zpp },
         ),
-        (
-            "qwz-g8k",
-            "qwZ alone, groups of 8192 (DeepSpeed's size)",
-            ZeroConfig { qwz: true, qwz_group_size: 8192, ..z3 },
-        ),
-        ("zeropp-qgz8", "ZeRO++ with INT8 qgZ", ZeroConfig { qgz_bits: 8, ..zpp }),
+        ("qwz-g8k", "qwZ alone, groups of 8192 (DeepSpeed's size)", z3.with_qwz(spec(8, 8192))),
+        ("zeropp-qgz8", "ZeRO++ with INT8 qgZ", ZeroConfig { qgz: qgz(|q| q.spec = spec(8, 256)), ..zpp }),
     ]
 }
 

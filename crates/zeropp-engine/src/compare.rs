@@ -14,7 +14,7 @@
 use zeropp_comm::collectives::Routing;
 
 use crate::EngineError;
-use crate::config::ZeroConfig;
+use crate::config::{QgzConfig, ZeroConfig};
 use crate::metrics::{StepRecord, Summary};
 use crate::train::{TrainConfig, TrainReport, train_with};
 
@@ -35,14 +35,15 @@ pub struct Variant {
 impl Variant {
     /// True for plain ZeRO-3: no ZeRO++ technique on.
     pub fn is_zero3(&self) -> bool {
-        !self.zero.qwz && !self.zero.hpz() && !self.zero.qgz
+        self.zero.qwz.is_none() && !self.zero.hpz() && self.zero.qgz.is_none()
     }
 }
 
 /// The standard set: ZeRO-3 with hierarchical routing (the baseline), ZeRO-3
 /// with flat routing, qwZ alone, hpZ alone, qgZ alone, full ZeRO++; every
-/// variant but `zero3-flat` routes hierarchically. The baseline dtype, group
-/// sizes and bits come from `base`.
+/// variant but `zero3-flat` routes hierarchically. The baseline dtype and the
+/// qwZ and qgZ specs come from `base` (the defaults for a technique it has off);
+/// qgZ alone keeps `base`'s qgZ options, full ZeRO++ takes its defaults'.
 ///
 /// ```
 /// use zeropp_comm::collectives::Routing;
@@ -56,25 +57,21 @@ impl Variant {
 /// assert!(v[0].is_zero3() && v[1].is_zero3() && !v[5].is_zero3());
 /// ```
 pub fn standard_variants(base: &ZeroConfig, local_size: usize) -> Vec<Variant> {
-    let z3 = ZeroConfig { qwz: false, hpz_size: 1, qgz: false, routing: Routing::Hierarchical, ..*base };
+    let z3 = ZeroConfig { qwz: None, hpz_size: 1, qgz: None, routing: Routing::Hierarchical, ..*base };
     let hpz = local_size.max(1);
+    let qwz = base.qwz.unwrap_or_else(ZeroConfig::default_qwz_spec);
+    let qgz = base.qgz.unwrap_or_default();
+    let qgz_zeropp = ZeroConfig::zeropp(hpz).qgz.map(|d| QgzConfig { spec: qgz.spec, ..d });
     vec![
         Variant { name: BASELINE.into(), zero: z3 },
         Variant { name: FLAT_BASELINE.into(), zero: ZeroConfig { routing: Routing::Flat, ..z3 } },
-        Variant { name: "qwz".into(), zero: ZeroConfig { qwz: true, ..z3 } },
-        Variant { name: "hpz".into(), zero: ZeroConfig { hpz_size: hpz, ..z3 } },
-        Variant { name: "qgz".into(), zero: ZeroConfig { qgz: true, ..z3 } },
+        Variant { name: "qwz".into(), zero: z3.with_qwz(qwz) },
+        Variant { name: "hpz".into(), zero: z3.with_hpz(hpz) },
+        Variant { name: "qgz".into(), zero: z3.with_qgz(qgz) },
         // ZeRO++ with its default options (LoCo, 1-D parameters at the baseline precision).
         Variant {
             name: "zeropp".into(),
-            zero: ZeroConfig {
-                qwz: true,
-                hpz_size: hpz,
-                qgz: true,
-                error_feedback: ZeroConfig::zeropp(hpz).error_feedback,
-                qgz_exclude_1d: ZeroConfig::zeropp(hpz).qgz_exclude_1d,
-                ..z3
-            },
+            zero: ZeroConfig { qwz: Some(qwz), hpz_size: hpz, qgz: qgz_zeropp, ..z3 },
         },
     ]
 }

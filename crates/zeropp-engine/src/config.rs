@@ -6,6 +6,8 @@
 
 use serde::{Deserialize, Serialize};
 pub use zeropp_comm::collectives::Routing;
+pub use zeropp_comm::quant::QuantSpec;
+use zeropp_comm::quant::{Bits, Scheme};
 
 use crate::EngineError;
 
@@ -130,26 +132,158 @@ impl Default for LocoConfig {
     }
 }
 
-/// The ZeRO stage and the ZeRO++ techniques, each switchable on its own.
+/// Elements per quantization group of the default qwZ and qgZ specs (and the
+/// shard alignment of a technique that is off).
+pub const DEFAULT_GROUP_SIZE: usize = 256;
+
+/// The symmetric quantization spec of `bits` (4 or 8) with `group_size`
+/// elements per scale, checked as ZeRO++ needs it: `name` (`qwZ`, `qgZ`) names
+/// the technique in the errors. This is where specs from flags and files are built.
+///
+/// ```
+/// use zeropp_engine::config::quant_spec;
+/// assert_eq!(quant_spec("qgZ", 4, 128).unwrap().group_size(), 128);
+/// assert!(quant_spec("qgZ", 3, 128).is_err());
+/// assert!(quant_spec("qwZ", 8, 7).is_err());
+/// ```
+pub fn quant_spec(name: &str, bits: u8, group_size: usize) -> Result<QuantSpec, EngineError> {
+    let b = match bits {
+        4 => Bits::Int4,
+        8 => Bits::Int8,
+        _ => return Err(EngineError::InvalidConfig(format!("{name} bits must be 4 or 8, got {bits}"))),
+    };
+    check_group(name, group_size)?;
+    QuantSpec::new(b, Scheme::Symmetric, group_size).map_err(EngineError::InvalidQuantSpec)
+}
+
+fn check_group(name: &str, group: usize) -> Result<(), EngineError> {
+    if group == 0 || !group.is_multiple_of(2) {
+        return Err(EngineError::InvalidConfig(format!(
+            "{name} group size must be a positive even number, got {group}"
+        )));
+    }
+    Ok(())
+}
+
+/// A spec built by hand ([`QuantSpec::new`]) can still have an odd group size
+/// (or, one day, another width): the same checks as [`quant_spec`].
+fn check_spec(name: &str, spec: &QuantSpec) -> Result<(), EngineError> {
+    let bits = spec.bits().bits();
+    if !matches!(bits, 4 | 8) {
+        return Err(EngineError::InvalidConfig(format!("{name} bits must be 4 or 8, got {bits}")));
+    }
+    check_group(name, spec.group_size())
+}
+
+/// A default spec (symmetric, [`DEFAULT_GROUP_SIZE`]), infallible.
+fn default_spec(bits: Bits) -> QuantSpec {
+    match QuantSpec::new(bits, Scheme::Symmetric, DEFAULT_GROUP_SIZE) {
+        Ok(s) => s,
+        Err(_) => unreachable!("the default group size is valid"),
+    }
+}
+
+/// Serde for [`QuantSpec`] (a quant type without serde): `{bits, scheme, group_size}`.
+mod spec_serde {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use zeropp_quant::{Bits, QuantSpec, Scheme};
+
+    #[derive(Serialize, Deserialize)]
+    struct Repr {
+        bits: u32,
+        scheme: String,
+        group_size: usize,
+    }
+
+    fn repr(s: &QuantSpec) -> Repr {
+        let scheme = if s.scheme().has_offsets() { "asym" } else { "sym" };
+        Repr { bits: s.bits().bits(), scheme: scheme.to_string(), group_size: s.group_size() }
+    }
+
+    fn spec<E: serde::de::Error>(r: Repr) -> Result<QuantSpec, E> {
+        let bits = Bits::from_bits(r.bits).map_err(E::custom)?;
+        let scheme: Scheme = r.scheme.parse().map_err(E::custom)?;
+        QuantSpec::new(bits, scheme, r.group_size).map_err(E::custom)
+    }
+
+    pub(super) fn serialize<S: Serializer>(s: &QuantSpec, ser: S) -> Result<S::Ok, S::Error> {
+        repr(s).serialize(ser)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<QuantSpec, D::Error> {
+        spec(Repr::deserialize(d)?)
+    }
+
+    /// The same for an optional spec (`null` = off).
+    pub(super) mod option {
+        use super::*;
+
+        pub(crate) fn serialize<S: Serializer>(s: &Option<QuantSpec>, ser: S) -> Result<S::Ok, S::Error> {
+            s.as_ref().map(repr).serialize(ser)
+        }
+
+        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<QuantSpec>, D::Error> {
+            Option::<Repr>::deserialize(d)?.map(spec).transpose()
+        }
+    }
+}
+
+/// qgZ, the hierarchical quantized gradient reduce-scatter, and its options.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct QgzConfig {
+    /// The quantization of both quantizing hops (INT4, groups of 256 by default).
+    /// The intra-node reduction in between is INT8 with the same group size.
+    #[serde(with = "spec_serde")]
+    pub spec: QuantSpec,
+    /// Error feedback, LoCo style, on both quantizing hops (`None` = off; see
+    /// [`LocoConfig`] and `zeropp_comm::collectives::ErrorFeedback`).
+    pub error_feedback: Option<LocoConfig>,
+    /// Reduce 1-D parameters (biases, LayerNorm gains and shifts) at full
+    /// precision, as DeepSpeed does, instead of through INT4: their gradients go
+    /// to their owners in the baseline type (a small all-to-all-v, routed like
+    /// qgZ: inside the node, then over the rail), while qgZ carries the matrices
+    /// (with zeros where the 1-D parameters are).
+    #[serde(default)]
+    pub exclude_1d: bool,
+}
+
+impl QgzConfig {
+    /// qgZ as the ZeRO++ paper describes it: `spec` alone, no error feedback,
+    /// the 1-D parameters quantized like the matrices.
+    pub fn plain(spec: QuantSpec) -> Self {
+        Self { spec, error_feedback: None, exclude_1d: false }
+    }
+
+    /// qgZ with DeepSpeed's options: LoCo error feedback (its defaults) and the
+    /// 1-D parameters at the baseline precision.
+    pub fn with_options(spec: QuantSpec) -> Self {
+        Self { spec, error_feedback: Some(LocoConfig::default()), exclude_1d: true }
+    }
+}
+
+impl Default for QgzConfig {
+    /// INT4, groups of [`DEFAULT_GROUP_SIZE`], without the options ([`QgzConfig::plain`]).
+    fn default() -> Self {
+        Self::plain(ZeroConfig::default_qgz_spec())
+    }
+}
+
+/// The ZeRO stage and the ZeRO++ techniques, each switchable on its own; a
+/// technique that is off carries no parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct ZeroConfig {
     /// ZeRO stage; only 3 is supported.
     pub stage: u8,
-    /// qwZ: quantized weight all-gather in the forward pass.
-    pub qwz: bool,
-    /// Bits of the qwZ quantization (8 or 4).
-    pub qwz_bits: u8,
-    /// Elements per quantization group of qwZ.
-    pub qwz_group_size: usize,
+    /// qwZ, the quantized weight all-gather of the forward pass, with its spec
+    /// (INT8, groups of 256 by default); `None` = off.
+    #[serde(default, with = "spec_serde::option")]
+    pub qwz: Option<QuantSpec>,
     /// hpZ partition size: ranks per secondary-shard group (1 = hpZ off).
     /// Must divide the node size.
     pub hpz_size: usize,
-    /// qgZ: hierarchical quantized gradient reduce-scatter.
-    pub qgz: bool,
-    /// Bits of the qgZ quantization (4 or 8).
-    pub qgz_bits: u8,
-    /// Elements per quantization group of qgZ.
-    pub qgz_group_size: usize,
+    /// qgZ and its options; `None` = off.
+    #[serde(default)]
+    pub qgz: Option<QgzConfig>,
     /// Element type of the baseline collectives.
     pub comm_dtype: CommDtype,
     /// Routing of every world collective (the dense ZeRO-3 gathers and
@@ -161,16 +295,6 @@ pub struct ZeroConfig {
     /// How hpZ holds and gathers its secondary shard (see [`HpzWire`]).
     #[serde(default)]
     pub hpz_wire: HpzWire,
-    /// qgZ error feedback, LoCo style, on both quantizing hops (`None` = off; see
-    /// [`LocoConfig`] and `zeropp_comm::collectives::ErrorFeedback`).
-    pub error_feedback: Option<LocoConfig>,
-    /// Reduce 1-D parameters (biases, LayerNorm gains and shifts) at full
-    /// precision under qgZ, as DeepSpeed does, instead of through INT4: their
-    /// gradients go to their owners in the baseline type (a small all-to-all-v,
-    /// routed like qgZ: inside the node, then over the rail), while qgZ
-    /// carries the matrices (with zeros where the 1-D parameters are).
-    #[serde(default)]
-    pub qgz_exclude_1d: bool,
     /// Stochastic rounding in the quantizers (seeded, deterministic).
     pub stochastic_rounding: bool,
     /// Prefetch the next layer's forward gather while the current layer computes.
@@ -194,18 +318,12 @@ impl ZeroConfig {
     pub fn zero3() -> Self {
         Self {
             stage: 3,
-            qwz: false,
-            qwz_bits: 8,
-            qwz_group_size: 256,
+            qwz: None,
             hpz_size: 1,
-            qgz: false,
-            qgz_bits: 4,
-            qgz_group_size: 256,
+            qgz: None,
             comm_dtype: CommDtype::Bf16,
             routing: Routing::Hierarchical,
             hpz_wire: HpzWire::Dense,
-            error_feedback: None,
-            qgz_exclude_1d: false,
             stochastic_rounding: false,
             prefetch: true,
             per_tensor_groups: true,
@@ -214,7 +332,8 @@ impl ZeroConfig {
 
     /// Full ZeRO++ with its default options: qwZ INT8, hpZ over the node
     /// (`local_size` ranks), qgZ INT4 with LoCo error feedback on both hops and
-    /// the 1-D parameters reduced at the baseline precision (DeepSpeed's choices).
+    /// the 1-D parameters reduced at the baseline precision (DeepSpeed's choices,
+    /// [`QgzConfig::with_options`]).
     ///
     /// The two qgZ options are on because they gave the best fidelity in
     /// `cargo xtask bench fidelity` (docs/PERFORMANCE.md: mean validation-loss
@@ -223,19 +342,42 @@ impl ZeroConfig {
     /// small model and well under 1% of a large one).
     pub fn zeropp(local_size: usize) -> Self {
         Self {
-            qwz: true,
+            qwz: Some(Self::default_qwz_spec()),
             hpz_size: local_size.max(1),
-            qgz: true,
-            error_feedback: Some(LocoConfig::default()),
-            qgz_exclude_1d: true,
+            qgz: Some(QgzConfig::with_options(Self::default_qgz_spec())),
             ..Self::zero3()
         }
     }
 
     /// [`ZeroConfig::zeropp`] as the ZeRO++ paper describes it: the three
-    /// techniques alone, without LoCo or the 1-D exclusion.
+    /// techniques alone, without LoCo or the 1-D exclusion ([`QgzConfig::plain`]).
     pub fn zeropp_plain(local_size: usize) -> Self {
-        Self { error_feedback: None, qgz_exclude_1d: false, ..Self::zeropp(local_size) }
+        Self { qgz: Some(QgzConfig::default()), ..Self::zeropp(local_size) }
+    }
+
+    /// qwZ's default spec: symmetric INT8, groups of [`DEFAULT_GROUP_SIZE`].
+    pub fn default_qwz_spec() -> QuantSpec {
+        default_spec(Bits::Int8)
+    }
+
+    /// qgZ's default spec: symmetric INT4, groups of [`DEFAULT_GROUP_SIZE`].
+    pub fn default_qgz_spec() -> QuantSpec {
+        default_spec(Bits::Int4)
+    }
+
+    /// This config with qwZ on at `spec`.
+    pub fn with_qwz(self, spec: QuantSpec) -> Self {
+        Self { qwz: Some(spec), ..self }
+    }
+
+    /// This config with qgZ on as `qgz`.
+    pub fn with_qgz(self, qgz: QgzConfig) -> Self {
+        Self { qgz: Some(qgz), ..self }
+    }
+
+    /// This config with hpZ groups of `hpz_size` ranks (1 = off).
+    pub fn with_hpz(self, hpz_size: usize) -> Self {
+        Self { hpz_size, ..self }
     }
 
     /// True when hpZ is on (`hpz_size > 1`).
@@ -243,16 +385,35 @@ impl ZeroConfig {
         self.hpz_size > 1
     }
 
+    /// qgZ's error feedback (`None` when qgZ or the feedback is off).
+    pub fn error_feedback(&self) -> Option<LocoConfig> {
+        self.qgz.and_then(|q| q.error_feedback)
+    }
+
+    /// True when qgZ is on and reduces the 1-D parameters at the baseline precision.
+    pub fn exclude_1d(&self) -> bool {
+        self.qgz.is_some_and(|q| q.exclude_1d)
+    }
+
+    /// The group sizes the shards are aligned to: qwZ's and qgZ's, or
+    /// [`DEFAULT_GROUP_SIZE`] for a technique that is off.
+    pub fn group_sizes(&self) -> (usize, usize) {
+        (
+            self.qwz.map_or(DEFAULT_GROUP_SIZE, |s| s.group_size()),
+            self.qgz.map_or(DEFAULT_GROUP_SIZE, |q| q.spec.group_size()),
+        )
+    }
+
     /// A short label: `zero3`, `zeropp`, or the enabled techniques (`qwz+hpz`).
     pub fn label(&self) -> String {
         let mut parts = Vec::new();
-        if self.qwz {
+        if self.qwz.is_some() {
             parts.push("qwz");
         }
         if self.hpz() {
             parts.push("hpz");
         }
-        if self.qgz {
+        if self.qgz.is_some() {
             parts.push("qgz");
         }
         match parts.len() {
@@ -281,20 +442,13 @@ impl ZeroConfig {
                 self.hpz_size
             )));
         }
-        for (name, on, bits, group) in [
-            ("qwZ", self.qwz, self.qwz_bits, self.qwz_group_size),
-            ("qgZ", self.qgz, self.qgz_bits, self.qgz_group_size),
-        ] {
-            if on && !matches!(bits, 4 | 8) {
-                return Err(EngineError::InvalidConfig(format!("{name} bits must be 4 or 8, got {bits}")));
-            }
-            if on && (group == 0 || !group.is_multiple_of(2)) {
-                return Err(EngineError::InvalidConfig(format!(
-                    "{name} group size must be a positive even number, got {group}"
-                )));
-            }
+        if let Some(s) = &self.qwz {
+            check_spec("qwZ", s)?;
         }
-        if let Some(l) = self.error_feedback
+        if let Some(q) = &self.qgz {
+            check_spec("qgZ", &q.spec)?;
+        }
+        if let Some(l) = self.error_feedback()
             && !(l.err_beta.is_finite() && (0.0..1.0).contains(&l.err_beta))
         {
             return Err(EngineError::InvalidConfig(format!(
@@ -426,6 +580,26 @@ mod tests {
         assert!(z.validate(8, 4).is_err());
         assert!(ZeroConfig::zeropp(4).validate(8, 4).is_ok());
         assert_eq!(ZeroConfig::zeropp(4).label(), "zeropp");
-        assert_eq!(ZeroConfig { qwz: true, ..ZeroConfig::zero3() }.label(), "qwz");
+        assert_eq!(ZeroConfig::zero3().with_qwz(ZeroConfig::default_qwz_spec()).label(), "qwz");
+    }
+
+    #[test]
+    fn specs_are_checked() {
+        assert!(quant_spec("qwZ", 4, 64).is_ok());
+        let e = quant_spec("qgZ", 5, 64).unwrap_err().to_string();
+        assert!(e.contains("qgZ bits must be 4 or 8, got 5"), "{e}");
+        let e = quant_spec("qwZ", 8, 0).unwrap_err().to_string();
+        assert!(e.contains("qwZ group size must be a positive even number, got 0"), "{e}");
+        // A hand-built spec with an odd group size is still caught by validate.
+        let odd = ZeroConfig::zero3().with_qwz(QuantSpec::int8(7).unwrap());
+        assert!(odd.validate(8, 4).is_err());
+    }
+
+    #[test]
+    fn serde_round_trip() {
+        for z in [ZeroConfig::zero3(), ZeroConfig::zeropp(4), ZeroConfig::zeropp_plain(2)] {
+            let j = serde_json::to_string(&z).unwrap();
+            assert_eq!(serde_json::from_str::<ZeroConfig>(&j).unwrap(), z, "{j}");
+        }
     }
 }

@@ -11,10 +11,10 @@
 //! | `bf16.enabled` | `zero.comm_dtype` (`true` = bf16, `false` = f32) |
 //! | `optimizer.type` (`AdamW`/`Adam`), `optimizer.params.{lr,betas,eps,weight_decay}` | `optim` |
 //! | `zero_optimization.stage` | `zero.stage` (only 3) |
-//! | `zero_optimization.zero_quantized_weights` | `zero.qwz` |
+//! | `zero_optimization.zero_quantized_weights` | `zero.qwz` (on: the base's spec, or INT8 in groups of 256) |
 //! | `zero_optimization.zero_hpz_partition_size` | `zero.hpz_size` |
-//! | `zero_optimization.zero_quantized_gradients` | `zero.qgz` |
-//! | `zero_optimization.zeropp_loco_param.{err_beta,reset_T}` | `zero.error_feedback` (LoCo) |
+//! | `zero_optimization.zero_quantized_gradients` | `zero.qgz` (on: the base's qgZ, or INT4 in groups of 256 without options) |
+//! | `zero_optimization.zeropp_loco_param.{err_beta,reset_T}` | `zero.qgz.error_feedback` (LoCo; ignored, with a warning, when qgZ is off) |
 //!
 //! Keys DeepSpeed knows but this engine does not model (bucket sizes, overlap
 //! switches, logging) are reported as warnings; unknown keys are warnings too.
@@ -24,7 +24,7 @@
 use serde_json::{Map, Value};
 
 use crate::EngineError;
-use crate::config::{CommDtype, EngineConfig};
+use crate::config::{CommDtype, EngineConfig, ZeroConfig};
 
 /// The result of reading a DeepSpeed config: the engine configuration and the
 /// keys that were not applied.
@@ -196,7 +196,7 @@ pub fn resolve_batch(
 /// let imp = from_json_str(json, 8, &EngineConfig::default())?;
 /// assert_eq!(imp.config.global_batch, 32);
 /// assert_eq!(imp.config.micro_batch(8)?, 2);
-/// assert!(imp.config.zero.qwz && imp.config.zero.qgz);
+/// assert!(imp.config.zero.qwz.is_some() && imp.config.zero.qgz.is_some());
 /// assert_eq!(imp.warnings.len(), 1); // overlap_comm is not modelled
 /// # Ok::<(), zeropp_engine::EngineError>(())
 /// ```
@@ -206,6 +206,8 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
     let obj = as_object("<root>", &root)?;
     let mut warnings = Vec::new();
     let mut cfg = base.clone();
+    // The ZeRO++ switches and LoCo are applied after the loop, whatever the key order.
+    let (mut qwz_on, mut qgz_on, mut loco_param) = (None, None, None);
 
     for (key, value) in obj {
         match key.as_str() {
@@ -317,14 +319,10 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
                             None => return Err(type_err("zero_optimization.stage", "an integer", zv)),
                         },
                         "zero_quantized_weights" => {
-                            if let Some(b) = opt_bool(z, zk)? {
-                                cfg.zero.qwz = b;
-                            }
+                            qwz_on = opt_bool(z, zk)?;
                         }
                         "zero_quantized_gradients" => {
-                            if let Some(b) = opt_bool(z, zk)? {
-                                cfg.zero.qgz = b;
-                            }
+                            qgz_on = opt_bool(z, zk)?;
                         }
                         "zeropp_loco_param" => {
                             let lp = as_object("zero_optimization.zeropp_loco_param", zv)?;
@@ -356,7 +354,7 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
                                     )),
                                 }
                             }
-                            cfg.zero.error_feedback = Some(loco);
+                            loco_param = Some(loco);
                         }
                         "zero_hpz_partition_size" => {
                             if let Some(n) = opt_usize(z, zk, &mut warnings)? {
@@ -379,6 +377,25 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
                 warnings.push(format!("`{k}` is not modelled by zeropp and was ignored"))
             }
             k => warnings.push(format!("unknown key `{k}` was ignored")),
+        }
+    }
+
+    match qwz_on {
+        Some(true) => cfg.zero.qwz = Some(cfg.zero.qwz.unwrap_or_else(ZeroConfig::default_qwz_spec)),
+        Some(false) => cfg.zero.qwz = None,
+        None => {}
+    }
+    match qgz_on {
+        Some(true) => cfg.zero.qgz = Some(cfg.zero.qgz.unwrap_or_default()),
+        Some(false) => cfg.zero.qgz = None,
+        None => {}
+    }
+    if let Some(loco) = loco_param {
+        match &mut cfg.zero.qgz {
+            Some(q) => q.error_feedback = Some(loco),
+            None => warnings.push(
+                "`zero_optimization.zeropp_loco_param` has no effect with qgZ off and was ignored".into(),
+            ),
         }
     }
 
@@ -434,7 +451,7 @@ mod tests {
                    "zeropp_loco_param": {"err_beta": 0.6, "reset_T": 512}}}"#;
         let imp = from_json_str(j, 4, &EngineConfig::default()).unwrap();
         assert_eq!(
-            imp.config.zero.error_feedback,
+            imp.config.zero.error_feedback(),
             Some(crate::config::LocoConfig { err_beta: 0.6, reset_t: 512 })
         );
         assert!(imp.warnings.is_empty(), "{:?}", imp.warnings);

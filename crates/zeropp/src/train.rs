@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use zeropp_engine::config::{CommDtype, ZeroConfig};
+use zeropp_engine::config::{CommDtype, QgzConfig, ZeroConfig, quant_spec};
 use zeropp_engine::metrics::{StepRecord, format_summary};
 use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, load_data, train_with};
@@ -239,43 +239,44 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
         Mode::Zero3 => ZeroConfig::zero3(),
         Mode::Zeropp => ZeroConfig::zeropp(a.run.local_size),
     };
-    if a.qwz {
-        z.qwz = true;
-    }
-    if a.no_qwz {
-        z.qwz = false;
-    }
-    if a.qgz {
-        z.qgz = true;
-    }
-    if a.no_qgz {
-        z.qgz = false;
-    }
+    // The technique switches, then the specs and options of those that are on:
+    // bits and group sizes are checked (and errors reported) only for those.
+    let qwz_on = (z.qwz.is_some() || a.qwz) && !a.no_qwz;
+    let qgz_on = (z.qgz.is_some() || a.qgz) && !a.no_qgz;
     if let Some(h) = a.hpz {
         z.hpz_size = h;
     }
-    if let Some(b) = a.qwz_bits {
-        z.qwz_bits = b;
-    }
-    if let Some(b) = a.qgz_bits {
-        z.qgz_bits = b;
-    }
-    if a.error_feedback || a.loco_beta.is_some() || a.loco_reset.is_some() {
-        let d = zeropp_engine::config::LocoConfig::default();
-        z.error_feedback = Some(zeropp_engine::config::LocoConfig {
-            err_beta: a.loco_beta.unwrap_or(d.err_beta),
-            reset_t: a.loco_reset.unwrap_or(d.reset_t),
-        });
-    }
-    if a.qgz_exclude_1d {
-        z.qgz_exclude_1d = true;
-    }
-    if a.no_qgz_exclude_1d {
-        z.qgz_exclude_1d = false;
-    }
-    if a.no_error_feedback {
-        z.error_feedback = None;
-    }
+    z.qwz = if qwz_on {
+        let d = z.qwz.unwrap_or_else(ZeroConfig::default_qwz_spec);
+        let bits = a.qwz_bits.unwrap_or(d.bits().bits() as u8);
+        Some(quant_spec("qwZ", bits, a.qwz_group_size.unwrap_or(d.group_size()))?)
+    } else {
+        None
+    };
+    z.qgz = if qgz_on {
+        let mut q = z.qgz.unwrap_or_default();
+        let bits = a.qgz_bits.unwrap_or(q.spec.bits().bits() as u8);
+        q.spec = quant_spec("qgZ", bits, a.qgz_group_size.unwrap_or(q.spec.group_size()))?;
+        if a.error_feedback || a.loco_beta.is_some() || a.loco_reset.is_some() {
+            let d = zeropp_engine::config::LocoConfig::default();
+            q.error_feedback = Some(zeropp_engine::config::LocoConfig {
+                err_beta: a.loco_beta.unwrap_or(d.err_beta),
+                reset_t: a.loco_reset.unwrap_or(d.reset_t),
+            });
+        }
+        if a.qgz_exclude_1d {
+            q.exclude_1d = true;
+        }
+        if a.no_qgz_exclude_1d {
+            q.exclude_1d = false;
+        }
+        if a.no_error_feedback {
+            q.error_feedback = None;
+        }
+        Some(q)
+    } else {
+        None
+    };
     if a.packed_groups {
         z.per_tensor_groups = false;
     }
@@ -284,12 +285,6 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
     }
     if let Some(w) = &a.hpz_wire {
         z.hpz_wire = w.parse().map_err(|e| format!("--hpz-wire: {e}"))?;
-    }
-    if let Some(g) = a.qwz_group_size {
-        z.qwz_group_size = g;
-    }
-    if let Some(g) = a.qgz_group_size {
-        z.qgz_group_size = g;
     }
     z.stochastic_rounding = a.stochastic_rounding;
     z.prefetch = !a.no_prefetch;
@@ -356,7 +351,11 @@ pub(crate) fn train_config(args: &TrainArgs) -> Result<(TrainConfig, Vec<String>
             cfg.engine.zero.qwz = z.qwz;
         }
         if args.qgz || args.no_qgz {
-            cfg.engine.zero.qgz = z.qgz;
+            // The switch only: a qgZ the file turned on keeps its LoCo parameters.
+            cfg.engine.zero.qgz = match (z.qgz, cfg.engine.zero.qgz) {
+                (Some(flags), Some(file)) => Some(QgzConfig { spec: flags.spec, ..file }),
+                (flags, _) => flags,
+            };
         }
         if let Some(h) = args.hpz {
             cfg.engine.zero.hpz_size = h;

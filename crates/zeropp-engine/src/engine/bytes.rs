@@ -29,7 +29,6 @@ use zeropp_comm::collectives;
 use zeropp_comm::{Group, LinkBytes as CommBytes};
 use zeropp_quant::encoded_len;
 
-use super::layer_comm::spec;
 use super::tags;
 use crate::EngineError;
 use crate::config::{EngineConfig, HpzWire};
@@ -90,7 +89,7 @@ pub fn step_bytes(
     let b = dense.bytes();
     let a = micro_batches.max(1) as u64;
     let wu = w as u64;
-    let qwz_spec = if z.qwz { Some(spec(z.qwz_bits, z.qwz_group_size)?) } else { None };
+    let qwz_spec = z.qwz;
     // Totals over all ranks; divided by W at the end, as the counters are averaged.
     let mut sums: BTreeMap<&str, CommBytes> = BTreeMap::new();
     let mut add = |tag: &'static str, bytes: CommBytes| *sums.entry(tag).or_default() += bytes;
@@ -128,15 +127,15 @@ pub fn step_bytes(
             add(tags::FWD_GATHER, world_gather.scaled(a * wu));
             add(tags::BWD_GATHER, world_gather.scaled(a * wu));
         }
-        if z.qgz {
-            let wire = spec(z.qgz_bits, z.qgz_group_size)?;
+        if let Some(qgz) = z.qgz {
+            let wire = qgz.spec;
             let opts = collectives::QgzOptions {
                 intra_spec: wire,
                 inter_spec: wire,
                 ..collectives::QgzOptions::default()
             };
             add(tags::GRAD_REDUCE, collectives::qgz_bytes(&t, &opts, padded).scaled(a * wu));
-            if z.qgz_exclude_1d {
+            if qgz.exclude_1d {
                 let one_d: Vec<_> =
                     layout.params.iter().filter(|p| p.shape.len() == 1).map(|p| p.range()).collect();
                 let counts = super::layer_comm::dense_slice_counts(&one_d, s, w);

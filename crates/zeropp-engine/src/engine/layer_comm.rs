@@ -24,16 +24,6 @@ use zeropp_quant::{Options, QuantSpec};
 use crate::EngineError;
 use crate::config::{EngineConfig, HpzWire, LocoConfig};
 
-/// The symmetric spec of `bits` (4 or 8) with `group` elements per scale.
-pub(crate) fn spec(bits: u8, group: usize) -> Result<QuantSpec, EngineError> {
-    let s = match bits {
-        8 => QuantSpec::int8(group),
-        4 => QuantSpec::int4(group),
-        b => return Err(EngineError::InvalidConfig(format!("quantization bits must be 4 or 8, got {b}"))),
-    };
-    s.map_err(EngineError::InvalidQuantSpec)
-}
-
 fn options(stochastic: Option<u64>) -> Options {
     match stochastic {
         Some(seed) => Options::default().stochastic(seed),
@@ -235,34 +225,33 @@ impl LayerComm {
         let z = &cfg.zero;
         let dense = z.comm_dtype.wire();
         let round = dense == DenseWire::Bf16;
-        let weights = if z.qwz {
-            WeightGather::Qwz { spec: spec(z.qwz_bits, z.qwz_group_size)?, round_bf16: round }
-        } else {
-            WeightGather::Dense(dense)
+        let weights = match z.qwz {
+            Some(spec) => WeightGather::Qwz { spec, round_bf16: round },
+            None => WeightGather::Dense(dense),
         };
         let gather = GatherSpec {
             routing: z.routing,
             weights,
             dense,
-            hpz_int8: z.qwz && z.hpz_wire == HpzWire::Int8,
+            hpz_int8: z.qwz.is_some() && z.hpz_wire == HpzWire::Int8,
             stochastic: None,
         };
         let layers = shard_lens.len();
-        let qgz = if z.qgz {
-            let wire = spec(z.qgz_bits, z.qgz_group_size)?;
-            let local = spec(8, z.qgz_group_size)?;
+        let qgz = if let Some(q) = z.qgz {
+            let wire = q.spec;
+            let local = QuantSpec::int8(wire.group_size()).map_err(EngineError::InvalidQuantSpec)?;
             let opts =
                 QgzOptions { intra_spec: wire, inter_spec: wire, local_spec: local, ..QgzOptions::default() };
             let fb = |l: LocoConfig| ErrorFeedback::loco(l.err_beta);
-            let feedback: Vec<ErrorFeedback> = match z.error_feedback {
+            let feedback: Vec<ErrorFeedback> = match q.error_feedback {
                 Some(l) => (0..layers).map(|_| fb(l)).collect(),
                 None => Vec::new(),
             };
-            Some(Qgz { opts, loco: z.error_feedback, saved: feedback.clone(), feedback })
+            Some(Qgz { opts, loco: q.error_feedback, saved: feedback.clone(), feedback })
         } else {
             None
         };
-        let dense_slices = if z.qgz && z.qgz_exclude_1d {
+        let dense_slices = if z.exclude_1d() {
             one_d
                 .iter()
                 .zip(shard_lens)

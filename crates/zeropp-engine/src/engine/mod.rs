@@ -134,13 +134,16 @@ pub fn build_plan<M: Model + ?Sized>(
     Ok(PartitionPlan::new(&reg, topology, plan_cfg)?)
 }
 
-/// Shard alignment: a common multiple of the qwZ and qgZ group sizes, whatever
-/// techniques are on, so every mode of a comparison pads the model the same way.
+/// Shard alignment: a common multiple of the qwZ and qgZ group sizes, taking
+/// the default group size for a technique that is off
+/// ([`ZeroConfig::group_sizes`](crate::ZeroConfig::group_sizes)), so every mode
+/// of a comparison with the default specs pads the model the same way.
 pub fn shard_align(cfg: &EngineConfig) -> usize {
     fn gcd(a: usize, b: usize) -> usize {
         if b == 0 { a } else { gcd(b, a % b) }
     }
-    let (a, b) = (cfg.zero.qwz_group_size.max(2), cfg.zero.qgz_group_size.max(2));
+    let (a, b) = cfg.zero.group_sizes();
+    let (a, b) = (a.max(2), b.max(2));
     let l = a / gcd(a, b) * b;
     if l.is_multiple_of(2) { l } else { 2 * l }
 }

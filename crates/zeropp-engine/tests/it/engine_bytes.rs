@@ -1,7 +1,7 @@
 //! Measured bytes per rank per step equal the analytic model exactly, and
 //! ZeRO++ cuts cross-node bytes to at most a quarter of ZeRO-3's on 2 nodes x 4.
 
-use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, Routing, ZeroConfig};
+use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, QgzConfig, Routing, ZeroConfig, quant_spec};
 use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
 
@@ -34,11 +34,14 @@ fn measured_bytes_equal_the_analytic_model() {
         cases.push((w, l, z3));
         cases.push((w, l, ZeroConfig { comm_dtype: CommDtype::F32, ..z3 }));
         cases.push((w, l, ZeroConfig::zeropp(hpz)));
-        cases.push((w, l, ZeroConfig { qwz: true, ..z3 }));
-        cases.push((w, l, ZeroConfig { hpz_size: hpz, ..z3 }));
-        cases.push((w, l, ZeroConfig { qgz: true, ..z3 }));
+        cases.push((w, l, z3.with_qwz(ZeroConfig::default_qwz_spec())));
+        cases.push((w, l, z3.with_hpz(hpz)));
+        cases.push((w, l, z3.with_qgz(QgzConfig::default())));
     }
-    cases.push((8, 4, ZeroConfig { hpz_size: 2, qwz_bits: 4, qgz_bits: 8, ..ZeroConfig::zeropp(4) }));
+    let mut bits = ZeroConfig { hpz_size: 2, ..ZeroConfig::zeropp(4) };
+    bits.qwz = Some(quant_spec("qwZ", 4, 256).unwrap());
+    bits.qgz.as_mut().unwrap().spec = quant_spec("qgZ", 8, 256).unwrap();
+    cases.push((8, 4, bits));
     cases.push((8, 4, ZeroConfig { prefetch: false, ..ZeroConfig::zeropp(4) }));
     // Flat routing, the INT8 hpZ wire, the 1-D exclusion, LoCo, packed groups.
     let flat = Routing::Flat;
@@ -46,12 +49,25 @@ fn measured_bytes_equal_the_analytic_model() {
         cases.push((w, l, ZeroConfig { routing: flat, ..z3 }));
         cases.push((w, l, ZeroConfig { routing: flat, ..ZeroConfig::zeropp(l) }));
         cases.push((w, l, ZeroConfig { hpz_wire: HpzWire::Int8, ..ZeroConfig::zeropp(l) }));
-        cases.push((w, l, ZeroConfig { qgz_exclude_1d: true, ..ZeroConfig::zeropp(l) }));
         cases.push((
             w,
             l,
             ZeroConfig {
-                error_feedback: Some(Default::default()),
+                qgz: Some(QgzConfig {
+                    exclude_1d: true,
+                    ..QgzConfig::with_options(ZeroConfig::default_qgz_spec())
+                }),
+                ..ZeroConfig::zeropp(l)
+            },
+        ));
+        cases.push((
+            w,
+            l,
+            ZeroConfig {
+                qgz: Some(QgzConfig {
+                    error_feedback: Some(Default::default()),
+                    ..QgzConfig::with_options(ZeroConfig::default_qgz_spec())
+                }),
                 per_tensor_groups: false,
                 ..ZeroConfig::zeropp(l)
             },

@@ -1,7 +1,7 @@
 //! Checkpoint at step k + resume gives exactly the loss trajectory and the
 //! parameters of an uninterrupted run.
 
-use zeropp_engine::config::{CommDtype, EngineConfig, ZeroConfig};
+use zeropp_engine::config::{CommDtype, EngineConfig, QgzConfig, ZeroConfig};
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
 
@@ -29,8 +29,11 @@ fn resume_reproduces_the_uninterrupted_run() {
         ZeroConfig { stochastic_rounding: true, ..ZeroConfig::zeropp(4) },
         // The LoCo residuals are saved with the checkpoint.
         ZeroConfig {
-            error_feedback: Some(zeropp_engine::config::LocoConfig::default()),
-            qgz_exclude_1d: true,
+            qgz: Some(QgzConfig {
+                error_feedback: Some(zeropp_engine::config::LocoConfig::default()),
+                exclude_1d: true,
+                spec: ZeroConfig::default_qgz_spec(),
+            }),
             ..ZeroConfig::zeropp(4)
         },
     ] {

@@ -46,7 +46,7 @@ fn a_failing_rank_is_named_with_its_cause() {
 /// sees it (it rejects non-finite input), and no rank errors out.
 #[test]
 fn a_nan_gradient_skips_the_step_and_counts_it() {
-    let qgz_alone = ZeroConfig { qgz: true, ..ZeroConfig::zero3() };
+    let qgz_alone = ZeroConfig::zero3().with_qgz(zeropp_engine::config::QgzConfig::default());
     for (world, local) in [(4, 2), (8, 4), (4, 1)] {
         for zero in [ZeroConfig::zero3(), qgz_alone, ZeroConfig::zeropp(local)] {
             let mut cfg = TrainConfig {

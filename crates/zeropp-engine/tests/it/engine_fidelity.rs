@@ -12,7 +12,7 @@
 
 use std::path::Path;
 
-use zeropp_engine::config::{AdamWConfig, EngineConfig, ZeroConfig};
+use zeropp_engine::config::{AdamWConfig, EngineConfig, QgzConfig, ZeroConfig, quant_spec};
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
 use zeropp_tests::data::{TINYSHAKESPEARE, require};
@@ -101,10 +101,8 @@ fn the_budget_rejects_a_coarse_qgz() {
     };
     let z3 = val_losses(&path, ZeroConfig::zero3());
     let coarse = ZeroConfig {
-        qgz_group_size: 8192,
+        qgz: Some(QgzConfig::plain(quant_spec("qgZ", 4, 8192).unwrap())),
         per_tensor_groups: false,
-        error_feedback: None,
-        qgz_exclude_1d: false,
         ..ZeroConfig::zeropp(2)
     };
     let (mean, per_seed) = mean_ratio(&val_losses(&path, coarse), &z3);

@@ -1,7 +1,7 @@
 //! The ZeRO++ options added with the DeepSpeed audit: the INT8 hpZ wire, the
 //! 1-D exclusion under qgZ, and the routing of the world collectives.
 
-use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, Routing, ZeroConfig};
+use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, QgzConfig, Routing, ZeroConfig};
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, TrainReport, train};
 
@@ -59,8 +59,8 @@ fn int8_hpz_wire_gives_the_forward_weights_back() {
 #[test]
 fn one_d_parameters_bypass_int4() {
     let exact = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
-    let qgz = ZeroConfig { qgz: true, comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
-    let excl = ZeroConfig { qgz_exclude_1d: true, ..qgz };
+    let qgz = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() }.with_qgz(QgzConfig::default());
+    let excl = qgz.with_qgz(QgzConfig { exclude_1d: true, ..QgzConfig::default() });
     let one_step = |z: ZeroConfig| {
         let mut c = cfg(8, 4, z);
         c.steps = 1;
