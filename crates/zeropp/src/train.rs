@@ -7,11 +7,12 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use zeropp_engine::config::{CommDtype, ZeroConfig};
-use zeropp_engine::metrics::{StepRecord, format_summary};
+use zeropp_engine::metrics::StepRecord;
 use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, load_data, train_with};
 
 use crate::CliError;
+use crate::summary::format_summary;
 
 /// ZeRO mode preset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -66,10 +66,10 @@ fn flag_given(name: &str) -> bool {
 #[cfg(feature = "mpi")]
 fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     use zeropp_comm::Communicator as _;
-    use zeropp_engine::metrics::format_summary;
     use zeropp_engine::train::load_data;
     use zeropp_engine::train_mpi::{MpiComm, MpiOptions, train_mpi};
 
+    use crate::summary::format_summary;
     use crate::train::{progress_bar, show_step, train_config};
 
     let mut options = MpiOptions::default();

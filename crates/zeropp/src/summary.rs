@@ -1,0 +1,68 @@
+//! The run summary as `zeropp train` prints it (the engine keeps the data,
+//! [`Summary`]; its presentation is the binary's).
+
+use zeropp_engine::metrics::Summary;
+
+fn fmt_bytes(b: f64) -> String {
+    if b >= 1e6 {
+        format!("{:.3} MB", b / 1e6)
+    } else if b >= 1e3 {
+        format!("{:.2} kB", b / 1e3)
+    } else {
+        format!("{b:.0} B")
+    }
+}
+
+/// A human-readable table of a summary (what `zeropp train` prints at the end).
+pub(crate) fn format_summary(s: &Summary) -> String {
+    let mut out = String::new();
+    let val = s.val_loss.map_or_else(|| "-".to_string(), |v| format!("{v:.4}"));
+    out.push_str(&format!(
+        "model {} ({} params), {} ranks = {} nodes x {}, mode {} (baseline comm {})\n",
+        s.model,
+        s.params,
+        s.world,
+        s.world / s.local_size.max(1),
+        s.local_size,
+        s.mode,
+        s.comm_dtype
+    ));
+    out.push_str(&format!(
+        "final train loss {:.4}   val loss {}   loss floor (entropy rate) {}\n",
+        s.final_loss,
+        val,
+        s.entropy_rate.map_or_else(|| "-".to_string(), |e| format!("{e:.4}"))
+    ));
+    out.push_str(&format!(
+        "steps {} (skipped {})   mean step time {:.4} s   {:.0} tokens/s\n\n",
+        s.steps, s.skipped_steps, s.mean_step_time_s, s.tokens_per_s
+    ));
+    out.push_str(
+        "bytes sent per rank per step    measured (intra / inter)      analytic model (intra / inter)\n",
+    );
+    let mut ops: Vec<&String> = s.bytes_by_op.keys().chain(s.model_bytes_by_op.keys()).collect();
+    ops.sort();
+    ops.dedup();
+    for op in ops {
+        let m = s.bytes_by_op.get(op).copied().unwrap_or_default();
+        let a = s.model_bytes_by_op.get(op).copied().unwrap_or_default();
+        out.push_str(&format!(
+            "  {:<28} {:>12} / {:<12}   {:>12} / {:<12}\n",
+            op,
+            fmt_bytes(m.intra),
+            fmt_bytes(m.inter),
+            fmt_bytes(a.intra),
+            fmt_bytes(a.inter)
+        ));
+    }
+    let (m, a) = (s.bytes_per_step, s.model_bytes_per_step);
+    out.push_str(&format!(
+        "  {:<28} {:>12} / {:<12}   {:>12} / {:<12}\n",
+        "total",
+        fmt_bytes(m.intra),
+        fmt_bytes(m.inter),
+        fmt_bytes(a.intra),
+        fmt_bytes(a.inter)
+    ));
+    out
+}
