@@ -34,9 +34,7 @@ pub(crate) struct CompareArgs {
 /// Runs `zeropp compare`.
 pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
     let (cfg, warnings) = build_config(&args.run, ZeroConfig::zero3())?;
-    for w in &warnings {
-        eprintln!("warning: DeepSpeed config: {w}");
-    }
+    crate::summary::print_warnings(&warnings);
     let mut variants = standard_variants(&cfg.engine.zero, cfg.local_size);
     if args.no_ablation {
         variants.retain(|v| [BASELINE, FLAT_BASELINE, "zeropp"].contains(&v.name.as_str()));

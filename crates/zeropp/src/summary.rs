@@ -1,7 +1,39 @@
-//! The run summary as `zeropp train` prints it (the engine keeps the data,
-//! [`Summary`]; its presentation is the binary's).
+//! What `zeropp train` prints around a run (both backends): the DeepSpeed
+//! config warnings, the data line and the summary table (the engine keeps the
+//! data, [`Summary`]; its presentation is the binary's).
+
+use std::path::Path;
 
 use zeropp_engine::metrics::Summary;
+use zeropp_engine::train::{DataChoice, load_data};
+
+use crate::CliError;
+
+/// Prints the warnings of an imported DeepSpeed config to stderr.
+pub(crate) fn print_warnings(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: DeepSpeed config: {w}");
+    }
+}
+
+/// Loads `data` and prints what it is and, when known, its loss floor.
+pub(crate) fn print_data(data: &DataChoice) -> Result<(), CliError> {
+    let (_, info) = load_data(data)?;
+    println!("data: {} (vocab {}, {} training tokens)", info.description, info.vocab, info.train_tokens);
+    if let Some(h) = info.entropy_rate {
+        println!("entropy rate of the source (the loss floor): {h:.4} nats/char");
+    }
+    Ok(())
+}
+
+/// Prints the summary of a finished run and where its metrics were written.
+pub(crate) fn print_report(summary: &Summary, metrics: Option<&Path>) {
+    println!();
+    print!("{}", format_summary(summary));
+    if let Some(m) = metrics {
+        println!("metrics written to {}", m.display());
+    }
+}
 
 fn fmt_bytes(b: f64) -> String {
     if b >= 1e6 {
@@ -14,7 +46,7 @@ fn fmt_bytes(b: f64) -> String {
 }
 
 /// A human-readable table of a summary (what `zeropp train` prints at the end).
-pub(crate) fn format_summary(s: &Summary) -> String {
+fn format_summary(s: &Summary) -> String {
     let mut out = String::new();
     let val = s.val_loss.map_or_else(|| "-".to_string(), |v| format!("{v:.4}"));
     out.push_str(&format!(

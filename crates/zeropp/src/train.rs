@@ -9,10 +9,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use zeropp_engine::config::{CommDtype, ZeroConfig};
 use zeropp_engine::metrics::StepRecord;
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, load_data, train_with};
+use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, train_with};
 
 use crate::CliError;
-use crate::summary::format_summary;
+use crate::summary::{print_data, print_report, print_warnings};
 
 /// ZeRO mode preset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -314,15 +314,9 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
         return crate::train_mpi::run(args);
     }
     let (cfg, warnings) = train_config(args)?;
-    for w in &warnings {
-        eprintln!("warning: DeepSpeed config: {w}");
-    }
+    print_warnings(&warnings);
     cfg.engine.validate(cfg.world, cfg.local_size)?;
-    let (_, info) = load_data(&cfg.data)?;
-    println!("data: {} (vocab {}, {} training tokens)", info.description, info.vocab, info.train_tokens);
-    if let Some(h) = info.entropy_rate {
-        println!("entropy rate of the source (the loss floor): {h:.4} nats/char");
-    }
+    print_data(&cfg.data)?;
     println!(
         "training {:?} with {} on {} ranks = {} nodes x {} ({} steps, global batch {})",
         args.run.model,
@@ -337,11 +331,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
     let report = train_with(&cfg, &mut |r| show_step(&pb, r));
     pb.finish();
     let report = report?;
-    println!();
-    print!("{}", format_summary(&report.summary));
-    if let Some(m) = &cfg.metrics {
-        println!("metrics written to {}", m.display());
-    }
+    print_report(&report.summary, cfg.metrics.as_deref());
     Ok(())
 }
 
