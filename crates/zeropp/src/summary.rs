@@ -2,10 +2,11 @@
 //! config warnings, the data line and the summary table (the engine keeps the
 //! data, [`Summary`]; its presentation is the binary's).
 
+use std::fmt::Display;
 use std::path::Path;
 
 use zeropp_engine::metrics::Summary;
-use zeropp_engine::train::{DataChoice, load_data};
+use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
 
 use crate::CliError;
 
@@ -24,6 +25,24 @@ pub(crate) fn print_data(data: &DataChoice) -> Result<(), CliError> {
         println!("entropy rate of the source (the loss floor): {h:.4} nats/char");
     }
     Ok(())
+}
+
+/// Prints what is about to run: `model` (as given on the command line), the
+/// ZeRO mode, the cluster of `nodes` nodes and the schedule; `mpi_level` (the
+/// MPI thread level) marks a run on MPI ranks.
+pub(crate) fn print_plan(model: &str, cfg: &TrainConfig, nodes: usize, mpi_level: Option<&dyn Display>) {
+    let (ranks, level) = match mpi_level {
+        Some(l) => ("MPI ranks", format!(", MPI {l}")),
+        None => ("ranks", String::new()),
+    };
+    println!(
+        "training {model:?} with {} on {} {ranks} = {nodes} nodes x {} ({} steps, global batch {}{level})",
+        cfg.engine.zero.label(),
+        cfg.world,
+        cfg.local_size,
+        cfg.steps,
+        cfg.engine.global_batch,
+    );
 }
 
 /// Prints the summary of a finished run and where its metrics were written.

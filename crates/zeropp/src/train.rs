@@ -12,7 +12,7 @@ use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, train_with};
 
 use crate::CliError;
-use crate::summary::{print_data, print_report, print_warnings};
+use crate::summary::{print_data, print_plan, print_report, print_warnings};
 
 /// ZeRO mode preset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -317,16 +317,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
     print_warnings(&warnings);
     cfg.engine.validate(cfg.world, cfg.local_size)?;
     print_data(&cfg.data)?;
-    println!(
-        "training {:?} with {} on {} ranks = {} nodes x {} ({} steps, global batch {})",
-        args.run.model,
-        cfg.engine.zero.label(),
-        cfg.world,
-        cfg.world / cfg.local_size.max(1),
-        cfg.local_size,
-        cfg.steps,
-        cfg.engine.global_batch
-    );
+    print_plan(&args.run.model, &cfg, cfg.world / cfg.local_size.max(1), None);
     let pb = progress_bar(cfg.steps, "train");
     let report = train_with(&cfg, &mut |r| show_step(&pb, r));
     pb.finish();

@@ -68,7 +68,7 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     use zeropp_comm::Communicator as _;
     use zeropp_engine::train_mpi::{MpiComm, MpiOptions, train_mpi};
 
-    use crate::summary::{print_data, print_report, print_warnings};
+    use crate::summary::{print_data, print_plan, print_report, print_warnings};
     use crate::train::{progress_bar, show_step, train_config};
 
     let mut options = MpiOptions::default();
@@ -98,17 +98,7 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     if lead {
         print_warnings(&warnings);
         print_data(&cfg.data)?;
-        println!(
-            "training {:?} with {} on {} MPI ranks = {} nodes x {} ({} steps, global batch {}, MPI {})",
-            a.run.model,
-            cfg.engine.zero.label(),
-            cfg.world,
-            topo.nodes(),
-            cfg.local_size,
-            cfg.steps,
-            cfg.engine.global_batch,
-            comm.thread_level()
-        );
+        print_plan(&a.run.model, &cfg, topo.nodes(), Some(&comm.thread_level()));
     }
     let pb = lead.then(|| progress_bar(cfg.steps, "train"));
     let report = train_mpi(&mut comm, &cfg, &mut |r| {

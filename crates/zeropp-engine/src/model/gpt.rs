@@ -20,7 +20,10 @@
 //! ```
 
 use super::ops::{self, AttnShape};
-use super::stack::{Part, StackTape, TapeCore, backward_layer, forward_layer, init_parts, stack_model_items};
+use super::stack::{
+    Part, StackTape, TapeCore, backward_layer, check_positive, check_vocab, forward_layer, init_parts,
+    stack_model_items,
+};
 use super::{Batch, LayerSpec, Model, TensorSpec, fill_normal};
 use crate::EngineError;
 
@@ -67,22 +70,14 @@ impl GptConfig {
             ("n_head", self.n_head),
             ("mlp_ratio", self.mlp_ratio),
         ];
-        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return Err(EngineError::InvalidConfig(format!("gpt: {name} must be > 0")));
-        }
+        check_positive("gpt", &sizes)?;
         if !self.d_model.is_multiple_of(self.n_head) {
             return Err(EngineError::InvalidConfig(format!(
                 "gpt: n_head {} does not divide d_model {}",
                 self.n_head, self.d_model
             )));
         }
-        if u32::try_from(self.vocab).is_err() {
-            return Err(EngineError::InvalidConfig(format!(
-                "gpt: vocab {} does not fit token ids (u32)",
-                self.vocab
-            )));
-        }
-        Ok(())
+        check_vocab("gpt", self.vocab)
     }
 }
 

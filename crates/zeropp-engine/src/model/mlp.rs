@@ -13,7 +13,10 @@
 //! (`weight [in, vocab]`, `bias [vocab]`, untied from the embedding).
 
 use super::ops;
-use super::stack::{Part, StackTape, TapeCore, backward_layer, forward_layer, init_parts, stack_model_items};
+use super::stack::{
+    Part, StackTape, TapeCore, backward_layer, check_positive, check_vocab, forward_layer, init_parts,
+    stack_model_items,
+};
 use super::{Batch, LayerSpec, Model, TensorSpec, fill_normal};
 use crate::EngineError;
 
@@ -56,16 +59,8 @@ impl MlpConfig {
             ("hidden", self.hidden),
             ("seq_len", self.seq_len),
         ];
-        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return Err(EngineError::InvalidConfig(format!("mlp: {name} must be > 0")));
-        }
-        if u32::try_from(self.vocab).is_err() {
-            return Err(EngineError::InvalidConfig(format!(
-                "mlp: vocab {} does not fit token ids (u32)",
-                self.vocab
-            )));
-        }
-        Ok(())
+        check_positive("mlp", &sizes)?;
+        check_vocab("mlp", self.vocab)
     }
 }
 

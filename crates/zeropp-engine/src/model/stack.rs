@@ -117,6 +117,24 @@ pub(crate) fn backward_layer<T: StackTape>(
     Ok(())
 }
 
+/// Checks that every named size of `model`'s config is positive.
+pub(crate) fn check_positive(model: &str, sizes: &[(&str, usize)]) -> Result<(), EngineError> {
+    match sizes.iter().find(|(_, v)| *v == 0) {
+        Some((name, _)) => Err(EngineError::InvalidConfig(format!("{model}: {name} must be > 0"))),
+        None => Ok(()),
+    }
+}
+
+/// Checks that `model`'s `vocab` fits token ids (`u32`).
+pub(crate) fn check_vocab(model: &str, vocab: usize) -> Result<(), EngineError> {
+    match u32::try_from(vocab) {
+        Ok(_) => Ok(()),
+        Err(_) => {
+            Err(EngineError::InvalidConfig(format!("{model}: vocab {vocab} does not fit token ids (u32)")))
+        }
+    }
+}
+
 /// Layer `layer`'s spec and `out` split by tensor, for `init_layer`.
 pub(crate) fn init_parts<'a>(
     layers: &'a [LayerSpec],
