@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use zeropp_engine::compare::{Variant, compare, standard_variants};
+use zeropp_engine::compare::{Comparison, Variant, compare, standard_variants};
 use zeropp_engine::config::{AdamWConfig, EngineConfig, ZeroConfig};
 use zeropp_engine::model::{GptConfig, Model, full_forward_backward, init_params};
 use zeropp_engine::optim::AdamW;
@@ -30,6 +30,31 @@ fn base(steps: usize) -> TrainConfig {
     TrainConfig { steps, eval_batches: 0, ..TrainConfig::default() }
 }
 
+/// The bench's table: each variant against the comparison's baseline
+/// (the CLI's `zeropp compare` prints the full table, flat ZeRO-3 beside it).
+fn table(cmp: &Comparison) -> String {
+    let base = cmp.baseline().map_or("baseline", |b| b.variant.name.as_str());
+    let mut s = format!(
+        "| variant | routing | final loss | val loss | step time (s) | speedup vs {base} \
+         | inter-node MB/rank/step | inter-node vs {base} |\n|---|---|---|---|---|---|---|---|\n"
+    );
+    for r in &cmp.results {
+        let (sm, q) = (&r.report.summary, cmp.ratios(r).baseline);
+        let val = sm.val_loss.map_or_else(|| "-".into(), |v| format!("{v:.4}"));
+        s.push_str(&format!(
+            "| {} | {} | {:.4} | {val} | {:.4} | {:.2}x | {:.3} | {:.3}x |\n",
+            r.variant.name,
+            r.variant.zero.routing.name(),
+            sm.final_loss,
+            sm.mean_step_time_s,
+            q.speedup,
+            sm.bytes_per_step.inter / 1e6,
+            q.inter_bytes
+        ));
+    }
+    s
+}
+
 fn main() {
     let steps = env_usize("ZEROPP_BENCH_STEPS", 12);
     let mut md = String::from("# zeropp e2e benchmark\n\n");
@@ -43,7 +68,7 @@ fn main() {
         let variants: Vec<Variant> = standard_variants(&ZeroConfig::zero3(), cfg.local_size);
         let cmp = compare(&cfg, &variants, &mut |_, _| {}).unwrap();
         md.push_str(&format!("## Link model {name}: `{link}`\n\n"));
-        md.push_str(&cmp.table());
+        md.push_str(&table(&cmp));
         md.push('\n');
     }
 
@@ -118,7 +143,7 @@ fn main() {
         md.push_str(&format!(
             "## Fidelity: GPT default_small on tinyshakespeare, {fsteps} steps, no link model\n\n"
         ));
-        md.push_str(&cmp.table());
+        md.push_str(&table(&cmp));
         let (a, b) = (cmp.results[0].report.summary.val_loss, cmp.results[1].report.summary.val_loss);
         if let (Some(a), Some(b)) = (a, b) {
             md.push_str(&format!("\nval loss ZeRO++ / ZeRO-3 = {:.4}\n", b / a));

@@ -7,9 +7,9 @@
 //! beside it: flat routing sends more bytes across nodes, so a ratio against it
 //! alone would flatter ZeRO++.
 //!
-//! This module runs the variants and keeps their records ([`Comparison`]);
-//! presentation beyond the markdown [`Comparison::table`] (the SVG plots) is
-//! the CLI's.
+//! This module runs the variants and keeps their records ([`Comparison`]) and
+//! their ratios ([`Comparison::ratios`]); presentation (the markdown table, the
+//! SVG plots) is the CLI's.
 
 use zeropp_comm::collectives::Routing;
 
@@ -159,10 +159,6 @@ pub fn compare(
     Ok(Comparison { results })
 }
 
-fn mb(b: f64) -> String {
-    format!("{:.3}", b / 1e6)
-}
-
 impl Comparison {
     /// The baseline of every ratio: the first plain ZeRO-3 run with hierarchical
     /// routing, else the first run.
@@ -187,40 +183,5 @@ impl Comparison {
             .map_or(Ratios { speedup: 1.0, inter_bytes: 1.0 }, |b| Ratios::between(this, &b.report.summary));
         let flat = self.flat_baseline().map(|f| Ratios::between(this, &f.report.summary));
         VariantRatios { baseline, flat }
-    }
-
-    /// The side-by-side table (markdown): routing, final/val loss, step time,
-    /// bytes per rank per step by link class, and each ratio against the
-    /// baseline with the ratio against flat ZeRO-3 beside it (`-` when flat
-    /// ZeRO-3 did not run).
-    pub fn table(&self) -> String {
-        let base = self.baseline().map_or(BASELINE, |b| b.variant.name.as_str());
-        let flat = self.flat_baseline().map_or(FLAT_BASELINE, |f| f.variant.name.as_str());
-        let mut s = format!(
-            "| variant | routing | final loss | val loss | step time (s) | speedup vs {base} | speedup vs {flat} \
-             | inter-node MB/rank/step | intra-node MB/rank/step | inter-node vs {base} | inter-node vs {flat} |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|\n"
-        );
-        let or_dash =
-            |v: Option<f64>, digits: usize| v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}x"));
-        for r in &self.results {
-            let sm = &r.report.summary;
-            let ratios = self.ratios(r);
-            s.push_str(&format!(
-                "| {} | {} | {:.4} | {} | {:.4} | {:.2}x | {} | {} | {} | {:.3}x | {} |\n",
-                r.variant.name,
-                r.variant.zero.routing.name(),
-                sm.final_loss,
-                sm.val_loss.map_or_else(|| "-".into(), |v| format!("{v:.4}")),
-                sm.mean_step_time_s,
-                ratios.baseline.speedup,
-                or_dash(ratios.flat.map(|f| f.speedup), 2),
-                mb(sm.bytes_per_step.inter),
-                mb(sm.bytes_per_step.intra),
-                ratios.baseline.inter_bytes,
-                or_dash(ratios.flat.map(|f| f.inter_bytes), 3),
-            ));
-        }
-        s
     }
 }

@@ -34,9 +34,7 @@ pub(crate) struct CompareArgs {
 /// Runs `zeropp compare`.
 pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
     let (cfg, warnings) = build_config(&args.run, ZeroConfig::zero3())?;
-    for w in &warnings {
-        eprintln!("warning: DeepSpeed config: {w}");
-    }
+    crate::summary::print_warnings(&warnings);
     let mut variants = standard_variants(&cfg.engine.zero, cfg.local_size);
     if args.no_ablation {
         variants.retain(|v| [BASELINE, FLAT_BASELINE, "zeropp"].contains(&v.name.as_str()));
@@ -52,11 +50,49 @@ pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
         }
     })?;
     println!();
-    print!("{}", result.table());
+    print!("{}", table(&result));
     for p in write_plots(&result, &args.out)? {
         println!("wrote {}", p.display());
     }
     Ok(())
+}
+
+fn mb(b: f64) -> String {
+    format!("{:.3}", b / 1e6)
+}
+
+/// The side-by-side table of a comparison (markdown): routing, final/val loss, step time,
+/// bytes per rank per step by link class, and each ratio against the
+/// baseline with the ratio against flat ZeRO-3 beside it (`-` when flat
+/// ZeRO-3 did not run).
+pub(crate) fn table(cmp: &Comparison) -> String {
+    let base = cmp.baseline().map_or(BASELINE, |b| b.variant.name.as_str());
+    let flat = cmp.flat_baseline().map_or(FLAT_BASELINE, |f| f.variant.name.as_str());
+    let mut s = format!(
+        "| variant | routing | final loss | val loss | step time (s) | speedup vs {base} | speedup vs {flat} \
+         | inter-node MB/rank/step | intra-node MB/rank/step | inter-node vs {base} | inter-node vs {flat} |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n"
+    );
+    let or_dash = |v: Option<f64>, digits: usize| v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}x"));
+    for r in &cmp.results {
+        let sm = &r.report.summary;
+        let ratios = cmp.ratios(r);
+        s.push_str(&format!(
+            "| {} | {} | {:.4} | {} | {:.4} | {:.2}x | {} | {} | {} | {:.3}x | {} |\n",
+            r.variant.name,
+            r.variant.zero.routing.name(),
+            sm.final_loss,
+            sm.val_loss.map_or_else(|| "-".into(), |v| format!("{v:.4}")),
+            sm.mean_step_time_s,
+            ratios.baseline.speedup,
+            or_dash(ratios.flat.map(|f| f.speedup), 2),
+            mb(sm.bytes_per_step.inter),
+            mb(sm.bytes_per_step.intra),
+            ratios.baseline.inter_bytes,
+            or_dash(ratios.flat.map(|f| f.inter_bytes), 3),
+        ));
+    }
+    s
 }
 
 /// Draws one plot of a comparison into an SVG file.

@@ -7,6 +7,7 @@ use std::process::ExitCode;
 mod checkpoint;
 mod compare;
 mod quant;
+mod summary;
 mod train;
 mod train_mpi;
 

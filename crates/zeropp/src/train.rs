@@ -7,11 +7,12 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use zeropp_engine::config::{CommDtype, QgzConfig, ZeroConfig, quant_spec};
-use zeropp_engine::metrics::{StepRecord, format_summary};
+use zeropp_engine::metrics::StepRecord;
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, load_data, train_with};
+use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, train_with};
 
 use crate::CliError;
+use crate::summary::{print_data, print_plan, print_report, print_warnings};
 
 /// ZeRO mode preset.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -308,34 +309,15 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
         return crate::train_mpi::run(args);
     }
     let (cfg, warnings) = train_config(args)?;
-    for w in &warnings {
-        eprintln!("warning: DeepSpeed config: {w}");
-    }
+    print_warnings(&warnings);
     cfg.engine.validate(cfg.world, cfg.local_size)?;
-    let (_, info) = load_data(&cfg.data)?;
-    println!("data: {} (vocab {}, {} training tokens)", info.description, info.vocab, info.train_tokens);
-    if let Some(h) = info.entropy_rate {
-        println!("entropy rate of the source (the loss floor): {h:.4} nats/char");
-    }
-    println!(
-        "training {:?} with {} on {} ranks = {} nodes x {} ({} steps, global batch {})",
-        args.run.model,
-        cfg.engine.zero.label(),
-        cfg.world,
-        cfg.world / cfg.local_size.max(1),
-        cfg.local_size,
-        cfg.steps,
-        cfg.engine.global_batch
-    );
+    print_data(&cfg.data)?;
+    print_plan(&args.run.model, &cfg, cfg.world / cfg.local_size.max(1), None);
     let pb = progress_bar(cfg.steps, "train");
     let report = train_with(&cfg, &mut |r| show_step(&pb, r));
     pb.finish();
     let report = report?;
-    println!();
-    print!("{}", format_summary(&report.summary));
-    if let Some(m) = &cfg.metrics {
-        println!("metrics written to {}", m.display());
-    }
+    print_report(&report.summary, cfg.metrics.as_deref());
     Ok(())
 }
 

@@ -66,10 +66,9 @@ fn flag_given(name: &str) -> bool {
 #[cfg(feature = "mpi")]
 fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     use zeropp_comm::Communicator as _;
-    use zeropp_engine::metrics::format_summary;
-    use zeropp_engine::train::load_data;
     use zeropp_engine::train_mpi::{MpiComm, MpiOptions, train_mpi};
 
+    use crate::summary::{print_data, print_plan, print_report, print_warnings};
     use crate::train::{progress_bar, show_step, train_config};
 
     let mut options = MpiOptions::default();
@@ -97,25 +96,9 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     cfg.engine.validate(cfg.world, cfg.local_size)?;
     let lead = rank == 0;
     if lead {
-        for w in &warnings {
-            eprintln!("warning: DeepSpeed config: {w}");
-        }
-        let (_, info) = load_data(&cfg.data)?;
-        println!("data: {} (vocab {}, {} training tokens)", info.description, info.vocab, info.train_tokens);
-        if let Some(h) = info.entropy_rate {
-            println!("entropy rate of the source (the loss floor): {h:.4} nats/char");
-        }
-        println!(
-            "training {:?} with {} on {} MPI ranks = {} nodes x {} ({} steps, global batch {}, MPI {})",
-            a.run.model,
-            cfg.engine.zero.label(),
-            cfg.world,
-            topo.nodes(),
-            cfg.local_size,
-            cfg.steps,
-            cfg.engine.global_batch,
-            comm.thread_level()
-        );
+        print_warnings(&warnings);
+        print_data(&cfg.data)?;
+        print_plan(&a.run.model, &cfg, topo.nodes(), Some(&comm.thread_level()));
     }
     let pb = lead.then(|| progress_bar(cfg.steps, "train"));
     let report = train_mpi(&mut comm, &cfg, &mut |r| {
@@ -128,11 +111,7 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     }
     let report = report?;
     if let Some(report) = report {
-        println!();
-        print!("{}", format_summary(&report.summary));
-        if let Some(m) = &cfg.metrics {
-            println!("metrics written to {}", m.display());
-        }
+        print_report(&report.summary, cfg.metrics.as_deref());
     }
     drop(comm);
     Ok(())

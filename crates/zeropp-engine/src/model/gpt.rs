@@ -20,10 +20,11 @@
 //! ```
 
 use super::ops::{self, AttnShape};
-use super::{
-    Batch, LayerSpec, Model, TensorSpec, check_backward_order, check_forward_order, fill_normal,
-    split_params, split_params_mut, validate_batch,
+use super::stack::{
+    Part, StackTape, TapeCore, backward_layer, check_positive, check_vocab, forward_layer, init_parts,
+    stack_model_items,
 };
+use super::{Batch, LayerSpec, Model, TensorSpec, fill_normal};
 use crate::EngineError;
 
 /// Shape of a [`Gpt`].
@@ -69,22 +70,14 @@ impl GptConfig {
             ("n_head", self.n_head),
             ("mlp_ratio", self.mlp_ratio),
         ];
-        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return Err(EngineError::InvalidConfig(format!("gpt: {name} must be > 0")));
-        }
+        check_positive("gpt", &sizes)?;
         if !self.d_model.is_multiple_of(self.n_head) {
             return Err(EngineError::InvalidConfig(format!(
                 "gpt: n_head {} does not divide d_model {}",
                 self.n_head, self.d_model
             )));
         }
-        if u32::try_from(self.vocab).is_err() {
-            return Err(EngineError::InvalidConfig(format!(
-                "gpt: vocab {} does not fit token ids (u32)",
-                self.vocab
-            )));
-        }
-        Ok(())
+        check_vocab("gpt", self.vocab)
     }
 }
 
@@ -104,19 +97,19 @@ pub struct Gpt {
 /// What the Gpt forward pass saves for backward, per micro-batch.
 #[derive(Debug)]
 pub struct GptTape {
-    batch: usize,
-    seq: usize,
-    inputs: Vec<u32>,
-    targets: Vec<u32>,
+    /// The batch, the loss, the gradient of the loss w.r.t. the residual
+    /// stream at the current backward position, the call order.
+    core: TapeCore,
     /// Residual stream, `rows x d`.
     x: Vec<f32>,
     blocks: Vec<BlockActs>,
     head: Option<HeadActs>,
-    loss: f32,
-    /// Gradient of the loss w.r.t. the residual stream at the current backward position.
-    dx: Vec<f32>,
-    next_fwd: usize,
-    remaining_bwd: usize,
+}
+
+impl StackTape for GptTape {
+    fn core(&mut self) -> &mut TapeCore {
+        &mut self.core
+    }
 }
 
 #[derive(Debug)]
@@ -195,8 +188,8 @@ impl Gpt {
 
     fn attn_shape(&self, tape: &GptTape) -> AttnShape {
         AttnShape {
-            batch: tape.batch,
-            seq: tape.seq,
+            batch: tape.core.batch,
+            seq: tape.core.seq,
             heads: self.cfg.n_head,
             head_dim: self.cfg.d_model / self.cfg.n_head,
         }
@@ -205,10 +198,10 @@ impl Gpt {
     fn embed_forward(&self, p: &[&[f32]], tape: &mut GptTape) {
         let d = self.cfg.d_model;
         let (wte, wpe) = (p[0], p[1]);
-        tape.x = vec![0.0; tape.inputs.len() * d];
-        for (r, (row, &tok)) in tape.x.chunks_exact_mut(d).zip(&tape.inputs).enumerate() {
+        tape.x = vec![0.0; tape.core.inputs.len() * d];
+        for (r, (row, &tok)) in tape.x.chunks_exact_mut(d).zip(&tape.core.inputs).enumerate() {
             let tok = tok as usize;
-            let pos = r % tape.seq;
+            let pos = r % tape.core.seq;
             let e = &wte[tok * d..(tok + 1) * d];
             let pe = &wpe[pos * d..(pos + 1) * d];
             for ((o, &a), &b) in row.iter_mut().zip(e).zip(pe) {
@@ -223,9 +216,9 @@ impl Gpt {
             gi.fill(0.0);
         }
         // Sequential scatter-add in row order: deterministic.
-        for (r, (drow, &tok)) in tape.dx.chunks_exact(d).zip(&tape.inputs).enumerate() {
+        for (r, (drow, &tok)) in tape.core.dx.chunks_exact(d).zip(&tape.core.inputs).enumerate() {
             let tok = tok as usize;
-            let pos = r % tape.seq;
+            let pos = r % tape.core.seq;
             for (o, &v) in g[0][tok * d..(tok + 1) * d].iter_mut().zip(drow) {
                 *o += v;
             }
@@ -238,7 +231,7 @@ impl Gpt {
     fn block_forward(&self, p: &[&[f32]], tape: &mut GptTape) -> Result<(), EngineError> {
         let d = self.cfg.d_model;
         let f = self.cfg.mlp_ratio * d;
-        let n = tape.inputs.len();
+        let n = tape.core.inputs.len();
         let s = self.attn_shape(tape);
         let mut a = BlockActs {
             xhat1: vec![0.0; n * d],
@@ -276,13 +269,13 @@ impl Gpt {
     ) -> Result<(), EngineError> {
         let d = self.cfg.d_model;
         let f = self.cfg.mlp_ratio * d;
-        let n = tape.inputs.len();
+        let n = tape.core.inputs.len();
         let s = self.attn_shape(tape);
         let a = tape
             .blocks
             .pop()
             .ok_or_else(|| EngineError::CallOrder("block backward without saved activations".into()))?;
-        let mut dx = std::mem::take(&mut tape.dx);
+        let mut dx = std::mem::take(&mut tape.core.dx);
         // MLP branch: x_out = x_mid + fc_proj(gelu(fc(ln2(x_mid)))).
         let mut da = vec![0.0; n * f];
         let [g0, g1, g2, g3, g4, g5, g6, g7, g8, g9, g10, g11] = g else {
@@ -304,13 +297,13 @@ impl Gpt {
         ops::attention_backward(&a.qkv, &a.probs, &datt, s, &mut dqkv)?;
         ops::linear_backward(&a.h1, p[2], &dqkv, n, d, 3 * d, g2, g3, Some(&mut dh))?;
         ops::layernorm_backward(&dh, &a.xhat1, &a.rstd1, p[0], n, d, &mut dx, g0, g1)?;
-        tape.dx = dx;
+        tape.core.dx = dx;
         Ok(())
     }
 
     fn head_forward(&self, p: &[&[f32]], tape: &mut GptTape) -> Result<(), EngineError> {
         let (d, v) = (self.cfg.d_model, self.cfg.vocab);
-        let n = tape.inputs.len();
+        let n = tape.core.inputs.len();
         let mut h = HeadActs {
             xhat: vec![0.0; n * d],
             rstd: vec![0.0; n],
@@ -319,8 +312,8 @@ impl Gpt {
         };
         ops::layernorm_forward(&tape.x, p[0], p[1], n, d, &mut h.h, &mut h.xhat, &mut h.rstd)?;
         ops::linear_forward(&h.h, p[2], p[3], n, d, v, &mut h.probs)?;
-        let loss = ops::softmax_xent_forward(&mut h.probs, &tape.targets, v)?;
-        tape.loss = loss as f32;
+        let loss = ops::softmax_xent_forward(&mut h.probs, &tape.core.targets, v)?;
+        tape.core.loss = loss as f32;
         tape.head = Some(h);
         Ok(())
     }
@@ -332,7 +325,7 @@ impl Gpt {
         tape: &mut GptTape,
     ) -> Result<(), EngineError> {
         let (d, v) = (self.cfg.d_model, self.cfg.vocab);
-        let n = tape.inputs.len();
+        let n = tape.core.inputs.len();
         let mut h = tape
             .head
             .take()
@@ -344,12 +337,12 @@ impl Gpt {
                 got: g.len(),
             });
         };
-        ops::softmax_xent_backward(&mut h.probs, &tape.targets, v)?;
+        ops::softmax_xent_backward(&mut h.probs, &tape.core.targets, v)?;
         let mut dh = vec![0.0; n * d];
         ops::linear_backward(&h.h, p[2], &h.probs, n, d, v, g2, g3, Some(&mut dh))?;
         let mut dx = vec![0.0; n * d];
         ops::layernorm_backward(&dh, &h.xhat, &h.rstd, p[0], n, d, &mut dx, g0, g1)?;
-        tape.dx = dx;
+        tape.core.dx = dx;
         Ok(())
     }
 }
@@ -363,31 +356,13 @@ fn add_into(x: &mut [f32], y: &[f32]) {
 impl Model for Gpt {
     type Tape = GptTape;
 
-    fn name(&self) -> &str {
-        "gpt"
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn seq_len(&self) -> usize {
-        self.cfg.seq_len
-    }
-
-    fn layers(&self) -> &[LayerSpec] {
-        &self.layers
-    }
+    stack_model_items!("gpt");
 
     /// GPT-2 style init: weights and embeddings `N(0, 0.02^2)`, residual
     /// projections (`attn.proj`, `mlp.proj`) scaled by `1/sqrt(2 n_layer)`,
     /// biases 0, LayerNorm gains 1.
     fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError> {
-        let spec = self
-            .layers
-            .get(layer)
-            .ok_or(EngineError::LayerOutOfRange { layer, layers: self.layers.len() })?;
-        let parts = split_params_mut(spec, out)?;
+        let (spec, parts) = init_parts(&self.layers, layer, out)?;
         let resid_scale = 1.0 / ((2 * self.cfg.n_layer.max(1)) as f64).sqrt();
         for (i, (ps, buf)) in spec.params.iter().zip(parts).enumerate() {
             let name = ps.name.as_str();
@@ -405,39 +380,23 @@ impl Model for Gpt {
     }
 
     fn start(&self, batch: &Batch) -> Result<GptTape, EngineError> {
-        validate_batch(batch, self.cfg.vocab, self.cfg.seq_len)?;
         Ok(GptTape {
-            batch: batch.batch,
-            seq: batch.seq_len,
-            inputs: batch.inputs.clone(),
-            targets: batch.targets.clone(),
+            core: TapeCore::start(batch, self.cfg.vocab, self.cfg.seq_len, self.layers.len())?,
             x: Vec::new(),
             blocks: Vec::with_capacity(self.cfg.n_layer),
             head: None,
-            loss: f32::NAN,
-            dx: Vec::new(),
-            next_fwd: 0,
-            remaining_bwd: self.layers.len(),
         })
     }
 
     fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<(), EngineError> {
-        let layers = self.layers.len();
-        check_forward_order(layer, tape.next_fwd, layers)?;
-        let p = split_params(&self.layers[layer], params)?;
-        if layer == 0 {
-            self.embed_forward(&p, tape);
-        } else if layer == layers - 1 {
-            self.head_forward(&p, tape)?;
-        } else {
-            self.block_forward(&p, tape)?;
-        }
-        tape.next_fwd += 1;
-        Ok(())
-    }
-
-    fn loss(&self, tape: &GptTape) -> f32 {
-        if tape.next_fwd == self.layers.len() { tape.loss } else { f32::NAN }
+        forward_layer(&self.layers, layer, params, tape, |part, _, p, tape| match part {
+            Part::Embed => {
+                self.embed_forward(p, tape);
+                Ok(())
+            }
+            Part::Head => self.head_forward(p, tape),
+            Part::Hidden => self.block_forward(p, tape),
+        })
     }
 
     fn backward(
@@ -447,19 +406,13 @@ impl Model for Gpt {
         tape: &mut GptTape,
         grad: &mut [f32],
     ) -> Result<(), EngineError> {
-        let layers = self.layers.len();
-        check_backward_order(layer, tape.next_fwd, tape.remaining_bwd, layers)?;
-        let spec = &self.layers[layer];
-        let p = split_params(spec, params)?;
-        let mut g = split_params_mut(spec, grad)?;
-        if layer == 0 {
-            self.embed_backward(&mut g, tape);
-        } else if layer == layers - 1 {
-            self.head_backward(&p, &mut g, tape)?;
-        } else {
-            self.block_backward(&p, &mut g, tape)?;
-        }
-        tape.remaining_bwd -= 1;
-        Ok(())
+        backward_layer(&self.layers, layer, params, tape, grad, |part, _, p, g, tape| match part {
+            Part::Embed => {
+                self.embed_backward(g, tape);
+                Ok(())
+            }
+            Part::Head => self.head_backward(p, g, tape),
+            Part::Hidden => self.block_backward(p, g, tape),
+        })
     }
 }

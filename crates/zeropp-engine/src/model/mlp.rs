@@ -13,10 +13,11 @@
 //! (`weight [in, vocab]`, `bias [vocab]`, untied from the embedding).
 
 use super::ops;
-use super::{
-    Batch, LayerSpec, Model, TensorSpec, check_backward_order, check_forward_order, fill_normal,
-    split_params, split_params_mut, validate_batch,
+use super::stack::{
+    Part, StackTape, TapeCore, backward_layer, check_positive, check_vocab, forward_layer, init_parts,
+    stack_model_items,
 };
+use super::{Batch, LayerSpec, Model, TensorSpec, fill_normal};
 use crate::EngineError;
 
 /// Shape of an [`Mlp`].
@@ -58,16 +59,8 @@ impl MlpConfig {
             ("hidden", self.hidden),
             ("seq_len", self.seq_len),
         ];
-        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return Err(EngineError::InvalidConfig(format!("mlp: {name} must be > 0")));
-        }
-        if u32::try_from(self.vocab).is_err() {
-            return Err(EngineError::InvalidConfig(format!(
-                "mlp: vocab {} does not fit token ids (u32)",
-                self.vocab
-            )));
-        }
-        Ok(())
+        check_positive("mlp", &sizes)?;
+        check_vocab("mlp", self.vocab)
     }
 }
 
@@ -87,19 +80,20 @@ pub struct Mlp {
 /// What the Mlp forward pass saves for backward, per micro-batch.
 #[derive(Debug)]
 pub struct MlpTape {
-    batch: usize,
-    seq: usize,
-    inputs: Vec<u32>,
-    targets: Vec<u32>,
+    /// The batch, the loss, the gradient of the loss w.r.t. the current
+    /// backward layer's output, the call order.
+    core: TapeCore,
     /// `xs[0]` = concatenated window embeddings; `xs[i + 1]` = output of hidden layer `i`.
     xs: Vec<Vec<f32>>,
     /// Pre-activations of the hidden layers.
     us: Vec<Vec<f32>>,
     probs: Vec<f32>,
-    loss: f32,
-    dx: Vec<f32>,
-    next_fwd: usize,
-    remaining_bwd: usize,
+}
+
+impl StackTape for MlpTape {
+    fn core(&mut self) -> &mut TapeCore {
+        &mut self.core
+    }
 }
 
 impl Mlp {
@@ -131,11 +125,11 @@ impl Mlp {
 
     /// Token at window slot `j` of row `r` (left-padded with 0).
     fn window_token(&self, tape: &MlpTape, r: usize, j: usize) -> usize {
-        let (b, t) = (r / tape.seq, r % tape.seq);
+        let (b, t) = (r / tape.core.seq, r % tape.core.seq);
         let c = self.cfg.context;
         // Window covers positions t + 1 - c ..= t; slot j is position t + 1 + j - c.
         match (t + 1 + j).checked_sub(c) {
-            Some(pos) => tape.inputs[b * tape.seq + pos] as usize,
+            Some(pos) => tape.core.inputs[b * tape.core.seq + pos] as usize,
             None => 0,
         }
     }
@@ -144,29 +138,11 @@ impl Mlp {
 impl Model for Mlp {
     type Tape = MlpTape;
 
-    fn name(&self) -> &str {
-        "mlp"
-    }
-
-    fn vocab_size(&self) -> usize {
-        self.cfg.vocab
-    }
-
-    fn seq_len(&self) -> usize {
-        self.cfg.seq_len
-    }
-
-    fn layers(&self) -> &[LayerSpec] {
-        &self.layers
-    }
+    stack_model_items!("mlp");
 
     /// Embeddings `N(0, 1)`, weights `N(0, 1/fan_in)`, biases 0.
     fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError> {
-        let spec = self
-            .layers
-            .get(layer)
-            .ok_or(EngineError::LayerOutOfRange { layer, layers: self.layers.len() })?;
-        let parts = split_params_mut(spec, out)?;
+        let (spec, parts) = init_parts(&self.layers, layer, out)?;
         for (i, (ps, buf)) in spec.params.iter().zip(parts).enumerate() {
             match ps.name.as_str() {
                 "bias" => buf.fill(0.0),
@@ -181,63 +157,55 @@ impl Model for Mlp {
     }
 
     fn start(&self, batch: &Batch) -> Result<MlpTape, EngineError> {
-        validate_batch(batch, self.cfg.vocab, self.cfg.seq_len)?;
         Ok(MlpTape {
-            batch: batch.batch,
-            seq: batch.seq_len,
-            inputs: batch.inputs.clone(),
-            targets: batch.targets.clone(),
+            core: TapeCore::start(batch, self.cfg.vocab, self.cfg.seq_len, self.layers.len())?,
             xs: Vec::with_capacity(self.cfg.layers + 1),
             us: Vec::with_capacity(self.cfg.layers),
             probs: Vec::new(),
-            loss: f32::NAN,
-            dx: Vec::new(),
-            next_fwd: 0,
-            remaining_bwd: self.layers.len(),
         })
     }
 
     fn forward(&self, layer: usize, params: &[f32], tape: &mut MlpTape) -> Result<(), EngineError> {
-        let layers = self.layers.len();
-        check_forward_order(layer, tape.next_fwd, layers)?;
-        let p = split_params(&self.layers[layer], params)?;
         let (h, c, v) = (self.cfg.hidden, self.cfg.context, self.cfg.vocab);
-        let n = tape.batch * tape.seq;
-        if layer == 0 {
-            let wte = p[0];
-            let mut x0 = vec![0.0; n * c * h];
-            for (r, row) in x0.chunks_exact_mut(c * h).enumerate() {
-                for (j, slot) in row.chunks_exact_mut(h).enumerate() {
-                    let tok = self.window_token(tape, r, j);
-                    slot.copy_from_slice(&wte[tok * h..(tok + 1) * h]);
+        forward_layer(&self.layers, layer, params, tape, |part, spec, p, tape| {
+            let n = tape.core.batch * tape.core.seq;
+            match part {
+                Part::Embed => {
+                    let wte = p[0];
+                    let mut x0 = vec![0.0; n * c * h];
+                    for (r, row) in x0.chunks_exact_mut(c * h).enumerate() {
+                        for (j, slot) in row.chunks_exact_mut(h).enumerate() {
+                            let tok = self.window_token(tape, r, j);
+                            slot.copy_from_slice(&wte[tok * h..(tok + 1) * h]);
+                        }
+                    }
+                    tape.xs.push(x0);
+                    Ok(())
+                }
+                Part::Head | Part::Hidden => {
+                    let x = tape
+                        .xs
+                        .last()
+                        .ok_or_else(|| EngineError::CallOrder("mlp forward without input".into()))?;
+                    let din = spec.params[0].shape[0];
+                    if part == Part::Head {
+                        let mut logits = vec![0.0; n * v];
+                        ops::linear_forward(x, p[0], p[1], n, din, v, &mut logits)?;
+                        let loss = ops::softmax_xent_forward(&mut logits, &tape.core.targets, v)?;
+                        tape.probs = logits;
+                        tape.core.loss = loss as f32;
+                    } else {
+                        let mut u = vec![0.0; n * h];
+                        ops::linear_forward(x, p[0], p[1], n, din, h, &mut u)?;
+                        let mut a = vec![0.0; n * h];
+                        ops::gelu_forward(&u, &mut a)?;
+                        tape.us.push(u);
+                        tape.xs.push(a);
+                    }
+                    Ok(())
                 }
             }
-            tape.xs.push(x0);
-        } else {
-            let x =
-                tape.xs.last().ok_or_else(|| EngineError::CallOrder("mlp forward without input".into()))?;
-            let din = self.layers[layer].params[0].shape[0];
-            if layer == layers - 1 {
-                let mut logits = vec![0.0; n * v];
-                ops::linear_forward(x, p[0], p[1], n, din, v, &mut logits)?;
-                let loss = ops::softmax_xent_forward(&mut logits, &tape.targets, v)?;
-                tape.probs = logits;
-                tape.loss = loss as f32;
-            } else {
-                let mut u = vec![0.0; n * h];
-                ops::linear_forward(x, p[0], p[1], n, din, h, &mut u)?;
-                let mut a = vec![0.0; n * h];
-                ops::gelu_forward(&u, &mut a)?;
-                tape.us.push(u);
-                tape.xs.push(a);
-            }
-        }
-        tape.next_fwd += 1;
-        Ok(())
-    }
-
-    fn loss(&self, tape: &MlpTape) -> f32 {
-        if tape.next_fwd == self.layers.len() { tape.loss } else { f32::NAN }
+        })
     }
 
     fn backward(
@@ -247,55 +215,55 @@ impl Model for Mlp {
         tape: &mut MlpTape,
         grad: &mut [f32],
     ) -> Result<(), EngineError> {
-        let layers = self.layers.len();
-        check_backward_order(layer, tape.next_fwd, tape.remaining_bwd, layers)?;
-        let spec = &self.layers[layer];
-        let p = split_params(spec, params)?;
-        let mut g = split_params_mut(spec, grad)?;
         let (h, c, v) = (self.cfg.hidden, self.cfg.context, self.cfg.vocab);
-        let n = tape.batch * tape.seq;
         let missing = || EngineError::CallOrder("mlp backward without saved activations".into());
-        if layer == 0 {
-            let dwte = &mut g[0];
-            dwte.fill(0.0);
-            // Sequential scatter-add in row order: deterministic.
-            for r in 0..n {
-                for j in 0..c {
-                    let tok = self.window_token(tape, r, j);
-                    let src = &tape.dx[(r * c + j) * h..(r * c + j + 1) * h];
-                    for (o, &d) in dwte[tok * h..(tok + 1) * h].iter_mut().zip(src) {
-                        *o += d;
+        backward_layer(&self.layers, layer, params, tape, grad, |part, spec, p, g, tape| {
+            let n = tape.core.batch * tape.core.seq;
+            match part {
+                Part::Embed => {
+                    let dwte = &mut g[0];
+                    dwte.fill(0.0);
+                    // Sequential scatter-add in row order: deterministic.
+                    for r in 0..n {
+                        for j in 0..c {
+                            let tok = self.window_token(tape, r, j);
+                            let src = &tape.core.dx[(r * c + j) * h..(r * c + j + 1) * h];
+                            for (o, &d) in dwte[tok * h..(tok + 1) * h].iter_mut().zip(src) {
+                                *o += d;
+                            }
+                        }
                     }
+                    tape.xs.clear();
+                    Ok(())
+                }
+                Part::Head | Part::Hidden => {
+                    let din = spec.params[0].shape[0];
+                    let [gw, gb] = g else {
+                        return Err(EngineError::LengthMismatch {
+                            what: "linear gradient tensors",
+                            expected: 2,
+                            got: g.len(),
+                        });
+                    };
+                    let mut dx = vec![0.0; n * din];
+                    if part == Part::Head {
+                        let x = tape.xs.last().ok_or_else(missing)?;
+                        let mut dlogits = std::mem::take(&mut tape.probs);
+                        ops::softmax_xent_backward(&mut dlogits, &tape.core.targets, v)?;
+                        ops::linear_backward(x, p[0], &dlogits, n, din, v, gw, gb, Some(&mut dx))?;
+                    } else {
+                        // This layer's output is no longer needed; its input is xs.last() after the pop.
+                        tape.xs.pop().ok_or_else(missing)?;
+                        let mut du = std::mem::take(&mut tape.core.dx);
+                        let u = tape.us.pop().ok_or_else(missing)?;
+                        ops::gelu_backward(&u, &mut du)?;
+                        let x = tape.xs.last().ok_or_else(missing)?;
+                        ops::linear_backward(x, p[0], &du, n, din, h, gw, gb, Some(&mut dx))?;
+                    }
+                    tape.core.dx = dx;
+                    Ok(())
                 }
             }
-            tape.xs.clear();
-        } else {
-            let din = spec.params[0].shape[0];
-            let [gw, gb] = g.as_mut_slice() else {
-                return Err(EngineError::LengthMismatch {
-                    what: "linear gradient tensors",
-                    expected: 2,
-                    got: g.len(),
-                });
-            };
-            let mut dx = vec![0.0; n * din];
-            if layer == layers - 1 {
-                let x = tape.xs.last().ok_or_else(missing)?;
-                let mut dlogits = std::mem::take(&mut tape.probs);
-                ops::softmax_xent_backward(&mut dlogits, &tape.targets, v)?;
-                ops::linear_backward(x, p[0], &dlogits, n, din, v, gw, gb, Some(&mut dx))?;
-            } else {
-                // This layer's output is no longer needed; its input is xs.last() after the pop.
-                tape.xs.pop().ok_or_else(missing)?;
-                let mut du = std::mem::take(&mut tape.dx);
-                let u = tape.us.pop().ok_or_else(missing)?;
-                ops::gelu_backward(&u, &mut du)?;
-                let x = tape.xs.last().ok_or_else(missing)?;
-                ops::linear_backward(x, p[0], &du, n, din, h, gw, gb, Some(&mut dx))?;
-            }
-            tape.dx = dx;
-        }
-        tape.remaining_bwd -= 1;
-        Ok(())
+        })
     }
 }

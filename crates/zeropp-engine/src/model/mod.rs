@@ -16,6 +16,7 @@ pub mod gpt;
 pub mod mlp;
 pub mod ops;
 pub(crate) mod rng;
+mod stack;
 
 pub use gpt::{Gpt, GptConfig, GptTape};
 pub use mlp::{Mlp, MlpConfig, MlpTape};

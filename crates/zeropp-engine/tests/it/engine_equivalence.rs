@@ -5,29 +5,20 @@ use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
 use zeropp_engine::model::{Gpt, GptConfig, Model, full_forward_backward, init_params};
 use zeropp_engine::optim::{AdamW, clip_factor};
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
+use zeropp_engine::train::{ModelChoice, TrainConfig, load_data, train};
 
 const STEPS: usize = 20;
 
 fn base(world: usize, local: usize, zero: ZeroConfig) -> TrainConfig {
-    TrainConfig {
-        model: ModelChoice::Gpt(GptConfig::tiny()),
-        data: DataChoice::Markov { seed: 3, chars: 20_000 },
-        world,
-        local_size: local,
-        engine: EngineConfig {
-            zero,
-            optim: AdamWConfig { lr: 1e-2, weight_decay: 0.01, ..AdamWConfig::default() },
-            global_batch: 16,
-            grad_accum: 2,
-            gradient_clipping: Some(1.0),
-            seed: 7,
-        },
-        steps: STEPS,
-        eval_batches: 0,
-        keep_params: true,
-        ..TrainConfig::default()
-    }
+    let engine = EngineConfig {
+        zero,
+        optim: AdamWConfig { lr: 1e-2, weight_decay: 0.01, ..AdamWConfig::default() },
+        global_batch: 16,
+        grad_accum: 2,
+        gradient_clipping: Some(1.0),
+        seed: 7,
+    };
+    TrainConfig { steps: STEPS, eval_batches: 0, ..crate::tiny_gpt_run(world, local, engine) }
 }
 
 /// Single-rank reference: the same global batches, full forward/backward, AdamW.

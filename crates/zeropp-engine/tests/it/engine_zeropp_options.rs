@@ -3,20 +3,11 @@
 
 use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, QgzConfig, Routing, ZeroConfig};
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, TrainReport, train};
+use zeropp_engine::train::{TrainConfig, TrainReport, train};
 
 fn cfg(world: usize, local: usize, zero: ZeroConfig) -> TrainConfig {
-    TrainConfig {
-        model: ModelChoice::Gpt(GptConfig::tiny()),
-        data: DataChoice::Markov { seed: 3, chars: 20_000 },
-        world,
-        local_size: local,
-        engine: EngineConfig { zero, global_batch: 2 * world, grad_accum: 2, ..EngineConfig::default() },
-        steps: 6,
-        eval_batches: 1,
-        keep_params: true,
-        ..TrainConfig::default()
-    }
+    let engine = EngineConfig { zero, global_batch: 2 * world, grad_accum: 2, ..EngineConfig::default() };
+    TrainConfig { steps: 6, eval_batches: 1, ..crate::tiny_gpt_run(world, local, engine) }
 }
 
 fn loss_bits(r: &TrainReport) -> Vec<u32> {

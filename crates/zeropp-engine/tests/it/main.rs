@@ -20,3 +20,22 @@ mod engine_fidelity;
 mod engine_zeropp_options;
 mod model_data;
 mod models;
+
+use zeropp_engine::config::EngineConfig;
+use zeropp_engine::model::GptConfig;
+use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig};
+
+/// The tiny GPT on the seed-3 Markov text on `world` ranks of `local` per
+/// node, parameters kept: the run the engine tests vary (each sets its steps,
+/// evaluation and engine).
+fn tiny_gpt_run(world: usize, local: usize, engine: EngineConfig) -> TrainConfig {
+    TrainConfig {
+        model: ModelChoice::Gpt(GptConfig::tiny()),
+        data: DataChoice::Markov { seed: 3, chars: 20_000 },
+        world,
+        local_size: local,
+        engine,
+        keep_params: true,
+        ..TrainConfig::default()
+    }
+}

@@ -146,12 +146,24 @@ fn mlp_case() -> (Mlp, Vec<Vec<f32>>, Batch) {
     (model, params, batch)
 }
 
+/// The model's gradients, after checking `per_tensor` entries of each tensor
+/// against finite differences.
+fn checked_gradients<M: Model>(
+    model: &M,
+    params: &[Vec<f32>],
+    batch: &Batch,
+    per_tensor: usize,
+) -> Vec<Vec<f32>> {
+    let (_, grads) = full_forward_backward(model, params, batch).unwrap();
+    let failures = grad_check(model, params, batch, &grads, per_tensor);
+    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    grads
+}
+
 #[test]
 fn gpt_gradients_match_finite_differences() {
     let (model, params, batch) = gpt_case();
-    let (_, grads) = full_forward_backward(&model, &params, &batch).unwrap();
-    let failures = grad_check(&model, &params, &batch, &grads, 48);
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    checked_gradients(&model, &params, &batch, 48);
 }
 
 #[test]
@@ -160,9 +172,7 @@ fn gpt_gradients_match_with_shorter_sequences() {
     let model = Gpt::new(GptConfig::tiny()).unwrap();
     let params = perturbed_params(&model, 8, 0.3);
     let batch = random_batch(model.vocab_size(), 3, 5, 17);
-    let (_, grads) = full_forward_backward(&model, &params, &batch).unwrap();
-    let failures = grad_check(&model, &params, &batch, &grads, 16);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let grads = checked_gradients(&model, &params, &batch, 16);
     let d = model.config().d_model;
     assert!(grads[0][model.vocab_size() * d + 5 * d..].iter().all(|&g| g == 0.0));
 }
@@ -170,9 +180,7 @@ fn gpt_gradients_match_with_shorter_sequences() {
 #[test]
 fn mlp_gradients_match_finite_differences() {
     let (model, params, batch) = mlp_case();
-    let (_, grads) = full_forward_backward(&model, &params, &batch).unwrap();
-    let failures = grad_check(&model, &params, &batch, &grads, 64);
-    assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
+    checked_gradients(&model, &params, &batch, 64);
 }
 
 #[test]
@@ -180,9 +188,7 @@ fn mlp_without_hidden_layers_gradients_match() {
     let model = Mlp::new(MlpConfig { layers: 0, ..MlpConfig::tiny() }).unwrap();
     let params = perturbed_params(&model, 9, 0.2);
     let batch = random_batch(model.vocab_size(), 2, 4, 19);
-    let (_, grads) = full_forward_backward(&model, &params, &batch).unwrap();
-    let failures = grad_check(&model, &params, &batch, &grads, 64);
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    checked_gradients(&model, &params, &batch, 64);
 }
 
 #[test]

@@ -1,0 +1,119 @@
+//! What `zeropp train` prints around a run (both backends): the DeepSpeed
+//! config warnings, the data line and the summary table (the engine keeps the
+//! data, [`Summary`]; its presentation is the binary's).
+
+use std::fmt::Display;
+use std::path::Path;
+
+use zeropp_engine::metrics::Summary;
+use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
+
+use crate::CliError;
+
+/// Prints the warnings of an imported DeepSpeed config to stderr.
+pub(crate) fn print_warnings(warnings: &[String]) {
+    for w in warnings {
+        eprintln!("warning: DeepSpeed config: {w}");
+    }
+}
+
+/// Loads `data` and prints what it is and, when known, its loss floor.
+pub(crate) fn print_data(data: &DataChoice) -> Result<(), CliError> {
+    let (_, info) = load_data(data)?;
+    println!("data: {} (vocab {}, {} training tokens)", info.description, info.vocab, info.train_tokens);
+    if let Some(h) = info.entropy_rate {
+        println!("entropy rate of the source (the loss floor): {h:.4} nats/char");
+    }
+    Ok(())
+}
+
+/// Prints what is about to run: `model` (as given on the command line), the
+/// ZeRO mode, the cluster of `nodes` nodes and the schedule; `mpi_level` (the
+/// MPI thread level) marks a run on MPI ranks.
+pub(crate) fn print_plan(model: &str, cfg: &TrainConfig, nodes: usize, mpi_level: Option<&dyn Display>) {
+    let (ranks, level) = match mpi_level {
+        Some(l) => ("MPI ranks", format!(", MPI {l}")),
+        None => ("ranks", String::new()),
+    };
+    println!(
+        "training {model:?} with {} on {} {ranks} = {nodes} nodes x {} ({} steps, global batch {}{level})",
+        cfg.engine.zero.label(),
+        cfg.world,
+        cfg.local_size,
+        cfg.steps,
+        cfg.engine.global_batch,
+    );
+}
+
+/// Prints the summary of a finished run and where its metrics were written.
+pub(crate) fn print_report(summary: &Summary, metrics: Option<&Path>) {
+    println!();
+    print!("{}", format_summary(summary));
+    if let Some(m) = metrics {
+        println!("metrics written to {}", m.display());
+    }
+}
+
+fn fmt_bytes(b: f64) -> String {
+    if b >= 1e6 {
+        format!("{:.3} MB", b / 1e6)
+    } else if b >= 1e3 {
+        format!("{:.2} kB", b / 1e3)
+    } else {
+        format!("{b:.0} B")
+    }
+}
+
+/// A human-readable table of a summary (what `zeropp train` prints at the end).
+fn format_summary(s: &Summary) -> String {
+    let mut out = String::new();
+    let val = s.val_loss.map_or_else(|| "-".to_string(), |v| format!("{v:.4}"));
+    out.push_str(&format!(
+        "model {} ({} params), {} ranks = {} nodes x {}, mode {} (baseline comm {})\n",
+        s.model,
+        s.params,
+        s.world,
+        s.world / s.local_size.max(1),
+        s.local_size,
+        s.mode,
+        s.comm_dtype
+    ));
+    out.push_str(&format!(
+        "final train loss {:.4}   val loss {}   loss floor (entropy rate) {}\n",
+        s.final_loss,
+        val,
+        s.entropy_rate.map_or_else(|| "-".to_string(), |e| format!("{e:.4}"))
+    ));
+    out.push_str(&format!(
+        "steps {} (skipped {})   mean step time {:.4} s   {:.0} tokens/s\n\n",
+        s.steps, s.skipped_steps, s.mean_step_time_s, s.tokens_per_s
+    ));
+    out.push_str(
+        "bytes sent per rank per step    measured (intra / inter)      analytic model (intra / inter)\n",
+    );
+    let mut ops: Vec<&String> = s.bytes_by_op.keys().chain(s.model_bytes_by_op.keys()).collect();
+    ops.sort();
+    ops.dedup();
+    for op in ops {
+        let m = s.bytes_by_op.get(op).copied().unwrap_or_default();
+        let a = s.model_bytes_by_op.get(op).copied().unwrap_or_default();
+        out.push_str(&format!(
+            "  {:<28} {:>12} / {:<12}   {:>12} / {:<12}\n",
+            op,
+            fmt_bytes(m.intra),
+            fmt_bytes(m.inter),
+            fmt_bytes(a.intra),
+            fmt_bytes(a.inter)
+        ));
+    }
+    let (m, a) = (s.bytes_per_step, s.model_bytes_per_step);
+    out.push_str(&format!(
+        "  {:<28} {:>12} / {:<12}   {:>12} / {:<12}\n",
+        "total",
+        fmt_bytes(m.intra),
+        fmt_bytes(m.inter),
+        fmt_bytes(a.intra),
+        fmt_bytes(a.inter)
+    ));
+    out
+}
