@@ -377,4 +377,46 @@ mod tests {
         let err = model_choice("rnn").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("unknown model `rnn`"), "{err}");
     }
+
+    /// `zeropp train`'s flags as the CLI parses them.
+    fn zero(args: &[&str]) -> Result<ZeroConfig, CliError> {
+        #[derive(clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        use clap::Parser as _;
+        let cmd = Cmd::try_parse_from(std::iter::once("train").chain(args.iter().copied()))?;
+        zero_from_flags(&cmd.train)
+    }
+
+    #[test]
+    fn zeropp_flags_map_onto_the_config() -> Result<(), CliError> {
+        let local = 4;
+        // The default mode is ZeRO++ with its default options, routed hierarchically.
+        let d = zero(&[])?;
+        assert_eq!(d, ZeroConfig::zeropp(local));
+        assert!(d.error_feedback().is_some() && d.exclude_1d());
+        assert_eq!(d.routing, zeropp_engine::config::Routing::Hierarchical);
+        // The paper's plain variant.
+        assert_eq!(zero(&["--no-error-feedback", "--no-qgz-exclude-1d"])?, ZeroConfig::zeropp_plain(local));
+        // Routing, the hpZ wire, LoCo's parameters.
+        assert_eq!(zero(&["--baseline", "flat"])?.routing, zeropp_engine::config::Routing::Flat);
+        assert_eq!(zero(&["--hpz-wire", "int8"])?.hpz_wire, zeropp_engine::config::HpzWire::Int8);
+        let loco = zero(&["--loco-beta", "0.5", "--loco-reset", "10"])?.error_feedback();
+        assert_eq!(loco.map(|l| (l.err_beta, l.reset_t)), Some((0.5, 10)));
+        // ZeRO-3 has no qgZ, so no qgZ options.
+        let z3 = zero(&["--mode", "zero3"])?;
+        assert!(z3.qgz.is_none() && z3.qwz.is_none());
+        // Bad values are one-line errors naming the flag.
+        for (args, says) in [
+            (&["--baseline", "ring"][..], "--baseline"),
+            (&["--hpz-wire", "int3"][..], "--hpz-wire"),
+            (&["--no-error-feedback", "--loco-beta", "0.5"][..], "cannot be used with"),
+        ] {
+            let err = zero(args).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(says), "{args:?}: {err}");
+        }
+        Ok(())
+    }
 }
