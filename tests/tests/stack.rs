@@ -54,7 +54,7 @@ fn shapes() -> impl Strategy<Value = Vec<Vec<Vec<usize>>>> {
 }
 
 fn check(world: usize, local: usize, hpz: usize, align: usize, shapes: &[Vec<Vec<usize>>]) {
-    let topo = Topology::new(world, local).unwrap();
+    let topo = Topology::ranks(world).per_node(local).unwrap();
     let plan = PartitionPlan::new(&registry(shapes), topo, PlanConfig::new(align, hpz)).unwrap();
     let cluster = ThreadCluster::new(topo, ThreadOptions::default());
     let plan = &plan;

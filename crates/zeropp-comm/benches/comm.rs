@@ -106,7 +106,7 @@ fn step(comm: &mut ThreadComm, op: Op, b: &mut Bufs) -> Result<(), CommError> {
 
 fn cluster() -> ThreadCluster {
     ThreadCluster::new(
-        Topology::new(8, 4).unwrap_or_else(|e| panic!("{e}")),
+        Topology::ranks(8).per_node(4).unwrap_or_else(|e| panic!("{e}")),
         ThreadOptions::default().with_timeout(Duration::from_secs(600)),
     )
 }
@@ -212,7 +212,7 @@ fn bytes_report(_c: &mut Criterion) {
     let (msg, count) = (4 * MIB, 32);
     let model = "intra=100GB/s,inter=1GB/s,latency=5us";
     let lc = ThreadCluster::new(
-        Topology::new(2, 1).unwrap_or_else(|e| panic!("{e}")),
+        Topology::ranks(2).per_node(1).unwrap_or_else(|e| panic!("{e}")),
         ThreadOptions::default().with_link_model(model.parse().unwrap_or_else(|e| panic!("{e}"))),
     );
     let times = lc

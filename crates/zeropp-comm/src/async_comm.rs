@@ -10,7 +10,7 @@
 //!
 //! ```
 //! use zeropp_comm::{AsyncComm, CommExt, Group, ThreadCluster, ThreadOptions, Topology};
-//! let cluster = ThreadCluster::new(Topology::new(2, 2)?, ThreadOptions::default());
+//! let cluster = ThreadCluster::new(Topology::ranks(2).per_node(2)?, ThreadOptions::default());
 //! cluster.run(|comm| {
 //!     let prefetch = AsyncComm::duplicate_from(comm)?;
 //!     let group = Group::world(comm.topology());

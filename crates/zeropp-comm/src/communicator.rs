@@ -104,7 +104,7 @@ fn record_exchange(traffic: &mut TrafficCounter, group: &Group, bytes: usize) {
 ///
 /// ```
 /// use zeropp_comm::{CommError, Communicator, Group, ThreadCluster, ThreadOptions, Topology};
-/// let cluster = ThreadCluster::new(Topology::new(2, 2)?, ThreadOptions::default());
+/// let cluster = ThreadCluster::new(Topology::ranks(2).per_node(2)?, ThreadOptions::default());
 /// cluster.run(|comm| {
 ///     let world = Group::world(comm.topology());
 ///     // A receive buffer one byte short: the same error on every backend.

@@ -9,7 +9,7 @@
 //! ```
 //! use zeropp_comm::conformance::{Case, run_all};
 //! use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
-//! let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+//! let cluster = ThreadCluster::new(Topology::ranks(4).per_node(2)?, ThreadOptions::default());
 //! cluster.run(|comm| run_all(comm, &Case { seed: 7, len: 13 }))?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -605,7 +605,7 @@ pub fn check_argument_errors<C: Communicator + ?Sized>(comm: &mut C) -> Result<u
 
     // 1. Bad groups, for every primitive (arguments otherwise valid for the group):
     //    a member outside the world (a fixed message), a group without the caller.
-    let bigger = Topology::new(w + 1, 1).map_err(|e| e.to_string())?;
+    let bigger = Topology::ranks(w + 1).per_node(1).map_err(|e| e.to_string())?;
     let outside = Group::new(&bigger, vec![me, w]).map_err(|e| e.to_string())?;
     let mut bad_groups = vec![(outside, Some(format!("rank {w} is outside a world of {w}")))];
     if w > 1 {

@@ -13,7 +13,7 @@ use crate::{CommError, Communicator, Group};
 ///
 /// ```
 /// use zeropp_comm::{CommExt, Group, ThreadCluster, ThreadOptions, Topology};
-/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let cluster = ThreadCluster::new(Topology::ranks(4).per_node(2)?, ThreadOptions::default());
 /// let out = cluster.run(|comm| {
 ///     let group = Group::world(comm.topology());
 ///     let mine = [comm.rank() as u32; 2];

@@ -11,7 +11,7 @@ use crate::{CommError, Topology};
 ///
 /// ```
 /// use zeropp_comm::{Group, Topology};
-/// let t = Topology::new(8, 4)?;
+/// let t = Topology::ranks(8).per_node(4)?;
 /// assert_eq!(Group::intra_node(&t, 5).ranks(), &[4, 5, 6, 7]);
 /// assert_eq!(Group::rail(&t, 5).ranks(), &[1, 5]);
 /// assert_eq!(Group::world(&t).size(), 8);
@@ -70,7 +70,7 @@ impl Group {
     ///
     /// ```
     /// use zeropp_comm::{Group, Topology};
-    /// let t = Topology::new(8, 4)?;
+    /// let t = Topology::ranks(8).per_node(4)?;
     /// assert_eq!(Group::hpz(&t, 6, 2)?.ranks(), &[6, 7]);
     /// assert_eq!(Group::hpz(&t, 6, 4)?, Group::intra_node(&t, 6));
     /// assert!(Group::hpz(&t, 6, 3).is_err());

@@ -43,5 +43,5 @@ pub use ext::CommExt;
 pub use group::Group;
 pub use link::{Link, LinkModel};
 pub use threads::{RunError, ThreadCluster, ThreadComm, ThreadOptions};
-pub use topology::Topology;
+pub use topology::{Ranks, Topology};
 pub use traffic::{LinkBytes, LinkClass, LinkCounters, OpTraffic, TrafficCounter, TrafficSnapshot};

@@ -9,7 +9,7 @@ use crate::CommError;
 ///
 /// ```
 /// use zeropp_comm::Topology;
-/// let t = Topology::new(8, 4)?;
+/// let t = Topology::ranks(8).per_node(4)?;
 /// assert_eq!(t.nodes(), 2);
 /// assert_eq!(t.node_of(5), 1);
 /// assert_eq!(t.local_rank(5), 1);
@@ -21,14 +21,33 @@ pub struct Topology {
     local_size: usize,
 }
 
-impl Topology {
-    /// Builds a topology; `world` and `local_size` must be non-zero and
-    /// `local_size` must divide `world`.
-    pub fn new(world: usize, local_size: usize) -> Result<Self, CommError> {
+/// A world size waiting for its node size: the first half of
+/// `Topology::ranks(world).per_node(local_size)` ([`Topology::ranks`],
+/// [`Ranks::per_node`]), so that the two numbers are never passed positionally
+/// next to each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a world size needs `.per_node(local_size)` to become a Topology"]
+pub struct Ranks {
+    world: usize,
+}
+
+impl Ranks {
+    /// The topology of these ranks in nodes of `local_size`; both must be
+    /// non-zero and `local_size` must divide the world size.
+    pub fn per_node(self, local_size: usize) -> Result<Topology, CommError> {
+        let world = self.world;
         if world == 0 || local_size == 0 || !world.is_multiple_of(local_size) {
             return Err(CommError::InvalidTopology { world, local_size });
         }
-        Ok(Self { world, local_size })
+        Ok(Topology { world, local_size })
+    }
+}
+
+impl Topology {
+    /// Starts a topology of `world` ranks; finish it with
+    /// [`Ranks::per_node`]: `Topology::ranks(8).per_node(4)` is 2 nodes of 4.
+    pub fn ranks(world: usize) -> Ranks {
+        Ranks { world }
     }
 
     /// Total number of ranks.

@@ -30,7 +30,7 @@ impl LinkClass {
 ///
 /// ```
 /// use zeropp_comm::{Group, LinkBytes, Topology};
-/// let t = Topology::new(8, 4)?;
+/// let t = Topology::ranks(8).per_node(4)?;
 /// // 100 bytes to every other rank of the world: 3 peers on the node, 4 on the other.
 /// let b = LinkBytes::to_members(&t, 0, &Group::world(&t), 100);
 /// assert_eq!(b, LinkBytes { intra: 300, inter: 400 });
@@ -178,7 +178,7 @@ impl TrafficSnapshot {
     ///
     /// ```
     /// use zeropp_comm::{Topology, TrafficCounter};
-    /// let t = Topology::new(4, 2)?;
+    /// let t = Topology::ranks(4).per_node(2)?;
     /// let (mut a, mut b) = (TrafficCounter::new(t, 0), TrafficCounter::new(t, 0));
     /// a.set_op("gather");
     /// a.record_send(1, 100);
@@ -225,7 +225,7 @@ impl TrafficSnapshot {
 ///
 /// ```
 /// use zeropp_comm::{Topology, TrafficCounter, LinkClass};
-/// let t = Topology::new(4, 2)?;
+/// let t = Topology::ranks(4).per_node(2)?;
 /// let mut c = TrafficCounter::new(t, 0);
 /// c.set_op("fwd_gather");
 /// c.record_send(1, 100); // same node

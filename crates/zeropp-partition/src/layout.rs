@@ -386,7 +386,7 @@ mod tests {
             align in prop_oneof![Just(1usize), Just(2), Just(256)],
             world in 1usize..5,
         ) {
-            let t = Topology::new(world, 1).unwrap();
+            let t = Topology::ranks(world).per_node(1).unwrap();
             let cfg = PlanConfig::new(align, 1).with_param_align(param_align);
             let plan = PartitionPlan::new(&registry(&sizes), t, cfg).unwrap();
             let layout = plan.bucket(0).unwrap();
@@ -420,7 +420,7 @@ mod tests {
         // param_align = group = 256 every group of 256 lies inside one parameter.
         let plan = PartitionPlan::new(
             &registry(&[64, 4096, 64]),
-            Topology::new(4, 2).unwrap(),
+            Topology::ranks(4).per_node(2).unwrap(),
             PlanConfig::new(256, 1).with_param_align(256),
         )
         .unwrap();

@@ -149,7 +149,7 @@ impl MemoryReport {
 /// let mut reg = ParamRegistry::new();
 /// reg.push_bucket("layer0", vec![ParamSpec::new("layer0.w", [10, 10], DType::BF16)])?;
 /// // 2 nodes × 4 ranks, shards aligned to 8-element quantization groups, hpZ over 4 ranks.
-/// let plan = PartitionPlan::new(&reg, Topology::new(8, 4)?, PlanConfig::new(8, 4))?;
+/// let plan = PartitionPlan::new(&reg, Topology::ranks(8).per_node(4)?, PlanConfig::new(8, 4))?;
 ///
 /// let b = plan.bucket(0)?;
 /// assert_eq!((b.numel, b.padded_len), (100, 128)); // padded to a multiple of 8 × 8

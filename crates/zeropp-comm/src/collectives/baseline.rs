@@ -12,7 +12,7 @@ use crate::{CommError, CommExt, Communicator, Group, LinkBytes, Topology, slices
 /// ```
 /// use zeropp_comm::collectives::group_all_gather_bytes;
 /// use zeropp_comm::{Group, LinkBytes, Topology};
-/// let t = Topology::new(8, 4)?;
+/// let t = Topology::ranks(8).per_node(4)?;
 /// let b = group_all_gather_bytes(&t, 0, &Group::world(&t), 2, 10);
 /// assert_eq!(b, LinkBytes { intra: 3 * 20, inter: 4 * 20 });
 /// # Ok::<(), zeropp_comm::CommError>(())

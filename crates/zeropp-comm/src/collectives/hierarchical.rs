@@ -128,7 +128,7 @@ fn to_world_order<T: Copy, U>(
 /// ```
 /// use zeropp_comm::collectives::{DenseWire, Routing, world_all_gather};
 /// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
-/// let cluster = ThreadCluster::new(Topology::new(6, 3)?, ThreadOptions::default());
+/// let cluster = ThreadCluster::new(Topology::ranks(6).per_node(3)?, ThreadOptions::default());
 /// let fulls = cluster.run(|comm| {
 ///     let shard = [comm.rank() as f32, 0.5];
 ///     let mut full = vec![0.0f32; 12];
@@ -182,7 +182,7 @@ fn hier_all_gather<C: Communicator + ?Sized, T: WireElem>(
 /// ```
 /// use zeropp_comm::collectives::{DenseWire, Routing, world_all_gather_bytes};
 /// use zeropp_comm::{LinkBytes, Topology};
-/// let t = Topology::new(8, 4)?; // 2 nodes x 4
+/// let t = Topology::ranks(8).per_node(4)?; // 2 nodes x 4
 /// let flat = world_all_gather_bytes(&t, Routing::Flat, DenseWire::Bf16, 100);
 /// let hier = world_all_gather_bytes(&t, Routing::Hierarchical, DenseWire::Bf16, 100);
 /// assert_eq!(flat, LinkBytes { intra: 3 * 200, inter: 4 * 200 });
@@ -227,7 +227,7 @@ fn two_hop_gather_bytes(topology: &Topology, chunk: u64) -> LinkBytes {
 /// ```
 /// use zeropp_comm::collectives::{DenseWire, Reduce, Routing, shard_len, world_reduce_scatter};
 /// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
-/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let cluster = ThreadCluster::new(Topology::ranks(4).per_node(2)?, ThreadOptions::default());
 /// let n = 10;
 /// let shards = cluster.run(|comm| {
 ///     let full: Vec<f32> = (0..n).map(|i| (i * (comm.rank() + 1)) as f32).collect();
@@ -347,7 +347,7 @@ fn hier_reduce_scatter<C: Communicator + ?Sized, T: WireElem>(
 /// ```
 /// use zeropp_comm::collectives::{DenseWire, Routing, world_reduce_scatter_bytes};
 /// use zeropp_comm::{LinkBytes, Topology};
-/// let t = Topology::new(8, 4)?; // 2 nodes x 4, s = 100
+/// let t = Topology::ranks(8).per_node(4)?; // 2 nodes x 4, s = 100
 /// let flat = world_reduce_scatter_bytes(&t, Routing::Flat, DenseWire::Bf16, 800);
 /// let hier = world_reduce_scatter_bytes(&t, Routing::Hierarchical, DenseWire::Bf16, 800);
 /// assert_eq!(flat, LinkBytes { intra: 3 * 200, inter: 4 * 200 });
@@ -381,7 +381,7 @@ pub fn world_reduce_scatter_bytes(
 /// ```
 /// use zeropp_comm::collectives::{QwzOptions, Routing, dequantize_encodings, world_qwz_gather_encoded};
 /// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
-/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let cluster = ThreadCluster::new(Topology::ranks(4).per_node(2)?, ThreadOptions::default());
 /// let opts = QwzOptions::default();
 /// let out = cluster.run(|comm| {
 ///     let shard = vec![comm.rank() as f32; 8];
@@ -432,7 +432,7 @@ pub fn world_qwz_gather_encoded<C: Communicator + ?Sized>(
 /// ```
 /// use zeropp_comm::collectives::{QwzOptions, Routing, world_qwz_all_gather};
 /// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
-/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let cluster = ThreadCluster::new(Topology::ranks(4).per_node(2)?, ThreadOptions::default());
 /// let fulls = cluster.run(|comm| {
 ///     let shard: Vec<f32> = (0..100).map(|i| (comm.rank() * 100 + i) as f32 / 400.0).collect();
 ///     let mut flat = vec![0.0f32; 400];

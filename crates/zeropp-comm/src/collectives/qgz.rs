@@ -186,7 +186,7 @@ impl ErrorFeedback {
 /// ```
 /// use zeropp_comm::collectives::{QgzOptions, qgz_reduce_scatter, shard_len};
 /// use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
-/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let cluster = ThreadCluster::new(Topology::ranks(4).per_node(2)?, ThreadOptions::default());
 /// let n = 1000;
 /// let shards = cluster.run(|comm| {
 ///     let grad: Vec<f32> = (0..n).map(|i| ((i * 7 + comm.rank()) % 13) as f32 / 13.0).collect();
@@ -233,7 +233,7 @@ pub fn qgz_reduce_scatter_with_feedback<C: Communicator + ?Sized>(
 /// use zeropp_comm::collectives::{QgzOptions, qgz_bytes};
 /// use zeropp_comm::Topology;
 /// use zeropp_quant::encoded_len;
-/// let t = Topology::new(8, 4)?; // 2 nodes x 4
+/// let t = Topology::ranks(8).per_node(4)?; // 2 nodes x 4
 /// let o = QgzOptions::default();
 /// let b = qgz_bytes(&t, &o, 8 * 1024);
 /// let e = encoded_len(o.intra_spec, 1024) as u64;

@@ -14,7 +14,7 @@ use crate::{CommError, Communicator, Group, LinkBytes, Topology, slices};
 /// ```
 /// use zeropp_comm::collectives::{QwzOptions, group_qwz_bytes};
 /// use zeropp_comm::{Group, LinkBytes, Topology};
-/// let t = Topology::new(8, 4)?;
+/// let t = Topology::ranks(8).per_node(4)?;
 /// let e = zeropp_comm::quant::encoded_len(QwzOptions::default().spec, 1000) as u64;
 /// let b = group_qwz_bytes(&t, 5, &Group::rail(&t, 5), QwzOptions::default().spec, 1000);
 /// assert_eq!(b, LinkBytes { intra: 0, inter: e });
@@ -71,7 +71,7 @@ impl Default for QwzOptions {
 /// ```
 /// use zeropp_comm::collectives::{QwzOptions, qwz_all_gather};
 /// use zeropp_comm::{Group, ThreadCluster, ThreadOptions, Topology};
-/// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+/// let cluster = ThreadCluster::new(Topology::ranks(4).per_node(2)?, ThreadOptions::default());
 /// let fulls = cluster.run(|comm| {
 ///     let world = Group::world(comm.topology());
 ///     let shard: Vec<f32> = (0..100).map(|i| (comm.rank() * 100 + i) as f32 / 400.0).collect();

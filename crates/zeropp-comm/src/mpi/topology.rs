@@ -123,7 +123,7 @@ pub(crate) fn detect(world: &SimpleCommunicator, local_size: Option<usize>) -> R
              every node must run the same number of ranks"
         )));
     }
-    Topology::new(size, local)
+    Topology::ranks(size).per_node(local)
 }
 
 #[cfg(test)]

@@ -170,7 +170,7 @@ impl ThreadCluster {
     ///
     /// ```
     /// use zeropp_comm::{CommExt, Communicator, Group, ThreadCluster, ThreadOptions, Topology};
-    /// let cluster = ThreadCluster::new(Topology::new(4, 2)?, ThreadOptions::default());
+    /// let cluster = ThreadCluster::new(Topology::ranks(4).per_node(2)?, ThreadOptions::default());
     /// let sums = cluster.run(|comm| {
     ///     let world = Group::world(comm.topology());
     ///     let mut x = [comm.rank() as f32, 1.0];

@@ -13,7 +13,7 @@ use zeropp_comm::{Group, ThreadCluster, ThreadOptions, Topology};
 /// Returns (qgZ RMS error, ring RMS error) against the exact f64 mean, and checks
 /// the analytic bound on every element.
 fn errors(w: usize, l: usize, n: usize) -> (f64, f64) {
-    let t = Topology::new(w, l).unwrap();
+    let t = Topology::ranks(w).per_node(l).unwrap();
     let inputs: Vec<Vec<f32>> = (0..w).map(|r| rank_data(11, r, n)).collect();
     let s = shard_len(n, w);
     let outs = ThreadCluster::new(t, ThreadOptions::default())
@@ -62,7 +62,7 @@ fn error_feedback_reduces_the_accumulated_error() {
     // With a constant gradient, the running average of the qgZ outputs converges
     // to the exact mean with error feedback, and stays biased without it.
     let (w, l, n, steps) = (4, 2, 4096, 16);
-    let t = Topology::new(w, l).unwrap();
+    let t = Topology::ranks(w).per_node(l).unwrap();
     let inputs: Vec<Vec<f32>> = (0..w).map(|r| rank_data(5, r, n)).collect();
     let s = shard_len(n, w);
     let outs = ThreadCluster::new(t, ThreadOptions::default())

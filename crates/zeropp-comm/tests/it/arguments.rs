@@ -12,7 +12,7 @@ use zeropp_comm::{
 #[test]
 fn thread_backend_reports_the_documented_errors() {
     for (world, local) in [(1, 1), (2, 1), (2, 2), (4, 2), (6, 3), (8, 4)] {
-        let t = Topology::new(world, local).unwrap();
+        let t = Topology::ranks(world).per_node(local).unwrap();
         let checks = ThreadCluster::new(t, ThreadOptions::default())
             .run(check_argument_errors)
             .unwrap_or_else(|e| panic!("{world}x{local}: {e}"));
@@ -24,7 +24,7 @@ fn thread_backend_reports_the_documented_errors() {
 /// first (outside the world, then membership), then the arguments.
 #[test]
 fn messages_and_check_order() {
-    let t = Topology::new(4, 2).unwrap();
+    let t = Topology::ranks(4).per_node(2).unwrap();
     ThreadCluster::new(t, ThreadOptions::default())
         .run(|comm| -> Result<(), CommError> {
             let me = comm.rank();
@@ -73,7 +73,7 @@ struct Loopback {
 
 impl Loopback {
     fn new() -> Self {
-        let topology = Topology::new(1, 1).unwrap();
+        let topology = Topology::ranks(1).per_node(1).unwrap();
         Self { topology, traffic: TrafficCounter::new(topology, 0), raw_calls: 0 }
     }
 }

@@ -7,7 +7,7 @@ use zeropp_comm::conformance::{Case, run_all};
 use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
 
 fn run(world: usize, local: usize, case: Case) -> Result<(), String> {
-    let t = Topology::new(world, local).map_err(|e| e.to_string())?;
+    let t = Topology::ranks(world).per_node(local).map_err(|e| e.to_string())?;
     let cluster =
         ThreadCluster::new(t, ThreadOptions::default().with_timeout(std::time::Duration::from_secs(20)));
     cluster.run(|comm| run_all(comm, &case)).map(|_| ()).map_err(|e| e.to_string())

@@ -10,7 +10,7 @@ use zeropp_comm::{
 
 fn cluster(w: usize, l: usize, timeout_ms: u64) -> ThreadCluster {
     ThreadCluster::new(
-        Topology::new(w, l).unwrap(),
+        Topology::ranks(w).per_node(l).unwrap(),
         ThreadOptions::default().with_timeout(Duration::from_millis(timeout_ms)),
     )
 }

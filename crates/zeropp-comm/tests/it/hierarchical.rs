@@ -19,7 +19,7 @@ const SHAPES: [(usize, usize); 8] = [(1, 1), (1, 4), (4, 1), (2, 4), (4, 2), (3,
 const LENGTHS: [usize; 8] = [0, 1, 2, 7, 13, 31, 97, 20_011];
 
 fn cluster(nodes: usize, local: usize) -> (Topology, ThreadCluster) {
-    let t = Topology::new(nodes * local, local).unwrap();
+    let t = Topology::ranks(nodes * local).per_node(local).unwrap();
     (t, ThreadCluster::new(t, ThreadOptions::default().with_timeout(std::time::Duration::from_secs(60))))
 }
 

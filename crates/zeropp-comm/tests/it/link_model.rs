@@ -37,7 +37,7 @@ fn timed(
     local: usize,
     f: impl Fn(&mut zeropp_comm::ThreadComm) + Sync,
 ) -> Duration {
-    let t = Topology::new(world, local).unwrap();
+    let t = Topology::ranks(world).per_node(local).unwrap();
     let c = ThreadCluster::new(t, ThreadOptions::default().with_link_model(model.parse().unwrap()));
     let times = c
         .run(|comm| -> Result<Duration, zeropp_comm::CommError> {

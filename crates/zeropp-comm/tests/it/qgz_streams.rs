@@ -36,7 +36,7 @@ fn shared_gradient() -> Vec<f32> {
 /// Mean squared error of the qgZ mean against the (exact) shared value, over the
 /// non-amax elements of every rank's shard.
 fn mean_sq_error(world: usize, local: usize) -> f64 {
-    let t = Topology::new(world, local).unwrap();
+    let t = Topology::ranks(world).per_node(local).unwrap();
     let g = shared_gradient();
     let int4 = QuantSpec::int4(GROUP).unwrap();
     let opts = QgzOptions {
@@ -106,7 +106,7 @@ fn inter_node_error_variance_grows_linearly() {
 /// both hops quantize. β = 0.8 (DeepSpeed's default) must do it too.
 #[test]
 fn loco_feedback_shrinks_the_time_averaged_error_on_both_hops() {
-    let t = Topology::new(4, 2).unwrap();
+    let t = Topology::ranks(4).per_node(2).unwrap();
     let n = 4096;
     let steps = 32;
     let grads: Vec<Vec<f32>> = (0..4)
@@ -164,7 +164,7 @@ fn loco_feedback_shrinks_the_time_averaged_error_on_both_hops() {
 /// other's state half way, give bit-identical shards.
 #[test]
 fn feedback_state_round_trips() {
-    let t = Topology::new(4, 2).unwrap();
+    let t = Topology::ranks(4).per_node(2).unwrap();
     let n = 1000;
     let g = |r: usize, k: usize| -> Vec<f32> {
         (0..n).map(|i| ((splitmix64((k * 7919 + r * n + i) as u64) >> 40) as f32 / 1e7) - 0.8).collect()

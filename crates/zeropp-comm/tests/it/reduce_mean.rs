@@ -20,7 +20,7 @@ fn input(rank: usize, i: usize) -> f32 {
 }
 
 fn check(world: usize, local: usize) {
-    let t = Topology::new(world, local).unwrap();
+    let t = Topology::ranks(world).per_node(local).unwrap();
     let n = 1001;
     let s = shard_len(n, world);
     let outs = ThreadCluster::new(t, ThreadOptions::default())

@@ -40,7 +40,7 @@ fn each(g: &Group, bytes: usize) -> Vec<(usize, usize)> {
 }
 
 fn check(w: usize, l: usize) {
-    let t = Topology::new(w, l).unwrap();
+    let t = Topology::ranks(w).per_node(l).unwrap();
     let cluster = ThreadCluster::new(t, ThreadOptions::default());
     let snaps: Vec<TrafficSnapshot> = cluster
         .run(|comm| -> Result<TrafficSnapshot, zeropp_comm::CommError> {
@@ -165,7 +165,7 @@ fn counters_match_formulas() {
 #[test]
 fn qgz_cuts_cross_node_bytes() {
     // 2 nodes x 4: qgZ's cross-node bytes are ~1/(4L) of the bf16 baseline's.
-    let t = Topology::new(8, 4).unwrap();
+    let t = Topology::ranks(8).per_node(4).unwrap();
     let n = 1 << 16;
     let snaps = ThreadCluster::new(t, ThreadOptions::default())
         .run(|comm| -> Result<_, zeropp_comm::CommError> {
@@ -203,7 +203,7 @@ fn symmetric(intra_msgs: usize, per_msg_intra: usize, inter_msgs: usize, per_msg
 /// equal the byte-formula functions exactly (intra and inter, sent and received),
 /// and the message counts follow the routing.
 fn check_world(nodes: usize, local: usize, c: usize, n: usize) {
-    let t = Topology::new(nodes * local, local).unwrap();
+    let t = Topology::ranks(nodes * local).per_node(local).unwrap();
     let w = t.world();
     let qwz = QwzOptions::default();
     let snaps: Vec<TrafficSnapshot> = ThreadCluster::new(t, ThreadOptions::default())
@@ -308,7 +308,7 @@ fn world_collectives_counters_match_formulas() {
 fn snapshots_of_two_communicators_merge() {
     // A rank's main communicator and its duplicate count separately; merging their
     // snapshots adds every tag's counters.
-    let t = Topology::new(4, 2).unwrap();
+    let t = Topology::ranks(4).per_node(2).unwrap();
     let out = ThreadCluster::new(t, ThreadOptions::default())
         .run(|comm| -> Result<_, zeropp_comm::CommError> {
             let mut dup = comm.duplicate()?;

@@ -70,7 +70,7 @@ impl ByteModel {
 /// use zeropp_engine::engine::{build_plan, bytes::step_bytes};
 /// use zeropp_engine::model::{Gpt, GptConfig};
 /// let model = Gpt::new(GptConfig::tiny())?;
-/// let t = Topology::new(8, 4).map_err(zeropp_engine::EngineError::InvalidTopology)?;
+/// let t = Topology::ranks(8).per_node(4).map_err(zeropp_engine::EngineError::InvalidTopology)?;
 /// let z3 = EngineConfig::default(); // hierarchical ZeRO-3
 /// let zpp = EngineConfig { zero: ZeroConfig::zeropp(4), ..EngineConfig::default() };
 /// let b3 = step_bytes(&build_plan(&model, &z3, t)?, &z3, 1)?.total();

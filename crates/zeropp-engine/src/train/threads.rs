@@ -35,7 +35,7 @@ pub(crate) fn train_model<M: Model>(
         ));
     }
     let (seq_len, micro) = check_run(model, data, cfg)?;
-    let topo = Topology::new(cfg.world, cfg.local_size).map_err(EngineError::InvalidTopology)?;
+    let topo = Topology::ranks(cfg.world).per_node(cfg.local_size).map_err(EngineError::InvalidTopology)?;
     let plan = build_plan(model, &cfg.engine, topo)?;
     let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
 

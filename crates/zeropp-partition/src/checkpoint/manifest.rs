@@ -139,7 +139,7 @@ impl Manifest {
     ///
     /// let mut reg = ParamRegistry::new();
     /// reg.push_bucket("layer0", vec![ParamSpec::new("w", [8], DType::F32)])?;
-    /// let plan = PartitionPlan::new(&reg, Topology::new(2, 2)?, PlanConfig::default())?;
+    /// let plan = PartitionPlan::new(&reg, Topology::ranks(2).per_node(2)?, PlanConfig::default())?;
     /// let dir = std::env::temp_dir().join(format!("zeropp-doc-extras-{}", std::process::id()));
     ///
     /// // Phase 1, on every rank: write the shard, keep its extras listing.
@@ -220,7 +220,7 @@ impl Manifest {
 
     /// The topology at save time.
     pub fn topology(&self) -> Result<Topology> {
-        Ok(Topology::new(self.topology.world, self.topology.local_size)?)
+        Ok(Topology::ranks(self.topology.world).per_node(self.topology.local_size)?)
     }
 
     /// The registry (buckets and parameters) of the saved model.

@@ -127,7 +127,7 @@ pub fn commit_checkpoint(dir: &Path, manifest: &Manifest) -> Result<PathBuf> {
 /// let weights: Vec<f32> = (0..15).map(|i| i as f32 * 0.5).collect();
 ///
 /// // Save with 4 ranks …
-/// let plan4 = PartitionPlan::new(&reg, Topology::new(4, 2)?, PlanConfig::new(2, 2))?;
+/// let plan4 = PartitionPlan::new(&reg, Topology::ranks(4).per_node(2)?, PlanConfig::new(2, 2))?;
 /// let shards = (0..4)
 ///     .map(|r| ShardState::from_full_master(&plan4, r, &[&weights]))
 ///     .collect::<Result<Vec<_>, _>>()?;
@@ -138,7 +138,7 @@ pub fn commit_checkpoint(dir: &Path, manifest: &Manifest) -> Result<PathBuf> {
 /// let ckpt = load_checkpoint(&dir)?;
 /// assert_eq!(ckpt.step(), 7);
 /// assert_eq!(ckpt.master_of("w"), Some(&weights[..]));
-/// let plan3 = ckpt.plan_for(Topology::new(3, 3)?, PlanConfig::default())?;
+/// let plan3 = ckpt.plan_for(Topology::ranks(3).per_node(3)?, PlanConfig::default())?;
 /// let s1 = ckpt.shard_for(&plan3, 1)?;
 /// assert_eq!(s1.buckets[0].master, weights[5..10]);
 /// # std::fs::remove_dir_all(&dir).ok();

@@ -27,8 +27,12 @@ pub(super) fn registry() -> ParamRegistry {
 }
 
 pub(super) fn plan(world: usize, local: usize, align: usize, hpz: usize) -> PartitionPlan {
-    PartitionPlan::new(&registry(), Topology::new(world, local).unwrap(), PlanConfig::new(align, hpz))
-        .unwrap()
+    PartitionPlan::new(
+        &registry(),
+        Topology::ranks(world).per_node(local).unwrap(),
+        PlanConfig::new(align, hpz),
+    )
+    .unwrap()
 }
 
 /// Deterministic, distinct per-element values for the "model state": padding zero.
@@ -117,7 +121,8 @@ fn reshard(from: (usize, usize, usize, usize), to: (usize, usize, usize, usize))
     let src = plan(from.0, from.1, from.2, from.3);
     save(tmp.path(), &src, 7, 3.0);
     let ck = load_checkpoint(tmp.path()).unwrap();
-    let dst = ck.plan_for(Topology::new(to.0, to.1).unwrap(), PlanConfig::new(to.2, to.3)).unwrap();
+    let dst =
+        ck.plan_for(Topology::ranks(to.0).per_node(to.1).unwrap(), PlanConfig::new(to.2, to.3)).unwrap();
     let expected = shards_of(&dst, &full_state(&dst, 3.0));
     assert_eq!(expected.len(), to.0);
     for (r, want) in expected.iter().enumerate() {
@@ -162,7 +167,8 @@ fn shard_for_rejects_a_different_model() {
     let ck = load_checkpoint(tmp.path()).unwrap();
     let mut other = ParamRegistry::new();
     other.push_bucket("embed", vec![ParamSpec::new("embed.w", [13, 6], DType::BF16)]).unwrap();
-    let bad = PartitionPlan::new(&other, Topology::new(2, 2).unwrap(), PlanConfig::default()).unwrap();
+    let bad =
+        PartitionPlan::new(&other, Topology::ranks(2).per_node(2).unwrap(), PlanConfig::default()).unwrap();
     assert!(matches!(ck.shard_for(&bad, 0), Err(PartitionError::LayoutMismatch(_))));
 }
 

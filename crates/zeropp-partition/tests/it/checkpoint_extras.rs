@@ -397,10 +397,10 @@ fn resharding_drops_extras_and_says_so() {
         ((4, 4, 4, 2), true),  // same world, other ranks per node
         ((4, 2, 1, 2), true),  // same topology, alignment changes the padding
     ];
-    let aligned = ck.plan_for(Topology::new(4, 2).unwrap(), PlanConfig::new(1, 2)).unwrap();
+    let aligned = ck.plan_for(Topology::ranks(4).per_node(2).unwrap(), PlanConfig::new(1, 2)).unwrap();
     assert_ne!(aligned.buckets(), p.buckets(), "the alignment case must change the layouts");
     for ((w, l, align, hpz), dropped) in cases {
-        let dst = ck.plan_for(Topology::new(w, l).unwrap(), PlanConfig::new(align, hpz)).unwrap();
+        let dst = ck.plan_for(Topology::ranks(w).per_node(l).unwrap(), PlanConfig::new(align, hpz)).unwrap();
         assert_eq!(ck.extras_dropped(&dst), dropped, "{w}x{l} align {align} hpz {hpz}");
         let expected = shards_of(&dst, &full_state(&dst, 1.0));
         for (r, want) in expected.iter().enumerate() {
@@ -422,7 +422,7 @@ fn resharding_drops_extras_and_says_so() {
         .unwrap();
     let plain = load_checkpoint(tmp2.path()).unwrap();
     assert!(!plain.has_extras());
-    let other = plain.plan_for(Topology::new(2, 2).unwrap(), PlanConfig::default()).unwrap();
+    let other = plain.plan_for(Topology::ranks(2).per_node(2).unwrap(), PlanConfig::default()).unwrap();
     assert!(!plain.extras_dropped(&other));
 }
 
@@ -535,7 +535,7 @@ fn checkpoints_written_before_extras_still_load() {
         assert_eq!(&ck.shard_for(&p, r).unwrap(), want);
         assert_eq!(ck.rank_extra(r), Some(&BTreeMap::new()));
     }
-    let other = ck.plan_for(Topology::new(2, 2).unwrap(), PlanConfig::default()).unwrap();
+    let other = ck.plan_for(Topology::ranks(2).per_node(2).unwrap(), PlanConfig::default()).unwrap();
     assert!(!ck.extras_dropped(&other));
 
     // Today's writer, given no extras, writes that same format: the same

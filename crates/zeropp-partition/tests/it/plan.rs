@@ -22,8 +22,12 @@ fn registry() -> ParamRegistry {
 }
 
 fn plan(world: usize, local: usize, align: usize, hpz: usize) -> PartitionPlan {
-    PartitionPlan::new(&registry(), Topology::new(world, local).unwrap(), PlanConfig::new(align, hpz))
-        .unwrap()
+    PartitionPlan::new(
+        &registry(),
+        Topology::ranks(world).per_node(local).unwrap(),
+        PlanConfig::new(align, hpz),
+    )
+    .unwrap()
 }
 
 #[test]
@@ -74,7 +78,7 @@ fn registry_rejects_duplicates_and_empty_names() {
 
 #[test]
 fn invalid_configs_are_clear_errors() {
-    let t = Topology::new(8, 4).unwrap();
+    let t = Topology::ranks(8).per_node(4).unwrap();
     let reg = registry();
     let err = PartitionPlan::new(&reg, t, PlanConfig::new(4, 3)).unwrap_err();
     assert!(matches!(err, PartitionError::InvalidHpz { hpz: 3, local_size: 4 }));

@@ -30,7 +30,8 @@ fn scenario() -> impl Strategy<Value = (ParamRegistry, usize, usize, usize, usiz
 
 fn build(s: &(ParamRegistry, usize, usize, usize, usize)) -> PartitionPlan {
     let (reg, world, local, align, hpz) = s;
-    PartitionPlan::new(reg, Topology::new(*world, *local).unwrap(), PlanConfig::new(*align, *hpz)).unwrap()
+    PartitionPlan::new(reg, Topology::ranks(*world).per_node(*local).unwrap(), PlanConfig::new(*align, *hpz))
+        .unwrap()
 }
 
 fn full_bucket(plan: &PartitionPlan, b: usize) -> Vec<f32> {

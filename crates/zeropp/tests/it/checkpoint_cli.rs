@@ -29,7 +29,8 @@ fn write_checkpoint(dir: &Path) {
         vec![ParamSpec::new("layer0.w", [4, 4], DType::F32), ParamSpec::new("layer0.b", [4], DType::F16)],
     )
     .unwrap();
-    let plan = PartitionPlan::new(&reg, Topology::new(4, 2).unwrap(), PlanConfig::new(2, 2)).unwrap();
+    let plan =
+        PartitionPlan::new(&reg, Topology::ranks(4).per_node(2).unwrap(), PlanConfig::new(2, 2)).unwrap();
     let full: Vec<Vec<f32>> =
         plan.buckets().iter().map(|b| (0..b.numel).map(|i| i as f32 * 0.25).collect()).collect();
     let refs: Vec<&[f32]> = full.iter().map(Vec::as_slice).collect();
