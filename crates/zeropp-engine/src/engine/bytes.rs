@@ -136,14 +136,12 @@ pub fn step_bytes(
             };
             add(tags::GRAD_REDUCE, collectives::qgz_bytes(&t, &opts, padded).scaled(a * wu));
             if qgz.exclude_1d {
-                let one_d: Vec<_> =
-                    layout.params.iter().filter(|p| p.shape.len() == 1).map(|p| p.range()).collect();
-                let counts = super::layer_comm::dense_slice_counts(&one_d, s, w);
-                if counts.iter().any(|&c| c > 0) {
+                let slices = super::layer_comm::DenseSlices::of(plan, l)?;
+                if !slices.is_empty() {
                     for r in 0..w {
                         add(
                             tags::GRAD_REDUCE,
-                            super::layer_comm::dense_slices_bytes(&t, z.routing, r, &counts, b).scaled(a),
+                            super::layer_comm::dense_slices_bytes(&t, z.routing, r, &slices, b).scaled(a),
                         );
                     }
                 }

@@ -18,6 +18,7 @@ use zeropp_comm::collectives::{
     qgz_reduce_scatter_with_feedback,
 };
 use zeropp_comm::{AsyncComm, CommError, Communicator, Group, Pending, TrafficSnapshot};
+use zeropp_partition::PartitionPlan;
 use zeropp_quant::half::bf16;
 use zeropp_quant::{Options, QuantSpec};
 
@@ -190,13 +191,40 @@ struct Qgz {
 /// parameters): for every rank, the flat ranges of those elements inside its
 /// primary shard, in order.
 #[derive(Debug, Clone, Default)]
-struct DenseSlices {
+pub(crate) struct DenseSlices {
     per_rank: Vec<Vec<Range<usize>>>,
 }
 
 impl DenseSlices {
-    fn count(&self, rank: usize) -> usize {
+    /// The 1-D parameters (biases, norm gains and shifts) of layer `layer` of
+    /// `plan`, cut along the ranks' primary shards. Used by the exchange and by
+    /// the byte model, so both see the same elements.
+    pub(crate) fn of(plan: &PartitionPlan, layer: usize) -> Result<Self, EngineError> {
+        let layout = plan.bucket(layer)?;
+        let s = plan.shard_len(layer)?;
+        let one_d: Vec<Range<usize>> =
+            layout.params.iter().filter(|p| p.shape.len() == 1).map(|p| p.range()).collect();
+        let per_rank = (0..plan.world())
+            .map(|r| {
+                let own = r * s..(r + 1) * s;
+                one_d
+                    .iter()
+                    .map(|x| x.start.max(own.start)..x.end.min(own.end))
+                    .filter(|x| x.start < x.end)
+                    .collect()
+            })
+            .collect();
+        Ok(Self { per_rank })
+    }
+
+    /// Elements of rank `rank`'s shard that are reduced densely.
+    pub(crate) fn count(&self, rank: usize) -> usize {
         self.per_rank.get(rank).map_or(0, |rs| rs.iter().map(Range::len).sum())
+    }
+
+    /// True when no rank has any.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.per_rank.iter().all(Vec::is_empty)
     }
 }
 
@@ -212,16 +240,8 @@ pub(crate) struct LayerComm {
 }
 
 impl LayerComm {
-    /// The collectives of `cfg` for `rank`; `one_d` lists, per layer, the flat
-    /// ranges of the 1-D parameters and `shard_lens` the primary shard length of
-    /// every layer (both used only when they are excluded from qgZ).
-    pub(crate) fn new(
-        cfg: &EngineConfig,
-        rank: usize,
-        world: usize,
-        one_d: &[Vec<Range<usize>>],
-        shard_lens: &[usize],
-    ) -> Result<Self, EngineError> {
+    /// The collectives of `cfg` for `rank` on `plan`.
+    pub(crate) fn new(cfg: &EngineConfig, rank: usize, plan: &PartitionPlan) -> Result<Self, EngineError> {
         let z = &cfg.zero;
         let dense = z.comm_dtype.wire();
         let round = dense == DenseWire::Bf16;
@@ -236,7 +256,7 @@ impl LayerComm {
             hpz_int8: z.qwz.is_some() && z.hpz_wire == HpzWire::Int8,
             stochastic: None,
         };
-        let layers = shard_lens.len();
+        let layers = plan.num_buckets();
         let qgz = if let Some(q) = z.qgz {
             let wire = q.spec;
             let local = QuantSpec::int8(wire.group_size()).map_err(EngineError::InvalidQuantSpec)?;
@@ -252,22 +272,7 @@ impl LayerComm {
             None
         };
         let dense_slices = if z.exclude_1d() {
-            one_d
-                .iter()
-                .zip(shard_lens)
-                .map(|(ranges, &s)| DenseSlices {
-                    per_rank: (0..world)
-                        .map(|r| {
-                            let own = r * s..(r + 1) * s;
-                            ranges
-                                .iter()
-                                .map(|x| x.start.max(own.start)..x.end.min(own.end))
-                                .filter(|x| x.start < x.end)
-                                .collect()
-                        })
-                        .collect(),
-                })
-                .collect()
+            (0..plan.num_buckets()).map(|l| DenseSlices::of(plan, l)).collect::<Result<Vec<_>, _>>()?
         } else {
             Vec::new()
         };
@@ -396,7 +401,7 @@ impl LayerComm {
             collectives::world_reduce_scatter(comm, self.gather.routing, dense, full, out, Reduce::Mean)?;
             return Ok(());
         };
-        let slices = self.dense_slices.get(layer).filter(|d| d.per_rank.iter().any(|r| !r.is_empty()));
+        let slices = self.dense_slices.get(layer).filter(|d| !d.is_empty());
         // The 1-D parameters go to their owners densely; qgZ carries zeros there.
         let dense_part = match slices {
             Some(d) => {
@@ -583,12 +588,12 @@ pub(crate) fn dense_slices_bytes(
     topology: &zeropp_comm::Topology,
     routing: Routing,
     rank: usize,
-    counts: &[usize],
+    slices: &DenseSlices,
     b: usize,
 ) -> zeropp_comm::LinkBytes {
     let t = topology;
     let (n, l) = (t.nodes(), t.local_size());
-    let count = |r: usize| counts.get(r).copied().unwrap_or(0) as u64 * b as u64;
+    let count = |r: usize| slices.count(r) as u64 * b as u64;
     let mut out = zeropp_comm::LinkBytes::default();
     if routing == Routing::Flat || n == 1 || l == 1 {
         for r in (0..t.world()).filter(|&r| r != rank) {
@@ -605,17 +610,6 @@ pub(crate) fn dense_slices_bytes(
         out.inter = (0..n).filter(|&m| m != me_m).map(|m| count(t.rank_of(m, me_l))).sum();
     }
     out
-}
-
-/// The part of a layer inside each rank's primary shard that is 1-D, for the
-/// byte model: the element counts per rank.
-pub(crate) fn dense_slice_counts(one_d: &[Range<usize>], shard_len: usize, world: usize) -> Vec<usize> {
-    (0..world)
-        .map(|r| {
-            let own = r * shard_len..(r + 1) * shard_len;
-            one_d.iter().map(|x| x.end.min(own.end).saturating_sub(x.start.max(own.start))).sum()
-        })
-        .collect()
 }
 
 /// A gather running on the prefetch stream.

@@ -77,15 +77,6 @@ pub struct StepOutcome {
     pub skipped: bool,
 }
 
-/// The flat ranges of the 1-D parameters (biases, norm gains and shifts) of
-/// every layer, for the qgZ 1-D exclusion.
-fn one_d_ranges(plan: &PartitionPlan) -> Vec<Vec<std::ops::Range<usize>>> {
-    plan.buckets()
-        .iter()
-        .map(|b| b.params.iter().filter(|p| p.shape.len() == 1).map(|p| p.range()).collect())
-        .collect()
-}
-
 /// Replaces every non-finite value of `grad` by zero; true when there was one.
 fn sanitize(grad: &mut [f32]) -> bool {
     if grad.iter().all(|g| g.is_finite()) {
@@ -198,9 +189,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             None
         };
         let optim = master.iter().map(|m| AdamW::new(cfg.optim, m.len())).collect();
-        let one_d = one_d_ranges(&plan);
-        let shard_lens: Vec<usize> = master.iter().map(Vec::len).collect();
-        let comms = LayerComm::new(cfg, rank, topology.world(), &one_d, &shard_lens)?;
+        let comms = LayerComm::new(cfg, rank, &plan)?;
         let grad_acc = master.iter().map(|m| vec![0.0; m.len()]).collect();
         let n = master.len();
         Ok(Self {
