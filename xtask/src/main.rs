@@ -10,6 +10,9 @@ use std::process::{Command, ExitCode};
 
 use serde_json::Value;
 
+mod gpu;
+mod ptx;
+
 const HELP: &str = "\
 cargo xtask <task>
 
@@ -22,6 +25,11 @@ tasks:
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
                    writes a markdown summary to target/bench-report/NAME.md
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
+  ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
+                   target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
+  gpu test|clippy  zeropp-quant --features cuda (stub libcuda when no driver): GPU tests
+                   (skip without a device; ZEROPP_REQUIRE_GPU=1 fails instead) or clippy;
+                   `bench gpu` benchmarks the kernels against device memcpy
   help             this text
 ";
 
@@ -40,6 +48,8 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
         Some("test-mpi") => test_mpi(),
+        Some("ptx") => ptx::ptx(&args[1..]),
+        Some("gpu") => gpu::gpu(&args[1..]),
         Some("help") | Some("--help") | Some("-h") | None => {
             print!("{HELP}");
             Ok(())
@@ -94,6 +104,8 @@ fn ci(args: &[String]) -> Result<(), String> {
     let mut doc = cargo();
     doc.args(["doc", "--workspace", "--no-deps", "--locked"]).env("RUSTDOCFLAGS", "-D warnings");
     run("rustdoc", doc)?;
+
+    gpu::ci()?;
 
     if no_mpi {
         eprintln!("\n==> MPI tests skipped (--no-mpi)");
@@ -160,9 +172,13 @@ fn bench(args: &[String]) -> Result<(), String> {
             fidelity(&report_dir)?;
             continue;
         }
+        if name == "gpu" {
+            gpu::bench(&report_dir)?;
+            continue;
+        }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
-            return Err(format!("unknown bench `{name}` (known: {}, fidelity)", known.join(", ")));
+            return Err(format!("unknown bench `{name}` (known: {}, fidelity, gpu)", known.join(", ")));
         };
         let home = root().join("target/criterion").join(name);
         // Start from an empty criterion home so the report holds only this run's figures.

@@ -59,6 +59,11 @@ pub enum QuantError {
     /// Wire decoding failed: the buffer is not a valid encoding.
     #[error("invalid quantized encoding: {0}")]
     Decode(#[from] DecodeError),
+    /// A CUDA driver call failed (feature `cuda`): no driver or device
+    /// (`NoDevice`), out of device memory, a failed launch, ...
+    #[cfg(feature = "cuda")]
+    #[error("CUDA: {0}")]
+    Cuda(#[from] cust::error::CudaError),
 }
 
 /// Why a wire buffer (or a set of parts) is not a valid quantized value.

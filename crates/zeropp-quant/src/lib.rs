@@ -68,6 +68,8 @@
 //! ```
 
 mod core;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod element;
 mod error;
 mod ops;

@@ -1,0 +1,77 @@
+//! The `cuda` feature's tasks: `cargo xtask gpu test`, `cargo xtask bench gpu`,
+//! and the CI steps (artefact freshness, clippy, build, GPU tests that skip).
+//!
+//! Every cargo command built with `--features cuda` gets `CUDA_LIBRARY_PATH`
+//! pointing at the stub driver from [`crate::ptx::stub`], so it links on a
+//! machine without CUDA; on a machine with a driver the real `libcuda.so.1` is
+//! used at run time.
+
+use std::path::Path;
+use std::process::Command;
+
+use crate::{cargo, ptx, run};
+
+/// `cargo` with the link path for `-lcuda` set up.
+fn cuda_cargo() -> Result<Command, String> {
+    let stub = ptx::stub()?;
+    let mut c = cargo();
+    c.env("CUDA_LIBRARY_PATH", stub);
+    Ok(c)
+}
+
+/// `cargo xtask gpu <test|clippy>`.
+pub(crate) fn gpu(args: &[String]) -> Result<(), String> {
+    match args.first().map(String::as_str) {
+        Some("test") => test(),
+        Some("clippy") => clippy(),
+        _ => Err("usage: cargo xtask gpu test | clippy".into()),
+    }
+}
+
+/// The GPU tests (module `gpu` of zeropp-quant's test binary) and the cuda
+/// module's doc build. Without a device they skip with one counted line; with
+/// `ZEROPP_REQUIRE_GPU=1` a missing device fails.
+pub(crate) fn test() -> Result<(), String> {
+    let mut t = cuda_cargo()?;
+    t.args(["test", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--test", "it", "--", "gpu::"]);
+    run("GPU tests (zeropp-quant --features cuda)", t)?;
+    eprintln!("==> device: {}", if ptx::has_driver() { "a CUDA driver is installed" } else { "no CUDA driver (stub libcuda)" });
+    Ok(())
+}
+
+fn clippy() -> Result<(), String> {
+    let mut c = cuda_cargo()?;
+    c.args([
+        "clippy", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--all-targets", "--", "-D", "warnings",
+    ]);
+    run("clippy (zeropp-quant, cuda feature)", c)
+}
+
+/// CI's share: the artefacts are current, clippy and rustdoc are clean with the
+/// feature, and the GPU tests build, link (stub) and run (skipping without a GPU).
+pub(crate) fn ci() -> Result<(), String> {
+    ptx::ptx(&["--check".to_string()])?;
+    clippy()?;
+    test()?;
+    let mut doc = cuda_cargo()?;
+    doc.args(["doc", "--locked", "-p", "zeropp-quant", "--no-deps", "--features", "cuda"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run("rustdoc (zeropp-quant, cuda feature)", doc)
+}
+
+/// `cargo xtask bench gpu`: the GPU bench (`benches/gpu.rs`) writes
+/// `target/bench-report/gpu.md` itself (ratios to a device-to-device memcpy of
+/// the same input bytes, measured in the same run). Without a device it says so
+/// and writes nothing; with `ZEROPP_REQUIRE_GPU=1` that is a failure.
+pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
+    let out = report_dir.join("gpu.md");
+    let _ = std::fs::remove_file(&out);
+    let mut c = cuda_cargo()?;
+    c.args(["bench", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--bench", "gpu"])
+        .env("ZEROPP_GPU_BENCH_OUT", &out);
+    run("bench gpu", c)?;
+    if out.exists() {
+        eprintln!("==> wrote {}", out.display());
+    }
+    Ok(())
+}
