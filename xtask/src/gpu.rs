@@ -15,6 +15,16 @@ use crate::{cargo, ptx, run};
 fn cuda_cargo() -> Result<Command, String> {
     let stub = ptx::stub()?;
     let mut c = cargo();
+    if !ptx::has_driver() {
+        // No driver: test binaries load the stub's libcuda.so.1 (cust::init then
+        // reports NoDevice and the GPU tests skip). Cargo does not add the link
+        // path to the loader's path itself (it is outside target/<profile>).
+        let lib64 = stub.join("lib64");
+        let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        let path =
+            if old.is_empty() { lib64.display().to_string() } else { format!("{}:{old}", lib64.display()) };
+        c.env("LD_LIBRARY_PATH", path);
+    }
     c.env("CUDA_LIBRARY_PATH", stub);
     Ok(c)
 }
@@ -35,14 +45,26 @@ pub(crate) fn test() -> Result<(), String> {
     let mut t = cuda_cargo()?;
     t.args(["test", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--test", "it", "--", "gpu::"]);
     run("GPU tests (zeropp-quant --features cuda)", t)?;
-    eprintln!("==> device: {}", if ptx::has_driver() { "a CUDA driver is installed" } else { "no CUDA driver (stub libcuda)" });
+    eprintln!(
+        "==> device: {}",
+        if ptx::has_driver() { "a CUDA driver is installed" } else { "no CUDA driver (stub libcuda)" }
+    );
     Ok(())
 }
 
 fn clippy() -> Result<(), String> {
     let mut c = cuda_cargo()?;
     c.args([
-        "clippy", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--all-targets", "--", "-D", "warnings",
+        "clippy",
+        "--locked",
+        "-p",
+        "zeropp-quant",
+        "--features",
+        "cuda",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
     ]);
     run("clippy (zeropp-quant, cuda feature)", c)
 }

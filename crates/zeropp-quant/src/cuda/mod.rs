@@ -135,6 +135,12 @@ impl<T: GpuElement> GpuVec<T> {
     pub fn buffer(&self) -> &DeviceBuffer<T::Raw> {
         &self.buf
     }
+
+    /// The device buffer, by value (for example an f32 accumulator for
+    /// [`Gpu::dequantize_add`]).
+    pub fn into_buffer(self) -> DeviceBuffer<T::Raw> {
+        self.buf
+    }
 }
 
 /// A quantized vector in device memory, in the [wire layout](crate::wire):
@@ -331,26 +337,37 @@ impl Gpu {
     /// `opts.rounding` is read: the kernel and threading options are CPU ones).
     ///
     /// Errors with [`QuantError::NonFinite`] naming the first NaN/±Inf element.
-    pub fn quantize<T: GpuElement>(&self, x: &GpuVec<T>, spec: QuantSpec, opts: &Options) -> Result<GpuQuantized> {
+    pub fn quantize<T: GpuElement>(
+        &self,
+        x: &GpuVec<T>,
+        spec: QuantSpec,
+        opts: &Options,
+    ) -> Result<GpuQuantized> {
         self.current()?;
         let out = self.alloc_out(spec, x.len())?;
         let src = x.buf.as_device_ptr().as_raw();
-        self.run_quantize(&out, opts, T::QUANTIZE, |bad| self.value(T::VALUE, src, None, bad), |m, a| {
-            let f = m.get_function(T::QUANTIZE)?;
-            let stream = &self.stream;
-            let (grid, block) = (a.grid, BLOCK);
-            // SAFETY: the argument list matches `zq_quantize_*`'s parameters in
-            // order and type (device addresses as u64); every address points
-            // into a live buffer of the sizes the kernel indexes (`len` inputs,
-            // the output's wire layout, one u64).
-            unsafe {
-                launch!(f<<<grid, block, 0, stream>>>(
-                    src, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
-                    a.scales, a.offsets, a.data, a.bad
-                ))?;
-            }
-            Ok(())
-        })?;
+        self.run_quantize(
+            &out,
+            opts,
+            T::QUANTIZE,
+            |bad| self.value(T::VALUE, src, None, bad),
+            |m, a| {
+                let f = m.get_function(T::QUANTIZE)?;
+                let stream = &self.stream;
+                let (grid, block) = (a.grid, BLOCK);
+                // SAFETY: the argument list matches `zq_quantize_*`'s parameters in
+                // order and type (device addresses as u64); every address points
+                // into a live buffer of the sizes the kernel indexes (`len` inputs,
+                // the output's wire layout, one u64).
+                unsafe {
+                    launch!(f<<<grid, block, 0, stream>>>(
+                        src, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
+                        a.scales, a.offsets, a.data, a.bad
+                    ))?;
+                }
+                Ok(())
+            },
+        )?;
         Ok(out)
     }
 
@@ -377,21 +394,27 @@ impl Gpu {
         let descs = DeviceBuffer::from_slice(&descs)?;
         let (din, k) = (descs.as_device_ptr().as_raw(), inputs.len() as u32);
         let out = self.alloc_out(out_spec, len)?;
-        self.run_quantize(&out, opts, "zq_reduce_quantize", |bad| self.value("zq_value_sum", din, Some(k), bad), |m, a| {
-            let f = m.get_function("zq_reduce_quantize")?;
-            let stream = &self.stream;
-            let (grid, block) = (a.grid, BLOCK);
-            // SAFETY: the arguments match `zq_reduce_quantize`'s parameters;
-            // `din` holds `k` descriptors of live device buffers of length `len`
-            // (checked above), and the output addresses are as in `quantize`.
-            unsafe {
-                launch!(f<<<grid, block, 0, stream>>>(
-                    din, k, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
-                    a.scales, a.offsets, a.data, a.bad
-                ))?;
-            }
-            Ok(())
-        })?;
+        self.run_quantize(
+            &out,
+            opts,
+            "zq_reduce_quantize",
+            |bad| self.value("zq_value_sum", din, Some(k), bad),
+            |m, a| {
+                let f = m.get_function("zq_reduce_quantize")?;
+                let stream = &self.stream;
+                let (grid, block) = (a.grid, BLOCK);
+                // SAFETY: the arguments match `zq_reduce_quantize`'s parameters;
+                // `din` holds `k` descriptors of live device buffers of length `len`
+                // (checked above), and the output addresses are as in `quantize`.
+                unsafe {
+                    launch!(f<<<grid, block, 0, stream>>>(
+                        din, k, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
+                        a.scales, a.offsets, a.data, a.bad
+                    ))?;
+                }
+                Ok(())
+            },
+        )?;
         Ok(out)
     }
 

@@ -11,6 +11,8 @@
 mod common;
 
 mod api;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod int4;
 mod properties;
 mod stochastic;
