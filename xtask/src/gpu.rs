@@ -38,18 +38,44 @@ pub(crate) fn gpu(args: &[String]) -> Result<(), String> {
     }
 }
 
-/// The GPU tests (module `gpu` of zeropp-quant's test binary) and the cuda
-/// module's doc build. Without a device they skip with one counted line; with
-/// `ZEROPP_REQUIRE_GPU=1` a missing device fails.
+/// The GPU tests (modules `gpu` and `gpu_emu` of zeropp-quant's test binary).
+/// `gpu` needs a device: without one it skips with one counted line, and with
+/// `ZEROPP_REQUIRE_GPU=1` a missing device fails. `gpu_emu` runs the kernels'
+/// source on the CPU through the emulator built here, so it runs everywhere.
 pub(crate) fn test() -> Result<(), String> {
+    let emulator = emulator()?;
     let mut t = cuda_cargo()?;
-    t.args(["test", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--test", "it", "--", "gpu::"]);
+    t.args(["test", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--test", "it", "--", "gpu"])
+        .env("ZEROPP_CUDA_EMULATOR", emulator);
     run("GPU tests (zeropp-quant --features cuda)", t)?;
     eprintln!(
         "==> device: {}",
         if ptx::has_driver() { "a CUDA driver is installed" } else { "no CUDA driver (stub libcuda)" }
     );
     Ok(())
+}
+
+/// Builds `cuda/emulate.cpp` (the kernels' source run on the CPU, for the
+/// `gpu_emu` tests) into `target/cuda/zq-emulate`.
+fn emulator() -> Result<std::path::PathBuf, String> {
+    let dir = crate::root().join("target/cuda");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let exe = dir.join("zq-emulate");
+    let mut gxx = Command::new("g++");
+    gxx.args([
+        "-std=c++20",
+        "-O2",
+        "-ffp-contract=off",
+        "-U_FORTIFY_SOURCE",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-o",
+    ])
+    .arg(&exe)
+    .arg(crate::root().join("crates/zeropp-quant/cuda/emulate.cpp"));
+    run("g++ kernel emulator", gxx)?;
+    Ok(exe)
 }
 
 fn clippy() -> Result<(), String> {

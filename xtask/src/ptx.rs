@@ -155,8 +155,8 @@ fn build(out: &Path) -> Result<String, String> {
         rows.extend(parse_ptxas(arch, &log));
     }
     rows.sort();
-    let mut md = format!(
-        "ptxas (CUDA 12.4) per kernel:\n\n| kernel | arch | registers | spill stores | spill loads | stack |\n|---|---|---|---|---|---|\n"
+    let mut md = String::from(
+        "ptxas (CUDA 12.4) per kernel:\n\n| kernel | arch | registers | spill stores | spill loads | stack |\n|---|---|---|---|---|---|\n",
     );
     let mut spills = Vec::new();
     for r in &rows {

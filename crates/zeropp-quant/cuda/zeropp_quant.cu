@@ -7,7 +7,9 @@
 //
 // Compiled by `cargo xtask ptx` with NVRTC (no host code, no #include): the
 // checked-in zeropp_quant.ptx and the sm_80 / sm_90 cubins next to this file are
-// its outputs. Edit this file, then run `cargo xtask ptx`.
+// its outputs. Edit this file, then run `cargo xtask ptx`. emulate.cpp compiles
+// this same file for the CPU (threads for a block), so that the kernels' results
+// are checked against the Rust CPU kernels on machines without a GPU too.
 //
 // Layout: the quantized outputs are written straight into the wire layout
 // (src/wire.rs): the host writes the 32-byte header, the kernels write the
@@ -82,9 +84,13 @@ struct SrcBf16 {
 struct SrcF16 {
     const u16* x;
     __device__ __forceinline__ float operator()(u64 i) const {
+#ifdef ZQ_HOST_EMULATION
+        return zq_host_f16_to_f32(x[i]);  // emulate.cpp: the CPU test of this file
+#else
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x[i]));
         return f;
+#endif
     }
 };
 

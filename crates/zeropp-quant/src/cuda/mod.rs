@@ -323,14 +323,23 @@ impl Gpu {
         Ok(DeviceBuffer::zeroed(len)?)
     }
 
-    /// An output value with its header written, ready for a quantize kernel.
+    /// An output value with its header written, ready for a quantize kernel
+    /// (which writes every scale, offset and data byte).
     fn alloc_out(&self, spec: QuantSpec, len: usize) -> Result<GpuQuantized> {
         let total = wire::checked_encoded_len(&spec, len).ok_or(QuantError::TooLarge(len as u64))?;
-        let mut host = vec![0u8; total];
-        wire::write_header(&mut host, &spec, len)?;
-        // Zeroed (by the copy): INT4 with an odd group size ORs nibbles into the data.
-        let buf = DeviceBuffer::from_slice(&host)?;
-        Ok(GpuQuantized { spec, len, buf })
+        let mut header = [0u8; wire::HEADER_LEN];
+        wire::write_header(&mut header, &spec, len)?;
+        // SAFETY: u8 has no invalid bit patterns; the header is copied next and
+        // the kernel writes the rest (the data is zeroed first where it ORs).
+        let buf = unsafe { DeviceBuffer::<u8>::uninitialized(total)? };
+        let out = GpuQuantized { spec, len, buf };
+        out.buf.index(..wire::HEADER_LEN).copy_from(&header[..])?;
+        if spec.bits() == Bits::Int4 && spec.group_size() % 2 == 1 && len > 0 {
+            // INT4 with an odd group size ORs nibbles into the data region.
+            let data_at = (out.desc().data - out.buf.as_device_ptr().as_raw()) as usize;
+            out.buf.index(data_at..).set_zero()?;
+        }
+        Ok(out)
     }
 
     /// Quantizes `x` group by group, like [`crate::quantize`] (only

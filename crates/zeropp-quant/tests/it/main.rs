@@ -13,6 +13,8 @@ mod common;
 mod api;
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod gpu_emu;
 mod int4;
 mod properties;
 mod stochastic;

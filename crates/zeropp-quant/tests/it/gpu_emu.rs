@@ -1,0 +1,218 @@
+//! The CUDA kernels' source, run on the CPU by `cuda/emulate.cpp` (one thread
+//! block of std::threads, the CUDA built-ins shimmed), against the Rust CPU
+//! scalar kernel bit for bit. This checks the kernels' formulas, reductions,
+//! stochastic-rounding stream and INT4 packing where no GPU is available (CI);
+//! `gpu.rs` checks the real device.
+//!
+//! `cargo xtask gpu test` builds the emulator with g++ and passes its path in
+//! `ZEROPP_CUDA_EMULATOR`; without it the test skips with one counted line.
+
+use std::io::Write as _;
+use std::process::{Command, Stdio};
+
+use proptest::prelude::*;
+use zeropp_quant::half::{bf16, f16};
+use zeropp_quant::{
+    Bits, Kernel, Options, QuantError, QuantSpec, Quantized, Rounding, Scheme, dequant_reduce_quant,
+    dequantize, dequantize_add, encoded_len, quantize, quantize_to_wire, wire,
+};
+
+use crate::common::{config, group_size, vector};
+
+const ENV: &str = "ZEROPP_CUDA_EMULATOR";
+
+/// A request for the emulator (see emulate.cpp's protocol).
+struct Req(Vec<u8>);
+
+impl Req {
+    fn u32(mut self, v: u32) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn u64(mut self, v: u64) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    fn bytes(mut self, b: &[u8]) -> Self {
+        self.0.extend_from_slice(b);
+        self
+    }
+    fn spec(self, s: QuantSpec) -> Self {
+        self.u32(s.group_size() as u32).u32(s.bits().bits()).u32(u32::from(s.scheme() == Scheme::Asymmetric))
+    }
+    fn out(self, s: QuantSpec, r: Rounding) -> Self {
+        let (st, seed) = match r {
+            Rounding::Stochastic { seed } => (1, seed),
+            _ => (0, 0),
+        };
+        self.spec(s).u32(st).u64(seed)
+    }
+    fn run(self, exe: &str) -> Vec<u8> {
+        let mut child = Command::new(exe).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+        child.stdin.take().unwrap().write_all(&self.0).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "emulator failed: {}", out.status);
+        out.stdout
+    }
+}
+
+/// A quantize reply as the kernel's result: the wire bytes (the CPU's header
+/// in front of the emulated payload), or the first non-finite index.
+fn reply(spec: QuantSpec, len: usize, out: &[u8]) -> Result<Vec<u8>, usize> {
+    let bad = u64::from_le_bytes(out[..8].try_into().unwrap());
+    if bad != u64::MAX {
+        return Err(bad as usize);
+    }
+    let mut w = Quantized::zeroed(spec, len).unwrap().to_bytes();
+    w[wire::HEADER_LEN..].copy_from_slice(&out[8..]);
+    Ok(w)
+}
+
+fn cpu(r: Rounding) -> Options {
+    Options::default().with_kernel(Kernel::Scalar).single_thread().with_rounding(r)
+}
+
+fn payload(q: &Quantized) -> Vec<u8> {
+    q.to_bytes()[wire::HEADER_LEN..].to_vec()
+}
+
+fn spec_strategy() -> impl Strategy<Value = QuantSpec> {
+    (
+        prop_oneof![Just(Bits::Int4), Just(Bits::Int8)],
+        prop_oneof![Just(Scheme::Symmetric), Just(Scheme::Asymmetric)],
+        group_size(),
+    )
+        .prop_map(|(b, s, g)| QuantSpec::new(b, s, g).unwrap())
+}
+
+fn rounding_strategy() -> impl Strategy<Value = Rounding> {
+    prop_oneof![Just(Rounding::NearestEven), any::<u64>().prop_map(|seed| Rounding::Stochastic { seed })]
+}
+
+/// Quantizes `x` (as dtype 0 f32, 1 bf16, 2 f16) in the emulator and on the CPU.
+fn same_quantize(exe: &str, x: &[f32], dtype: u32, spec: QuantSpec, r: Rounding) {
+    let o = cpu(r);
+    let mut want = vec![0u8; encoded_len(spec, x.len())];
+    let (cpu_res, raw): (_, Vec<u8>) = match dtype {
+        0 => (quantize_to_wire(x, spec, &o, &mut want), x.iter().flat_map(|v| v.to_le_bytes()).collect()),
+        1 => {
+            let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            (
+                quantize_to_wire(&h, spec, &o, &mut want),
+                h.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
+            )
+        }
+        _ => {
+            let h: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+            (
+                quantize_to_wire(&h, spec, &o, &mut want),
+                h.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect(),
+            )
+        }
+    };
+    let out = Req(Vec::new()).u32(1).u32(dtype).u64(x.len() as u64).out(spec, r).bytes(&raw).run(exe);
+    match (cpu_res, reply(spec, x.len(), &out)) {
+        (Ok(_), Ok(got)) => {
+            let at = got.iter().zip(&want).position(|(a, b)| a != b);
+            assert!(
+                at.is_none(),
+                "emulated kernel != CPU for {spec:?} {r:?} dtype {dtype} len {}: byte {at:?}",
+                x.len()
+            );
+        }
+        (Err(QuantError::NonFinite { index, .. }), Err(bad)) => assert_eq!(index, bad),
+        (c, g) => panic!("CPU {c:?} vs emulated kernel {:?}", g.map(|w| w.len())),
+    }
+}
+
+#[test]
+fn suite() {
+    let Some(exe) = std::env::var(ENV).ok().filter(|p| std::path::Path::new(p).is_file()) else {
+        let _ = writeln!(
+            std::io::stderr(),
+            "gpu_emu: 4 tests skipped: no kernel emulator ({ENV} unset; `cargo xtask gpu test` builds it)"
+        );
+        return;
+    };
+    quantize_matches_cpu(&exe);
+    edge_cases(&exe);
+    dequant_matches_cpu(&exe);
+    reduce_matches_cpu(&exe);
+}
+
+fn quantize_matches_cpu(exe: &str) {
+    proptest!(config(96), |(x in vector(), spec in spec_strategy(), r in rounding_strategy(), dtype in 0u32..3)| {
+        // f16 tops out at 65504: scale into its range (subnormals included).
+        let x: Vec<f32> = if dtype == 2 { x.iter().map(|v| v / 64.0).collect() } else { x };
+        same_quantize(exe, &x, dtype, spec, r);
+    });
+}
+
+fn edge_cases(exe: &str) {
+    let tiny = f32::from_bits(1);
+    let inputs: Vec<Vec<f32>> = vec![
+        vec![0.0; 33],
+        vec![-0.0, 0.0, -0.0, 0.0, 0.0],
+        vec![tiny, -tiny, 0.0, tiny],
+        vec![f32::MAX, -f32::MAX, 1.0, -1.0, 0.5],
+        vec![f32::MAX, f32::MAX, -3.0e38],
+        vec![1.0, f32::NAN, 2.0, f32::INFINITY],
+        vec![-2.5; 9],
+        (0..9000).map(|i| ((i * 7919 % 10007) as f32 - 5000.0) * 1e-3).collect(),
+    ];
+    for x in &inputs {
+        for gs in [1, 3, 16, 4096, 10_000] {
+            for b in [Bits::Int4, Bits::Int8] {
+                for s in [Scheme::Symmetric, Scheme::Asymmetric] {
+                    let spec = QuantSpec::new(b, s, gs).unwrap();
+                    same_quantize(exe, x, 0, spec, Rounding::NearestEven);
+                    same_quantize(exe, x, 0, spec, Rounding::Stochastic { seed: 42 });
+                }
+            }
+        }
+    }
+}
+
+fn dequant_matches_cpu(exe: &str) {
+    proptest!(config(64), |(x in vector(), spec in spec_strategy(), add in any::<bool>())| {
+        let o = cpu(Rounding::NearestEven);
+        let q = quantize(&x, spec, &o).unwrap();
+        let start: Vec<f32> = (0..x.len()).map(|i| if add { (i as f32 * 0.37).sin() } else { 0.0 }).collect();
+        let want = if add {
+            let mut a = start.clone();
+            dequantize_add(&q, &mut a, &o).unwrap();
+            a
+        } else {
+            dequantize(&q, &o).unwrap()
+        };
+        let acc: Vec<u8> = start.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let out = Req(Vec::new()).u32(3).u64(x.len() as u64).spec(spec).bytes(&payload(&q)).u32(u32::from(add)).bytes(&acc).run(exe);
+        let got: Vec<u32> = out.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        prop_assert_eq!(got, want.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+    });
+}
+
+fn reduce_matches_cpu(exe: &str) {
+    let inputs = (1usize..=8, prop::collection::vec(spec_strategy(), 8), 0usize..1500, any::<u64>());
+    proptest!(config(48), |((k, specs, len, seed) in inputs, out_spec in spec_strategy(), r in rounding_strategy())| {
+        let qs: Vec<Quantized> = (0..k)
+            .map(|j| {
+                let mut st = seed ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let x: Vec<f32> = (0..len)
+                    .map(|_| {
+                        st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        ((st >> 40) as f32 / 16_777_216.0 - 0.5) * (1 << (j % 5)) as f32
+                    })
+                    .collect();
+                quantize(&x, specs[j], &cpu(Rounding::NearestEven)).unwrap()
+            })
+            .collect();
+        let want = dequant_reduce_quant(&qs, out_spec, &cpu(r)).unwrap();
+        let mut req = Req(Vec::new()).u32(2).u32(k as u32).u64(len as u64);
+        for q in &qs {
+            req = req.spec(q.spec()).bytes(&payload(q));
+        }
+        let out = req.out(out_spec, r).run(exe);
+        prop_assert_eq!(reply(out_spec, len, &out).unwrap(), want.to_bytes());
+    });
+}
