@@ -255,7 +255,11 @@ pub(crate) fn has_driver() -> bool {
         .unwrap_or_default()
         .split(':')
         .any(|d| !d.is_empty() && !d.contains("cuda-stub") && Path::new(d).join("libcuda.so.1").exists());
-    listed || on_path
+    let usual =
+        ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib/aarch64-linux-gnu", "/usr/local/nvidia/lib64"]
+            .iter()
+            .any(|d| Path::new(d).join("libcuda.so.1").exists());
+    listed || on_path || usual
 }
 
 /// The names of the driver functions `cust_raw` declares (from its source, found
