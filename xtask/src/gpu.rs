@@ -29,12 +29,13 @@ fn cuda_cargo() -> Result<Command, String> {
     Ok(c)
 }
 
-/// `cargo xtask gpu <test|clippy>`.
+/// `cargo xtask gpu <test|clippy|ci>`.
 pub(crate) fn gpu(args: &[String]) -> Result<(), String> {
     match args.first().map(String::as_str) {
         Some("test") => test(),
         Some("clippy") => clippy(),
-        _ => Err("usage: cargo xtask gpu test | clippy".into()),
+        Some("ci") => ci(),
+        _ => Err("usage: cargo xtask gpu test | clippy | ci".into()),
     }
 }
 

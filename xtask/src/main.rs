@@ -17,18 +17,20 @@ const HELP: &str = "\
 cargo xtask <task>
 
 tasks:
-  ci               fmt --check, clippy -D warnings, the whole test suite, cargo doc -D warnings
+  ci               fmt --check, clippy -D warnings, the whole test suite, cargo doc -D warnings,
+                   zeropp-quant's `cuda` feature (ptx --check, clippy, GPU + emulated-kernel tests)
                    (and the MPI tests when `mpirun` is on PATH; `--no-mpi` skips them)
   test             only the test suite (cargo test --workspace)
-  bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e) and the
+  bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e), `gpu`, and the
                    fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds;
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
                    writes a markdown summary to target/bench-report/NAME.md
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
-  gpu test|clippy  zeropp-quant --features cuda (stub libcuda when no driver): GPU tests
-                   (skip without a device; ZEROPP_REQUIRE_GPU=1 fails instead) or clippy;
+  gpu test|clippy|ci  zeropp-quant --features cuda (stub libcuda when no driver): GPU and
+                   emulated-kernel tests (GPU ones skip without a device; ZEROPP_REQUIRE_GPU=1
+                   fails instead), clippy, or all of ci's cuda steps;
                    `bench gpu` benchmarks the kernels against device memcpy
   help             this text
 ";

@@ -48,6 +48,11 @@
 //! [`Quantized`] or a zero-copy [`QuantizedRef`] parsed from received wire
 //! bytes. The wire layout is documented byte by byte in [`wire`].
 //!
+//! ## GPU
+//!
+//! With the `cuda` feature, `zeropp_quant::cuda` runs the same operations on an NVIDIA GPU,
+//! bit-identical to the CPU kernels, on device buffers in the wire layout.
+//!
 //! ## Kernels and threads
 //!
 //! Kernels are chosen at run time ([`Kernel::best`]): AVX-512F or AVX2 on
