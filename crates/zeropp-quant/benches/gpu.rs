@@ -5,7 +5,8 @@
 //! (above 1: faster than copying its input). Sizes are 4 MiB, 64 MiB and 1 GiB
 //! of f32 input (the fused kernel's eight INT4 inputs hold as many bytes as the
 //! f32 vector). Calls are timed as the API runs them: synchronous, with the
-//! non-finite check read back; the memcpy is likewise synchronised each time.
+//! non-finite check read back, into preallocated outputs (`*_into`; one row
+//! shows the allocating call); the memcpy is likewise synchronised each time.
 //! Launch overhead is the time of a whole call on 256 elements.
 //!
 //! Writes markdown to `$ZEROPP_GPU_BENCH_OUT` (or stdout only). Without a device
@@ -70,7 +71,8 @@ fn main() {
     // Launch overhead: whole calls on tiny inputs.
     let tiny: Vec<f32> = (0..256).map(|i| i as f32).collect();
     let dt = gpu.upload(&tiny).unwrap();
-    let t_call = time(|| drop(gpu.quantize(&dt, QuantSpec::int8(256).unwrap(), &o).unwrap()));
+    let mut ot = gpu.quantized_buffer(QuantSpec::int8(256).unwrap(), 256).unwrap();
+    let t_call = time(|| gpu.quantize_into(&dt, &o, &mut ot).unwrap());
     let small = DeviceBuffer::from_slice(&tiny).unwrap();
     let mut small_dst = DeviceBuffer::from_slice(&tiny).unwrap();
     let t_copy = time(|| {
@@ -79,7 +81,7 @@ fn main() {
     });
     let _ = writeln!(
         md,
-        "Per-call overhead: quantize of 256 elements {} (alloc, header copy, launch, sync, non-finite read-back); \
+        "Per-call overhead: quantize_into of 256 elements {} (flag reset, launch, sync, non-finite read-back); \
          memcpy of 1 KiB {}.\n",
         fmt_t(t_call),
         fmt_t(t_copy)
@@ -113,24 +115,32 @@ fn main() {
         row("memcpy (device to device)", 4 * n, t_f32, t_f32);
         let int8 = QuantSpec::int8(2048).unwrap();
         let int4 = QuantSpec::int4(512).unwrap();
+        let mut o8 = gpu.quantized_buffer(int8, n).unwrap();
+        let mut o4 = gpu.quantized_buffer(int4, n).unwrap();
         row(
-            "quantize f32 -> INT8 sym g2048",
+            "quantize f32 -> INT8 (allocating call)",
             4 * n,
             t_f32,
             time(|| drop(gpu.quantize(&dx, int8, &o).unwrap())),
         );
         row(
+            "quantize f32 -> INT8 sym g2048",
+            4 * n,
+            t_f32,
+            time(|| gpu.quantize_into(&dx, &o, &mut o8).unwrap()),
+        );
+        row(
             "quantize f32 -> INT4 sym g512",
             4 * n,
             t_f32,
-            time(|| drop(gpu.quantize(&dx, int4, &o).unwrap())),
+            time(|| gpu.quantize_into(&dx, &o, &mut o4).unwrap()),
         );
         let so = o.stochastic(1);
         row(
             "quantize f32 -> INT4 stochastic",
             4 * n,
             t_f32,
-            time(|| drop(gpu.quantize(&dx, int4, &so).unwrap())),
+            time(|| gpu.quantize_into(&dx, &so, &mut o4).unwrap()),
         );
         let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
         let dxb = gpu.upload(&xb).unwrap();
@@ -140,7 +150,7 @@ fn main() {
             "quantize bf16 -> INT8 sym g2048",
             2 * n,
             t_bf,
-            time(|| drop(gpu.quantize(&dxb, int8, &o).unwrap())),
+            time(|| gpu.quantize_into(&dxb, &o, &mut o8).unwrap()),
         );
         drop(dxb);
         // Dequantize: INT8 in (n bytes), f32 out.
@@ -171,7 +181,7 @@ fn main() {
             "dequant_reduce_quant k=8 INT4 -> INT4",
             in_bytes,
             t_in,
-            time(|| drop(gpu.dequant_reduce_quant(&refs, int4, &o).unwrap())),
+            time(|| gpu.dequant_reduce_quant_into(&refs, &o, &mut o4).unwrap()),
         );
     }
     print!("{md}");

@@ -237,6 +237,8 @@ pub struct Gpu {
     stream: Stream,
     device: Device,
     image: &'static str,
+    /// The quantize kernels' first non-finite index (one u64, reused).
+    bad: DeviceBuffer<u64>,
     ctx: Context,
 }
 
@@ -259,7 +261,8 @@ impl Gpu {
             None => ("PTX (JIT-compiled by the driver)", Module::from_ptx(PTX, &[])?),
         };
         let stream = Stream::new(StreamFlags::DEFAULT, None)?;
-        Ok(Self { module, stream, device, image, ctx })
+        let bad = DeviceBuffer::from_slice(&[u64::MAX])?;
+        Ok(Self { module, stream, device, image, bad, ctx })
     }
 
     /// The device's name.
@@ -323,23 +326,18 @@ impl Gpu {
         Ok(DeviceBuffer::zeroed(len)?)
     }
 
-    /// An output value with its header written, ready for a quantize kernel
-    /// (which writes every scale, offset and data byte).
-    fn alloc_out(&self, spec: QuantSpec, len: usize) -> Result<GpuQuantized> {
+    /// A quantized destination of `len` elements in `spec` on the device: the
+    /// header is written, the rest is zero (not a valid value until a
+    /// `*_into` call fills it). For [`Gpu::quantize_into`] and
+    /// [`Gpu::dequant_reduce_quant_into`], which reuse it without allocating.
+    pub fn quantized_buffer(&self, spec: QuantSpec, len: usize) -> Result<GpuQuantized> {
+        self.current()?;
         let total = wire::checked_encoded_len(&spec, len).ok_or(QuantError::TooLarge(len as u64))?;
         let mut header = [0u8; wire::HEADER_LEN];
         wire::write_header(&mut header, &spec, len)?;
-        // SAFETY: u8 has no invalid bit patterns; the header is copied next and
-        // the kernel writes the rest (the data is zeroed first where it ORs).
-        let buf = unsafe { DeviceBuffer::<u8>::uninitialized(total)? };
-        let out = GpuQuantized { spec, len, buf };
-        out.buf.index(..wire::HEADER_LEN).copy_from(&header[..])?;
-        if spec.bits() == Bits::Int4 && spec.group_size() % 2 == 1 && len > 0 {
-            // INT4 with an odd group size ORs nibbles into the data region.
-            let data_at = (out.desc().data - out.buf.as_device_ptr().as_raw()) as usize;
-            out.buf.index(data_at..).set_zero()?;
-        }
-        Ok(out)
+        let buf = DeviceBuffer::<u8>::zeroed(total)?;
+        buf.index(..wire::HEADER_LEN).copy_from(&header[..])?;
+        Ok(GpuQuantized { spec, len, buf })
     }
 
     /// Quantizes `x` group by group, like [`crate::quantize`] (only
@@ -352,13 +350,31 @@ impl Gpu {
         spec: QuantSpec,
         opts: &Options,
     ) -> Result<GpuQuantized> {
+        let mut out = self.quantized_buffer(spec, x.len())?;
+        self.quantize_into(x, opts, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Gpu::quantize`] into `out` (its spec is the format; its length must
+    /// equal `x.len()`), without allocating the output.
+    pub fn quantize_into<T: GpuElement>(
+        &self,
+        x: &GpuVec<T>,
+        opts: &Options,
+        out: &mut GpuQuantized,
+    ) -> Result<()> {
+        if out.len != x.len() {
+            return Err(QuantError::LengthMismatch {
+                what: "quantize_into output",
+                expected: x.len(),
+                actual: out.len,
+            });
+        }
         self.current()?;
-        let out = self.alloc_out(spec, x.len())?;
         let src = x.buf.as_device_ptr().as_raw();
         self.run_quantize(
-            &out,
+            out,
             opts,
-            T::QUANTIZE,
             |bad| self.value(T::VALUE, src, None, bad),
             |m, a| {
                 let f = m.get_function(T::QUANTIZE)?;
@@ -376,8 +392,7 @@ impl Gpu {
                 }
                 Ok(())
             },
-        )?;
-        Ok(out)
+        )
     }
 
     /// The fused qgZ kernel, like [`crate::dequant_reduce_quant`]: dequantizes
@@ -389,24 +404,37 @@ impl Gpu {
         out_spec: QuantSpec,
         opts: &Options,
     ) -> Result<GpuQuantized> {
-        let first = inputs.first().ok_or(QuantError::NoInputs)?;
-        let len = first.len;
-        if let Some(bad) = inputs.iter().find(|q| q.len != len) {
-            return Err(QuantError::LengthMismatch {
-                what: "dequant_reduce_quant input",
-                expected: len,
-                actual: bad.len,
-            });
+        let len = inputs.first().ok_or(QuantError::NoInputs)?.len;
+        let mut out = self.quantized_buffer(out_spec, len)?;
+        self.dequant_reduce_quant_into(inputs, opts, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Gpu::dequant_reduce_quant`] into `out` (its spec is the output spec;
+    /// its length must equal the inputs'), without allocating the output.
+    pub fn dequant_reduce_quant_into(
+        &self,
+        inputs: &[&GpuQuantized],
+        opts: &Options,
+        out: &mut GpuQuantized,
+    ) -> Result<()> {
+        let len = inputs.first().ok_or(QuantError::NoInputs)?.len;
+        for q in inputs.iter().chain(std::iter::once(&&*out)) {
+            if q.len != len {
+                return Err(QuantError::LengthMismatch {
+                    what: "dequant_reduce_quant input or output",
+                    expected: len,
+                    actual: q.len,
+                });
+            }
         }
         self.current()?;
         let descs: Vec<InDesc> = inputs.iter().map(|q| q.desc()).collect();
         let descs = DeviceBuffer::from_slice(&descs)?;
         let (din, k) = (descs.as_device_ptr().as_raw(), inputs.len() as u32);
-        let out = self.alloc_out(out_spec, len)?;
         self.run_quantize(
-            &out,
+            out,
             opts,
-            "zq_reduce_quantize",
             |bad| self.value("zq_value_sum", din, Some(k), bad),
             |m, a| {
                 let f = m.get_function("zq_reduce_quantize")?;
@@ -414,7 +442,7 @@ impl Gpu {
                 let (grid, block) = (a.grid, BLOCK);
                 // SAFETY: the arguments match `zq_reduce_quantize`'s parameters;
                 // `din` holds `k` descriptors of live device buffers of length `len`
-                // (checked above), and the output addresses are as in `quantize`.
+                // (checked above), and the output addresses are as in `quantize_into`.
                 unsafe {
                     launch!(f<<<grid, block, 0, stream>>>(
                         din, k, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
@@ -423,17 +451,15 @@ impl Gpu {
                 }
                 Ok(())
             },
-        )?;
-        Ok(out)
+        )
     }
 
     /// Shared part of the quantizing calls: arguments, launch, synchronisation
     /// and the non-finite check.
     fn run_quantize(
         &self,
-        out: &GpuQuantized,
+        out: &mut GpuQuantized,
         opts: &Options,
-        _name: &str,
         value_at: impl Fn(u64) -> Result<f32>,
         launch_fn: impl Fn(&Module, &QuantLaunch) -> Result<()>,
     ) -> Result<()> {
@@ -442,7 +468,14 @@ impl Gpu {
         }
         let spec = out.spec;
         let d = out.desc();
-        let bad = DeviceBox::new(&u64::MAX)?;
+        let atomic_pack = spec.bits() == Bits::Int4 && spec.group_size() % 2 == 1;
+        if atomic_pack {
+            // INT4 with an odd group size ORs each group's nibbles into the data.
+            let data_at = (d.data - out.buf.as_device_ptr().as_raw()) as usize;
+            out.buf.index(data_at..).set_zero()?;
+        }
+        // All ones = u64::MAX: no non-finite element seen yet.
+        self.bad.index(..).set_8(0xFF)?;
         let (stochastic, seed) = match opts.rounding {
             Rounding::Stochastic { seed } => (1u32, seed),
             Rounding::NearestEven => (0u32, 0u64),
@@ -456,16 +489,17 @@ impl Gpu {
             asym: u32::from(spec.scheme().has_offsets()),
             stochastic,
             seed,
-            atomic_pack: u32::from(spec.bits() == Bits::Int4 && spec.group_size() % 2 == 1),
+            atomic_pack: u32::from(atomic_pack),
             scales: d.scales,
             offsets: d.offsets,
             data: d.data,
-            bad: bad.as_device_ptr().as_raw(),
+            bad: self.bad.as_device_ptr().as_raw(),
         };
         launch_fn(&self.module, &a)?;
         self.stream.synchronize()?;
-        let mut first_bad = 0u64;
-        bad.copy_to(&mut first_bad)?;
+        let mut first = [0u64];
+        self.bad.copy_to(&mut first[..])?;
+        let first_bad = first[0];
         if first_bad != u64::MAX {
             let value = value_at(first_bad)?;
             return Err(QuantError::NonFinite { index: first_bad as usize, value });

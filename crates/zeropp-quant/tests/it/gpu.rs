@@ -36,6 +36,7 @@ const CHECKS: &[(&str, Check)] = &[
     ("dequant_reduce_quant matches the CPU (k = 1..8, mixed input specs)", reduce_matches_cpu),
     ("wire round trips CPU <-> GPU", wire_round_trips),
     ("non-finite input: the CPU's error, naming the same index", non_finite),
+    ("reused output buffers (quantize_into, dequant_reduce_quant_into)", reuse_outputs),
 ];
 
 #[test]
@@ -275,4 +276,27 @@ fn non_finite(gpu: &Gpu) {
     let want =
         dequant_reduce_quant(&[&big, &big], QuantSpec::int8(3).unwrap(), &Options::default()).unwrap_err();
     assert_eq!(format!("{err}"), format!("{want}"));
+}
+
+fn reuse_outputs(gpu: &Gpu) {
+    let o = Options::default();
+    // INT4 with an odd group size ORs nibbles: a reused buffer must be cleared first.
+    for spec in [QuantSpec::new(Bits::Int4, Scheme::Asymmetric, 5).unwrap(), QuantSpec::int8(64).unwrap()] {
+        let mut out = gpu.quantized_buffer(spec, 1001).unwrap();
+        for seed in 0..3u64 {
+            let x: Vec<f32> =
+                (0..1001).map(|i| ((i as u64 * 7 + seed * 1_000_003) % 97) as f32 - 48.0).collect();
+            gpu.quantize_into(&gpu.upload(&x).unwrap(), &o, &mut out).unwrap();
+            assert_eq!(out.to_bytes().unwrap(), quantize(&x, spec, &o).unwrap().to_bytes());
+            let q = quantize(&x, QuantSpec::int4(7).unwrap(), &o).unwrap();
+            let g = gpu.upload_quantized(&q).unwrap();
+            gpu.dequant_reduce_quant_into(&[&g, &g], &o, &mut out).unwrap();
+            assert_eq!(
+                out.to_bytes().unwrap(),
+                dequant_reduce_quant(&[&q, &q], spec, &o).unwrap().to_bytes()
+            );
+        }
+        let short = gpu.upload(&[1.0f32; 1000]).unwrap();
+        assert!(matches!(gpu.quantize_into(&short, &o, &mut out), Err(QuantError::LengthMismatch { .. })));
+    }
 }
