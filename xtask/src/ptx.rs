@@ -23,8 +23,8 @@ use std::process::Command;
 
 use crate::{root, run};
 
-/// The pinned wheels (CUDA 12.4: the oldest 12.x whose PTX the R550 drivers of
-/// current H100/H200 installs load; its cubins load on any R525+ driver).
+/// The pinned wheels. CUDA 12.4: its PTX (ISA 8.4) needs an R550+ driver, its
+/// cubins should load on any R525+ (CUDA 12.0) driver.
 const WHEELS: &[&str] = &["nvidia-cuda-nvrtc-cu12==12.4.127", "nvidia-cuda-nvcc-cu12==12.4.131"];
 /// The NVRTC version line the pinned wheel prints.
 const NVRTC_VERSION: &str = "nvrtc 12.4";

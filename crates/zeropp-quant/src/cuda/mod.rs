@@ -15,7 +15,8 @@
 //! ([`Gpu::upload_wire`]).
 //!
 //! The kernels are embedded precompiled (`cargo xtask ptx` regenerates them):
-//! sm_80 and sm_90 cubins (Ampere/Ada and Hopper; any R525+ driver loads them)
+//! sm_80 and sm_90 cubins (Ampere/Ada and Hopper; built by CUDA 12.4, so R525+
+//! drivers should load them by NVIDIA's minor-version compatibility)
 //! and PTX ISA 8.4 for `compute_70`, which the driver JIT-compiles for other GPUs
 //! (Volta and newer; needs an R550+ driver). No CUDA toolkit is needed to build.
 //!
