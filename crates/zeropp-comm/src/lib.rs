@@ -14,6 +14,10 @@
 //!   ([`quant::QuantSpec`], [`quant::Options`], …), so users need no direct
 //!   zeropp-quant dependency.
 //! - `conformance` (feature `conformance`): the backend-independent test suite.
+//! - [`device`]: the primitives and the ZeRO++ collectives on device buffers
+//!   ([`device::DeviceCommunicator`]), the one-device simulated cluster
+//!   ([`device::DeviceCluster`]) on host memory or (feature `cuda`) a GPU, and
+//!   (feature `nccl`) NCCL.
 //! - `mpi` (feature `mpi`): the MPI backend (`MpiComm`), launched by `mpirun`.
 
 mod async_comm;
@@ -22,6 +26,7 @@ pub mod collectives;
 mod communicator;
 #[cfg(feature = "conformance")]
 pub mod conformance;
+pub mod device;
 mod error;
 mod ext;
 pub mod group;

@@ -10,6 +10,7 @@
 mod accuracy;
 mod arguments;
 mod conformance;
+mod device;
 mod faults;
 mod hierarchical;
 mod link_model;

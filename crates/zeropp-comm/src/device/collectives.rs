@@ -1,0 +1,335 @@
+//! The ZeRO++ collectives on device buffers, written once on
+//! [`DeviceCommunicator`]: qwZ all-gather, hpZ gathers, the qgZ two-hop
+//! reduce-scatter (with the fused dequantize-sum-requantize kernel) and the bf16
+//! baselines they are measured against.
+//!
+//! They follow the host collectives of [`crate::collectives`] step by step (same
+//! formats, same stochastic-rounding streams, same summation order, same byte
+//! counts), with every payload staying on the device: quantized encodings are
+//! built, exchanged and reduced in device buffers. On [`super::HostDevice`] the
+//! results are bitwise equal to the host collectives on the thread backend (the
+//! `device` tests), and the CUDA kernels are bit-identical to the CPU ones.
+//!
+//! Not here yet: qgZ error feedback (LoCo) on device, and hierarchical routing of
+//! the world gathers.
+
+use zeropp_quant::rng::stream_seed;
+
+use super::{Device, DeviceBuf, DeviceCommunicator, Elem, Kernel, View};
+use crate::collectives::{QgzOptions, QwzOptions, Reduce, check_shard, shard_range};
+use crate::quant::{Options, Rounding, encoded_len};
+use crate::{CommError, Group};
+
+fn index_in<C: DeviceCommunicator + ?Sized>(comm: &C, group: &Group) -> Result<usize, CommError> {
+    group.index_of(comm.rank()).ok_or_else(|| {
+        CommError::InvalidGroup(format!("rank {} is not a member of group {:?}", comm.rank(), group.ranks()))
+    })
+}
+
+fn elements<D: Device>(v: View<'_, D>, elem: Elem, what: &str) -> Result<usize, CommError> {
+    if !v.len().is_multiple_of(elem.size()) {
+        return Err(CommError::Mismatch(format!(
+            "{what}: a device window of {} bytes is not whole {elem:?} values",
+            v.len()
+        )));
+    }
+    Ok(v.len() / elem.size())
+}
+
+/// The mean's division and the padding's zeroes, as the host `finish_shard`.
+fn finish<C: DeviceCommunicator + ?Sized>(
+    comm: &C,
+    shard: View<'_, C::Device>,
+    n: usize,
+    parts: usize,
+    index: usize,
+    reduce: Reduce,
+    ranks: usize,
+) -> Result<(), CommError> {
+    let (dev, s) = (comm.device(), comm.stream());
+    if reduce == Reduce::Mean && ranks > 1 {
+        dev.kernel(s, Kernel::Div { buf: shard, by: ranks as f32 })?;
+    }
+    let real = 4 * shard_range(n, parts, index).len();
+    dev.zero(s, shard.slice(real, shard.len().saturating_sub(real))?)
+}
+
+/// Runs `f` on part `index` (`s` f32 values) of the f32 vector `full` of `n`
+/// values, padded with zeros on the device when the part runs past `n`.
+fn with_part<C: DeviceCommunicator + ?Sized>(
+    comm: &C,
+    full: View<'_, C::Device>,
+    n: usize,
+    s: usize,
+    index: usize,
+    f: impl FnOnce(View<'_, C::Device>) -> Result<(), CommError>,
+) -> Result<(), CommError> {
+    let lo = index.saturating_mul(s).min(n);
+    let hi = index.saturating_add(1).saturating_mul(s).min(n);
+    let real = full.slice(4 * lo, 4 * (hi - lo))?;
+    if hi - lo == s {
+        return f(real);
+    }
+    let padded = DeviceBuf::zeroed(comm.device(), 4 * s)?;
+    comm.device().copy(comm.stream(), real, padded.slice(0, real.len())?)?;
+    f(padded.view())
+}
+
+/// The stochastic-rounding stream of one quantization in qgZ, keyed by
+/// `(seed, rank, hop, slot)` exactly as the host qgZ keys it (the bitwise tests
+/// compare stochastic runs too).
+fn keyed(q: &Options, rank: usize, hop: u64, slot: usize) -> Options {
+    match q.rounding {
+        Rounding::Stochastic { seed } => q.with_rounding(Rounding::Stochastic {
+            seed: stream_seed(seed, &[rank as u64, hop, slot as u64]),
+        }),
+        _ => *q,
+    }
+}
+
+/// qwZ all-gather on device buffers: quantizes `shard` (`c` values of type
+/// `elem`) on the device, all-gathers the wire encodings (`E(spec, c)` bytes to
+/// each other member, one message) and dequantizes every member's encoding into
+/// `full` (f32, `c·g` values), like [`crate::collectives::qwz_all_gather`].
+///
+/// ```
+/// use zeropp_comm::collectives::QwzOptions;
+/// use zeropp_comm::device::{DeviceBuf, DeviceCluster, Elem, HostDevice, collectives::qwz_all_gather};
+/// use zeropp_comm::{Group, ThreadOptions, Topology};
+/// let cluster = DeviceCluster::new(Topology::ranks(2).per_node(2)?, HostDevice, ThreadOptions::default());
+/// let fulls = cluster.run(|comm| {
+///     let (dev, world) = (*comm.device(), Group::world(comm.topology()));
+///     let x: Vec<f32> = (0..64).map(|i| (comm.rank() * 64 + i) as f32 / 128.0).collect();
+///     let shard = DeviceBuf::from_f32(&dev, comm.stream(), &x)?;
+///     let full = DeviceBuf::zeroed(&dev, 4 * 128)?;
+///     qwz_all_gather(comm, &world, shard.view(), Elem::F32, full.view(), &QwzOptions::default())?;
+///     full.to_f32(&dev, comm.stream())
+/// })?;
+/// assert_eq!(fulls[0], fulls[1]);
+/// assert!(fulls[0].iter().enumerate().all(|(i, x)| (x - i as f32 / 128.0).abs() <= 1.0 / 128.0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn qwz_all_gather<C: DeviceCommunicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    shard: View<'_, C::Device>,
+    elem: Elem,
+    full: View<'_, C::Device>,
+    opts: &QwzOptions,
+) -> Result<(), CommError> {
+    let g = group.size();
+    let c = elements(shard, elem, "qwz_all_gather")?;
+    if full.len() != 4 * c * g {
+        return Err(CommError::Mismatch(format!(
+            "qwz_all_gather: output of {} elements for {g} shards of {c}",
+            full.len() / 4
+        )));
+    }
+    index_in(comm, group)?;
+    let dev = comm.device().clone();
+    let e = encoded_len(opts.spec, c);
+    let send = DeviceBuf::zeroed(&dev, e)?;
+    dev.kernel(
+        comm.stream(),
+        Kernel::Quantize { src: shard, elem, spec: opts.spec, opts: opts.quant, dst: send.view() },
+    )?;
+    let gathered = DeviceBuf::zeroed(&dev, e * g)?;
+    comm.all_gather(group, send.view(), gathered.view())?;
+    for j in 0..g {
+        let src = gathered.view().chunk(j, e)?;
+        let dst = full.chunk(j, 4 * c)?;
+        dev.kernel(comm.stream(), Kernel::Dequantize { src, spec: opts.spec, len: c, dst, add: false })?;
+    }
+    Ok(())
+}
+
+/// hpZ gather of the secondary shards: a dense all-gather of `shard` (any
+/// element type, `full.len() == shard.len()·L`) over the caller's node
+/// ([`Group::intra_node`]), so the backward gather never leaves the node.
+pub fn hpz_all_gather<C: DeviceCommunicator + ?Sized>(
+    comm: &mut C,
+    shard: View<'_, C::Device>,
+    full: View<'_, C::Device>,
+) -> Result<(), CommError> {
+    let node = Group::intra_node(comm.topology(), comm.rank());
+    comm.all_gather(&node, shard, full)
+}
+
+/// hpZ gather with an INT8 wire: [`qwz_all_gather`] over the caller's node.
+pub fn hpz_qwz_all_gather<C: DeviceCommunicator + ?Sized>(
+    comm: &mut C,
+    shard: View<'_, C::Device>,
+    elem: Elem,
+    full: View<'_, C::Device>,
+    opts: &QwzOptions,
+) -> Result<(), CommError> {
+    let node = Group::intra_node(comm.topology(), comm.rank());
+    qwz_all_gather(comm, &node, shard, elem, full, opts)
+}
+
+/// The bf16 baseline all-gather: a byte all-gather of bf16 shards
+/// (`full.len() == shard.len()·g`), like [`crate::collectives::all_gather_bf16`].
+pub fn all_gather_bf16<C: DeviceCommunicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    shard: View<'_, C::Device>,
+    full: View<'_, C::Device>,
+) -> Result<(), CommError> {
+    elements(shard, Elem::Bf16, "all_gather_bf16")?;
+    comm.all_gather(group, shard, full)
+}
+
+/// The bf16-wire baseline reduce-scatter: rounds `full` (f32, `n` values) to
+/// bf16, all-to-all, sums the `g` parts in f32 in group order and applies
+/// `reduce`, into `shard` (f32, `⌈n/g⌉` values), like
+/// [`crate::collectives::reduce_scatter_bf16_wire`].
+pub fn reduce_scatter_bf16_wire<C: DeviceCommunicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    full: View<'_, C::Device>,
+    shard: View<'_, C::Device>,
+    reduce: Reduce,
+) -> Result<(), CommError> {
+    let g = group.size();
+    let n = elements(full, Elem::F32, "reduce_scatter_bf16_wire")?;
+    let s = check_shard(
+        "reduce_scatter_bf16_wire",
+        n,
+        g,
+        elements(shard, Elem::F32, "reduce_scatter_bf16_wire")?,
+    )?;
+    let me = index_in(comm, group)?;
+    let dev = comm.device().clone();
+    let send = DeviceBuf::zeroed(&dev, 2 * s * g)?;
+    if n > 0 {
+        dev.kernel(comm.stream(), Kernel::ToBf16 { src: full, dst: send.slice(0, 2 * n)? })?;
+    }
+    let recv = DeviceBuf::zeroed(&dev, 2 * s * g)?;
+    comm.all_to_all(group, send.view(), recv.view())?;
+    drop(send);
+    dev.zero(comm.stream(), shard)?;
+    if s > 0 {
+        for j in 0..g {
+            let src = recv.view().chunk(j, 2 * s)?;
+            dev.kernel(comm.stream(), Kernel::Add { src, elem: Elem::Bf16, dst: shard })?;
+        }
+    }
+    finish(comm, shard, n, g, me, reduce, g)
+}
+
+/// qgZ reduce-scatter over the world on device buffers: `grad` (f32, `n` values,
+/// the same `n` on every rank) in, shard `rank` (f32, `⌈n/W⌉` values) of the mean
+/// (or sum) out, through the INT4 intra-node all-to-all, the fused
+/// dequantize-sum-requantize kernel and the INT4 inter-node all-to-all of
+/// [`crate::collectives::qgz_reduce_scatter`] (steps and bytes documented in
+/// [`crate::collectives`]). Error feedback is host-only for now.
+pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
+    comm: &mut C,
+    grad: View<'_, C::Device>,
+    shard: View<'_, C::Device>,
+    opts: &QgzOptions,
+) -> Result<(), CommError> {
+    let topo = *comm.topology();
+    let (w, nodes, local) = (topo.world(), topo.nodes(), topo.local_size());
+    let rank = comm.rank();
+    let n = elements(grad, Elem::F32, "qgz_reduce_scatter")?;
+    let s = check_shard("qgz_reduce_scatter", n, w, elements(shard, Elem::F32, "qgz_reduce_scatter")?)?;
+    let dev = comm.device().clone();
+    if w == 1 {
+        return dev.copy(comm.stream(), grad, shard);
+    }
+    let (me_node, me_local) = (topo.node_of(rank), topo.local_rank(rank));
+    let q = &opts.quant;
+    dev.zero(comm.stream(), shard)?;
+    let ei = encoded_len(opts.inter_spec, s);
+    let inter_send = DeviceBuf::zeroed(&dev, if nodes > 1 { ei * nodes } else { 0 })?;
+
+    if local > 1 {
+        // Steps 1-2: reorder + quantize (own chunk in local_spec, kept), intra-node all-to-all.
+        let ea = encoded_len(opts.intra_spec, s);
+        let el = encoded_len(opts.local_spec, s);
+        let send = DeviceBuf::zeroed(&dev, nodes * ea * local)?;
+        let own = DeviceBuf::zeroed(&dev, el * nodes)?;
+        for j in 0..local {
+            for m in 0..nodes {
+                let part = topo.rank_of(m, j);
+                let (spec, out) = if j == me_local {
+                    (opts.local_spec, own.view().chunk(m, el)?)
+                } else {
+                    (opts.intra_spec, send.view().chunk(j, nodes * ea)?.chunk(m, ea)?)
+                };
+                let kq = keyed(q, rank, 1, part);
+                with_part(comm, grad, n, s, part, |src| {
+                    dev.kernel(
+                        comm.stream(),
+                        Kernel::Quantize { src, elem: Elem::F32, spec, opts: kq, dst: out },
+                    )
+                })?;
+            }
+        }
+        let recv = DeviceBuf::zeroed(&dev, nodes * ea * local)?;
+        comm.all_to_all(&Group::intra_node(&topo, rank), send.view(), recv.view())?;
+        drop(send);
+        // Step 3: per destination node, the fused kernel over the L encodings (the
+        // own node's partial is summed in f32 instead).
+        for m in 0..nodes {
+            let inputs = (0..local)
+                .map(|j| {
+                    Ok(if j == me_local {
+                        (own.view().chunk(m, el)?, opts.local_spec)
+                    } else {
+                        (recv.view().chunk(j, nodes * ea)?.chunk(m, ea)?, opts.intra_spec)
+                    })
+                })
+                .collect::<Result<Vec<_>, CommError>>()?;
+            if m == me_node {
+                for &(src, spec) in &inputs {
+                    dev.kernel(
+                        comm.stream(),
+                        Kernel::Dequantize { src, spec, len: s, dst: shard, add: true },
+                    )?;
+                }
+                continue;
+            }
+            let dst = inter_send.view().chunk(m, ei)?;
+            let kq = keyed(q, rank, 2, m);
+            dev.kernel(
+                comm.stream(),
+                Kernel::DequantReduceQuant { inputs: &inputs, len: s, spec: opts.inter_spec, opts: kq, dst },
+            )?;
+        }
+    } else {
+        // One rank per node: shards for other nodes straight in the inter spec, own shard exact.
+        for m in 0..nodes {
+            let part = topo.rank_of(m, me_local);
+            if m == me_node {
+                with_part(comm, grad, n, s, part, |src| {
+                    dev.kernel(comm.stream(), Kernel::Add { src, elem: Elem::F32, dst: shard })
+                })?;
+            } else {
+                let dst = inter_send.view().chunk(m, ei)?;
+                let kq = keyed(q, rank, 1, part);
+                with_part(comm, grad, n, s, part, |src| {
+                    dev.kernel(
+                        comm.stream(),
+                        Kernel::Quantize { src, elem: Elem::F32, spec: opts.inter_spec, opts: kq, dst },
+                    )
+                })?;
+            }
+        }
+    }
+
+    if nodes > 1 {
+        // Steps 4-5: inter-node all-to-all over the rail, dequantize + sum in node order.
+        let recv = DeviceBuf::zeroed(&dev, ei * nodes)?;
+        comm.all_to_all(&Group::rail(&topo, rank), inter_send.view(), recv.view())?;
+        for m in (0..nodes).filter(|&m| m != me_node) {
+            let src = recv.view().chunk(m, ei)?;
+            dev.kernel(
+                comm.stream(),
+                Kernel::Dequantize { src, spec: opts.inter_spec, len: s, dst: shard, add: true },
+            )?;
+        }
+    }
+    finish(comm, shard, n, w, rank, opts.reduce, w)
+}

@@ -1,0 +1,282 @@
+//! [`DeviceCommunicator`]: the [`Communicator`](crate::Communicator) primitives on
+//! device buffers, with the same checks (`check.rs`) and the same traffic counters.
+
+use super::{Device, View};
+use crate::{CommError, Group, Primitive, Topology, TrafficCounter, check};
+
+/// One validated primitive call, handed to [`DeviceCommunicator::raw`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum DeviceCall<'a, D: Device> {
+    /// `recv.len() == send.len() · g`.
+    AllGather {
+        /// This member's bytes.
+        send: View<'a, D>,
+        /// Every member's bytes, in group order.
+        recv: View<'a, D>,
+    },
+    /// Both `chunk · g` bytes.
+    AllToAll {
+        /// Chunk `i` goes to member `i`.
+        send: View<'a, D>,
+        /// Chunk `j` comes from member `j`.
+        recv: View<'a, D>,
+    },
+    /// Counts checked as for `all_to_all_v_bytes`.
+    AllToAllV {
+        /// Consecutive chunks, one per member.
+        send: View<'a, D>,
+        /// Bytes to each member.
+        send_counts: &'a [usize],
+        /// Consecutive chunks, one per member.
+        recv: View<'a, D>,
+        /// Bytes from each member.
+        recv_counts: &'a [usize],
+    },
+    /// f32 sum-reduce-scatter: `send` holds `g` chunks of `recv.len()` bytes.
+    ReduceScatterF32 {
+        /// Full f32 vector.
+        send: View<'a, D>,
+        /// This member's summed chunk.
+        recv: View<'a, D>,
+    },
+    /// f32 sum in place.
+    AllReduceF32 {
+        /// The vector.
+        buf: View<'a, D>,
+    },
+    /// Copy from the member at group index `root`.
+    Broadcast {
+        /// Root's group index (valid).
+        root: usize,
+        /// The bytes.
+        buf: View<'a, D>,
+    },
+    /// No data.
+    Barrier,
+}
+
+impl<D: Device> Clone for DeviceCall<'_, D> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<D: Device> Copy for DeviceCall<'_, D> {}
+
+impl<D: Device> DeviceCall<'_, D> {
+    /// The primitive this call is.
+    pub fn primitive(&self) -> Primitive {
+        match self {
+            DeviceCall::AllGather { .. } => Primitive::AllGather,
+            DeviceCall::AllToAll { .. } => Primitive::AllToAll,
+            DeviceCall::AllToAllV { .. } => Primitive::AllToAllV,
+            DeviceCall::ReduceScatterF32 { .. } => Primitive::ReduceScatter,
+            DeviceCall::AllReduceF32 { .. } => Primitive::AllReduce,
+            DeviceCall::Broadcast { .. } => Primitive::Broadcast,
+            DeviceCall::Barrier => Primitive::Barrier,
+        }
+    }
+}
+
+/// Whole f32 elements in a window of `bytes`, or [`CommError::Mismatch`].
+fn floats(p: Primitive, bytes: usize) -> Result<usize, CommError> {
+    if !bytes.is_multiple_of(4) {
+        return Err(CommError::Mismatch(format!(
+            "{p}: a device window of {bytes} bytes is not whole f32 values"
+        )));
+    }
+    Ok(bytes / 4)
+}
+
+/// Counts one message of `bytes` to and from every other member of `group`.
+fn exchange(traffic: &mut TrafficCounter, group: &Group, bytes: usize) {
+    for &peer in group.ranks() {
+        traffic.record_send(peer, bytes);
+        traffic.record_recv(peer, bytes);
+    }
+}
+
+/// Records a successful call's traffic: the table of [`crate::threads`], the
+/// same figures [`Communicator`](crate::Communicator)'s provided methods count.
+pub(crate) fn record<D: Device>(
+    traffic: &mut TrafficCounter,
+    group: &Group,
+    index: usize,
+    call: &DeviceCall<'_, D>,
+) {
+    let g = group.size().max(1);
+    match call {
+        DeviceCall::AllGather { send, .. } => exchange(traffic, group, send.len()),
+        DeviceCall::AllToAll { send, .. } => exchange(traffic, group, send.len() / g),
+        DeviceCall::AllToAllV { send_counts, recv_counts, .. } => {
+            for ((&peer, &s), &r) in group.ranks().iter().zip(send_counts.iter()).zip(recv_counts.iter()) {
+                traffic.record_send(peer, s);
+                traffic.record_recv(peer, r);
+            }
+        }
+        DeviceCall::ReduceScatterF32 { recv, .. } => exchange(traffic, group, recv.len()),
+        DeviceCall::AllReduceF32 { buf } => {
+            let k = (buf.len() / 4).div_ceil(g);
+            exchange(traffic, group, 4 * k);
+            exchange(traffic, group, 4 * k);
+        }
+        DeviceCall::Broadcast { root, buf } => {
+            if index == *root {
+                group.ranks().iter().for_each(|&peer| traffic.record_send(peer, buf.len()));
+            } else if let Some(r) = group.rank_at(*root) {
+                traffic.record_recv(r, buf.len());
+            }
+        }
+        DeviceCall::Barrier => exchange(traffic, group, 0),
+    }
+}
+
+/// A rank's handle on a job whose buffers live on a device: the
+/// [`Communicator`](crate::Communicator) primitives on [`View`]s of device buffers,
+/// enqueued on [`DeviceCommunicator::stream`] (the results are ready for later work
+/// on that stream; download or synchronize to see them on the host).
+///
+/// The provided methods check arguments exactly as the host trait does (same
+/// [`CommError`] variants and messages, from the shared `check` module; f32
+/// primitives also need windows of whole floats) and count the same traffic
+/// (the table in [`crate::threads`]); a backend implements
+/// [`DeviceCommunicator::raw`] only.
+///
+/// ```
+/// use zeropp_comm::device::{DeviceBuf, DeviceCluster, DeviceCommunicator, HostDevice};
+/// use zeropp_comm::{Group, ThreadOptions, Topology};
+/// let cluster = DeviceCluster::new(Topology::ranks(2).per_node(2)?, HostDevice, ThreadOptions::default());
+/// let out = cluster.run(|comm| {
+///     let (dev, world) = (comm.device().clone(), Group::world(comm.topology()));
+///     let send = DeviceBuf::from_bytes(&dev, comm.stream(), &[comm.rank() as u8; 2])?;
+///     let recv = DeviceBuf::zeroed(&dev, 4)?;
+///     comm.all_gather(&world, send.view(), recv.view())?;
+///     recv.to_bytes(&dev, comm.stream())
+/// })?;
+/// assert_eq!(out[1], [0, 0, 1, 1]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub trait DeviceCommunicator: Send {
+    /// The device the buffers live on.
+    type Device: Device;
+
+    /// This rank's global rank.
+    fn rank(&self) -> usize;
+    /// The job's topology.
+    fn topology(&self) -> &Topology;
+    /// The traffic counters.
+    fn traffic(&self) -> &TrafficCounter;
+    /// Mutable traffic counters (operation tag, reset).
+    fn traffic_mut(&mut self) -> &mut TrafficCounter;
+    /// The device.
+    fn device(&self) -> &Self::Device;
+    /// This rank's stream: collectives are ordered on it.
+    fn stream(&self) -> &<Self::Device as Device>::Stream;
+
+    /// Backend hook: runs a call whose arguments were checked (the caller is member
+    /// `index` of `group`). Counts no traffic.
+    fn raw(
+        &mut self,
+        group: &Group,
+        index: usize,
+        call: DeviceCall<'_, Self::Device>,
+    ) -> Result<(), CommError>;
+
+    /// Collective over the world: an independent communicator on the same ranks,
+    /// with its own stream.
+    fn duplicate(&mut self) -> Result<Self, CommError>
+    where
+        Self: Sized;
+
+    /// Checks `call` (membership, then its arguments), runs it, counts it.
+    fn call(&mut self, group: &Group, call: DeviceCall<'_, Self::Device>) -> Result<(), CommError> {
+        let p = call.primitive();
+        let me = check::member(self.topology(), self.rank(), group, p)?;
+        match &call {
+            DeviceCall::AllGather { send, recv } => check::all_gather(group, send.len(), recv.len())?,
+            DeviceCall::AllToAll { send, recv } => {
+                check::all_to_all(group, send.len(), recv.len())?;
+            }
+            DeviceCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+                check::all_to_all_v(group, me, send.len(), send_counts, recv.len(), recv_counts)?;
+            }
+            DeviceCall::ReduceScatterF32 { send, recv } => {
+                check::reduce_scatter(group, floats(p, send.len())?, floats(p, recv.len())?)?;
+            }
+            DeviceCall::AllReduceF32 { buf } => {
+                floats(p, buf.len())?;
+            }
+            DeviceCall::Broadcast { root, .. } => {
+                check::broadcast(group, *root)?;
+            }
+            DeviceCall::Barrier => {}
+        }
+        self.raw(group, me, call)?;
+        record(self.traffic_mut(), group, me, &call);
+        Ok(())
+    }
+
+    /// All-gather: `recv.len() == send.len() · g`, chunk `i` from member `i`.
+    fn all_gather(
+        &mut self,
+        group: &Group,
+        send: View<'_, Self::Device>,
+        recv: View<'_, Self::Device>,
+    ) -> Result<(), CommError> {
+        self.call(group, DeviceCall::AllGather { send, recv })
+    }
+
+    /// Equal-chunk all-to-all.
+    fn all_to_all(
+        &mut self,
+        group: &Group,
+        send: View<'_, Self::Device>,
+        recv: View<'_, Self::Device>,
+    ) -> Result<(), CommError> {
+        self.call(group, DeviceCall::AllToAll { send, recv })
+    }
+
+    /// Variable-chunk all-to-all.
+    fn all_to_all_v(
+        &mut self,
+        group: &Group,
+        send: View<'_, Self::Device>,
+        send_counts: &[usize],
+        recv: View<'_, Self::Device>,
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        self.call(group, DeviceCall::AllToAllV { send, send_counts, recv, recv_counts })
+    }
+
+    /// f32 sum-reduce-scatter, summed in group order from zero.
+    fn reduce_scatter_f32(
+        &mut self,
+        group: &Group,
+        send: View<'_, Self::Device>,
+        recv: View<'_, Self::Device>,
+    ) -> Result<(), CommError> {
+        self.call(group, DeviceCall::ReduceScatterF32 { send, recv })
+    }
+
+    /// f32 sum in place, in group order from zero.
+    fn all_reduce_f32(&mut self, group: &Group, buf: View<'_, Self::Device>) -> Result<(), CommError> {
+        self.call(group, DeviceCall::AllReduceF32 { buf })
+    }
+
+    /// Copies the root member's `buf` into every member's `buf`.
+    fn broadcast(
+        &mut self,
+        group: &Group,
+        root: usize,
+        buf: View<'_, Self::Device>,
+    ) -> Result<(), CommError> {
+        self.call(group, DeviceCall::Broadcast { root, buf })
+    }
+
+    /// Returns once every member has entered (and the stream's earlier work of
+    /// every member is ordered before the members' later work).
+    fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
+        self.call(group, DeviceCall::Barrier)
+    }
+}

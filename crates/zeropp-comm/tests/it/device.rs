@@ -1,0 +1,322 @@
+//! The one-device simulated cluster on host memory (`HostDevice`): the conformance
+//! suite unchanged, the device ZeRO++ collectives bitwise equal to the host ones
+//! on the thread backend, the same counters and the same argument errors.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
+
+use std::time::Duration;
+
+use half::bf16;
+use zeropp_comm::collectives::{self as host, QgzOptions, QwzOptions, Reduce, shard_len};
+use zeropp_comm::conformance::{Case, rank_data, run_all};
+use zeropp_comm::device::{
+    DeviceBuf, DeviceCluster, DeviceComm, DeviceCommunicator, Elem, HostDevice, collectives as dev,
+};
+use zeropp_comm::quant::{Options, QuantSpec, Rounding};
+use zeropp_comm::{CommError, Communicator, Group, ThreadCluster, ThreadOptions, Topology, TrafficSnapshot};
+
+const SHAPES: [(usize, usize); 8] = [(1, 1), (2, 1), (2, 2), (4, 2), (6, 3), (8, 4), (8, 1), (4, 4)];
+
+fn opts() -> ThreadOptions {
+    ThreadOptions::default().with_timeout(Duration::from_secs(20))
+}
+
+fn device_cluster(w: usize, l: usize) -> DeviceCluster<HostDevice> {
+    DeviceCluster::new(Topology::ranks(w).per_node(l).unwrap(), HostDevice, opts())
+}
+
+fn thread_cluster(w: usize, l: usize) -> ThreadCluster {
+    ThreadCluster::new(Topology::ranks(w).per_node(l).unwrap(), opts())
+}
+
+#[test]
+fn conformance_suite_runs_unchanged() {
+    for (w, l) in SHAPES {
+        for len in [0, 1, 5, 97] {
+            let case = Case { seed: 42, len };
+            let r =
+                device_cluster(w, l).run(|comm| run_all(comm, &case)).map(|_| ()).map_err(|e| e.to_string());
+            assert_eq!(r, Ok(()), "world {w} local {l} len {len}");
+        }
+    }
+}
+
+#[test]
+fn conformance_counts_the_thread_backends_traffic() {
+    for (w, l) in [(4, 2), (6, 3), (8, 1)] {
+        let case = Case { seed: 9, len: 31 };
+        let on_threads: Vec<TrafficSnapshot> = thread_cluster(w, l)
+            .run(|comm| run_all(comm, &case).map(|()| comm.traffic().snapshot()))
+            .unwrap();
+        let on_device: Vec<TrafficSnapshot> = device_cluster(w, l)
+            .run(|comm| run_all(comm, &case).map(|()| Communicator::traffic(comm).snapshot()))
+            .unwrap();
+        assert_eq!(on_threads, on_device, "world {w} local {l}");
+    }
+}
+
+/// Everything one rank computes, host side and device side, for one shape.
+#[derive(Debug, PartialEq)]
+struct Results {
+    qwz_f32: Vec<u32>,
+    qwz_bf16: Vec<u32>,
+    hpz: Vec<u32>,
+    hpz_int8: Vec<u32>,
+    ag_bf16: Vec<u16>,
+    rs_bf16: Vec<u32>,
+    qgz: Vec<u32>,
+    qgz_sum_stochastic: Vec<u32>,
+    qgz_int8_g7: Vec<u32>,
+    traffic: TrafficSnapshot,
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+fn stochastic() -> QgzOptions {
+    let mut o = QgzOptions::default().sum();
+    o.quant = Options::default().with_rounding(Rounding::Stochastic { seed: 77 });
+    o
+}
+
+fn int8_g7() -> QgzOptions {
+    QgzOptions::default().with_spec(QuantSpec::int8(7).unwrap())
+}
+
+fn qwz_opts() -> QwzOptions {
+    QwzOptions::with_spec(QuantSpec::int8(32).unwrap())
+}
+
+fn on_threads(comm: &mut zeropp_comm::ThreadComm, n: usize) -> Result<Results, CommError> {
+    let t = *comm.topology();
+    let (w, rank) = (t.world(), comm.rank());
+    let world = Group::world(&t);
+    let node = Group::intra_node(&t, rank);
+    let grad = rank_data(5, rank, n);
+    let c = n / 3 + 1;
+    let shard = rank_data(11, rank, c);
+    let shard16: Vec<bf16> = shard.iter().map(|&x| bf16::from_f32(x)).collect();
+    let mut r = Results {
+        qwz_f32: vec![],
+        qwz_bf16: vec![],
+        hpz: vec![],
+        hpz_int8: vec![],
+        ag_bf16: vec![],
+        rs_bf16: vec![],
+        qgz: vec![],
+        qgz_sum_stochastic: vec![],
+        qgz_int8_g7: vec![],
+        traffic: TrafficSnapshot::default(),
+    };
+    let mut full = vec![0f32; c * w];
+    comm.traffic_mut().set_op("qwz");
+    host::qwz_all_gather(comm, &world, &shard, &mut full, &qwz_opts())?;
+    r.qwz_f32 = bits(&full);
+    host::qwz_all_gather(comm, &world, &shard16, &mut full, &QwzOptions::default())?;
+    r.qwz_bf16 = bits(&full);
+    comm.traffic_mut().set_op("hpz");
+    let mut node_full = vec![0f32; c * node.size()];
+    host::all_gather_f32(comm, &node, &shard, &mut node_full)?;
+    r.hpz = bits(&node_full);
+    host::qwz_all_gather(comm, &node, &shard, &mut node_full, &QwzOptions::default())?;
+    r.hpz_int8 = bits(&node_full);
+    comm.traffic_mut().set_op("bf16");
+    let mut full16 = vec![bf16::ZERO; c * w];
+    host::all_gather_bf16(comm, &world, &shard16, &mut full16)?;
+    r.ag_bf16 = full16.iter().map(|x| x.to_bits()).collect();
+    let mut out = vec![0f32; shard_len(n, w)];
+    host::reduce_scatter_bf16_wire(comm, &world, &grad, &mut out, Reduce::Mean)?;
+    r.rs_bf16 = bits(&out);
+    comm.traffic_mut().set_op("qgz");
+    host::qgz_reduce_scatter(comm, &grad, &mut out, &QgzOptions::default())?;
+    r.qgz = bits(&out);
+    host::qgz_reduce_scatter(comm, &grad, &mut out, &stochastic())?;
+    r.qgz_sum_stochastic = bits(&out);
+    host::qgz_reduce_scatter(comm, &grad, &mut out, &int8_g7())?;
+    r.qgz_int8_g7 = bits(&out);
+    r.traffic = comm.traffic().snapshot();
+    Ok(r)
+}
+
+fn on_device(comm: &mut DeviceComm<HostDevice>, n: usize) -> Result<Results, CommError> {
+    let t = *comm.topology();
+    let (w, rank) = (t.world(), comm.rank());
+    let d = *comm.device();
+    let world = Group::world(&t);
+    let node = Group::intra_node(&t, rank);
+    let up = |comm: &DeviceComm<HostDevice>, x: &[f32]| DeviceBuf::from_f32(&d, comm.stream(), x);
+    let c = n / 3 + 1;
+    let grad = up(comm, &rank_data(5, rank, n))?;
+    let shard_host = rank_data(11, rank, c);
+    let shard = up(comm, &shard_host)?;
+    let shard16_host: Vec<bf16> = shard_host.iter().map(|&x| bf16::from_f32(x)).collect();
+    let shard16 = DeviceBuf::from_bytes(&d, comm.stream(), bytemuck::cast_slice(&shard16_host))?;
+    let f32s = |b: &DeviceBuf<HostDevice>, comm: &DeviceComm<HostDevice>| -> Result<Vec<u32>, CommError> {
+        Ok(bits(&b.to_f32(&d, comm.stream())?))
+    };
+    let full = DeviceBuf::zeroed(&d, 4 * c * w)?;
+    comm.traffic_mut().set_op("qwz");
+    dev::qwz_all_gather(comm, &world, shard.view(), Elem::F32, full.view(), &qwz_opts())?;
+    let qwz_f32 = f32s(&full, comm)?;
+    dev::qwz_all_gather(comm, &world, shard16.view(), Elem::Bf16, full.view(), &QwzOptions::default())?;
+    let qwz_bf16 = f32s(&full, comm)?;
+    comm.traffic_mut().set_op("hpz");
+    let node_full = DeviceBuf::zeroed(&d, 4 * c * node.size())?;
+    dev::hpz_all_gather(comm, shard.view(), node_full.view())?;
+    let hpz = f32s(&node_full, comm)?;
+    dev::hpz_qwz_all_gather(comm, shard.view(), Elem::F32, node_full.view(), &QwzOptions::default())?;
+    let hpz_int8 = f32s(&node_full, comm)?;
+    comm.traffic_mut().set_op("bf16");
+    let full16 = DeviceBuf::zeroed(&d, 2 * c * w)?;
+    dev::all_gather_bf16(comm, &world, shard16.view(), full16.view())?;
+    let ag_bf16 = bytemuck::pod_collect_to_vec(&full16.to_bytes(&d, comm.stream())?);
+    let out = DeviceBuf::zeroed(&d, 4 * shard_len(n, w))?;
+    dev::reduce_scatter_bf16_wire(comm, &world, grad.view(), out.view(), Reduce::Mean)?;
+    let rs_bf16 = f32s(&out, comm)?;
+    comm.traffic_mut().set_op("qgz");
+    dev::qgz_reduce_scatter(comm, grad.view(), out.view(), &QgzOptions::default())?;
+    let qgz = f32s(&out, comm)?;
+    dev::qgz_reduce_scatter(comm, grad.view(), out.view(), &stochastic())?;
+    let qgz_sum_stochastic = f32s(&out, comm)?;
+    dev::qgz_reduce_scatter(comm, grad.view(), out.view(), &int8_g7())?;
+    let qgz_int8_g7 = f32s(&out, comm)?;
+    let traffic = DeviceComm::traffic(comm).snapshot();
+    Ok(Results {
+        qwz_f32,
+        qwz_bf16,
+        hpz,
+        hpz_int8,
+        ag_bf16,
+        rs_bf16,
+        qgz,
+        qgz_sum_stochastic,
+        qgz_int8_g7,
+        traffic,
+    })
+}
+
+#[test]
+fn device_collectives_are_bitwise_the_thread_backends() {
+    for (w, l) in SHAPES {
+        for n in [0, 1, 13, 700, 2048 * w + 5] {
+            let expected = thread_cluster(w, l).run(|comm| on_threads(comm, n)).unwrap();
+            let got = device_cluster(w, l).run(|comm| on_device(comm, n)).unwrap();
+            for (rank, (e, g)) in expected.iter().zip(&got).enumerate() {
+                assert_eq!(e, g, "world {w} local {l} n {n} rank {rank}");
+            }
+        }
+    }
+}
+
+#[test]
+fn device_primitives_give_the_host_errors() {
+    // The same bad calls on both traits, the same errors (the shared checks).
+    let errs = device_cluster(2, 2)
+        .run(|comm| {
+            let d = *comm.device();
+            let world = Group::world(comm.topology());
+            let a = DeviceBuf::zeroed(&d, 2)?;
+            let b = DeviceBuf::zeroed(&d, 3)?;
+            let dev_err = comm.all_gather(&world, a.view(), b.view()).unwrap_err();
+            let host_err = comm.all_gather_bytes(&world, &[0u8; 2], &mut [0u8; 3]).unwrap_err();
+            let outside = Group::new(&Topology::ranks(8).per_node(2)?, vec![0, 7])?;
+            let dev_group = DeviceCommunicator::barrier(comm, &outside).unwrap_err();
+            let host_group = Communicator::barrier(comm, &outside).unwrap_err();
+            let dev_root = DeviceCommunicator::broadcast(comm, &world, 2, a.view()).unwrap_err();
+            let host_root = Communicator::broadcast_bytes(comm, &world, 2, &mut [0u8; 2]).unwrap_err();
+            let rs = DeviceCommunicator::reduce_scatter_f32(comm, &world, a.view(), a.view()).unwrap_err();
+            Ok::<_, CommError>((dev_err, host_err, dev_group, host_group, dev_root, host_root, rs))
+        })
+        .unwrap();
+    for (de, he, dg, hg, dr, hr, rs) in errs {
+        assert_eq!(de, he);
+        assert!(matches!(de, CommError::Mismatch(_)));
+        assert_eq!(dg, hg);
+        assert!(matches!(dg, CommError::InvalidGroup(_)));
+        assert_eq!(dr, hr);
+        assert!(matches!(rs, CommError::Mismatch(ref m) if m.contains("whole f32")), "{rs}");
+    }
+}
+
+#[test]
+fn disagreeing_members_get_a_mismatch_and_nobody_hangs() {
+    let out = device_cluster(2, 2).run_each(|comm| {
+        let d = *comm.device();
+        let world = Group::world(comm.topology());
+        let len = 4 + comm.rank();
+        let a = DeviceBuf::zeroed(&d, len)?;
+        let b = DeviceBuf::zeroed(&d, 2 * len)?;
+        comm.all_gather(&world, a.view(), b.view())
+    });
+    for r in out {
+        match r {
+            Err(zeropp_comm::RunError::Failed { error: CommError::Mismatch(m), .. }) => {
+                assert!(m.contains("bytes"), "{m}")
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_lost_rank_fails_its_peers_with_peer_lost() {
+    let out = device_cluster(3, 3).run_each(|comm| {
+        if comm.rank() == 1 {
+            panic!("rank 1 gives up");
+        }
+        DeviceCommunicator::barrier(comm, &Group::world(comm.topology()))
+    });
+    assert!(matches!(out[1], Err(zeropp_comm::RunError::Panicked { rank: 1, .. })));
+    for r in [&out[0], &out[2]] {
+        assert!(
+            matches!(
+                r,
+                Err(zeropp_comm::RunError::Failed { error: CommError::PeerLost { rank: 1, .. }, .. })
+            ),
+            "{r:?}"
+        );
+    }
+}
+
+#[test]
+fn duplicates_are_independent_streams_of_collectives() {
+    let out = device_cluster(4, 2)
+        .run(|comm| {
+            let d = *comm.device();
+            let world = Group::world(comm.topology());
+            let mut dup = DeviceCommunicator::duplicate(comm)?;
+            let x = DeviceBuf::from_f32(&d, comm.stream(), &[comm.rank() as f32])?;
+            let y = DeviceBuf::from_f32(&d, comm.stream(), &[1.0])?;
+            // Opposite orders on the two communicators of odd and even ranks would
+            // deadlock one shared sequence; independent ones complete.
+            if comm.rank() % 2 == 0 {
+                std::thread::scope(|s| {
+                    let h = s.spawn(|| DeviceCommunicator::all_reduce_f32(&mut dup, &world, y.view()));
+                    DeviceCommunicator::all_reduce_f32(comm, &world, x.view())?;
+                    h.join().unwrap()
+                })?;
+            } else {
+                std::thread::scope(|s| {
+                    let h = s.spawn(|| DeviceCommunicator::all_reduce_f32(&mut *comm, &world, x.view()));
+                    DeviceCommunicator::all_reduce_f32(&mut dup, &world, y.view())?;
+                    h.join().unwrap()
+                })?;
+            }
+            Ok::<_, CommError>((x.to_f32(&d, comm.stream())?, y.to_f32(&d, comm.stream())?))
+        })
+        .unwrap();
+    for (x, y) in out {
+        assert_eq!((x, y), (vec![6.0], vec![4.0]));
+    }
+}
+
+#[test]
+fn link_model_keeps_results() {
+    let model = "intra=10GB/s,inter=1GB/s,latency=1us".parse().unwrap();
+    let t = Topology::ranks(4).per_node(2).unwrap();
+    let cluster = DeviceCluster::new(t, HostDevice, opts().with_link_model(model));
+    let expected = thread_cluster(4, 2).run(|comm| on_threads(comm, 300)).unwrap();
+    let got = cluster.run(|comm| on_device(comm, 300)).unwrap();
+    assert_eq!(expected, got);
+}
