@@ -49,6 +49,20 @@ pub(crate) fn test() -> Result<(), String> {
     t.args(["test", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--test", "it", "--", "gpu"])
         .env("ZEROPP_CUDA_EMULATOR", emulator);
     run("GPU tests (zeropp-quant --features cuda)", t)?;
+    let mut c = cuda_cargo()?;
+    c.args([
+        "test",
+        "--locked",
+        "-p",
+        "zeropp-comm",
+        "--features",
+        "nccl",
+        "--test",
+        "it",
+        "--",
+        "device_",
+    ]);
+    run("GPU tests (zeropp-comm --features nccl: the one-GPU cluster, NCCL with one rank)", c)?;
     eprintln!(
         "==> device: {}",
         if ptx::has_driver() { "a CUDA driver is installed" } else { "no CUDA driver (stub libcuda)" }
@@ -86,14 +100,17 @@ fn clippy() -> Result<(), String> {
         "--locked",
         "-p",
         "zeropp-quant",
+        "-p",
+        "zeropp-comm",
         "--features",
-        "cuda",
+        // `nccl` implies `cuda`; with `mpi`, the `nccl_mpi` example builds too.
+        "zeropp-quant/cuda,zeropp-comm/nccl,zeropp-comm/mpi",
         "--all-targets",
         "--",
         "-D",
         "warnings",
     ]);
-    run("clippy (zeropp-quant, cuda feature)", c)
+    run("clippy (zeropp-quant and zeropp-comm, cuda feature)", c)
 }
 
 /// CI's share: the artefacts are current, clippy and rustdoc are clean with the
@@ -105,7 +122,11 @@ pub(crate) fn ci() -> Result<(), String> {
     let mut doc = cuda_cargo()?;
     doc.args(["doc", "--locked", "-p", "zeropp-quant", "--no-deps", "--features", "cuda"])
         .env("RUSTDOCFLAGS", "-D warnings");
-    run("rustdoc (zeropp-quant, cuda feature)", doc)
+    run("rustdoc (zeropp-quant, cuda feature)", doc)?;
+    let mut doc = cuda_cargo()?;
+    doc.args(["doc", "--locked", "-p", "zeropp-comm", "--no-deps", "--features", "nccl"])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run("rustdoc (zeropp-comm, cuda and nccl features)", doc)
 }
 
 /// `cargo xtask bench gpu`: the GPU bench (`benches/gpu.rs`) writes

@@ -49,6 +49,19 @@ pub enum CommError {
     /// non-finite gradient, or corrupted wire bytes).
     #[error("quantization: {0}")]
     Quant(#[from] zeropp_quant::QuantError),
+    /// A device library call failed (`api`: `cuda` for the driver, `nccl`): its
+    /// status code (-1: the library could not be loaded) and what was called.
+    /// The code is kept rather than the library's error type so that the enum
+    /// stays `Clone + PartialEq`.
+    #[error("{api} error {code}: {what}")]
+    Device {
+        /// Which library (`cuda`, `nccl`).
+        api: &'static str,
+        /// Its status code.
+        code: i32,
+        /// The call and the library's message.
+        what: String,
+    },
     /// A background communication worker ([`crate::AsyncComm`]) is gone.
     #[error("communication worker closed: {0}")]
     Closed(String),

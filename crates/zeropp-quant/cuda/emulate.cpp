@@ -99,6 +99,11 @@ static inline float __uint_as_float(unsigned u) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+static inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
 static inline float zq_host_f16_to_f32(unsigned short h) {
     _Float16 f;
     std::memcpy(&f, &h, 2);

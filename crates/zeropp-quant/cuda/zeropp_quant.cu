@@ -317,3 +317,45 @@ extern "C" __global__ void __launch_bounds__(ZQ_BLOCK)
         }
     }
 }
+
+// ---- element-wise helpers of zeropp-comm's device collectives ----------------
+// Grid-stride loops over `n` elements; every float op is an explicit _rn
+// intrinsic, so the results equal the CPU's (Rust's `+=`, `/=`, half's bf16).
+
+// acc[i] += x[i] (f32), the reduce-scatter's and all-reduce's sum.
+extern "C" __global__ void __launch_bounds__(ZQ_BLOCK) zq_add_f32(const float* x, u64 n, float* acc) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)blockDim.x * gridDim.x) {
+        acc[i] = __fadd_rn(acc[i], x[i]);
+    }
+}
+
+// acc[i] += f32(x[i]) for bf16 x (exact widening), the bf16 baseline's sum.
+extern "C" __global__ void __launch_bounds__(ZQ_BLOCK) zq_add_bf16(const u16* x, u64 n, float* acc) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)blockDim.x * gridDim.x) {
+        acc[i] = __fadd_rn(acc[i], SrcBf16{x}(i));
+    }
+}
+
+// x[i] /= by (correctly rounded), the mean.
+extern "C" __global__ void __launch_bounds__(ZQ_BLOCK) zq_div_f32(float* x, u64 n, float by) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)blockDim.x * gridDim.x) {
+        x[i] = __fdiv_rn(x[i], by);
+    }
+}
+
+// out[i] = bf16(x[i]), round to nearest even, NaN kept quiet with its sign:
+// bit for bit `half::bf16::from_f32`.
+extern "C" __global__ void __launch_bounds__(ZQ_BLOCK) zq_to_bf16(const float* x, u64 n, u16* out) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)blockDim.x * gridDim.x) {
+        const u32 b = __float_as_uint(x[i]);
+        u32 r;
+        if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
+            r = (b >> 16) | 0x0040u;
+        } else if ((b & 0x8000u) != 0 && (b & 0x17FFFu) != 0) {
+            r = (b >> 16) + 1;
+        } else {
+            r = b >> 16;
+        }
+        out[i] = (u16)r;
+    }
+}

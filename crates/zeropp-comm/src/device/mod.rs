@@ -33,11 +33,16 @@
 //!   (fused kernel) and the bf16 baselines, written once on [`DeviceCommunicator`],
 //!   with no host round trip of the payload. On [`HostDevice`] their results are
 //!   bitwise equal to the host collectives on the thread backend (tests).
-//! - `nccl` (feature `nccl`): `NcclComm`, the same trait on NCCL, loaded at run time.
+//! - `NcclComm` (feature `nccl`): the same trait on NCCL, loaded at run time,
+//!   bootstrapped over any host communicator (MPI under `mpirun`).
 
 pub mod collectives;
 mod communicator;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod host;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod rendezvous;
 mod sim;
 mod staged;
@@ -46,7 +51,11 @@ use std::fmt;
 use std::sync::Arc;
 
 pub use communicator::{DeviceCall, DeviceCommunicator};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaDevice, CudaEvent, CudaMem, CudaStream};
 pub use host::{HostDevice, HostEvent, HostMem, HostStream};
+#[cfg(feature = "nccl")]
+pub use nccl::NcclComm;
 pub use sim::{DeviceCluster, DeviceComm};
 
 use crate::CommError;

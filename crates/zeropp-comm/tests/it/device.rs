@@ -10,12 +10,13 @@ use half::bf16;
 use zeropp_comm::collectives::{self as host, QgzOptions, QwzOptions, Reduce, shard_len};
 use zeropp_comm::conformance::{Case, rank_data, run_all};
 use zeropp_comm::device::{
-    DeviceBuf, DeviceCluster, DeviceComm, DeviceCommunicator, Elem, HostDevice, collectives as dev,
+    Device, DeviceBuf, DeviceCluster, DeviceComm, DeviceCommunicator, Elem, HostDevice, collectives as dev,
 };
 use zeropp_comm::quant::{Options, QuantSpec, Rounding};
 use zeropp_comm::{CommError, Communicator, Group, ThreadCluster, ThreadOptions, Topology, TrafficSnapshot};
 
-const SHAPES: [(usize, usize); 8] = [(1, 1), (2, 1), (2, 2), (4, 2), (6, 3), (8, 4), (8, 1), (4, 4)];
+pub(crate) const SHAPES: [(usize, usize); 8] =
+    [(1, 1), (2, 1), (2, 2), (4, 2), (6, 3), (8, 4), (8, 1), (4, 4)];
 
 fn opts() -> ThreadOptions {
     ThreadOptions::default().with_timeout(Duration::from_secs(20))
@@ -25,7 +26,7 @@ fn device_cluster(w: usize, l: usize) -> DeviceCluster<HostDevice> {
     DeviceCluster::new(Topology::ranks(w).per_node(l).unwrap(), HostDevice, opts())
 }
 
-fn thread_cluster(w: usize, l: usize) -> ThreadCluster {
+pub(crate) fn thread_cluster(w: usize, l: usize) -> ThreadCluster {
     ThreadCluster::new(Topology::ranks(w).per_node(l).unwrap(), opts())
 }
 
@@ -57,7 +58,7 @@ fn conformance_counts_the_thread_backends_traffic() {
 
 /// Everything one rank computes, host side and device side, for one shape.
 #[derive(Debug, PartialEq)]
-struct Results {
+pub(crate) struct Results {
     qwz_f32: Vec<u32>,
     qwz_bf16: Vec<u32>,
     hpz: Vec<u32>,
@@ -88,7 +89,7 @@ fn qwz_opts() -> QwzOptions {
     QwzOptions::with_spec(QuantSpec::int8(32).unwrap())
 }
 
-fn on_threads(comm: &mut zeropp_comm::ThreadComm, n: usize) -> Result<Results, CommError> {
+pub(crate) fn on_threads(comm: &mut zeropp_comm::ThreadComm, n: usize) -> Result<Results, CommError> {
     let t = *comm.topology();
     let (w, rank) = (t.world(), comm.rank());
     let world = Group::world(&t);
@@ -139,20 +140,20 @@ fn on_threads(comm: &mut zeropp_comm::ThreadComm, n: usize) -> Result<Results, C
     Ok(r)
 }
 
-fn on_device(comm: &mut DeviceComm<HostDevice>, n: usize) -> Result<Results, CommError> {
+pub(crate) fn on_device<D: Device>(comm: &mut DeviceComm<D>, n: usize) -> Result<Results, CommError> {
     let t = *comm.topology();
     let (w, rank) = (t.world(), comm.rank());
-    let d = *comm.device();
+    let d = comm.device().clone();
     let world = Group::world(&t);
     let node = Group::intra_node(&t, rank);
-    let up = |comm: &DeviceComm<HostDevice>, x: &[f32]| DeviceBuf::from_f32(&d, comm.stream(), x);
+    let up = |comm: &DeviceComm<D>, x: &[f32]| DeviceBuf::from_f32(&d, comm.stream(), x);
     let c = n / 3 + 1;
     let grad = up(comm, &rank_data(5, rank, n))?;
     let shard_host = rank_data(11, rank, c);
     let shard = up(comm, &shard_host)?;
     let shard16_host: Vec<bf16> = shard_host.iter().map(|&x| bf16::from_f32(x)).collect();
     let shard16 = DeviceBuf::from_bytes(&d, comm.stream(), bytemuck::cast_slice(&shard16_host))?;
-    let f32s = |b: &DeviceBuf<HostDevice>, comm: &DeviceComm<HostDevice>| -> Result<Vec<u32>, CommError> {
+    let f32s = |b: &DeviceBuf<D>, comm: &DeviceComm<D>| -> Result<Vec<u32>, CommError> {
         Ok(bits(&b.to_f32(&d, comm.stream())?))
     };
     let full = DeviceBuf::zeroed(&d, 4 * c * w)?;

@@ -11,6 +11,10 @@ mod accuracy;
 mod arguments;
 mod conformance;
 mod device;
+#[cfg(feature = "cuda")]
+mod device_gpu;
+#[cfg(feature = "nccl")]
+mod device_nccl;
 mod faults;
 mod hierarchical;
 mod link_model;

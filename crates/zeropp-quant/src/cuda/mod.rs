@@ -41,7 +41,7 @@ use std::marker::PhantomData;
 use cust::context::{Context, CurrentContext};
 use cust::device::{Device, DeviceAttribute};
 use cust::launch;
-use cust::memory::{CopyDestination, DeviceBox, DeviceBuffer, DeviceCopy, DeviceSlice};
+use cust::memory::{CopyDestination, DeviceBox, DeviceBuffer, DeviceCopy, DevicePointer, DeviceSlice};
 use cust::module::Module;
 use cust::stream::{Stream, StreamFlags};
 use half::{bf16, f16};
@@ -194,6 +194,11 @@ impl GpuQuantized {
         &self.buf
     }
 
+    /// The encoding by address, for the `*_at` calls of [`Gpu`].
+    pub fn at(&self) -> WireAt {
+        WireAt { addr: self.buf.as_device_ptr().as_raw(), spec: self.spec, len: self.len }
+    }
+
     /// Copies the wire encoding to the host.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut v = vec![0u8; self.buf.len()];
@@ -208,22 +213,34 @@ impl GpuQuantized {
     }
 
     fn desc(&self) -> InDesc {
-        let groups = self.spec.num_groups(self.len) as u64;
-        let base = self.buf.as_device_ptr().as_raw();
-        let scales = base + wire::HEADER_LEN as u64;
-        let (offsets, data) = if self.spec.scheme().has_offsets() {
-            (scales + 4 * groups, scales + 8 * groups)
-        } else {
-            (0, scales + 4 * groups)
-        };
-        InDesc {
-            data,
-            scales,
-            offsets,
-            group_size: self.spec.group_size() as u32,
-            bits: self.spec.bits().bits(),
-        }
+        desc_at(self.buf.as_device_ptr().as_raw(), &self.spec, self.len)
     }
+}
+
+/// The kernels' view of a wire encoding of `len` elements in `spec` at device address `base`.
+fn desc_at(base: u64, spec: &QuantSpec, len: usize) -> InDesc {
+    let groups = spec.num_groups(len) as u64;
+    let scales = base + wire::HEADER_LEN as u64;
+    let (offsets, data) = if spec.scheme().has_offsets() {
+        (scales + 4 * groups, scales + 8 * groups)
+    } else {
+        (0, scales + 4 * groups)
+    };
+    InDesc { data, scales, offsets, group_size: spec.group_size() as u32, bits: spec.bits().bits() }
+}
+
+/// A wire encoding in device memory the caller manages, by address: `len`
+/// elements in `spec` laid out as the [wire encoding](crate::wire) starting at
+/// `addr` (header included). For callers that keep many encodings in one
+/// allocation (zeropp-comm's device collectives); see [`Gpu::quantize_at`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WireAt {
+    /// Device address of the encoding's first (header) byte.
+    pub addr: u64,
+    /// Its format.
+    pub spec: QuantSpec,
+    /// Its elements.
+    pub len: usize,
 }
 
 /// The GPU (device 0) with the kernels loaded.
@@ -289,6 +306,12 @@ impl Gpu {
     fn current(&self) -> Result<()> {
         CurrentContext::set_current(&self.ctx)?;
         Ok(())
+    }
+
+    /// Makes this GPU's (primary) context current on the calling thread, for
+    /// callers that allocate or copy through `cust` directly.
+    pub fn make_current(&self) -> Result<()> {
+        self.current()
     }
 
     /// Copies `x` to the device.
@@ -374,7 +397,7 @@ impl Gpu {
         self.current()?;
         let src = x.buf.as_device_ptr().as_raw();
         self.run_quantize(
-            out,
+            out.at(),
             opts,
             |bad| self.value(T::VALUE, src, None, bad),
             |m, a| {
@@ -434,7 +457,7 @@ impl Gpu {
         let descs = DeviceBuffer::from_slice(&descs)?;
         let (din, k) = (descs.as_device_ptr().as_raw(), inputs.len() as u32);
         self.run_quantize(
-            out,
+            out.at(),
             opts,
             |bad| self.value("zq_value_sum", din, Some(k), bad),
             |m, a| {
@@ -459,7 +482,7 @@ impl Gpu {
     /// and the non-finite check.
     fn run_quantize(
         &self,
-        out: &mut GpuQuantized,
+        out: WireAt,
         opts: &Options,
         value_at: impl Fn(u64) -> Result<f32>,
         launch_fn: impl Fn(&Module, &QuantLaunch) -> Result<()>,
@@ -468,12 +491,21 @@ impl Gpu {
             return Ok(());
         }
         let spec = out.spec;
-        let d = out.desc();
+        let d = desc_at(out.addr, &spec, out.len);
         let atomic_pack = spec.bits() == Bits::Int4 && spec.group_size() % 2 == 1;
         if atomic_pack {
-            // INT4 with an odd group size ORs each group's nibbles into the data.
-            let data_at = (d.data - out.buf.as_device_ptr().as_raw()) as usize;
-            out.buf.index(data_at..).set_zero()?;
+            // INT4 with an odd group size ORs each group's nibbles into the data,
+            // word by word: the data must start 4-byte aligned and be zeroed.
+            if !d.data.is_multiple_of(4) {
+                return Err(QuantError::Cuda(cust::error::CudaError::InvalidValue));
+            }
+            // SAFETY: `d.data` addresses the output's data region of `⌈len/2⌉`
+            // bytes in live device memory (the callers' contract); the slice
+            // does not own it (dropping it frees nothing).
+            let mut data = unsafe {
+                DeviceSlice::from_raw_parts_mut(DevicePointer::<u8>::from_raw(d.data), out.len.div_ceil(2))
+            };
+            data.set_zero()?;
         }
         // All ones = u64::MAX: no non-finite element seen yet.
         self.bad.index(..).set_8(0xFF)?;
@@ -572,6 +604,207 @@ impl Gpu {
             launch!(f<<<grid, BLOCK, 0, stream>>>(d.data, d.scales, d.offsets, d.group_size, d.bits, len, o, add))?;
         }
         self.stream.synchronize()?;
+        Ok(())
+    }
+}
+
+/// An element-wise kernel of [`Gpu::elementwise_at`] (zeropp-comm's device
+/// collectives): device addresses and a length in elements.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Elementwise {
+    /// `acc[i] += src[i]` over `n` f32.
+    AddF32 {
+        /// `n` f32.
+        src: u64,
+        /// `n` f32, in place.
+        acc: u64,
+    },
+    /// `acc[i] += f32(src[i])` over `n` bf16 addends.
+    AddBf16 {
+        /// `n` bf16.
+        src: u64,
+        /// `n` f32, in place.
+        acc: u64,
+    },
+    /// `x[i] /= by` over `n` f32.
+    DivF32 {
+        /// `n` f32, in place.
+        x: u64,
+        /// Divisor.
+        by: f32,
+    },
+    /// `out[i] = bf16(src[i])`, nearest even (as `half::bf16::from_f32`).
+    ToBf16 {
+        /// `n` f32.
+        src: u64,
+        /// `n` bf16.
+        out: u64,
+    },
+}
+
+/// Calls on caller-managed device memory, by address (the `*_at` family), for
+/// callers that keep many vectors and encodings in one allocation and order
+/// work with events on [`Gpu::stream`]: zeropp-comm's device collectives. Each
+/// `Gpu` has its own stream, so one `Gpu` per rank thread gives each rank its
+/// own stream on the device's primary context.
+impl Gpu {
+    /// Writes `out`'s wire header (32 bytes from the host: metadata, not payload).
+    fn write_header_at(&self, out: WireAt) -> Result<()> {
+        let mut header = [0u8; wire::HEADER_LEN];
+        wire::write_header(&mut header, &out.spec, out.len)?;
+        // SAFETY: `out.addr` starts a live region of at least HEADER_LEN bytes (the
+        // callers' contract); the slice does not own it.
+        let mut dst =
+            unsafe { DeviceSlice::from_raw_parts_mut(DevicePointer::<u8>::from_raw(out.addr), header.len()) };
+        dst.copy_from(&header[..])?;
+        Ok(())
+    }
+
+    /// [`Gpu::quantize_into`] on addresses: quantizes the `out.len` values of `T`
+    /// at `src` into the encoding `out` (header written too). Synchronizes the
+    /// stream (the non-finite check reads one flag back). With INT4 and an odd
+    /// group size the data region must be 4-byte aligned, else
+    /// `QuantError::Cuda(InvalidValue)`.
+    ///
+    /// # Safety
+    ///
+    /// `src` must address `out.len` live values of `T` and `out.addr`
+    /// `encoded_len(out.spec, out.len)` live bytes, both on this context, with no
+    /// other work writing them meanwhile.
+    pub unsafe fn quantize_at<T: GpuElement>(&self, src: u64, opts: &Options, out: WireAt) -> Result<()> {
+        self.current()?;
+        self.write_header_at(out)?;
+        self.run_quantize(
+            out,
+            opts,
+            |bad| self.value(T::VALUE, src, None, bad),
+            |m, a| {
+                let f = m.get_function(T::QUANTIZE)?;
+                let stream = &self.stream;
+                let (grid, block) = (a.grid, BLOCK);
+                // SAFETY: as in `quantize_into`; the addresses are live by this
+                // function's contract.
+                unsafe {
+                    launch!(f<<<grid, block, 0, stream>>>(
+                        src, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
+                        a.scales, a.offsets, a.data, a.bad
+                    ))?;
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// [`Gpu::dequant_reduce_quant_into`] on addresses (header written too);
+    /// synchronizes the stream.
+    ///
+    /// # Safety
+    ///
+    /// Every input and `out` must address live encodings of their specs and
+    /// lengths on this context (all lengths equal `out.len`).
+    pub unsafe fn dequant_reduce_quant_at(
+        &self,
+        inputs: &[WireAt],
+        opts: &Options,
+        out: WireAt,
+    ) -> Result<()> {
+        if inputs.is_empty() {
+            return Err(QuantError::NoInputs);
+        }
+        if let Some(bad) = inputs.iter().find(|q| q.len != out.len) {
+            return Err(QuantError::LengthMismatch {
+                what: "dequant_reduce_quant_at input",
+                expected: out.len,
+                actual: bad.len,
+            });
+        }
+        self.current()?;
+        self.write_header_at(out)?;
+        let descs: Vec<InDesc> = inputs.iter().map(|q| desc_at(q.addr, &q.spec, q.len)).collect();
+        let descs = DeviceBuffer::from_slice(&descs)?;
+        let (din, k) = (descs.as_device_ptr().as_raw(), inputs.len() as u32);
+        self.run_quantize(
+            out,
+            opts,
+            |bad| self.value("zq_value_sum", din, Some(k), bad),
+            |m, a| {
+                let f = m.get_function("zq_reduce_quantize")?;
+                let stream = &self.stream;
+                let (grid, block) = (a.grid, BLOCK);
+                // SAFETY: as in `dequant_reduce_quant_into`; `din` holds `k`
+                // descriptors of live encodings by this function's contract.
+                unsafe {
+                    launch!(f<<<grid, block, 0, stream>>>(
+                        din, k, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
+                        a.scales, a.offsets, a.data, a.bad
+                    ))?;
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// Dequantizes the encoding `q` into the `q.len` f32 at `out` (or adds to
+    /// them), enqueued on the stream without waiting.
+    ///
+    /// # Safety
+    ///
+    /// `q` must address a live encoding and `out` `q.len` live f32 on this context.
+    pub unsafe fn dequantize_at(&self, q: WireAt, out: u64, add: bool) -> Result<()> {
+        if q.len == 0 {
+            return Ok(());
+        }
+        self.current()?;
+        let d = desc_at(q.addr, &q.spec, q.len);
+        let grid = q.spec.num_groups(q.len).min(MAX_BLOCKS) as u32;
+        let (len, add) = (q.len as u64, u32::from(add));
+        let f = self.module.get_function("zq_dequant")?;
+        let stream = &self.stream;
+        // SAFETY: the arguments match `zq_dequant`'s parameters; the addresses are
+        // live by this function's contract.
+        unsafe {
+            launch!(f<<<grid, BLOCK, 0, stream>>>(d.data, d.scales, d.offsets, d.group_size, d.bits, len, out, add))?;
+        }
+        Ok(())
+    }
+
+    /// Runs an element-wise kernel over `n` elements, enqueued on the stream
+    /// without waiting.
+    ///
+    /// # Safety
+    ///
+    /// Every address in `op` must point to `n` live elements of its type on
+    /// this context.
+    pub unsafe fn elementwise_at(&self, op: Elementwise, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        self.current()?;
+        let grid = n.div_ceil(BLOCK as usize).min(MAX_BLOCKS) as u32;
+        let stream = &self.stream;
+        let n = n as u64;
+        // SAFETY: (every arm) the arguments match the kernel's parameters in
+        // order and type; the addresses are live by this function's contract.
+        unsafe {
+            match op {
+                Elementwise::AddF32 { src, acc } => {
+                    let f = self.module.get_function("zq_add_f32")?;
+                    launch!(f<<<grid, BLOCK, 0, stream>>>(src, n, acc))?;
+                }
+                Elementwise::AddBf16 { src, acc } => {
+                    let f = self.module.get_function("zq_add_bf16")?;
+                    launch!(f<<<grid, BLOCK, 0, stream>>>(src, n, acc))?;
+                }
+                Elementwise::DivF32 { x, by } => {
+                    let f = self.module.get_function("zq_div_f32")?;
+                    launch!(f<<<grid, BLOCK, 0, stream>>>(x, n, by))?;
+                }
+                Elementwise::ToBf16 { src, out } => {
+                    let f = self.module.get_function("zq_to_bf16")?;
+                    launch!(f<<<grid, BLOCK, 0, stream>>>(src, n, out))?;
+                }
+            }
+        }
         Ok(())
     }
 }

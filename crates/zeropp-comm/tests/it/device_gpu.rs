@@ -1,0 +1,81 @@
+//! The one-device cluster on a real GPU (`CudaDevice`, feature `cuda`): the
+//! conformance suite unchanged, and the device ZeRO++ collectives bitwise equal to
+//! the host ones on the thread backend (the same checks `device.rs` runs on
+//! `HostDevice`).
+//!
+//! One `#[test]` runs every check, so that without a device the run prints
+//! exactly one counted line (`gpu: N tests skipped: no CUDA device ...`); with
+//! `ZEROPP_REQUIRE_GPU=1` a missing device is a failure. Run it with
+//! `cargo xtask gpu test` (it sets up the driver stub for linking).
+
+use std::io::Write as _;
+use std::time::Duration;
+
+use zeropp_comm::conformance::{Case, run_all};
+use zeropp_comm::device::{CudaDevice, DeviceCluster};
+use zeropp_comm::{ThreadOptions, Topology};
+
+use super::device::{SHAPES, on_device, on_threads, thread_cluster};
+
+const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_GPU";
+
+type Check = fn(&CudaDevice);
+
+const CHECKS: &[(&str, Check)] = &[
+    ("conformance suite on the one-GPU cluster", conformance),
+    ("qwZ, hpZ, qgZ and bf16 baselines on GPU buffers, bitwise vs the thread backend", bitwise),
+];
+
+fn cluster(dev: &CudaDevice, w: usize, l: usize) -> DeviceCluster<CudaDevice> {
+    let opts = ThreadOptions::default().with_timeout(Duration::from_secs(60));
+    DeviceCluster::new(Topology::ranks(w).per_node(l).unwrap(), dev.clone(), opts)
+}
+
+fn conformance(dev: &CudaDevice) {
+    for (w, l) in [(1, 1), (2, 2), (4, 2), (8, 4)] {
+        for len in [0, 5, 97] {
+            let case = Case { seed: 42, len };
+            let r =
+                cluster(dev, w, l).run(|comm| run_all(comm, &case)).map(|_| ()).map_err(|e| e.to_string());
+            assert_eq!(r, Ok(()), "world {w} local {l} len {len}");
+        }
+    }
+}
+
+fn bitwise(dev: &CudaDevice) {
+    for (w, l) in SHAPES {
+        for n in [0, 13, 2048 * w + 5] {
+            let expected = thread_cluster(w, l).run(|comm| on_threads(comm, n)).unwrap();
+            let got = cluster(dev, w, l).run(|comm| on_device(comm, n)).unwrap();
+            assert_eq!(expected, got, "world {w} local {l} n {n}");
+        }
+    }
+}
+
+#[test]
+fn device_gpu_suite() {
+    let dev = match CudaDevice::new() {
+        Ok(d) => d,
+        Err(e) => {
+            let required = std::env::var(REQUIRE_ENV)
+                .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"));
+            assert!(!required, "{REQUIRE_ENV}=1 but no usable CUDA device: {e}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "gpu: {} tests skipped: no CUDA device ({e}; set {REQUIRE_ENV}=1 to make this a failure)",
+                CHECKS.len()
+            );
+            return;
+        }
+    };
+    let _ = writeln!(
+        std::io::stderr(),
+        "gpu: one-GPU cluster on {} ({})",
+        dev.gpu().device_name().unwrap_or_default(),
+        dev.gpu().image()
+    );
+    for (name, check) in CHECKS {
+        let _ = writeln!(std::io::stderr(), "gpu: {name}");
+        check(&dev);
+    }
+}
