@@ -50,18 +50,7 @@ pub(crate) fn test() -> Result<(), String> {
         .env("ZEROPP_CUDA_EMULATOR", emulator);
     run("GPU tests (zeropp-quant --features cuda)", t)?;
     let mut c = cuda_cargo()?;
-    c.args([
-        "test",
-        "--locked",
-        "-p",
-        "zeropp-comm",
-        "--features",
-        "nccl",
-        "--test",
-        "it",
-        "--",
-        "device_",
-    ]);
+    c.args(["test", "--locked", "-p", "zeropp-comm", "--features", "nccl", "--test", "it", "--", "device_"]);
     run("GPU tests (zeropp-comm --features nccl: the one-GPU cluster, NCCL with one rank)", c)?;
     eprintln!(
         "==> device: {}",
@@ -140,6 +129,25 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     c.args(["bench", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--bench", "gpu"])
         .env("ZEROPP_GPU_BENCH_OUT", &out);
     run("bench gpu", c)?;
+    if out.exists() {
+        eprintln!("==> wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// `cargo xtask bench gpu-comm`: the device collectives' bench
+/// (zeropp-comm `benches/gpu_comm.rs`, feature `cuda`): qgZ / bf16 reduce-scatter,
+/// qwZ / bf16 all-gather and the quantization share of each, on the host-simulated
+/// device always and on the GPU when there is one (without one it says so;
+/// `ZEROPP_REQUIRE_GPU=1` makes that a failure). Writes
+/// `target/bench-report/gpu-comm.md`.
+pub(crate) fn bench_comm(report_dir: &Path) -> Result<(), String> {
+    let out = report_dir.join("gpu-comm.md");
+    let _ = std::fs::remove_file(&out);
+    let mut c = cuda_cargo()?;
+    c.args(["bench", "--locked", "-p", "zeropp-comm", "--features", "cuda", "--bench", "gpu_comm"])
+        .env("ZEROPP_GPU_COMM_BENCH_OUT", &out);
+    run("bench gpu-comm", c)?;
     if out.exists() {
         eprintln!("==> wrote {}", out.display());
     }

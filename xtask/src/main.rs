@@ -31,7 +31,8 @@ tasks:
   gpu test|clippy|ci  zeropp-quant --features cuda (stub libcuda when no driver): GPU and
                    emulated-kernel tests (GPU ones skip without a device; ZEROPP_REQUIRE_GPU=1
                    fails instead), clippy, or all of ci's cuda steps;
-                   `bench gpu` benchmarks the kernels against device memcpy
+                   `bench gpu` benchmarks the kernels against device memcpy;
+                   `bench gpu-comm` the device collectives (qgZ/qwZ vs bf16; host-simulated + GPU)
   help             this text
 ";
 
@@ -178,9 +179,16 @@ fn bench(args: &[String]) -> Result<(), String> {
             gpu::bench(&report_dir)?;
             continue;
         }
+        if name == "gpu-comm" {
+            gpu::bench_comm(&report_dir)?;
+            continue;
+        }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
-            return Err(format!("unknown bench `{name}` (known: {}, fidelity, gpu)", known.join(", ")));
+            return Err(format!(
+                "unknown bench `{name}` (known: {}, fidelity, gpu, gpu-comm)",
+                known.join(", ")
+            ));
         };
         let home = root().join("target/criterion").join(name);
         // Start from an empty criterion home so the report holds only this run's figures.

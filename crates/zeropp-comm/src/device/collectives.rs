@@ -75,6 +75,19 @@ fn with_part<C: DeviceCommunicator + ?Sized>(
     f(padded.view())
 }
 
+/// Runs a quantization kernel, timed to completion when the communicator has a
+/// [`QuantTimer`](super::QuantTimer).
+fn quant<C: DeviceCommunicator + ?Sized>(comm: &C, kernel: Kernel<'_, C::Device>) -> Result<(), CommError> {
+    let (dev, s) = (comm.device(), comm.stream());
+    let Some(timer) = comm.quant_timer() else { return dev.kernel(s, kernel) };
+    dev.synchronize(s)?;
+    let t = std::time::Instant::now();
+    dev.kernel(s, kernel)?;
+    dev.synchronize(s)?;
+    timer.add(t.elapsed());
+    Ok(())
+}
+
 /// The stochastic-rounding stream of one quantization in qgZ, keyed by
 /// `(seed, rank, hop, slot)` exactly as the host qgZ keys it (the bitwise tests
 /// compare stochastic runs too).
@@ -129,16 +142,13 @@ pub fn qwz_all_gather<C: DeviceCommunicator + ?Sized>(
     let dev = comm.device().clone();
     let e = encoded_len(opts.spec, c);
     let send = DeviceBuf::zeroed(&dev, e)?;
-    dev.kernel(
-        comm.stream(),
-        Kernel::Quantize { src: shard, elem, spec: opts.spec, opts: opts.quant, dst: send.view() },
-    )?;
+    quant(comm, Kernel::Quantize { src: shard, elem, spec: opts.spec, opts: opts.quant, dst: send.view() })?;
     let gathered = DeviceBuf::zeroed(&dev, e * g)?;
     comm.all_gather(group, send.view(), gathered.view())?;
     for j in 0..g {
         let src = gathered.view().chunk(j, e)?;
         let dst = full.chunk(j, 4 * c)?;
-        dev.kernel(comm.stream(), Kernel::Dequantize { src, spec: opts.spec, len: c, dst, add: false })?;
+        quant(comm, Kernel::Dequantize { src, spec: opts.spec, len: c, dst, add: false })?;
     }
     Ok(())
 }
@@ -260,10 +270,7 @@ pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
                 };
                 let kq = keyed(q, rank, 1, part);
                 with_part(comm, grad, n, s, part, |src| {
-                    dev.kernel(
-                        comm.stream(),
-                        Kernel::Quantize { src, elem: Elem::F32, spec, opts: kq, dst: out },
-                    )
+                    quant(comm, Kernel::Quantize { src, elem: Elem::F32, spec, opts: kq, dst: out })
                 })?;
             }
         }
@@ -284,17 +291,14 @@ pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
                 .collect::<Result<Vec<_>, CommError>>()?;
             if m == me_node {
                 for &(src, spec) in &inputs {
-                    dev.kernel(
-                        comm.stream(),
-                        Kernel::Dequantize { src, spec, len: s, dst: shard, add: true },
-                    )?;
+                    quant(comm, Kernel::Dequantize { src, spec, len: s, dst: shard, add: true })?;
                 }
                 continue;
             }
             let dst = inter_send.view().chunk(m, ei)?;
             let kq = keyed(q, rank, 2, m);
-            dev.kernel(
-                comm.stream(),
+            quant(
+                comm,
                 Kernel::DequantReduceQuant { inputs: &inputs, len: s, spec: opts.inter_spec, opts: kq, dst },
             )?;
         }
@@ -310,8 +314,8 @@ pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
                 let dst = inter_send.view().chunk(m, ei)?;
                 let kq = keyed(q, rank, 1, part);
                 with_part(comm, grad, n, s, part, |src| {
-                    dev.kernel(
-                        comm.stream(),
+                    quant(
+                        comm,
                         Kernel::Quantize { src, elem: Elem::F32, spec: opts.inter_spec, opts: kq, dst },
                     )
                 })?;
@@ -325,10 +329,7 @@ pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
         comm.all_to_all(&Group::rail(&topo, rank), inter_send.view(), recv.view())?;
         for m in (0..nodes).filter(|&m| m != me_node) {
             let src = recv.view().chunk(m, ei)?;
-            dev.kernel(
-                comm.stream(),
-                Kernel::Dequantize { src, spec: opts.inter_spec, len: s, dst: shard, add: true },
-            )?;
+            quant(comm, Kernel::Dequantize { src, spec: opts.inter_spec, len: s, dst: shard, add: true })?;
         }
     }
     finish(comm, shard, n, w, rank, opts.reduce, w)

@@ -1,6 +1,9 @@
 //! [`DeviceCommunicator`]: the [`Communicator`](crate::Communicator) primitives on
 //! device buffers, with the same checks (`check.rs`) and the same traffic counters.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
 use super::{Device, View};
 use crate::{CommError, Group, Primitive, Topology, TrafficCounter, check};
 
@@ -132,6 +135,34 @@ pub(crate) fn record<D: Device>(
     }
 }
 
+/// Accumulated time of quantization kernels (quantize, dequantize, fused
+/// dequantize-sum-requantize), each timed to completion; see
+/// [`DeviceCommunicator::quant_timer`]. Shared by reference count between ranks.
+#[derive(Debug, Default)]
+pub struct QuantTimer(AtomicU64);
+
+impl QuantTimer {
+    /// A timer at zero.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `d`.
+    pub fn add(&self, d: Duration) {
+        self.0.fetch_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX), Ordering::Relaxed);
+    }
+
+    /// The total so far.
+    pub fn total(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+
+    /// Back to zero.
+    pub fn reset(&self) {
+        self.0.store(0, Ordering::Relaxed);
+    }
+}
+
 /// A rank's handle on a job whose buffers live on a device: the
 /// [`Communicator`](crate::Communicator) primitives on [`View`]s of device buffers,
 /// enqueued on [`DeviceCommunicator::stream`] (the results are ready for later work
@@ -173,6 +204,13 @@ pub trait DeviceCommunicator: Send {
     fn device(&self) -> &Self::Device;
     /// This rank's stream: collectives are ordered on it.
     fn stream(&self) -> &<Self::Device as Device>::Stream;
+
+    /// The quantization-kernel timer, when one is set (benches): the device
+    /// collectives then synchronize around each quantization kernel and add its
+    /// time to it. `None` by default.
+    fn quant_timer(&self) -> Option<&QuantTimer> {
+        None
+    }
 
     /// Backend hook: runs a call whose arguments were checked (the caller is member
     /// `index` of `group`). Counts no traffic.

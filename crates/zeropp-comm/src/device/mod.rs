@@ -50,7 +50,7 @@ mod staged;
 use std::fmt;
 use std::sync::Arc;
 
-pub use communicator::{DeviceCall, DeviceCommunicator};
+pub use communicator::{DeviceCall, DeviceCommunicator, QuantTimer};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, CudaEvent, CudaMem, CudaStream};
 pub use host::{HostDevice, HostEvent, HostMem, HostStream};

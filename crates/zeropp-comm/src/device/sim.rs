@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::rendezvous::{Key, Post, Rendezvous};
-use super::{Device, DeviceBuf, DeviceCall, DeviceCommunicator, Elem, Kernel, View};
+use super::{Device, DeviceBuf, DeviceCall, DeviceCommunicator, Elem, Kernel, QuantTimer, View};
 use crate::{CommError, Group, LinkClass, LinkModel, RunError, ThreadOptions, Topology, TrafficCounter};
 
 /// A simulated cluster of `topology.world()` ranks on one [`Device`]: one host
@@ -178,6 +178,7 @@ pub struct DeviceComm<D: Device> {
     link: Option<LinkModel>,
     /// When this rank's intra- and inter-node egress ports are free (link model).
     ports: [Instant; 2],
+    timer: Option<Arc<QuantTimer>>,
 }
 
 impl<D: Device> std::fmt::Debug for Rendezvous<D> {
@@ -208,6 +209,7 @@ impl<D: Device> DeviceComm<D> {
             traffic: TrafficCounter::new(topology, rank),
             link,
             ports: [now, now],
+            timer: None,
         })
     }
 
@@ -239,6 +241,11 @@ impl<D: Device> DeviceComm<D> {
     /// Mutable traffic counters.
     pub fn traffic_mut(&mut self) -> &mut TrafficCounter {
         &mut self.traffic
+    }
+
+    /// Times this rank's quantization kernels into `timer` (benches), or stops.
+    pub fn set_quant_timer(&mut self, timer: Option<Arc<QuantTimer>>) {
+        self.timer = timer;
     }
 
     pub(crate) fn dup(&mut self) -> Result<Self, CommError> {
@@ -433,6 +440,10 @@ impl<D: Device> DeviceCommunicator for DeviceComm<D> {
 
     fn duplicate(&mut self) -> Result<Self, CommError> {
         self.dup()
+    }
+
+    fn quant_timer(&self) -> Option<&QuantTimer> {
+        self.timer.as_deref()
     }
 
     fn raw(&mut self, group: &Group, index: usize, call: DeviceCall<'_, D>) -> Result<(), CommError> {
