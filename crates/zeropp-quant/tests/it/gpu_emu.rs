@@ -137,7 +137,7 @@ fn suite() {
         );
         let _ = writeln!(
             std::io::stderr(),
-            "gpu_emu: 4 tests skipped: no kernel emulator ({ENV} unset; `cargo xtask gpu test` builds it)"
+            "gpu_emu: 5 tests skipped: no kernel emulator ({ENV} unset; `cargo xtask gpu test` builds it)"
         );
         return;
     };
@@ -145,6 +145,55 @@ fn suite() {
     edge_cases(&exe);
     dequant_matches_cpu(&exe);
     reduce_matches_cpu(&exe);
+    elementwise_matches_cpu(&exe);
+}
+
+/// The element-wise kernels of comm's device collectives (f32 and bf16 add,
+/// divide, bf16 rounding) against Rust's `+=`, `/=` and `half::bf16::from_f32`,
+/// bit for bit, on values that include NaN, ±Inf, subnormals and rounding ties.
+fn elementwise_matches_cpu(exe: &str) {
+    let special = prop_oneof![
+        4 => any::<u32>().prop_map(f32::from_bits),
+        1 => prop::sample::select(vec![
+            f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, f32::MIN_POSITIVE / 3.0,
+            f32::from_bits(0x3F80_8000), f32::from_bits(0x3F81_8000), f32::from_bits(0x7F7F_FFFF),
+        ]),
+    ];
+    let vals = prop::collection::vec(special, 0..300);
+    proptest!(config(48), |(x in vals.clone(), a in vals, by in any::<u32>().prop_map(f32::from_bits))| {
+        let n = x.len().min(a.len());
+        let (x, a) = (&x[..n], &a[..n]);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+        let f32s = |b: &[u8]| b.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<u32>>();
+        let req = |kind: u32| Req(Vec::new()).u32(4).u32(kind).u64(n as u64).bytes(&by.to_le_bytes());
+        let acc: Vec<u8> = a.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let src: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        // add_f32
+        let got = f32s(&req(0).bytes(&src).bytes(&acc).run(exe));
+        let want: Vec<f32> = a.iter().zip(x).map(|(p, q)| p + q).collect();
+        prop_assert_eq!(canon(&got), canon(&bits(&want)));
+        // add_bf16
+        let h: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let hb: Vec<u8> = h.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect();
+        let got = f32s(&req(1).bytes(&hb).bytes(&acc).run(exe));
+        let want: Vec<f32> = a.iter().zip(&h).map(|(p, q)| p + q.to_f32()).collect();
+        prop_assert_eq!(canon(&got), canon(&bits(&want)));
+        // div_f32
+        let got = f32s(&req(2).bytes(&acc).run(exe));
+        let want: Vec<f32> = a.iter().map(|p| p / by).collect();
+        prop_assert_eq!(canon(&got), canon(&bits(&want)));
+        // to_bf16: exact bits, NaN payloads included (both sides keep them).
+        let out = req(3).bytes(&src).run(exe);
+        let got: Vec<u16> = out.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+        let want: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+        prop_assert_eq!(got, want);
+    });
+}
+
+/// f32 bits with every NaN made one value: an arithmetic NaN's payload is the
+/// hardware's choice (x86 and the GPU propagate different ones), never data here.
+fn canon(v: &[u32]) -> Vec<u32> {
+    v.iter().map(|&b| if f32::from_bits(b).is_nan() { 0x7FC0_0000 } else { b }).collect()
 }
 
 fn quantize_matches_cpu(exe: &str) {
