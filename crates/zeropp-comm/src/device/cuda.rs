@@ -119,8 +119,9 @@ impl CudaDevice {
                 encoded_len(spec, len)
             )));
         }
-        let atomic = spec.bits().bits() == 4 && spec.group_size() % 2 == 1;
-        if !atomic || addr(dst).is_multiple_of(4) {
+        // The kernels write scales (and offsets) as f32, and INT4 with an odd
+        // group size ORs data words: the encoding must start 4-byte aligned.
+        if addr(dst).is_multiple_of(4) {
             return Ok(run(WireAt { addr: addr(dst), spec, len })?);
         }
         let scratch = DeviceBuffer::<u8>::zeroed(dst.len()).map_err(QuantError::from)?;
@@ -131,6 +132,46 @@ impl CudaDevice {
         let status = unsafe { sys::cuMemcpyDtoDAsync_v2(addr(dst), from, dst.len(), stream_of(s)) };
         check(status, "copy")?;
         s.0.stream().synchronize().map_err(QuantError::from)?;
+        Ok(())
+    }
+}
+
+/// Encodings the kernels read: in place when 4-byte aligned (f32 scales), else
+/// copied into an aligned scratch buffer first (wire encodings sit back to back
+/// in the collectives' buffers, at offsets that need not be multiples of 4).
+struct Aligned {
+    scratch: Vec<DeviceBuffer<u8>>,
+}
+
+impl Aligned {
+    fn new() -> Self {
+        Self { scratch: Vec::new() }
+    }
+
+    fn at(
+        &mut self,
+        s: &CudaStream,
+        v: View<'_, CudaDevice>,
+        spec: zeropp_quant::QuantSpec,
+        len: usize,
+    ) -> Result<WireAt, CommError> {
+        if addr(v).is_multiple_of(4) {
+            return Ok(WireAt { addr: addr(v), spec, len });
+        }
+        let b = DeviceBuffer::<u8>::zeroed(v.len()).map_err(QuantError::from)?;
+        let to = b.as_device_ptr().as_raw();
+        // SAFETY: both ranges are live device memory of `v.len()` bytes; ordered on the stream.
+        let status = unsafe { sys::cuMemcpyDtoDAsync_v2(to, addr(v), v.len(), stream_of(s)) };
+        check(status, "copy")?;
+        self.scratch.push(b);
+        Ok(WireAt { addr: to, spec, len })
+    }
+
+    /// Waits for the stream before the scratch buffers are freed.
+    fn finish(self, s: &CudaStream) -> Result<(), CommError> {
+        if !self.scratch.is_empty() {
+            s.0.stream().synchronize().map_err(QuantError::from)?;
+        }
         Ok(())
     }
 }
@@ -242,21 +283,26 @@ impl Device for CudaDevice {
             Kernel::Dequantize { src, spec, len, dst, add } => {
                 need(src, encoded_len(spec, len), "dequantize input")?;
                 need(dst, 4 * len, "dequantize output")?;
-                // SAFETY: both windows are live and sized for `len` elements (checked).
-                unsafe { gpu.dequantize_at(WireAt { addr: addr(src), spec, len }, addr(dst), add)? };
-                Ok(())
+                let mut aligned = Aligned::new();
+                let q = aligned.at(s, src, spec, len)?;
+                // SAFETY: `q` is a live encoding of `len` elements and `dst` holds
+                // `len` f32 (checked).
+                unsafe { gpu.dequantize_at(q, addr(dst), add)? };
+                aligned.finish(s)
             }
             Kernel::DequantReduceQuant { inputs, len, spec, opts, dst } => {
+                let mut aligned = Aligned::new();
                 let mut ins = Vec::with_capacity(inputs.len());
                 for &(v, sp) in inputs {
                     need(v, encoded_len(sp, len), "dequant_reduce_quant input")?;
-                    ins.push(WireAt { addr: addr(v), spec: sp, len });
+                    ins.push(aligned.at(s, v, sp, len)?);
                 }
                 self.quantize_into(s, dst, spec, len, |out| {
                     // SAFETY: every input is a live encoding of `len` elements
                     // (checked) and `out` a live encoding (`quantize_into`).
                     unsafe { gpu.dequant_reduce_quant_at(&ins, &opts, out) }
-                })
+                })?;
+                aligned.finish(s)
             }
             Kernel::Add { src, elem, dst } => {
                 let n = dst.len() / 4;

@@ -41,7 +41,9 @@ use std::marker::PhantomData;
 use cust::context::{Context, CurrentContext};
 use cust::device::{Device, DeviceAttribute};
 use cust::launch;
-use cust::memory::{CopyDestination, DeviceBox, DeviceBuffer, DeviceCopy, DevicePointer, DeviceSlice};
+use cust::memory::{
+    AsyncCopyDestination, CopyDestination, DeviceBox, DeviceBuffer, DeviceCopy, DevicePointer, DeviceSlice,
+};
 use cust::module::Module;
 use cust::stream::{Stream, StreamFlags};
 use half::{bf16, f16};
@@ -648,15 +650,20 @@ pub enum Elementwise {
 /// `Gpu` has its own stream, so one `Gpu` per rank thread gives each rank its
 /// own stream on the device's primary context.
 impl Gpu {
-    /// Writes `out`'s wire header (32 bytes from the host: metadata, not payload).
-    fn write_header_at(&self, out: WireAt) -> Result<()> {
-        let mut header = [0u8; wire::HEADER_LEN];
-        wire::write_header(&mut header, &out.spec, out.len)?;
+    /// Enqueues the copy of `header` (`out`'s wire header: 32 bytes of metadata,
+    /// not payload) on the stream; `header` must live until the stream is
+    /// synchronized (the quantizing calls do before returning).
+    fn write_header_at(&self, out: WireAt, header: &mut [u8; wire::HEADER_LEN]) -> Result<()> {
+        wire::write_header(header, &out.spec, out.len)?;
         // SAFETY: `out.addr` starts a live region of at least HEADER_LEN bytes (the
-        // callers' contract); the slice does not own it.
-        let mut dst =
-            unsafe { DeviceSlice::from_raw_parts_mut(DevicePointer::<u8>::from_raw(out.addr), header.len()) };
-        dst.copy_from(&header[..])?;
+        // callers' contract); the slice does not own it; `header` outlives the
+        // copy: CUDA stages a copy from pageable memory before the call returns,
+        // and the callers synchronize the stream before returning anyway.
+        unsafe {
+            let mut dst =
+                DeviceSlice::from_raw_parts_mut(DevicePointer::<u8>::from_raw(out.addr), header.len());
+            dst.async_copy_from(&header[..], &self.stream)?;
+        }
         Ok(())
     }
 
@@ -673,7 +680,8 @@ impl Gpu {
     /// other work writing them meanwhile.
     pub unsafe fn quantize_at<T: GpuElement>(&self, src: u64, opts: &Options, out: WireAt) -> Result<()> {
         self.current()?;
-        self.write_header_at(out)?;
+        let mut header = [0u8; wire::HEADER_LEN];
+        self.write_header_at(out, &mut header)?;
         self.run_quantize(
             out,
             opts,
@@ -719,7 +727,8 @@ impl Gpu {
             });
         }
         self.current()?;
-        self.write_header_at(out)?;
+        let mut header = [0u8; wire::HEADER_LEN];
+        self.write_header_at(out, &mut header)?;
         let descs: Vec<InDesc> = inputs.iter().map(|q| desc_at(q.addr, &q.spec, q.len)).collect();
         let descs = DeviceBuffer::from_slice(&descs)?;
         let (din, k) = (descs.as_device_ptr().as_raw(), inputs.len() as u32);
