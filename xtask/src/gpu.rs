@@ -35,7 +35,8 @@ pub(crate) fn gpu(args: &[String]) -> Result<(), String> {
         Some("test") => test(),
         Some("clippy") => clippy(),
         Some("ci") => ci(),
-        _ => Err("usage: cargo xtask gpu test | clippy | ci".into()),
+        Some("nccl") => nccl_mpi(),
+        _ => Err("usage: cargo xtask gpu test | clippy | ci | nccl".into()),
     }
 }
 
@@ -152,4 +153,53 @@ pub(crate) fn bench_comm(report_dir: &Path) -> Result<(), String> {
         eprintln!("==> wrote {}", out.display());
     }
     Ok(())
+}
+
+/// GPUs the driver shows (`nvidia-smi -L`, one line per GPU); 0 without it.
+fn visible_gpus() -> usize {
+    Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map_or(0, |o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count())
+}
+
+/// `cargo xtask gpu nccl`: NCCL across GPUs under `mpirun`, the `nccl_mpi`
+/// example (zeropp-comm, features `nccl` + `mpi`), one process per visible GPU
+/// (at most 8), each pinned to its GPU with `CUDA_VISIBLE_DEVICES`. With fewer
+/// than two GPUs it prints one counted skip line; `ZEROPP_REQUIRE_MULTI_GPU=1`
+/// makes that a failure.
+pub(crate) fn nccl_mpi() -> Result<(), String> {
+    let gpus = visible_gpus();
+    if gpus < 2 {
+        let required = std::env::var("ZEROPP_REQUIRE_MULTI_GPU").is_ok_and(|v| v.trim() == "1");
+        let line = format!("nccl-mpi: 1 test skipped: {gpus} GPU(s) visible, NCCL across processes needs 2");
+        if required {
+            return Err(format!("{line} (ZEROPP_REQUIRE_MULTI_GPU=1)"));
+        }
+        eprintln!("{line}");
+        return Ok(());
+    }
+    let mut b = cuda_cargo()?;
+    b.args([
+        "build",
+        "--locked",
+        "--release",
+        "-p",
+        "zeropp-comm",
+        "--features",
+        "nccl,mpi",
+        "--example",
+        "nccl_mpi",
+    ]);
+    run("build nccl_mpi", b)?;
+    let exe = crate::root().join("target/release/examples/nccl_mpi");
+    let np = gpus.min(8).to_string();
+    let mut m = Command::new("timeout");
+    m.args(["300", "mpirun", "-np", &np, "-x", "ZEROPP_REQUIRE_GPU=1", "bash", "-c"])
+        .arg(format!("CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec {}", exe.display()))
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    run(&format!("NCCL under mpirun on {np} GPUs"), m)
 }

@@ -32,7 +32,8 @@ tasks:
                    emulated-kernel tests (GPU ones skip without a device; ZEROPP_REQUIRE_GPU=1
                    fails instead), clippy, or all of ci's cuda steps;
                    `bench gpu` benchmarks the kernels against device memcpy;
-                   `bench gpu-comm` the device collectives (qgZ/qwZ vs bf16; host-simulated + GPU)
+                   `bench gpu-comm` the device collectives (qgZ/qwZ vs bf16; host-simulated + GPU);
+                   `gpu nccl`: NCCL across the visible GPUs under mpirun (skips below 2 GPUs)
   help             this text
 ";
 
