@@ -14,9 +14,10 @@
 //   u32 op = 2 reduce:   u32 k, u64 len, k x (u32 gs, u32 bits, u32 asym, payload), OUT
 //   u32 op = 3 dequant:  u64 len, u32 gs, u32 bits, u32 asym, payload, u32 add, f32 x len
 //   OUT = u32 gs, u32 bits, u32 asym, u32 stochastic, u64 seed
-//   u32 op = 4 element-wise: u32 kind (0 add_f32, 1 add_bf16, 2 div_f32, 3 to_bf16),
-//            u64 n, f32 by, src (f32 x n, or bf16 x n for kind 1; none for kind 2),
-//            acc f32 x n (kinds 0-2)
+//   u32 op = 4 element-wise: u32 kind (0 add_f32, 1 add_bf16, 2 div_f32, 3 to_bf16,
+//            4 feedback with beta = by), u64 n, f32 by, src (f32 x n, bf16 x n for
+//            kind 1, none for kind 2, c then d: f32 x 2n for kind 4), acc f32 x n
+//            (kinds 0-2, and the residual of kind 4)
 //   reply to 1 and 2: u64 first non-finite index (or 2^64-1), the output payload
 //   (scales, offsets, data: the wire layout after the header); to 3: f32 x len;
 //   to 4: f32 x n (kinds 0-2) or bf16 x n (kind 3).
@@ -271,7 +272,7 @@ int main() {
         const u32 kind = rd<u32>();
         const u64 n = rd<u64>();
         const float by = rd<float>();
-        const auto src = rd_bytes(kind == 2 ? 0 : n * (kind == 1 ? 2 : 4));
+        const auto src = rd_bytes(kind == 2 ? 0 : n * (kind == 1 ? 2 : kind == 4 ? 8 : 4));
         std::vector<float> acc(n + 1);
         if (kind != 3 && n && std::fread(acc.data(), 4, n, stdin) != n) return 2;
         std::vector<u16> out(n + 1);
@@ -280,6 +281,10 @@ int main() {
                 if (kind == 0) zq_add_f32((const float*)src.data(), n, acc.data());
                 else if (kind == 1) zq_add_bf16((const u16*)src.data(), n, acc.data());
                 else if (kind == 2) zq_div_f32(acc.data(), n, by);
+                else if (kind == 4) {
+                    const float* c = (const float*)src.data();
+                    zq_feedback(c, c + n, acc.data(), n, by, 1.0f - by);
+                }
                 else zq_to_bf16((const float*)src.data(), n, out.data());
             });
         }

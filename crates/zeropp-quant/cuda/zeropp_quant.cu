@@ -359,3 +359,12 @@ extern "C" __global__ void __launch_bounds__(ZQ_BLOCK) zq_to_bf16(const float* x
         out[i] = (u16)r;
     }
 }
+
+// qgZ error feedback (LoCo): r = beta·r + k·(c − d) with k = 1 − beta computed by
+// the caller, in Rust's evaluation order: (beta·r) + (k·(c − d)).
+extern "C" __global__ void __launch_bounds__(ZQ_BLOCK)
+    zq_feedback(const float* c, const float* d, float* r, u64 n, float beta, float k) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)blockDim.x * gridDim.x) {
+        r[i] = __fadd_rn(__fmul_rn(beta, r[i]), __fmul_rn(k, __fsub_rn(c[i], d[i])));
+    }
+}

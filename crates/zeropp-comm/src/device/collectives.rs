@@ -10,14 +10,13 @@
 //! results are bitwise equal to the host collectives on the thread backend (the
 //! `device` tests), and the CUDA kernels are bit-identical to the CPU ones.
 //!
-//! Not here yet: qgZ error feedback (LoCo) on device, and hierarchical routing of
-//! the world gathers.
+//! Not here yet: hierarchical routing of the world gathers.
 
 use zeropp_quant::rng::stream_seed;
 
 use super::{Device, DeviceBuf, DeviceCommunicator, Elem, Kernel, View};
-use crate::collectives::{QgzOptions, QwzOptions, Reduce, check_shard, shard_range};
-use crate::quant::{Options, Rounding, encoded_len};
+use crate::collectives::{ErrorFeedback, QgzOptions, QwzOptions, Reduce, check_shard, shard_range};
+use crate::quant::{Options, QuantSpec, Rounding, encoded_len};
 use crate::{CommError, Group};
 
 fn index_in<C: DeviceCommunicator + ?Sized>(comm: &C, group: &Group) -> Result<usize, CommError> {
@@ -232,12 +231,119 @@ pub fn reduce_scatter_bf16_wire<C: DeviceCommunicator + ?Sized>(
 /// (or sum) out, through the INT4 intra-node all-to-all, the fused
 /// dequantize-sum-requantize kernel and the INT4 inter-node all-to-all of
 /// [`crate::collectives::qgz_reduce_scatter`] (steps and bytes documented in
-/// [`crate::collectives`]). Error feedback is host-only for now.
+/// [`crate::collectives`]). [`qgz_reduce_scatter_with_feedback`] adds LoCo.
 pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
     comm: &mut C,
     grad: View<'_, C::Device>,
     shard: View<'_, C::Device>,
     opts: &QgzOptions,
+) -> Result<(), CommError> {
+    qgz_impl(comm, grad, shard, opts, None)
+}
+
+/// [`qgz_reduce_scatter`] with error feedback (LoCo) on both quantizing hops,
+/// as [`crate::collectives::qgz_reduce_scatter_with_feedback`] does it, with the
+/// residuals kept on the device ([`DeviceFeedback`]).
+pub fn qgz_reduce_scatter_with_feedback<C: DeviceCommunicator + ?Sized>(
+    comm: &mut C,
+    grad: View<'_, C::Device>,
+    shard: View<'_, C::Device>,
+    opts: &QgzOptions,
+    feedback: &mut DeviceFeedback<C::Device>,
+) -> Result<(), CommError> {
+    qgz_impl(comm, grad, shard, opts, Some(feedback))
+}
+
+/// The residuals of [`qgz_reduce_scatter_with_feedback`] in device memory: the
+/// device twin of [`ErrorFeedback`] (same β, same layout: hop 1 `W·s`, hop 2
+/// `N·s` f32), converted both ways for checkpoints.
+pub struct DeviceFeedback<D: Device> {
+    hop1: Option<DeviceBuf<D>>,
+    hop2: Option<DeviceBuf<D>>,
+    beta: f32,
+}
+
+impl<D: Device> std::fmt::Debug for DeviceFeedback<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceFeedback").field("beta", &self.beta).finish_non_exhaustive()
+    }
+}
+
+impl<D: Device> DeviceFeedback<D> {
+    /// Uploads `fb`'s β and residuals (empty ones stay unallocated until first use).
+    pub fn upload(device: &D, stream: &D::Stream, fb: &ErrorFeedback) -> Result<Self, CommError> {
+        let up = |v: &[f32]| -> Result<Option<DeviceBuf<D>>, CommError> {
+            if v.is_empty() { Ok(None) } else { DeviceBuf::from_f32(device, stream, v).map(Some) }
+        };
+        let (h1, h2) = fb.state();
+        Ok(Self { hop1: up(h1)?, hop2: up(h2)?, beta: fb.beta() })
+    }
+
+    /// The residuals downloaded into an [`ErrorFeedback`] (for checkpoints and tests).
+    pub fn download(&self, device: &D, stream: &D::Stream) -> Result<ErrorFeedback, CommError> {
+        let down = |b: &Option<DeviceBuf<D>>| -> Result<Vec<f32>, CommError> {
+            b.as_ref().map_or(Ok(Vec::new()), |b| b.to_f32(device, stream))
+        };
+        let mut fb = ErrorFeedback::loco(self.beta);
+        fb.restore(down(&self.hop1)?, down(&self.hop2)?);
+        Ok(fb)
+    }
+
+    /// A residual buffer of `floats` values, reset to zeros when its length changed.
+    fn ensure(slot: &mut Option<DeviceBuf<D>>, device: &D, floats: usize) -> Result<DeviceBuf<D>, CommError> {
+        match slot {
+            Some(b) if b.len() == 4 * floats => Ok(b.clone()),
+            _ => {
+                let b = DeviceBuf::zeroed(device, 4 * floats)?;
+                *slot = Some(b.clone());
+                Ok(b)
+            }
+        }
+    }
+}
+
+/// Quantizes `x` (`len` f32) into `out`; with a residual `(res, β)`, quantizes
+/// `c = x + res` and updates `res ← β·res + (1 − β)·(c − deq(q(c)))`, as the
+/// host's `encode_with_feedback`.
+#[allow(clippy::too_many_arguments)] // the hop's state, as on the host
+fn encode<C: DeviceCommunicator + ?Sized>(
+    comm: &C,
+    x: View<'_, C::Device>,
+    len: usize,
+    spec: QuantSpec,
+    opts: Options,
+    out: View<'_, C::Device>,
+    feedback: Option<(View<'_, C::Device>, f32)>,
+) -> Result<(), CommError> {
+    let Some((res, beta)) = feedback else {
+        return quant(comm, Kernel::Quantize { src: x, elem: Elem::F32, spec, opts, dst: out });
+    };
+    let (dev, st) = (comm.device(), comm.stream());
+    let comp = DeviceBuf::zeroed(dev, 4 * len)?;
+    dev.copy(st, x, comp.view())?;
+    dev.kernel(st, Kernel::Add { src: res, elem: Elem::F32, dst: comp.view() })?;
+    quant(comm, Kernel::Quantize { src: comp.view(), elem: Elem::F32, spec, opts, dst: out })?;
+    let deq = DeviceBuf::zeroed(dev, 4 * len)?;
+    quant(comm, Kernel::Dequantize { src: out, spec, len, dst: deq.view(), add: false })?;
+    dev.kernel(st, Kernel::Feedback { comp: comp.view(), deq: deq.view(), res, beta })
+}
+
+/// Slot `i` (`s` f32) of a residual buffer, with β, when there is feedback.
+fn residual<D: Device>(
+    b: &Option<DeviceBuf<D>>,
+    i: usize,
+    s: usize,
+    beta: f32,
+) -> Result<Option<(View<'_, D>, f32)>, CommError> {
+    b.as_ref().map(|b| Ok((b.slice(4 * i * s, 4 * s)?, beta))).transpose()
+}
+
+fn qgz_impl<C: DeviceCommunicator + ?Sized>(
+    comm: &mut C,
+    grad: View<'_, C::Device>,
+    shard: View<'_, C::Device>,
+    opts: &QgzOptions,
+    feedback: Option<&mut DeviceFeedback<C::Device>>,
 ) -> Result<(), CommError> {
     let topo = *comm.topology();
     let (w, nodes, local) = (topo.world(), topo.nodes(), topo.local_size());
@@ -250,6 +356,14 @@ pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
     }
     let (me_node, me_local) = (topo.node_of(rank), topo.local_rank(rank));
     let q = &opts.quant;
+    let (beta, hop1, hop2) = match feedback {
+        Some(fb) => (
+            fb.beta,
+            Some(DeviceFeedback::ensure(&mut fb.hop1, &dev, s * w)?),
+            Some(DeviceFeedback::ensure(&mut fb.hop2, &dev, s * nodes)?),
+        ),
+        None => (0.0, None, None),
+    };
     dev.zero(comm.stream(), shard)?;
     let ei = encoded_len(opts.inter_spec, s);
     let inter_send = DeviceBuf::zeroed(&dev, if nodes > 1 { ei * nodes } else { 0 })?;
@@ -269,9 +383,8 @@ pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
                     (opts.intra_spec, send.view().chunk(j, nodes * ea)?.chunk(m, ea)?)
                 };
                 let kq = keyed(q, rank, 1, part);
-                with_part(comm, grad, n, s, part, |src| {
-                    quant(comm, Kernel::Quantize { src, elem: Elem::F32, spec, opts: kq, dst: out })
-                })?;
+                let res = residual(&hop1, part, s, beta)?;
+                with_part(comm, grad, n, s, part, |src| encode(comm, src, s, spec, kq, out, res))?;
             }
         }
         let recv = DeviceBuf::zeroed(&dev, nodes * ea * local)?;
@@ -297,28 +410,46 @@ pub fn qgz_reduce_scatter<C: DeviceCommunicator + ?Sized>(
             }
             let dst = inter_send.view().chunk(m, ei)?;
             let kq = keyed(q, rank, 2, m);
-            quant(
-                comm,
-                Kernel::DequantReduceQuant { inputs: &inputs, len: s, spec: opts.inter_spec, opts: kq, dst },
-            )?;
+            match residual(&hop2, m, s, beta)? {
+                // Without feedback: the fused kernel (dequantize, sum in f32, requantize).
+                None => quant(
+                    comm,
+                    Kernel::DequantReduceQuant {
+                        inputs: &inputs,
+                        len: s,
+                        spec: opts.inter_spec,
+                        opts: kq,
+                        dst,
+                    },
+                )?,
+                Some(res) => {
+                    let partial = DeviceBuf::zeroed(&dev, 4 * s)?;
+                    for &(src, spec) in &inputs {
+                        quant(
+                            comm,
+                            Kernel::Dequantize { src, spec, len: s, dst: partial.view(), add: true },
+                        )?;
+                    }
+                    encode(comm, partial.view(), s, opts.inter_spec, kq, dst, Some(res))?;
+                }
+            }
         }
     } else {
         // One rank per node: shards for other nodes straight in the inter spec, own shard exact.
         for m in 0..nodes {
             let part = topo.rank_of(m, me_local);
             if m == me_node {
+                if let Some((res, _)) = residual(&hop1, part, s, beta)? {
+                    dev.zero(comm.stream(), res)?;
+                }
                 with_part(comm, grad, n, s, part, |src| {
                     dev.kernel(comm.stream(), Kernel::Add { src, elem: Elem::F32, dst: shard })
                 })?;
             } else {
                 let dst = inter_send.view().chunk(m, ei)?;
                 let kq = keyed(q, rank, 1, part);
-                with_part(comm, grad, n, s, part, |src| {
-                    quant(
-                        comm,
-                        Kernel::Quantize { src, elem: Elem::F32, spec: opts.inter_spec, opts: kq, dst },
-                    )
-                })?;
+                let res = residual(&hop1, part, s, beta)?;
+                with_part(comm, grad, n, s, part, |src| encode(comm, src, s, opts.inter_spec, kq, dst, res))?;
             }
         }
     }

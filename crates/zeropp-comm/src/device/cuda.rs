@@ -321,6 +321,15 @@ impl Device for CudaDevice {
                 unsafe { gpu.elementwise_at(Elementwise::DivF32 { x: addr(buf), by }, buf.len() / 4)? };
                 Ok(())
             }
+            Kernel::Feedback { comp, deq, res, beta } => {
+                let n = res.len() / 4;
+                need(comp, 4 * n, "feedback")?;
+                need(deq, 4 * n, "feedback")?;
+                let op = Elementwise::Feedback { comp: addr(comp), deq: addr(deq), res: addr(res), beta };
+                // SAFETY: `n` live f32 at each address (checked).
+                unsafe { gpu.elementwise_at(op, n)? };
+                Ok(())
+            }
             Kernel::ToBf16 { src, dst } => {
                 let n = src.len() / 4;
                 need(dst, 2 * n, "to_bf16")?;

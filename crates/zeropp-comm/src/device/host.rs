@@ -233,6 +233,18 @@ impl Device for HostDevice {
                     Ok(())
                 })
             }
+            Kernel::Feedback { comp, deq, res, beta } => {
+                let n = res.len() / 4;
+                let (c, d) = (f32s(comp, n, "feedback")?, f32s(deq, n, "feedback")?);
+                let mut r = f32s(res, n, "feedback")?;
+                for ((r, c), d) in r.iter_mut().zip(&c).zip(&d) {
+                    *r = beta * *r + (1.0 - beta) * (c - d);
+                }
+                write(res, |w| {
+                    w.copy_from_slice(bytemuck::cast_slice(&r));
+                    Ok(())
+                })
+            }
             Kernel::ToBf16 { src, dst } => {
                 let x = f32s(src, src.len() / 4, "to_bf16")?;
                 check_len(dst, 2 * x.len(), "to_bf16")?;

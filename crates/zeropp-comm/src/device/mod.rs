@@ -147,6 +147,19 @@ pub enum Kernel<'a, D: Device> {
         /// The divisor.
         by: f32,
     },
+    /// qgZ error feedback on f32 vectors of equal length:
+    /// `res[i] = beta·res[i] + (1 − beta)·(comp[i] − deq[i])`, evaluated as the
+    /// host's `ErrorFeedback` does.
+    Feedback {
+        /// What was quantized.
+        comp: View<'a, D>,
+        /// Its dequantized value.
+        deq: View<'a, D>,
+        /// The residual, in place.
+        res: View<'a, D>,
+        /// The moving-average factor β.
+        beta: f32,
+    },
     /// `dst[i] = bf16(src[i])`, rounded to nearest even (`half::bf16::from_f32`).
     ToBf16 {
         /// f32 input.

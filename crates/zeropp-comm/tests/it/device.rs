@@ -11,6 +11,7 @@ use zeropp_comm::collectives::{self as host, QgzOptions, QwzOptions, Reduce, sha
 use zeropp_comm::conformance::{Case, rank_data, run_all};
 use zeropp_comm::device::{
     Device, DeviceBuf, DeviceCluster, DeviceComm, DeviceCommunicator, Elem, HostDevice, collectives as dev,
+    collectives::DeviceFeedback,
 };
 use zeropp_comm::quant::{Options, QuantSpec, Rounding};
 use zeropp_comm::{CommError, Communicator, Group, ThreadCluster, ThreadOptions, Topology, TrafficSnapshot};
@@ -320,4 +321,63 @@ fn link_model_keeps_results() {
     let expected = thread_cluster(4, 2).run(|comm| on_threads(comm, 300)).unwrap();
     let got = cluster.run(|comm| on_device(comm, 300)).unwrap();
     assert_eq!(expected, got);
+}
+
+pub(crate) type Step = (Vec<u32>, Vec<u32>, Vec<u32>);
+
+/// Three steps of qgZ with LoCo on the thread backend: output and both residuals after each.
+pub(crate) fn host_feedback_steps(
+    comm: &mut zeropp_comm::ThreadComm,
+    n: usize,
+    opts: &QgzOptions,
+) -> Result<Vec<Step>, CommError> {
+    let w = comm.topology().world();
+    let mut fb = host::ErrorFeedback::loco(0.8);
+    let mut out = vec![0f32; shard_len(n, w)];
+    (0..3)
+        .map(|step| {
+            let grad = rank_data(step, comm.rank(), n);
+            host::qgz_reduce_scatter_with_feedback(comm, &grad, &mut out, opts, &mut fb)?;
+            Ok((bits(&out), bits(fb.residual()), bits(fb.inter_residual())))
+        })
+        .collect()
+}
+
+/// The same three steps with the device collective and device residuals.
+pub(crate) fn device_feedback_steps<D: Device>(
+    comm: &mut DeviceComm<D>,
+    n: usize,
+    opts: &QgzOptions,
+) -> Result<Vec<Step>, CommError> {
+    let w = comm.topology().world();
+    let d = comm.device().clone();
+    let mut fb = DeviceFeedback::upload(&d, comm.stream(), &host::ErrorFeedback::loco(0.8))?;
+    let out = DeviceBuf::zeroed(&d, 4 * shard_len(n, w))?;
+    (0..3)
+        .map(|step| {
+            let grad = DeviceBuf::from_f32(&d, comm.stream(), &rank_data(step, comm.rank(), n))?;
+            dev::qgz_reduce_scatter_with_feedback(comm, grad.view(), out.view(), opts, &mut fb)?;
+            let state = fb.download(&d, comm.stream())?;
+            Ok((bits(&out.to_f32(&d, comm.stream())?), bits(state.residual()), bits(state.inter_residual())))
+        })
+        .collect()
+}
+
+pub(crate) fn feedback_options() -> [QgzOptions; 2] {
+    [QgzOptions::default(), stochastic()]
+}
+
+/// Three steps of qgZ with LoCo error feedback: outputs and both residuals equal
+/// the host's (`qgz_reduce_scatter_with_feedback`) bit for bit after every step.
+#[test]
+fn device_qgz_feedback_is_bitwise_the_hosts() {
+    for (w, l) in SHAPES {
+        for n in [13, 2048 * w + 5] {
+            for opts in feedback_options() {
+                let host = thread_cluster(w, l).run(|comm| host_feedback_steps(comm, n, &opts)).unwrap();
+                let device = device_cluster(w, l).run(|comm| device_feedback_steps(comm, n, &opts)).unwrap();
+                assert_eq!(host, device, "world {w} local {l} n {n}");
+            }
+        }
+    }
 }

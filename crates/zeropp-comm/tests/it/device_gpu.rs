@@ -15,7 +15,10 @@ use zeropp_comm::conformance::{Case, run_all};
 use zeropp_comm::device::{CudaDevice, DeviceCluster};
 use zeropp_comm::{ThreadOptions, Topology};
 
-use super::device::{SHAPES, on_device, on_threads, thread_cluster};
+use super::device::{
+    SHAPES, device_feedback_steps, feedback_options, host_feedback_steps, on_device, on_threads,
+    thread_cluster,
+};
 
 const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_GPU";
 
@@ -24,6 +27,10 @@ type Check = fn(&CudaDevice);
 const CHECKS: &[(&str, Check)] = &[
     ("conformance suite on the one-GPU cluster", conformance),
     ("qwZ, hpZ, qgZ and bf16 baselines on GPU buffers, bitwise vs the thread backend", bitwise),
+    (
+        "qgZ with LoCo error feedback (residuals on the GPU), three steps, bitwise vs the thread backend",
+        feedback,
+    ),
 ];
 
 fn cluster(dev: &CudaDevice, w: usize, l: usize) -> DeviceCluster<CudaDevice> {
@@ -48,6 +55,17 @@ fn bitwise(dev: &CudaDevice) {
             let expected = thread_cluster(w, l).run(|comm| on_threads(comm, n)).unwrap();
             let got = cluster(dev, w, l).run(|comm| on_device(comm, n)).unwrap();
             assert_eq!(expected, got, "world {w} local {l} n {n}");
+        }
+    }
+}
+
+fn feedback(dev: &CudaDevice) {
+    for (w, l) in [(4, 2), (8, 4), (2, 1)] {
+        for opts in feedback_options() {
+            let n = 4096 * w + 3;
+            let host = thread_cluster(w, l).run(|comm| host_feedback_steps(comm, n, &opts)).unwrap();
+            let got = cluster(dev, w, l).run(|comm| device_feedback_steps(comm, n, &opts)).unwrap();
+            assert_eq!(host, got, "world {w} local {l}");
         }
     }
 }

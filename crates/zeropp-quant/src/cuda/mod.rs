@@ -635,6 +635,18 @@ pub enum Elementwise {
         /// Divisor.
         by: f32,
     },
+    /// qgZ error feedback: `res[i] = beta·res[i] + (1 − beta)·(comp[i] − deq[i])`
+    /// over `n` f32, in Rust's evaluation order.
+    Feedback {
+        /// `n` f32: what was quantized.
+        comp: u64,
+        /// `n` f32: its dequantized value.
+        deq: u64,
+        /// `n` f32 residual, in place.
+        res: u64,
+        /// The moving-average factor.
+        beta: f32,
+    },
     /// `out[i] = bf16(src[i])`, nearest even (as `half::bf16::from_f32`).
     ToBf16 {
         /// `n` f32.
@@ -807,6 +819,11 @@ impl Gpu {
                 Elementwise::DivF32 { x, by } => {
                     let f = self.module.get_function("zq_div_f32")?;
                     launch!(f<<<grid, BLOCK, 0, stream>>>(x, n, by))?;
+                }
+                Elementwise::Feedback { comp, deq, res, beta } => {
+                    let f = self.module.get_function("zq_feedback")?;
+                    let k = 1.0f32 - beta;
+                    launch!(f<<<grid, BLOCK, 0, stream>>>(comp, deq, res, n, beta, k))?;
                 }
                 Elementwise::ToBf16 { src, out } => {
                     let f = self.module.get_function("zq_to_bf16")?;

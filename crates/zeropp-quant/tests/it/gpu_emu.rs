@@ -182,6 +182,13 @@ fn elementwise_matches_cpu(exe: &str) {
         let got = f32s(&req(2).bytes(&acc).run(exe));
         let want: Vec<f32> = a.iter().map(|p| p / by).collect();
         prop_assert_eq!(canon(&got), canon(&bits(&want)));
+        // feedback (qgZ LoCo): r = beta·r + (1 − beta)·(c − d), beta in [0, 1).
+        let beta = (by.to_bits() % 1000) as f32 / 1000.0;
+        let d: Vec<f32> = x.iter().rev().copied().collect();
+        let cd: Vec<u8> = x.iter().chain(&d).flat_map(|v| v.to_le_bytes()).collect();
+        let got = f32s(&Req(Vec::new()).u32(4).u32(4).u64(n as u64).bytes(&beta.to_le_bytes()).bytes(&cd).bytes(&acc).run(exe));
+        let want: Vec<f32> = a.iter().zip(x).zip(&d).map(|((r, c), d)| beta * r + (1.0 - beta) * (c - d)).collect();
+        prop_assert_eq!(canon(&got), canon(&bits(&want)));
         // to_bf16: exact bits, NaN payloads included (both sides keep them).
         let out = req(3).bytes(&src).run(exe);
         let got: Vec<u16> = out.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
