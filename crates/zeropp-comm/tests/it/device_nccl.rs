@@ -5,8 +5,8 @@
 //! `nccl_mpi` example under `mpirun` (README, "GPU").
 //!
 //! One `#[test]`: without a device, or without libnccl, it prints one counted
-//! line (`gpu: N tests skipped: ...`); `ZEROPP_REQUIRE_GPU=1` makes either a
-//! failure.
+//! line (`gpu: N tests skipped: ...`); `ZEROPP_REQUIRE_GPU=1` makes a missing
+//! device a failure, `ZEROPP_REQUIRE_NCCL=1` a missing libnccl.
 
 use std::io::Write as _;
 
@@ -18,13 +18,13 @@ use zeropp_comm::{CommError, Group, ThreadCluster, ThreadOptions, Topology};
 const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_GPU";
 const CHECKS: usize = 4;
 
-fn skip(why: &str) {
-    let required = std::env::var(REQUIRE_ENV)
-        .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"));
-    assert!(!required, "{REQUIRE_ENV}=1 but {why}");
+fn skip(why: &str, env: &str) {
+    let required =
+        std::env::var(env).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"));
+    assert!(!required, "{env}=1 but {why}");
     let _ = writeln!(
         std::io::stderr(),
-        "gpu: {CHECKS} tests skipped: {why} (set {REQUIRE_ENV}=1 to make this a failure)"
+        "gpu: {CHECKS} tests skipped: {why} (set {env}=1 to make this a failure)"
     );
 }
 
@@ -100,7 +100,7 @@ fn traffic(c: &mut NcclComm) {
 fn device_nccl_suite() {
     let device = match CudaDevice::new() {
         Ok(d) => d,
-        Err(e) => return skip(&format!("no CUDA device ({e})")),
+        Err(e) => return skip(&format!("no CUDA device ({e})"), REQUIRE_ENV),
     };
     let t = Topology::ranks(1).per_node(1).unwrap();
     let comm = ThreadCluster::new(t, ThreadOptions::default())
@@ -112,7 +112,7 @@ fn device_nccl_suite() {
         })
         .unwrap()
         .remove(0);
-    let Some(mut c) = comm else { return skip("libnccl.so.2 not found") };
+    let Some(mut c) = comm else { return skip("libnccl.so.2 not found", "ZEROPP_REQUIRE_NCCL") };
     let _ = writeln!(
         std::io::stderr(),
         "gpu: NCCL {} on {}",
