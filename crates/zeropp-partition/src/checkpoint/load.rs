@@ -261,11 +261,7 @@ impl Checkpoint {
 
     /// Same world size, ranks per node and bucket layouts as at save time.
     fn same_partitioning(&self, plan: &PartitionPlan) -> bool {
-        let saved = &self.manifest.topology;
-        let topology = plan.topology();
-        topology.world() == saved.world
-            && topology.local_size() == saved.local_size
-            && plan.buckets() == self.manifest.buckets.as_slice()
+        self.manifest.same_partitioning(plan)
     }
 
     /// The state of `rank` under `plan`, which may have any topology,
@@ -279,22 +275,7 @@ impl Checkpoint {
     /// without extras.
     pub fn shard_for(&self, plan: &PartitionPlan, rank: usize) -> Result<ShardState> {
         plan.check_rank(rank)?;
-        let saved = &self.manifest.buckets;
-        if plan.num_buckets() != saved.len() {
-            return Err(PartitionError::LayoutMismatch(format!(
-                "plan has {} buckets, checkpoint has {}",
-                plan.num_buckets(),
-                saved.len()
-            )));
-        }
-        for (p, s) in plan.buckets().iter().zip(saved) {
-            if p.spec() != s.spec() {
-                return Err(PartitionError::LayoutMismatch(format!(
-                    "bucket {:?} of the plan differs from bucket {:?} of the checkpoint",
-                    p.name, s.name
-                )));
-            }
-        }
+        self.manifest.check_same_model(plan)?;
         let buckets = self
             .buckets
             .iter()
