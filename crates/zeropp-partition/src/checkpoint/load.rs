@@ -1,5 +1,6 @@
 //! Reading checkpoints: resolving `LATEST`, verifying and consolidating the
-//! shards, and cutting the state of any rank of any new plan out of them.
+//! shards, and cutting the state of any rank of any new plan out of them
+//! (the consolidating path; `stream.rs` reads without consolidating).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -86,6 +87,13 @@ pub struct FullBucket {
 /// lengths); any missing, truncated or corrupted file or tensor is an error
 /// naming the file. Checkpoints written before extras existed load with
 /// no extras.
+///
+/// This holds the whole model three times over (master weights and both
+/// moments, consolidated) plus one shard file's bytes: O(model) memory. To
+/// resume or re-shard a rank, or to export, use [`CheckpointReader`], which
+/// reads the same state shard by shard within one rank's share.
+///
+/// [`CheckpointReader`]: super::CheckpointReader
 pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let step_dir = resolve_checkpoint_dir(dir)?;
     let manifest_path = step_dir.join(MANIFEST_FILE);

@@ -469,12 +469,13 @@ impl CheckpointReader {
             Some((s0, expected)) => {
                 if let Some(b) = (0..expected.len()).find(|&b| expected.get(b) != steps.get(b)) {
                     let path = self.shard_path(&self.manifest.shards[s]);
+                    let at = |v: &[u64]| v.get(b).map_or_else(|| "none".to_string(), u64::to_string);
                     return Err(PartitionError::corrupt(
                         path,
                         format!(
-                            "bucket {b} step counter {:?} differs from rank {s0}'s {:?}",
-                            steps.get(b),
-                            expected.get(b)
+                            "bucket {b} step counter {} differs from rank {s0}'s {}",
+                            at(&steps),
+                            at(expected)
                         ),
                     ));
                 }

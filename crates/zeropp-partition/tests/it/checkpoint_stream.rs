@@ -10,10 +10,11 @@ use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
 use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, TensorView};
 use zeropp_comm::Topology;
 use zeropp_partition::checkpoint::{CHUNK_BYTES, shard_file_name};
 use zeropp_partition::{
-    BucketShard, CheckpointReader, DType, ParamRegistry, ParamSpec, PartitionError, PartitionPlan,
+    BucketShard, CheckpointReader, DType, Manifest, ParamRegistry, ParamSpec, PartitionError, PartitionPlan,
     PlanConfig, ShardState, load_checkpoint, save_checkpoint,
 };
 
@@ -305,6 +306,75 @@ fn corrupted_manifest_fails_at_open() {
     bytes[at] ^= 0x01;
     fs::write(&path, &bytes).unwrap();
     assert!(matches!(CheckpointReader::open(&dir), Err(PartitionError::ChecksumMismatch { .. })));
+}
+
+/// A shard file's tensors: name -> (dtype, shape, bytes).
+type Tensors = BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>;
+
+/// Rewrites `rank`'s shard file of a 4-rank checkpoint through `edit` and
+/// records its new size and crc32c in a re-checksummed manifest, as a
+/// consistent but wrong writer would: only the header and tensor checks can
+/// catch what `edit` did.
+fn rewrite_shard(
+    dir: &Path,
+    rank: usize,
+    edit: impl FnOnce(&mut BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>),
+) {
+    let file = shard_path(dir, rank);
+    let bytes = fs::read(&file).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: BTreeMap<_, _> =
+        st.iter().map(|(n, t)| (n.to_string(), (t.dtype(), t.shape().to_vec(), t.data().to_vec()))).collect();
+    edit(&mut tensors);
+    let views: Vec<_> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+        .collect();
+    let bytes = safetensors::serialize(views, meta.metadata().clone()).unwrap();
+    fs::write(&file, &bytes).unwrap();
+    let path = dir.join("manifest.json");
+    let mut m: Manifest = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
+    m.shards[rank].size = bytes.len() as u64;
+    m.shards[rank].crc32c = crc32c::crc32c(&bytes);
+    let body = serde_json::to_string_pretty(&m).unwrap();
+    let rest = body.strip_prefix("{\n").unwrap();
+    let assemble = |crc: &str| format!("{{\n  \"manifest_crc32c\": \"{crc}\",\n{rest}\n");
+    let crc = crc32c::crc32c(assemble("00000000").as_bytes());
+    fs::write(&path, assemble(&format!("{crc:08x}"))).unwrap();
+}
+
+#[test]
+fn consistent_but_wrong_shards_are_corrupt_naming_the_file() {
+    // Another step counter in rank 1's file: a rank reading files 0 and 1
+    // (the single rank of a 1-rank plan reads all) sees the disagreement.
+    let (_tmp, dir, p) = saved4();
+    rewrite_shard(&dir, 1, |t| t.get_mut("bucket.00002.step").unwrap().2 = 99u64.to_le_bytes().to_vec());
+    assert!(load_checkpoint(&dir).is_err(), "the reference catches it too");
+    let one = plan(&registry(&small_model()), (1, 1, 1, 1, 1));
+    let reader = CheckpointReader::open(&dir).unwrap();
+    for e in [reader.shard_for(&one, 0).unwrap_err(), reader.verify().unwrap_err()] {
+        let text = e.to_string();
+        assert!(matches!(e, PartitionError::Corrupt { .. }), "{e}");
+        assert!(text.contains(&shard_file_name(1, 4)) && text.contains("step counter"), "{text}");
+    }
+
+    // A missing tensor, a mistyped one, an unlisted extra.
+    type Edit = fn(&mut Tensors);
+    let edits: [(&str, Edit); 3] = [
+        ("is missing", |t| drop(t.remove("bucket.00001.exp_avg"))),
+        ("expected F32", |t| t.get_mut("bucket.00000.master").unwrap().0 = Dtype::I32),
+        ("not listed", |t| drop(t.insert("extra/stray".into(), (Dtype::F32, vec![1], vec![0; 4])))),
+    ];
+    for (want, edit) in edits {
+        let (_tmp, dir, p2) = saved4();
+        rewrite_shard(&dir, 2, edit);
+        assert!(load_checkpoint(&dir).is_err(), "the reference catches {want:?} too");
+        all_paths_fail(&dir, &p2, 2, &shard_path(&dir, 2), |e| {
+            assert!(matches!(e, PartitionError::Corrupt { .. }) && e.to_string().contains(want), "{e}")
+        });
+    }
+    drop(p);
 }
 
 // ------------------------------------------------------------ random combos
