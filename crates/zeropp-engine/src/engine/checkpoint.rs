@@ -142,10 +142,13 @@ pub fn load(
     cfg: &EngineConfig,
 ) -> Result<(usize, Vec<RankState>), EngineError> {
     let reader = open(dir, plan, true)?;
-    let mut out = Vec::with_capacity(plan.world());
-    for r in 0..plan.world() {
-        out.push(rank_state(&reader, plan, cfg, r)?);
-    }
+    // Every rank's state in one pass over the shard files.
+    let ranks: Vec<usize> = (0..plan.world()).collect();
+    let out = reader
+        .shards_for(plan, &ranks)?
+        .into_iter()
+        .map(|s| rank_state(&reader, cfg, s))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok((reader.step() as usize, out))
 }
 
@@ -159,7 +162,7 @@ pub fn load_rank(
     rank: usize,
 ) -> Result<(usize, RankState), EngineError> {
     let reader = open(dir, plan, rank == 0)?;
-    let state = rank_state(&reader, plan, cfg, rank)?;
+    let state = rank_state(&reader, cfg, reader.shard_for(plan, rank)?)?;
     Ok((reader.step() as usize, state))
 }
 
@@ -176,12 +179,11 @@ fn open(dir: &Path, plan: &PartitionPlan, warn: bool) -> Result<CheckpointReader
     Ok(reader)
 }
 
-/// Rank `r`'s state under `plan`, read from `reader`.
+/// The engine's state of a rank from its checkpoint state `s`.
 fn rank_state(
     reader: &CheckpointReader,
-    plan: &PartitionPlan,
     cfg: &EngineConfig,
-    r: usize,
+    s: ShardState,
 ) -> Result<RankState, EngineError> {
     let steps = reader.step() as usize;
     // A checkpoint without the count (not written by `save`) starts it at zero;
@@ -192,7 +194,6 @@ fn rank_state(
             EngineError::Checkpoint(format!("the manifest's `skipped` is not a step count: {v}"))
         })?,
     };
-    let s = reader.shard_for(plan, r)?;
     let layers = s.buckets.len();
     let feedback = (0..layers)
         .map(|l| Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone())))

@@ -48,8 +48,10 @@
 //! overlap the new one are read, each once, front to back, through a running
 //! crc32c (the manifest records one checksum per file, so each file read is
 //! verified whole, header and metadata included), and only the overlapping
-//! ranges are kept. Peak memory is the rank's new share plus one
-//! [`CHUNK_BYTES`] buffer. [`CheckpointReader::export_safetensors`] verifies
+//! ranges are kept. Peak memory is the rank's new share plus two
+//! [`CHUNK_BYTES`] buffers; [`CheckpointReader::shards_for`] does the same
+//! for several ranks of one process (the thread backend) in one pass over the
+//! files. [`CheckpointReader::export_safetensors`] verifies
 //! every file the same way, then writes the consolidated file's header and
 //! streams each tensor from the shard files holding it, [`CHUNK_BYTES`] at a
 //! time. The engine resumes with the reader.

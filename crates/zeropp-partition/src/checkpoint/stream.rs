@@ -8,8 +8,9 @@
 //! [`ShardState`] as they stream past, skips the rest, and compares the
 //! file's size and crc32c with the manifest at the end. The manifest records
 //! one crc32c per file, so a file is verified whole even when only part of it
-//! is kept; what is held at any time is the rank's own new share plus one
-//! read buffer ([`CHUNK_BYTES`]) and the parsed headers.
+//! is kept; what is held at any time is the rank's own new share plus two
+//! [`CHUNK_BYTES`] buffers (the buffered reader's and the copy buffer), the
+//! parsed headers and the list of ranges to copy.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -81,12 +82,12 @@ pub struct CheckpointReader {
 #[derive(Debug, Clone)]
 enum Dst {
     /// Element `at` onwards of value tensor `which` (see [`VALUE_TENSORS`]) of
-    /// bucket `bucket` of the new state.
-    Values { bucket: usize, which: usize, at: usize },
+    /// bucket `bucket` of new state `state` (an index into the batch).
+    Values { state: usize, bucket: usize, which: usize, at: usize },
     /// The step counter of bucket `bucket` as this file records it.
     Step { bucket: usize },
-    /// The rank-local extra `name`, whole.
-    Extra { name: String },
+    /// The rank-local extra `name` of new state `state`, whole.
+    Extra { state: usize, name: String },
 }
 
 /// A range of one tensor of a shard file to copy: `count` elements from
@@ -369,66 +370,53 @@ impl CheckpointReader {
     /// Reads only the saved shard files whose shards overlap the new one
     /// (and, if none does, rank 0's file for the step counters), each once,
     /// verifying its size, crc32c and header on the way; keeps only the
-    /// overlapping ranges. Peak memory: the returned state plus one
-    /// [`CHUNK_BYTES`] buffer and the headers. The step counters of the
+    /// overlapping ranges. Peak memory: the returned state plus two
+    /// [`CHUNK_BYTES`] buffers and the headers. The step counters of the
     /// files read must agree.
     pub fn shard_for(&self, plan: &PartitionPlan, rank: usize) -> Result<ShardState> {
-        plan.check_rank(rank)?;
+        let mut states = self.shards_for(plan, &[rank])?;
+        states.pop().ok_or_else(|| PartitionError::RankOutOfRange { rank, world: plan.world() })
+    }
+
+    /// The states of several ranks under `plan` (in the order of `ranks`),
+    /// each equal to [`CheckpointReader::shard_for`]'s, reading every saved
+    /// shard file that overlaps any of them once: for a process that holds
+    /// several ranks (the thread backend). Peak memory: the returned states
+    /// plus two [`CHUNK_BYTES`] buffers and the headers.
+    pub fn shards_for(&self, plan: &PartitionPlan, ranks: &[usize]) -> Result<Vec<ShardState>> {
         self.manifest.check_same_model(plan)?;
         let saved = &self.saved;
         let mut ops: Vec<Vec<Op>> = vec![Vec::new(); saved.world()];
-        let mut buckets = Vec::with_capacity(plan.num_buckets());
-        for b in 0..plan.num_buckets() {
-            let n = plan.shard_len(b)?;
-            buckets.push(BucketShard {
-                master: vec![0.0; n],
-                exp_avg: vec![0.0; n],
-                exp_avg_sq: vec![0.0; n],
-                step: 0,
-            });
-            let len_s = saved.shard_len(b)?;
-            let layout_s = saved.bucket(b)?;
-            for piece in plan.shard_pieces(rank, b)? {
-                let offset_s = layout_s.params.get(piece.param).map(|p| p.offset).ok_or_else(|| {
-                    PartitionError::LayoutMismatch(format!("bucket {b} has no parameter {}", piece.param))
-                })?;
-                // The piece in the saved flat layout, cut at the saved shard boundaries.
-                let (mut x, end) = (offset_s + piece.in_param.start, offset_s + piece.in_param.end);
-                let mut at = piece.in_shard.start;
-                while x < end && len_s > 0 {
-                    let s = x / len_s;
-                    let stop = end.min((s + 1) * len_s);
-                    let file = ops.get_mut(s).ok_or_else(|| {
-                        PartitionError::LayoutMismatch(format!(
-                            "element {x} of bucket {b} is past the saved shards"
-                        ))
-                    })?;
-                    for (which, what) in VALUE_TENSORS.iter().enumerate() {
+        let mut states = Vec::with_capacity(ranks.len());
+        let same = self.manifest.same_partitioning(plan);
+        for (state, &rank) in ranks.iter().enumerate() {
+            plan.check_rank(rank)?;
+            let mut buckets = Vec::with_capacity(plan.num_buckets());
+            for b in 0..plan.num_buckets() {
+                let n = plan.shard_len(b)?;
+                buckets.push(BucketShard {
+                    master: vec![0.0; n],
+                    exp_avg: vec![0.0; n],
+                    exp_avg_sq: vec![0.0; n],
+                    step: 0,
+                });
+                self.plan_copies(plan, rank, b, state, &mut ops)?;
+            }
+            let mut extra = BTreeMap::new();
+            if same {
+                for (name, &len) in self.manifest.extras_of(rank) {
+                    if let Some(file) = ops.get_mut(rank) {
                         file.push(Op {
-                            tensor: tensor_name(b, what),
-                            elem: x - s * len_s,
-                            count: stop - x,
-                            dst: Dst::Values { bucket: b, which, at },
+                            tensor: extra_tensor_name(name),
+                            elem: 0,
+                            count: len,
+                            dst: Dst::Extra { state, name: name.clone() },
                         });
                     }
-                    at += stop - x;
-                    x = stop;
+                    extra.insert(name.clone(), vec![0.0; len]);
                 }
             }
-        }
-        let mut extra = BTreeMap::new();
-        if self.manifest.same_partitioning(plan) {
-            for (name, &len) in self.manifest.extras_of(rank) {
-                if let Some(file) = ops.get_mut(rank) {
-                    file.push(Op {
-                        tensor: extra_tensor_name(name),
-                        elem: 0,
-                        count: len,
-                        dst: Dst::Extra { name: name.clone() },
-                    });
-                }
-                extra.insert(name.clone(), vec![0.0; len]);
-            }
+            states.push(ShardState { buckets, extra });
         }
         let mut files: Vec<usize> =
             (0..ops.len()).filter(|&s| ops.get(s).is_some_and(|o| !o.is_empty())).collect();
@@ -440,15 +428,60 @@ impl CheckpointReader {
             let mut file_ops = std::mem::take(&mut ops[s]);
             file_ops.extend(self.step_ops());
             let mut file_steps = vec![0u64; saved.num_buckets()];
-            self.stream_file(s, file_ops, &mut buckets, &mut file_steps, &mut extra)?;
+            self.stream_file(s, file_ops, &mut states, &mut file_steps)?;
             self.agree_steps(&mut steps, s, file_steps)?;
         }
         if let Some((_, steps)) = steps {
-            for (bucket, step) in buckets.iter_mut().zip(steps) {
-                bucket.step = step;
+            for state in &mut states {
+                for (bucket, &step) in state.buckets.iter_mut().zip(&steps) {
+                    bucket.step = step;
+                }
             }
         }
-        Ok(ShardState { buckets, extra })
+        Ok(states)
+    }
+
+    /// Adds to `ops` (one list per saved shard file) the copies that fill
+    /// bucket `b` of `rank`'s new shard (state `state` of the batch): each
+    /// parameter piece of the new shard, placed in the saved flat layout and
+    /// cut at the saved shard boundaries.
+    fn plan_copies(
+        &self,
+        plan: &PartitionPlan,
+        rank: usize,
+        b: usize,
+        state: usize,
+        ops: &mut [Vec<Op>],
+    ) -> Result<()> {
+        let len_s = self.saved.shard_len(b)?;
+        let layout_s = self.saved.bucket(b)?;
+        for piece in plan.shard_pieces(rank, b)? {
+            let offset_s = layout_s.params.get(piece.param).map(|p| p.offset).ok_or_else(|| {
+                PartitionError::LayoutMismatch(format!("bucket {b} has no parameter {}", piece.param))
+            })?;
+            let (mut x, end) = (offset_s + piece.in_param.start, offset_s + piece.in_param.end);
+            let mut at = piece.in_shard.start;
+            while x < end && len_s > 0 {
+                let s = x / len_s;
+                let stop = end.min((s + 1) * len_s);
+                let file = ops.get_mut(s).ok_or_else(|| {
+                    PartitionError::LayoutMismatch(format!(
+                        "element {x} of bucket {b} is past the saved shards"
+                    ))
+                })?;
+                for (which, what) in VALUE_TENSORS.iter().enumerate() {
+                    file.push(Op {
+                        tensor: tensor_name(b, what),
+                        elem: x - s * len_s,
+                        count: stop - x,
+                        dst: Dst::Values { state, bucket: b, which, at },
+                    });
+                }
+                at += stop - x;
+                x = stop;
+            }
+        }
+        Ok(())
     }
 
     /// Reads of every bucket's step counter.
@@ -491,9 +524,8 @@ impl CheckpointReader {
         &self,
         s: usize,
         ops: Vec<Op>,
-        buckets: &mut [BucketShard],
+        states: &mut [ShardState],
         steps: &mut [u64],
-        extra: &mut BTreeMap<String, Vec<f32>>,
     ) -> Result<ShardHeader> {
         let rec =
             self.manifest.shards.get(s).ok_or_else(|| {
@@ -524,10 +556,15 @@ impl CheckpointReader {
                 })?;
                 io::copy(&mut (&mut r).take(skip), &mut io::sink()).map_err(io_err)?;
                 match dst {
-                    Dst::Values { bucket, which, at } => {
-                        let shard = buckets.get_mut(bucket).ok_or_else(|| {
-                            PartitionError::LayoutMismatch(format!("no bucket {bucket} in the new state"))
-                        })?;
+                    Dst::Values { state, bucket, which, at } => {
+                        let shard = states
+                            .get_mut(state)
+                            .and_then(|s| s.buckets.get_mut(bucket))
+                            .ok_or_else(|| {
+                                PartitionError::LayoutMismatch(format!(
+                                    "no bucket {bucket} in new state {state}"
+                                ))
+                            })?;
                         let v = match which {
                             0 => &mut shard.master,
                             1 => &mut shard.exp_avg,
@@ -549,8 +586,11 @@ impl CheckpointReader {
                             *step = u64::from_le_bytes(raw);
                         }
                     }
-                    Dst::Extra { name } => {
-                        let v = extra.entry(name).or_default();
+                    Dst::Extra { state, name } => {
+                        let v = states
+                            .get_mut(state)
+                            .map(|s| s.extra.entry(name).or_default())
+                            .ok_or_else(|| PartitionError::LayoutMismatch(format!("no new state {state}")))?;
                         let mut at = 0;
                         read_chunks(&mut r, len, &mut buf, |piece| {
                             if let Some(d) = v.get_mut(at..at + piece.len() / 4) {
@@ -577,13 +617,7 @@ impl CheckpointReader {
         let mut headers = Vec::with_capacity(self.manifest.shards.len());
         for s in 0..self.manifest.shards.len() {
             let mut file_steps = vec![0u64; self.saved.num_buckets()];
-            let header = self.stream_file(
-                s,
-                self.step_ops().collect(),
-                &mut [],
-                &mut file_steps,
-                &mut BTreeMap::new(),
-            )?;
+            let header = self.stream_file(s, self.step_ops().collect(), &mut [], &mut file_steps)?;
             self.agree_steps(&mut steps, s, file_steps)?;
             headers.push(header);
         }

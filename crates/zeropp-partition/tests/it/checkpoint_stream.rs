@@ -121,10 +121,14 @@ fn check_reshard(params: &[Vec<Param>], from: Cfg, to: Cfg, extras: bool) {
     let new = plan(&reg, to);
     assert_eq!(reader.extras_dropped(&new), reference.extras_dropped(&new));
     assert_eq!(reader.has_extras(), reference.has_extras());
-    for r in 0..new.world() {
+    // All ranks at once (each file read once), in reverse order.
+    let ranks: Vec<usize> = (0..new.world()).rev().collect();
+    let batch = reader.shards_for(&new, &ranks).unwrap();
+    for (&r, together) in ranks.iter().zip(&batch) {
         let want = reference.shard_for(&new, r).unwrap();
         let got = reader.shard_for(&new, r).unwrap();
         assert_eq!(bits(&got), bits(&want), "rank {r} of {to:?} from {from:?}");
+        assert_eq!(bits(together), bits(&want), "rank {r} of {to:?} from {from:?}, in a batch");
     }
     reader.verify().unwrap();
     let (a, b) = (tmp.path().join("old.safetensors"), tmp.path().join("new.safetensors"));
@@ -480,6 +484,19 @@ fn peak_memory_stays_within_one_share_plus_one_bucket() {
             "negative control: the consolidating path ({old_peak} B) is within {bound} B"
         );
     }
+
+    // Every rank at once (the thread backend's resume): all shares + one bucket.
+    let ranks: Vec<usize> = (0..saved.world()).collect();
+    let bound = ranks.len() * share_bytes(&saved) + bucket_bytes(&saved) + SLACK;
+    let (all, peak) =
+        peak_during(|| CheckpointReader::open(tmp.path()).unwrap().shards_for(&saved, &ranks).unwrap());
+    println!(
+        "checkpoint peak, all {} ranks at once: streaming {peak} B = {:.3} x (sum of shares) [bound {bound} B]",
+        ranks.len(),
+        peak as f64 / (ranks.len() * share_bytes(&saved)) as f64,
+    );
+    assert!(peak <= bound, "streaming peak of all ranks {peak} B above the bound {bound} B");
+    drop(all);
 
     // Export: one bucket + O(chunk) (the streamed export holds less: chunks).
     let bound = bucket_bytes(&saved) + SLACK;
