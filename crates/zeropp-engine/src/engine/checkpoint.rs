@@ -166,6 +166,32 @@ pub fn load_rank(
     Ok((reader.step() as usize, state))
 }
 
+/// [`load_rank`] on every rank of `comm` (collective: every rank calls it).
+/// Each rank reads only the shard files its state overlaps, so a corrupt file
+/// fails only the ranks that read it; the ranks then exchange success (tag
+/// `checkpoint`, outside the step metrics) and all fail alike, each naming the
+/// first rank that could not load (the failing ranks with their own error).
+pub fn load_rank_collective<C: Communicator + ?Sized>(
+    comm: &mut C,
+    dir: &Path,
+    plan: &PartitionPlan,
+    cfg: &EngineConfig,
+) -> Result<(usize, RankState), EngineError> {
+    let loaded = load_rank(dir, plan, cfg, comm.rank());
+    let mine = [u64::from(loaded.is_ok())];
+    let world = Group::world(comm.topology());
+    comm.set_op("checkpoint");
+    let mut all = vec![0u64; world.size()];
+    let gathered = comm.all_gather(&world, &mine, &mut all);
+    comm.set_op("other");
+    let loaded = loaded?;
+    gathered?;
+    if let Some(r) = all.iter().position(|&ok| ok == 0) {
+        return Err(EngineError::Checkpoint(format!("rank {r} could not load its checkpoint state")));
+    }
+    Ok(loaded)
+}
+
 /// Opens the checkpoint for streaming; warns (if `warn`) when its qgZ
 /// residuals cannot follow onto `plan`.
 fn open(dir: &Path, plan: &PartitionPlan, warn: bool) -> Result<CheckpointReader, EngineError> {
