@@ -382,9 +382,14 @@ impl CheckpointReader {
     /// each equal to [`CheckpointReader::shard_for`]'s, reading every saved
     /// shard file that overlaps any of them once: for a process that holds
     /// several ranks (the thread backend). Peak memory: the returned states
-    /// plus two [`CHUNK_BYTES`] buffers and the headers.
+    /// plus two [`CHUNK_BYTES`] buffers and the headers. `ranks` must be
+    /// distinct.
     pub fn shards_for(&self, plan: &PartitionPlan, ranks: &[usize]) -> Result<Vec<ShardState>> {
         self.manifest.check_same_model(plan)?;
+        if let Some(r) = ranks.iter().enumerate().find_map(|(i, r)| ranks.get(..i)?.contains(r).then_some(r))
+        {
+            return Err(PartitionError::InvalidConfig(format!("rank {r} is asked for twice")));
+        }
         let saved = &self.saved;
         let mut ops: Vec<Vec<Op>> = vec![Vec::new(); saved.world()];
         let mut states = Vec::with_capacity(ranks.len());

@@ -213,6 +213,8 @@ fn rejects_another_model_and_bad_ranks() {
     let other = plan(&registry(&[vec![(vec![3], DType::F32)]]), (2, 2, 1, 1, 1));
     assert!(matches!(reader.shard_for(&other, 0), Err(PartitionError::LayoutMismatch(_))));
     assert!(matches!(reader.shard_for(&saved, 2), Err(PartitionError::RankOutOfRange { .. })));
+    assert!(matches!(reader.shards_for(&saved, &[1, 0, 1]), Err(PartitionError::InvalidConfig(_))));
+    assert!(reader.shards_for(&saved, &[]).unwrap().is_empty());
 }
 
 // ------------------------------------------------------------ corruption
