@@ -191,11 +191,13 @@ fn train_model_mpi<M: Model>(
     let plan = build_plan(model, &cfg.engine, topo)?;
     let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
 
-    // Resume: every rank reads the checkpoint and keeps its own state.
+    // Resume: every rank reads only its own state from the checkpoint; all fail
+    // together if one cannot.
     let (start_step, resume) = match &cfg.resume {
         Some(dir) => {
-            let (step, states) = crate::engine::checkpoint::load(dir, &plan, &cfg.engine)?;
-            (step, states.into_iter().nth(rank))
+            let (step, state) =
+                crate::engine::checkpoint::load_rank_collective(comm, dir, &plan, &cfg.engine)?;
+            (step, Some(state))
         }
         None => (0, None),
     };

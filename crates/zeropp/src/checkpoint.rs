@@ -1,11 +1,11 @@
 //! `zeropp checkpoint`: inspect and export sharded checkpoints. All logic
-//! (verification, consolidation, export) is in `zeropp_partition`; this
+//! (verification, consolidation, streamed export) is in `zeropp_partition`; this
 //! module only reads arguments and prints.
 
 use crate::CliError;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
-use zeropp_partition::load_checkpoint;
+use zeropp_partition::{CheckpointReader, load_checkpoint};
 
 /// Arguments of `zeropp checkpoint`.
 #[derive(Debug, Args)]
@@ -84,7 +84,9 @@ fn inspect(dir: &std::path::Path) -> Result<(), CliError> {
 }
 
 fn export(dir: &std::path::Path, out: &std::path::Path) -> Result<(), CliError> {
-    let ck = load_checkpoint(dir)?;
+    // Streamed: verifies every shard file, then writes tensor by tensor
+    // without holding the model.
+    let ck = CheckpointReader::open(dir)?;
     let size = ck.export_safetensors(out)?;
     let tensors: usize = ck.manifest().buckets.iter().map(|b| b.params.len()).sum();
     let params: usize = ck.manifest().buckets.iter().map(|b| b.numel).sum();

@@ -125,4 +125,4 @@ pub(super) fn read_header_extras(path: &Path) -> Result<BTreeMap<String, (Dtype,
 }
 
 /// Largest safetensors header accepted (the limit of the safetensors crate).
-const MAX_HEADER_BYTES: usize = 100_000_000;
+pub(super) const MAX_HEADER_BYTES: usize = 100_000_000;

@@ -1,5 +1,6 @@
 //! Reading checkpoints: resolving `LATEST`, verifying and consolidating the
-//! shards, and cutting the state of any rank of any new plan out of them.
+//! shards, and cutting the state of any rank of any new plan out of them
+//! (the consolidating path; `stream.rs` reads without consolidating).
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -86,6 +87,13 @@ pub struct FullBucket {
 /// lengths); any missing, truncated or corrupted file or tensor is an error
 /// naming the file. Checkpoints written before extras existed load with
 /// no extras.
+///
+/// This holds the whole model three times over (master weights and both
+/// moments, consolidated) plus one shard file's bytes: O(model) memory. To
+/// resume or re-shard a rank, or to export, use [`CheckpointReader`], which
+/// reads the same state shard by shard within one rank's share.
+///
+/// [`CheckpointReader`]: super::CheckpointReader
 pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
     let step_dir = resolve_checkpoint_dir(dir)?;
     let manifest_path = step_dir.join(MANIFEST_FILE);
@@ -261,11 +269,7 @@ impl Checkpoint {
 
     /// Same world size, ranks per node and bucket layouts as at save time.
     fn same_partitioning(&self, plan: &PartitionPlan) -> bool {
-        let saved = &self.manifest.topology;
-        let topology = plan.topology();
-        topology.world() == saved.world
-            && topology.local_size() == saved.local_size
-            && plan.buckets() == self.manifest.buckets.as_slice()
+        self.manifest.same_partitioning(plan)
     }
 
     /// The state of `rank` under `plan`, which may have any topology,
@@ -279,22 +283,7 @@ impl Checkpoint {
     /// without extras.
     pub fn shard_for(&self, plan: &PartitionPlan, rank: usize) -> Result<ShardState> {
         plan.check_rank(rank)?;
-        let saved = &self.manifest.buckets;
-        if plan.num_buckets() != saved.len() {
-            return Err(PartitionError::LayoutMismatch(format!(
-                "plan has {} buckets, checkpoint has {}",
-                plan.num_buckets(),
-                saved.len()
-            )));
-        }
-        for (p, s) in plan.buckets().iter().zip(saved) {
-            if p.spec() != s.spec() {
-                return Err(PartitionError::LayoutMismatch(format!(
-                    "bucket {:?} of the plan differs from bucket {:?} of the checkpoint",
-                    p.name, s.name
-                )));
-            }
-        }
+        self.manifest.check_same_model(plan)?;
         let buckets = self
             .buckets
             .iter()

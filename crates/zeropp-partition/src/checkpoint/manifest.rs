@@ -242,6 +242,44 @@ impl Manifest {
         )
     }
 
+    /// Checks that `plan` describes the saved model: the same buckets with
+    /// the same parameter names, shapes and dtypes, in order (any topology,
+    /// alignment or hpZ size).
+    pub(super) fn check_same_model(&self, plan: &PartitionPlan) -> Result<()> {
+        let saved = &self.buckets;
+        if plan.num_buckets() != saved.len() {
+            return Err(PartitionError::LayoutMismatch(format!(
+                "plan has {} buckets, checkpoint has {}",
+                plan.num_buckets(),
+                saved.len()
+            )));
+        }
+        for (p, s) in plan.buckets().iter().zip(saved) {
+            if p.spec() != s.spec() {
+                return Err(PartitionError::LayoutMismatch(format!(
+                    "bucket {:?} of the plan differs from bucket {:?} of the checkpoint",
+                    p.name, s.name
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `plan` partitions like the saved plan: the same world size,
+    /// ranks per node and bucket layouts (the hpZ size may differ). Only
+    /// then do the saved ranks' extras carry over.
+    pub(super) fn same_partitioning(&self, plan: &PartitionPlan) -> bool {
+        let topology = plan.topology();
+        topology.world() == self.topology.world
+            && topology.local_size() == self.topology.local_size
+            && plan.buckets() == self.buckets.as_slice()
+    }
+
+    /// Whether any rank saved extras.
+    pub(super) fn lists_extras(&self) -> bool {
+        self.extras.iter().any(|e| !e.is_empty())
+    }
+
     /// Total size in bytes of the shard files.
     pub fn total_shard_bytes(&self) -> u64 {
         self.shards.iter().map(|s| s.size).sum()
