@@ -253,6 +253,16 @@ impl TrafficCounter {
         Self { topology, rank, ops: vec![(DEFAULT_OP.to_string(), OpTraffic::default())], current: 0 }
     }
 
+    /// The rank these counters belong to.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The topology that classes each peer's link.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
     /// Labels the traffic that follows (e.g. `fwd_gather`, `bwd_gather`, `grad_reduce`).
     pub fn set_op(&mut self, tag: &str) {
         if let Some(i) = self.ops.iter().position(|(t, _)| t == tag) {

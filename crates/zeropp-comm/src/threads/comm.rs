@@ -8,7 +8,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::fabric::{ChannelSet, Fabric, Header, Kind, Msg, Payload};
 use crate::slices::{chunk, copy_to, window, window_mut};
-use crate::{CommError, Communicator, Group, Topology, TrafficCounter, check};
+use crate::{CommError, Communicator, Group, RawCall, Topology, TrafficCounter, check};
 
 /// One rank's communicator of the thread backend.
 ///
@@ -249,14 +249,6 @@ fn windows(counts: &[usize]) -> Vec<(usize, usize)> {
 }
 
 impl Communicator for ThreadComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn topology(&self) -> &Topology {
-        &self.topology
-    }
-
     fn traffic(&self) -> &TrafficCounter {
         &self.traffic
     }
@@ -265,7 +257,54 @@ impl Communicator for ThreadComm {
         &mut self.traffic
     }
 
-    fn raw_all_gather_bytes(
+    fn raw(&mut self, group: &Group, index: usize, call: RawCall<'_>) -> Result<(), CommError> {
+        match call {
+            RawCall::AllGather { send, recv } => self.hook_all_gather(group, index, send, recv),
+            RawCall::AllToAll { send, recv } => {
+                let counts = vec![send.len() / group.size(); group.size()];
+                let op = self.begin(group, Kind::AllToAll, index);
+                self.hook_all_to_all(&op, group, (send, &counts), (recv, &counts))
+            }
+            RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+                let op = self.begin(group, Kind::AllToAllV, index);
+                self.hook_all_to_all(&op, group, (send, send_counts), (recv, recv_counts))
+            }
+            RawCall::ReduceScatter { send, recv } => self.hook_reduce_scatter(group, index, send, recv),
+            RawCall::AllReduce { buf } => self.hook_all_reduce(group, index, buf),
+            RawCall::Broadcast { root, buf } => {
+                let root_rank = check::broadcast(group, root)?;
+                let op = self.begin(group, Kind::Broadcast, index);
+                if index == root {
+                    let data: Arc<[u8]> = Arc::from(&*buf);
+                    self.send_to_all(&op, group, &data)
+                } else {
+                    let p = self.recv(&op, root_rank, buf.len())?;
+                    buf.copy_from_slice(p.bytes()?);
+                    Ok(())
+                }
+            }
+            RawCall::Barrier => {
+                let op = self.begin(group, Kind::Barrier, index);
+                let empty: Arc<[u8]> = Arc::from(&[][..]);
+                self.send_to_all(&op, group, &empty)?;
+                for (j, &src) in group.ranks().iter().enumerate() {
+                    if j != index {
+                        self.recv(&op, src, 0)?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
+        Ok(Box::new(self.split_stream()?))
+    }
+}
+
+/// The algorithms behind [`RawCall`]s (arguments validated by the trait).
+impl ThreadComm {
+    fn hook_all_gather(
         &mut self,
         group: &Group,
         index: usize,
@@ -286,43 +325,20 @@ impl Communicator for ThreadComm {
         Ok(())
     }
 
-    fn raw_all_to_all_bytes(
+    fn hook_reduce_scatter(
         &mut self,
         group: &Group,
-        index: usize,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> Result<(), CommError> {
-        let counts = vec![send.len() / group.size(); group.size()];
-        self.all_to_all_generic(group, index, Kind::AllToAll, send, &counts, recv, &counts)
-    }
-
-    fn raw_all_to_all_v_bytes(
-        &mut self,
-        group: &Group,
-        index: usize,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<(), CommError> {
-        self.all_to_all_generic(group, index, Kind::AllToAllV, send, send_counts, recv, recv_counts)
-    }
-
-    fn raw_reduce_scatter_f32(
-        &mut self,
-        group: &Group,
-        index: usize,
+        me: usize,
         send: &[f32],
         recv: &mut [f32],
     ) -> Result<(), CommError> {
         let n = recv.len();
-        let op = self.begin(group, Kind::ReduceScatter, index);
+        let op = self.begin(group, Kind::ReduceScatter, me);
         let buf: Arc<[u8]> = Arc::from(bytemuck::cast_slice::<f32, u8>(send));
         self.scatter_chunks(&op, group, &buf, 4 * n)?;
         recv.fill(0.0);
         for (j, &src) in group.ranks().iter().enumerate() {
-            if j == index {
+            if j == me {
                 let own = chunk(send, j, n, "reduce_scatter: send buffer")?;
                 recv.iter_mut().zip(own).for_each(|(a, b)| *a += b);
             } else {
@@ -333,7 +349,7 @@ impl Communicator for ThreadComm {
         Ok(())
     }
 
-    fn raw_all_reduce_f32(&mut self, group: &Group, index: usize, buf: &mut [f32]) -> Result<(), CommError> {
+    fn hook_all_reduce(&mut self, group: &Group, index: usize, buf: &mut [f32]) -> Result<(), CommError> {
         let g = group.size();
         let n = buf.len();
         let c = n.div_ceil(g);
@@ -380,67 +396,25 @@ impl Communicator for ThreadComm {
         Ok(())
     }
 
-    fn raw_broadcast_bytes(
+    /// Both all-to-alls: member `j` gets `send.1[j]` bytes of `send.0`, member `j`
+    /// sends `recv.1[j]` bytes into `recv.0` (the caller validated the counts).
+    fn hook_all_to_all(
         &mut self,
+        op: &Op,
         group: &Group,
-        index: usize,
-        root: usize,
-        buf: &mut [u8],
+        (send, send_counts): (&[u8], &[usize]),
+        (recv, recv_counts): (&mut [u8], &[usize]),
     ) -> Result<(), CommError> {
-        let root_rank = check::broadcast(group, root)?;
-        let op = self.begin(group, Kind::Broadcast, index);
-        if index == root {
-            let data: Arc<[u8]> = Arc::from(&*buf);
-            self.send_to_all(&op, group, &data)?;
-        } else {
-            let p = self.recv(&op, root_rank, buf.len())?;
-            buf.copy_from_slice(p.bytes()?);
-        }
-        Ok(())
-    }
-
-    fn raw_barrier(&mut self, group: &Group, index: usize) -> Result<(), CommError> {
-        let op = self.begin(group, Kind::Barrier, index);
-        let empty: Arc<[u8]> = Arc::from(&[][..]);
-        self.send_to_all(&op, group, &empty)?;
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j != index {
-                self.recv(&op, src, 0)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
-        Ok(Box::new(self.split_stream()?))
-    }
-}
-
-impl ThreadComm {
-    /// Both all-to-alls: member `j` gets `send_counts[j]` bytes, member `j` sends
-    /// `recv_counts[j]` (the caller validated the counts).
-    #[allow(clippy::too_many_arguments)] // the primitive's arguments plus the message kind
-    fn all_to_all_generic(
-        &mut self,
-        group: &Group,
-        index: usize,
-        kind: Kind,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<(), CommError> {
-        let op = self.begin(group, kind, index);
         let sr = windows(send_counts);
         let rr = windows(recv_counts);
         let buf: Arc<[u8]> = Arc::from(send);
-        self.scatter_out(&op, group, &buf, &sr)?;
-        let what = format!("{}: receive buffer", kind.name());
+        self.scatter_out(op, group, &buf, &sr)?;
+        let what = format!("{}: receive buffer", op.kind.name());
         for (j, ((&src, &(s, sc)), &(at, rc))) in group.ranks().iter().zip(&sr).zip(&rr).enumerate() {
-            if j == index {
+            if j == op.index {
                 copy_to(recv, at, window(send, s, sc, "all_to_all: send buffer")?, &what)?;
             } else {
-                let p = self.recv(&op, src, rc)?;
+                let p = self.recv(op, src, rc)?;
                 copy_to(recv, at, p.bytes()?, &what)?;
             }
         }
