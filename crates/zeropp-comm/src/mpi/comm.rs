@@ -308,58 +308,6 @@ impl MpiComm {
     }
 }
 
-impl Communicator for MpiComm {
-    fn traffic(&self) -> &TrafficCounter {
-        &self.traffic
-    }
-
-    fn traffic_mut(&mut self) -> &mut TrafficCounter {
-        &mut self.traffic
-    }
-
-    fn raw_reject(
-        &mut self,
-        group: &Group,
-        _index: usize,
-        primitive: Primitive,
-        error: CommError,
-    ) -> CommError {
-        match self.reject(group, primitive, error) {
-            Err(e) => e,
-            Ok(()) => CommError::Mismatch(format!("{primitive}: arguments rejected")),
-        }
-    }
-
-    fn raw(&mut self, group: &Group, _index: usize, call: RawCall<'_>) -> Result<(), CommError> {
-        self.env.check_thread()?;
-        match call {
-            RawCall::AllGather { send, recv } => {
-                self.fixed_chunks(group, "all_gather", 1, send, recv, |c, s, r| c.all_gather_into(s, r))
-            }
-            RawCall::AllToAll { send, recv } => {
-                let parts = group.size();
-                self.fixed_chunks(group, "all_to_all", parts, send, recv, |c, s, r| c.all_to_all_into(s, r))
-            }
-            RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
-                self.mpi_all_to_all_v(group, (send, send_counts), (recv, recv_counts))
-            }
-            RawCall::ReduceScatter { send, recv } => self.mpi_reduce_scatter(group, send, recv),
-            RawCall::AllReduce { buf } => self.mpi_all_reduce(group, buf),
-            RawCall::Broadcast { root, buf } => self.mpi_broadcast(group, root, buf),
-            RawCall::Barrier if group.size() == 1 => Ok(()),
-            RawCall::Barrier => {
-                self.ensure(group)?;
-                self.comm_of(group)?.barrier();
-                Ok(())
-            }
-        }
-    }
-
-    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
-        Ok(Box::new(self.split_stream()?))
-    }
-}
-
 /// The primitives behind [`RawCall`]s, called after `Env::check_thread`.
 impl MpiComm {
     /// [`RawCall::AllToAllV`]: the counts are checked against the peers' (one
@@ -485,6 +433,58 @@ impl MpiComm {
         let mut r0 = [0u8; 1];
         self.comm_of(group)?.process_at_rank(count(root)).broadcast_into(real_ptr_mut(buf, &mut r0));
         Ok(())
+    }
+}
+
+impl Communicator for MpiComm {
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
+        Ok(Box::new(self.split_stream()?))
+    }
+
+    fn traffic(&self) -> &TrafficCounter {
+        &self.traffic
+    }
+
+    fn traffic_mut(&mut self) -> &mut TrafficCounter {
+        &mut self.traffic
+    }
+
+    fn raw_reject(
+        &mut self,
+        group: &Group,
+        _index: usize,
+        primitive: Primitive,
+        error: CommError,
+    ) -> CommError {
+        match self.reject(group, primitive, error) {
+            Err(e) => e,
+            Ok(()) => CommError::Mismatch(format!("{primitive}: arguments rejected")),
+        }
+    }
+
+    fn raw(&mut self, group: &Group, _index: usize, call: RawCall<'_>) -> Result<(), CommError> {
+        self.env.check_thread()?;
+        match call {
+            RawCall::AllGather { send, recv } => {
+                self.fixed_chunks(group, "all_gather", 1, send, recv, |c, s, r| c.all_gather_into(s, r))
+            }
+            RawCall::AllToAll { send, recv } => {
+                let parts = group.size();
+                self.fixed_chunks(group, "all_to_all", parts, send, recv, |c, s, r| c.all_to_all_into(s, r))
+            }
+            RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+                self.mpi_all_to_all_v(group, (send, send_counts), (recv, recv_counts))
+            }
+            RawCall::ReduceScatter { send, recv } => self.mpi_reduce_scatter(group, send, recv),
+            RawCall::AllReduce { buf } => self.mpi_all_reduce(group, buf),
+            RawCall::Broadcast { root, buf } => self.mpi_broadcast(group, root, buf),
+            RawCall::Barrier if group.size() == 1 => Ok(()),
+            RawCall::Barrier => {
+                self.ensure(group)?;
+                self.comm_of(group)?.barrier();
+                Ok(())
+            }
+        }
     }
 }
 

@@ -257,9 +257,20 @@ impl Communicator for ThreadComm {
         &mut self.traffic
     }
 
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
+        Ok(Box::new(self.split_stream()?))
+    }
+
     fn raw(&mut self, group: &Group, index: usize, call: RawCall<'_>) -> Result<(), CommError> {
         match call {
-            RawCall::AllGather { send, recv } => self.hook_all_gather(group, index, send, recv),
+            RawCall::AllGather { send, recv } => {
+                let c = send.len();
+                let op = self.begin(group, Kind::AllGather, index);
+                self.send_to_all(&op, group, &Arc::from(send))?;
+                self.collect(&op, group, (send, c), |j, bytes| {
+                    copy_to(recv, j * c, bytes, "all_gather: receive buffer")
+                })
+            }
             RawCall::AllToAll { send, recv } => {
                 let counts = vec![send.len() / group.size(); group.size()];
                 let op = self.begin(group, Kind::AllToAll, index);
@@ -287,39 +298,29 @@ impl Communicator for ThreadComm {
                 let op = self.begin(group, Kind::Barrier, index);
                 let empty: Arc<[u8]> = Arc::from(&[][..]);
                 self.send_to_all(&op, group, &empty)?;
-                for (j, &src) in group.ranks().iter().enumerate() {
-                    if j != index {
-                        self.recv(&op, src, 0)?;
-                    }
-                }
-                Ok(())
+                self.collect(&op, group, (&[], 0), |_, _| Ok(()))
             }
         }
-    }
-
-    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
-        Ok(Box::new(self.split_stream()?))
     }
 }
 
 /// The algorithms behind [`RawCall`]s (arguments validated by the trait).
 impl ThreadComm {
-    fn hook_all_gather(
+    /// Hands every member's `len` bytes to `take(j, bytes)`, in group order: the
+    /// caller's own are `own`, the others' are received.
+    fn collect(
         &mut self,
+        op: &Op,
         group: &Group,
-        index: usize,
-        send: &[u8],
-        recv: &mut [u8],
+        (own, len): (&[u8], usize),
+        mut take: impl FnMut(usize, &[u8]) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
-        let c = send.len();
-        let op = self.begin(group, Kind::AllGather, index);
-        let buf: Arc<[u8]> = Arc::from(send);
-        self.send_to_all(&op, group, &buf)?;
-        copy_to(recv, index * c, send, "all_gather: receive buffer")?;
         for (j, &src) in group.ranks().iter().enumerate() {
-            if j != index {
-                let p = self.recv(&op, src, c)?;
-                copy_to(recv, j * c, p.bytes()?, "all_gather: receive buffer")?;
+            if j == op.index {
+                take(j, own)?;
+            } else {
+                let p = self.recv(op, src, len)?;
+                take(j, p.bytes()?)?;
             }
         }
         Ok(())
@@ -337,16 +338,8 @@ impl ThreadComm {
         let buf: Arc<[u8]> = Arc::from(bytemuck::cast_slice::<f32, u8>(send));
         self.scatter_chunks(&op, group, &buf, 4 * n)?;
         recv.fill(0.0);
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j == me {
-                let own = chunk(send, j, n, "reduce_scatter: send buffer")?;
-                recv.iter_mut().zip(own).for_each(|(a, b)| *a += b);
-            } else {
-                let p = self.recv(&op, src, 4 * n)?;
-                sum_into(recv, p.bytes()?)?;
-            }
-        }
-        Ok(())
+        let own = chunk(&buf, me, 4 * n, "reduce_scatter: send buffer")?;
+        self.collect(&op, group, (own, 4 * n), |_, bytes| sum_into(recv, bytes))
     }
 
     fn hook_all_reduce(&mut self, group: &Group, index: usize, buf: &mut [f32]) -> Result<(), CommError> {
@@ -364,20 +357,14 @@ impl ThreadComm {
         };
         self.scatter_chunks(&op, group, &padded, 4 * c)?;
         let mut acc = vec![0.0f32; c];
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j == index {
-                sum_into(&mut acc, chunk(&padded, j, 4 * c, "all_reduce: padded buffer")?)?;
-            } else {
-                let p = self.recv(&op, src, 4 * c)?;
-                sum_into(&mut acc, p.bytes()?)?;
-            }
-        }
+        let own = chunk(&padded, index, 4 * c, "all_reduce: padded buffer")?;
+        self.collect(&op, group, (own, 4 * c), |_, bytes| sum_into(&mut acc, bytes))?;
         // Phase 2: all-gather of the reduced chunks; chunk j lands on elements
         // [j·c, (j+1)·c) clipped to n (the padding is dropped).
         let op2 = self.begin(group, Kind::AllReduceGather, index);
         let mine: Arc<[u8]> = Arc::from(bytemuck::cast_slice::<f32, u8>(&acc));
         self.send_to_all(&op2, group, &mine)?;
-        let place = |buf: &mut [f32], j: usize, bytes: &[u8]| -> Result<(), CommError> {
+        self.collect(&op2, group, (&mine, 4 * c), |j, bytes| {
             let lo = (j * c).min(n);
             let hi = ((j + 1) * c).min(n);
             let out = window_mut(buf, lo, hi - lo, "all_reduce: buffer")?;
@@ -385,15 +372,7 @@ impl ThreadComm {
                 *d = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
             }
             Ok(())
-        };
-        place(buf, index, &mine)?;
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j != index {
-                let p = self.recv(&op2, src, 4 * c)?;
-                place(buf, j, p.bytes()?)?;
-            }
-        }
-        Ok(())
+        })
     }
 
     /// Both all-to-alls: member `j` gets `send.1[j]` bytes of `send.0`, member `j`
