@@ -20,7 +20,7 @@ use zeropp_quant::{Bits, QuantSpec, dequantize, encoded_len, quantize, quantize_
 
 use crate::collectives::{
     DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, all_gather_f32, all_gather_f32_via_bf16,
-    dequantize_encodings, qgz_reduce_scatter, qwz_all_gather, reduce_scatter, reduce_scatter_bf16_wire,
+    dense_reduce_scatter, dequantize_encodings, qgz_reduce_scatter, qwz_all_gather, reduce_scatter,
     ring_quantized_reduce_scatter, shard_len, world_all_gather, world_qwz_all_gather,
     world_qwz_gather_encoded, world_reduce_scatter,
 };
@@ -250,7 +250,7 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
             })?;
 
             let mut out = vec![f32::NAN; s];
-            reduce_scatter_bf16_wire(comm, group, &inputs[me], &mut out, reduce)
+            dense_reduce_scatter(comm, group, DenseWire::Bf16, &inputs[me], &mut out, reduce)
                 .map_err(|e| err("reduce_scatter_bf16_wire", e))?;
             let expect: Vec<f32> = (0..s)
                 .map(|k| {

@@ -50,7 +50,7 @@
 //! | [`all_gather_f32`] (shard `c`) | by peer | `4c` to each of the `g-1` others |
 //! | [`all_gather_bf16`], [`all_gather_f32_via_bf16`] | by peer | `2c` to each other member |
 //! | [`reduce_scatter`] (full `n`, `s = ⌈n/g⌉`) | by peer | `4s` to each other member |
-//! | [`reduce_scatter_bf16_wire`] | by peer | `2s` to each other member |
+//! | [`dense_reduce_scatter`] (bf16 wire) | by peer | `2s` to each other member |
 //! | [`qwz_all_gather`] (shard `c`) | by peer | `E(spec, c)` to each other member (one message: data + scales + header) |
 //! | [`qgz_reduce_scatter`], hop 1 (`L > 1`) | intra only | `N·E(intra_spec, s)` to each of the `L-1` local peers |
 //! | [`qgz_reduce_scatter`], hop 2 (`N > 1`) | inter only | `E(inter_spec, s)` to each of the `N-1` rail peers |
@@ -91,8 +91,8 @@ use std::ops::Range;
 use std::str::FromStr;
 
 pub use baseline::{
-    all_gather_bf16, all_gather_f32, all_gather_f32_via_bf16, group_all_gather_bytes,
-    group_reduce_scatter_bytes, reduce_scatter, reduce_scatter_bf16_wire,
+    all_gather_bf16, all_gather_f32, all_gather_f32_via_bf16, dense_reduce_scatter, group_all_gather_bytes,
+    group_reduce_scatter_bytes, reduce_scatter,
 };
 pub use hierarchical::{
     dequantize_encodings, world_all_gather, world_all_gather_bytes, world_qwz_all_gather, world_qwz_bytes,

@@ -45,8 +45,9 @@ fn messages_and_check_order() {
                 e,
                 CommError::Mismatch("all_gather: receive buffer of 12 bytes for 4 chunks of 4 bytes".into())
             );
-            let e =
-                comm.all_to_all_v(&world, &[1u16; 4], &[1, 1, 1, 1], &mut [0u16; 4], &[1, 1, 2]).unwrap_err();
+            let e = comm
+                .all_to_all_v(&world, (&[1u16; 4], &[1, 1, 1, 1]), (&mut [0u16; 4], &[1, 1, 2]))
+                .unwrap_err();
             assert_eq!(
                 e,
                 CommError::Mismatch("all_to_all_v: 4 send and 3 receive counts for a group of 4".into())
