@@ -65,7 +65,7 @@ fn slot<'a, T>(what: &str, buf: &'a [T], index: usize, len: usize) -> Result<&'a
 
 /// Mutable slot `index` of `len` elements of `buf`, or an error naming `what`.
 fn slot_mut<'a, T>(what: &str, buf: &'a mut [T], index: usize, len: usize) -> Result<&'a mut [T], CommError> {
-    slices::window_mut(buf, index.checked_mul(len).unwrap_or(usize::MAX), len, what)
+    slices::window_mut(buf, index.saturating_mul(len), len, what)
 }
 
 /// The two gather hops: all-gather `mine` over the rail, then the `N`-chunk result
