@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use super::fabric::{ChannelSet, Fabric, Header, Kind, Msg, Payload};
+use super::fabric::{CallId, ChannelSet, Fabric, Header, Kind, Msg, Payload};
 use crate::slices::{chunk, copy_to, window, window_mut};
 use crate::{CommError, Communicator, Group, RawCall, Topology, TrafficCounter, check};
 
@@ -116,7 +116,8 @@ impl ThreadComm {
 
     fn send(&mut self, op: &Op, dst: usize, payload: Payload) {
         let deliver_at = self.fabric.book(self.rank, dst, payload.len);
-        let header = Header { kind: op.kind, group: op.group, seq: op.seq, len: payload.len };
+        let id = CallId { kind: op.kind, group: op.group, seq: op.seq };
+        let header = Header { id, len: payload.len };
         self.set.send(self.rank, dst, Msg::Data { header, payload, deliver_at });
     }
 
@@ -147,15 +148,16 @@ impl ThreadComm {
             }
             Msg::Data { header, payload, deliver_at } => (header, payload, deliver_at),
         };
-        if header.kind != op.kind || header.group != op.group || header.seq != op.seq {
-            let same_group = if header.group == op.group { "the same group" } else { "a different group" };
+        let got = header.id;
+        if got != (CallId { kind: op.kind, group: op.group, seq: op.seq }) {
+            let same_group = if got.group == op.group { "the same group" } else { "a different group" };
             return Err(CommError::Mismatch(format!(
                 "rank {} expected {} #{} from rank {src} but received {} #{} on {same_group}: ranks called collectives in different orders",
                 self.rank,
                 op.kind.name(),
                 op.seq,
-                header.kind.name(),
-                header.seq
+                got.kind.name(),
+                got.seq
             )));
         }
         if header.len != expected_len {

@@ -34,6 +34,32 @@ macro_rules! dequant_entry_points {
     };
 }
 
+/// Defines `$load(c, at)` and `$store(c, at, v)`: one vector of `$lanes`
+/// floats from or to `c[at..at + $lanes]`, the unaligned access behind an
+/// assert that keeps it in bounds (`$feature` is the module's target feature).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! float_load_store {
+    ($feature:literal, $v:ty, $lanes:literal, $load:ident: $ld:path, $store:ident: $st:path) => {
+        #[doc = concat!("Loads ", $lanes, " floats from `c[at..at + ", $lanes, "]`.")]
+        #[inline]
+        #[target_feature(enable = $feature)]
+        fn $load(c: &[f32], at: usize) -> $v {
+            assert!(at + $lanes <= c.len());
+            // SAFETY: the assert above keeps the unaligned load in bounds.
+            unsafe { $ld(c.as_ptr().add(at)) }
+        }
+
+        #[doc = concat!("Stores ", $lanes, " floats to `c[at..at + ", $lanes, "]`.")]
+        #[inline]
+        #[target_feature(enable = $feature)]
+        fn $store(c: &mut [f32], at: usize, v: $v) {
+            assert!(at + $lanes <= c.len());
+            // SAFETY: the assert above keeps the unaligned store in bounds.
+            unsafe { $st(c.as_mut_ptr().add(at), v) }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 #[macro_use]
 mod x86;
@@ -121,16 +147,6 @@ pub fn available_kernels() -> Vec<Kernel> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dispatch(Kernel);
 
-/// Stochastic-rounding parameters for one block: keys and the low 32 bits
-/// of the first element's global index (the block never crosses a multiple
-/// of 2^32, so the high bits are folded into the keys).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Stoch {
-    pub(crate) k1: u32,
-    pub(crate) k2: u32,
-    pub(crate) lo: u32,
-}
-
 /// How one block of f32 values becomes integers:
 /// `q = clamp(round((x - offset) * s), qmin, qmax)`, where `round` is
 /// round-to-nearest-even, or stochastic rounding when `stochastic` is set.
@@ -146,6 +162,16 @@ pub(crate) struct RoundParams {
     pub(crate) qmax: f32,
     /// Stochastic rounding with these keys; nearest-even when `None`.
     pub(crate) stochastic: Option<Stoch>,
+}
+
+/// Stochastic-rounding parameters for one block: keys and the low 32 bits
+/// of the first element's global index (the block never crosses a multiple
+/// of 2^32, so the high bits are folded into the keys).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stoch {
+    pub(crate) k1: u32,
+    pub(crate) k2: u32,
+    pub(crate) lo: u32,
 }
 
 /// Calls kernel function `$f` of the module that `$d` (a [`Dispatch`])

@@ -6,23 +6,7 @@
 use super::{RoundParams, Stoch, scalar};
 use std::arch::aarch64::*;
 
-/// Loads 4 floats from `c[at..at + 4]`.
-#[inline]
-#[target_feature(enable = "neon")]
-fn load4(c: &[f32], at: usize) -> float32x4_t {
-    assert!(at + 4 <= c.len());
-    // SAFETY: the assert above keeps the 4-float unaligned load in bounds.
-    unsafe { vld1q_f32(c.as_ptr().add(at)) }
-}
-
-/// Stores 4 floats to `c[at..at + 4]`.
-#[inline]
-#[target_feature(enable = "neon")]
-fn store4(c: &mut [f32], at: usize, v: float32x4_t) {
-    assert!(at + 4 <= c.len());
-    // SAFETY: the assert above keeps the 4-float unaligned store in bounds.
-    unsafe { vst1q_f32(c.as_mut_ptr().add(at), v) }
-}
+float_load_store!("neon", float32x4_t, 4, load4: vld1q_f32, store4: vst1q_f32);
 
 /// Whether every lane of the all-ones/all-zeros mask `ok` is set.
 #[inline]
