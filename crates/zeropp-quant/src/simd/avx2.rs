@@ -17,6 +17,13 @@ x86_kernels! {
     floor_f(y): _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y),
     // Adds `1.0 & mask`: +0 in the other lanes (which only changes -0 to +0).
     add_one_if_lt(f, u, frac, one): _mm256_add_ps(f, _mm256_and_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(u, frac), one)),
+    mask: [__m256, _mm256_castsi256_ps(_mm256_set1_epi32(-1))],
+    abs_f(v): _mm256_andnot_ps(_mm256_set1_ps(-0.0), v),
+    le_f(a, b): _mm256_cmp_ps::<_CMP_LE_OQ>(a, b),
+    and_m(a, b): _mm256_and_ps(a, b),
+    all_set(ok): _mm256_movemask_ps(ok) == 0xFF,
+    horizontal: [super::hmax, super::hmin],
+    accumulators: [4, 2],
     store: store32,
     deq: [_mm_loadl_epi64, _mm256_cvtepi8_epi32],
 }
@@ -42,56 +49,6 @@ horizontal! {
     hmax: _mm_max_ps, _mm_max_ss;
     /// Horizontal min of 8 lanes.
     hmin: _mm_min_ps, _mm_min_ss;
-}
-
-#[target_feature(enable = "avx2")]
-pub(super) fn abs_max(x: &[f32]) -> Option<f32> {
-    let sign = _mm256_set1_ps(-0.0);
-    let fmax = _mm256_set1_ps(f32::MAX);
-    let mut m = [_mm256_setzero_ps(); 4];
-    let mut ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    let chunks = x.chunks_exact(32);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for (j, mj) in m.iter_mut().enumerate() {
-            let a = _mm256_andnot_ps(sign, loadu(c, 8 * j));
-            ok = _mm256_and_ps(ok, _mm256_cmp_ps::<_CMP_LE_OQ>(a, fmax));
-            *mj = _mm256_max_ps(*mj, a);
-        }
-    }
-    if _mm256_movemask_ps(ok) != 0xFF {
-        return None;
-    }
-    let v = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
-    let t = scalar::abs_max(rem)?;
-    Some(hmax(v).max(t))
-}
-
-#[target_feature(enable = "avx2")]
-pub(super) fn min_max(x: &[f32]) -> Option<(f32, f32)> {
-    let sign = _mm256_set1_ps(-0.0);
-    let fmax = _mm256_set1_ps(f32::MAX);
-    let mut lo = [_mm256_set1_ps(f32::INFINITY); 2];
-    let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 2];
-    let mut ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    let chunks = x.chunks_exact(16);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for j in 0..2 {
-            let v = loadu(c, 8 * j);
-            let a = _mm256_andnot_ps(sign, v);
-            ok = _mm256_and_ps(ok, _mm256_cmp_ps::<_CMP_LE_OQ>(a, fmax));
-            lo[j] = _mm256_min_ps(lo[j], v);
-            hi[j] = _mm256_max_ps(hi[j], v);
-        }
-    }
-    if _mm256_movemask_ps(ok) != 0xFF {
-        return None;
-    }
-    let (tl, th) = scalar::min_max(rem)?;
-    let l = hmin(_mm256_min_ps(lo[0], lo[1])).min(tl);
-    let h = hmax(_mm256_max_ps(hi[0], hi[1])).max(th);
-    Some((l, h))
 }
 
 /// Packs four vectors of 8 clamped integral floats into 32 i8 at `out[at..]`.
@@ -125,51 +82,39 @@ fn pack_pairs(q: &[u8], at: usize) -> __m256i {
     _mm256_or_si256(hi, lo)
 }
 
-/// INT4 packing: `out[k] = (q[2k] << 4) | (q[2k+1] & 0xF)` for every `k`
-/// of `out` (`q` holds at least `2 * out.len()` bytes).
+int4_entry_points!("avx2", pack: 32, unpack: 16);
+
+/// Packs the 32 pairs of `q[2i..2i + 64]` into `out[i..i + 32]`.
+#[inline]
 #[target_feature(enable = "avx2")]
-pub(super) fn pack4(q: &[u8], out: &mut [u8]) {
-    let n = out.len().min(q.len() / 2);
-    let body = n - n % 32;
-    let mut i = 0;
-    while i < body {
-        let a = pack_pairs(q, 2 * i);
-        let b = pack_pairs(q, 2 * i + 32);
-        // Every lane is <= 0xFF, so the saturating pack is exact; it
-        // interleaves 128-bit halves (a.lo, b.lo, a.hi, b.hi), undone by the
-        // 64-bit permute.
-        let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(a, b));
-        assert!(i + 32 <= out.len());
-        // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
-        unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(i).cast::<__m256i>(), p) };
-        i += 32;
-    }
-    scalar::pack4(&q[2 * body..2 * n], &mut out[body..n]);
+fn pack_block(q: &[u8], out: &mut [u8], i: usize) {
+    let a = pack_pairs(q, 2 * i);
+    let b = pack_pairs(q, 2 * i + 32);
+    // Every lane is <= 0xFF, so the saturating pack is exact; it
+    // interleaves 128-bit halves (a.lo, b.lo, a.hi, b.hi), undone by the
+    // 64-bit permute.
+    let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(a, b));
+    assert!(i + 32 <= out.len());
+    // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(i).cast::<__m256i>(), p) };
 }
 
-/// INT4 unpacking: `out[2k]` and `out[2k+1]` are the sign-extended high and
-/// low nibbles of `data[k]` (`out` holds at least `2 * data.len()` bytes).
+/// Unpacks `data[i..i + 16]` into `out[2i..2i + 32]`.
+#[inline]
 #[target_feature(enable = "avx2")]
-pub(super) fn unpack4(data: &[u8], out: &mut [u8]) {
-    let n = data.len().min(out.len() / 2);
-    let body = n - n % 16;
-    let low_byte = _mm256_set1_epi16(0x00FF);
-    let mut i = 0;
-    while i < body {
-        assert!(i + 16 <= data.len());
-        // SAFETY: the assert keeps the 16-byte unaligned load in bounds.
-        let b = unsafe { _mm_loadu_si128(data.as_ptr().add(i).cast::<__m128i>()) };
-        // One packed byte per 16-bit lane.
-        let w = _mm256_cvtepu8_epi16(b);
-        // Low nibble, sign-extended, into the lane's high byte (odd element).
-        let odd = _mm256_srai_epi16::<4>(_mm256_slli_epi16::<12>(w));
-        // High nibble, sign-extended, into the lane's low byte (even element).
-        let even = _mm256_and_si256(_mm256_srai_epi16::<12>(_mm256_slli_epi16::<8>(w)), low_byte);
-        let r = _mm256_or_si256(odd, even);
-        assert!(2 * i + 32 <= out.len());
-        // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
-        unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(2 * i).cast::<__m256i>(), r) };
-        i += 16;
-    }
-    scalar::unpack4(&data[body..n], &mut out[2 * body..2 * n]);
+fn unpack_block(data: &[u8], out: &mut [u8], i: usize) {
+    assert!(i + 16 <= data.len());
+    // SAFETY: the assert keeps the 16-byte unaligned load in bounds.
+    let b = unsafe { _mm_loadu_si128(data.as_ptr().add(i).cast::<__m128i>()) };
+    // One packed byte per 16-bit lane.
+    let w = _mm256_cvtepu8_epi16(b);
+    // Low nibble, sign-extended, into the lane's high byte (odd element).
+    let odd = _mm256_srai_epi16::<4>(_mm256_slli_epi16::<12>(w));
+    // High nibble, sign-extended, into the lane's low byte (even element).
+    let even =
+        _mm256_and_si256(_mm256_srai_epi16::<12>(_mm256_slli_epi16::<8>(w)), _mm256_set1_epi16(0x00FF));
+    let r = _mm256_or_si256(odd, even);
+    assert!(2 * i + 32 <= out.len());
+    // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(2 * i).cast::<__m256i>(), r) };
 }

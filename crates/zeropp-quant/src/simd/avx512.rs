@@ -4,7 +4,6 @@
 //! the shared x86 bodies (`super::x86`) over the 16-lane vocabulary in
 //! [`lanes`]; INT4 (un)packing is AVX2's.
 
-use super::scalar;
 use std::arch::x86_64::*;
 
 x86_kernels! {
@@ -17,6 +16,13 @@ x86_kernels! {
     floor_f(y): _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y),
     // A masked add: `f` itself in the other lanes.
     add_one_if_lt(f, u, frac, one): _mm512_mask_add_ps(f, _mm512_cmp_ps_mask::<_CMP_LT_OQ>(u, frac), f, one),
+    mask: [__mmask16, 0xFFFF],
+    abs_f(v): _mm512_abs_ps(v),
+    le_f(a, b): _mm512_cmp_ps_mask::<_CMP_LE_OQ>(a, b),
+    and_m(a, b): a & b,
+    all_set(ok): ok == 0xFFFF,
+    horizontal: [std::arch::x86_64::_mm512_reduce_max_ps, std::arch::x86_64::_mm512_reduce_min_ps],
+    accumulators: [2, 1],
     store: store_i8,
     deq: [_mm_loadu_si128, _mm512_cvtepi8_epi32],
 }
@@ -29,49 +35,6 @@ fn store_i8(r: [__m512; 1], out: &mut [u8], at: usize) {
     assert!(at + 16 <= out.len());
     // SAFETY: the assert above keeps the 16-byte unaligned store in bounds.
     unsafe { _mm_storeu_si128(out.as_mut_ptr().add(at).cast::<__m128i>(), b) }
-}
-
-#[target_feature(enable = "avx512f")]
-pub(super) fn abs_max(x: &[f32]) -> Option<f32> {
-    let fmax = _mm512_set1_ps(f32::MAX);
-    let mut m0 = _mm512_setzero_ps();
-    let mut m1 = _mm512_setzero_ps();
-    let mut ok: __mmask16 = 0xFFFF;
-    let chunks = x.chunks_exact(32);
-    let rem = chunks.remainder();
-    for c in chunks {
-        let a = _mm512_abs_ps(loadu(c, 0));
-        let b = _mm512_abs_ps(loadu(c, 16));
-        ok &= _mm512_cmp_ps_mask::<_CMP_LE_OQ>(a, fmax) & _mm512_cmp_ps_mask::<_CMP_LE_OQ>(b, fmax);
-        m0 = _mm512_max_ps(m0, a);
-        m1 = _mm512_max_ps(m1, b);
-    }
-    if ok != 0xFFFF {
-        return None;
-    }
-    let t = scalar::abs_max(rem)?;
-    Some(_mm512_reduce_max_ps(_mm512_max_ps(m0, m1)).max(t))
-}
-
-#[target_feature(enable = "avx512f")]
-pub(super) fn min_max(x: &[f32]) -> Option<(f32, f32)> {
-    let fmax = _mm512_set1_ps(f32::MAX);
-    let mut lo = _mm512_set1_ps(f32::INFINITY);
-    let mut hi = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut ok: __mmask16 = 0xFFFF;
-    let chunks = x.chunks_exact(16);
-    let rem = chunks.remainder();
-    for c in chunks {
-        let v = loadu(c, 0);
-        ok &= _mm512_cmp_ps_mask::<_CMP_LE_OQ>(_mm512_abs_ps(v), fmax);
-        lo = _mm512_min_ps(lo, v);
-        hi = _mm512_max_ps(hi, v);
-    }
-    if ok != 0xFFFF {
-        return None;
-    }
-    let (tl, th) = scalar::min_max(rem)?;
-    Some((_mm512_reduce_min_ps(lo).min(tl), _mm512_reduce_max_ps(hi).max(th)))
 }
 
 /// INT4 packing: the AVX2 kernel. AVX-512F implies AVX2 (rustc and LLVM

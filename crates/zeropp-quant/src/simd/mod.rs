@@ -11,8 +11,9 @@
 //! Every kernel module has the same functions with the same signatures
 //! (`abs_max`, `min_max`, `round_nearest`, `round_stochastic`, `dequant`,
 //! `dequant_add`, `pack4`, `unpack4`), so [`Dispatch`] forwards each call
-//! with one macro. AVX2 and AVX-512 share their rounding bodies, nearest
-//! and stochastic (the `x86` module); each supplies only its lane operations.
+//! with one macro. The vector ISAs share their reduction and rounding
+//! bodies (the `vector` module), AVX2 and AVX-512 also their dequantization
+//! loop (the `x86` module); each supplies only its lane operations.
 
 pub(crate) mod scalar;
 
@@ -30,6 +31,50 @@ macro_rules! dequant_entry_points {
         #[target_feature(enable = $feature)]
         pub(super) fn dequant_add(q: &[u8], scale: f32, offset: f32, acc: &mut [f32]) {
             dequant_into::<true>(q, scale, offset, acc);
+        }
+    };
+}
+
+/// Runs `$block` (an expression in `$i`) for `$i = 0, $step, 2·$step, …`
+/// below `$n - $n % $step`, and evaluates to that bound (the elements the
+/// blocks covered).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! whole_blocks {
+    ($n:expr, $step:expr, |$i:ident| $block:expr) => {{
+        let body = $n - $n % $step;
+        let mut $i = 0;
+        while $i < body {
+            $block;
+            $i += $step;
+        }
+        body
+    }};
+}
+
+/// Defines `pack4` and `unpack4` in a vector kernel module from its block
+/// kernels: `pack_block(q, out, i)` packs the `$pack` pairs of
+/// `q[2i..2i + 2·$pack]` into `out[i..i + $pack]`, `unpack_block(data, out,
+/// i)` unpacks `data[i..i + $unpack]` into `out[2i..2i + 2·$unpack]`; whole
+/// blocks go through them, the rest through the scalar kernels.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! int4_entry_points {
+    ($feature:literal, pack: $pack:literal, unpack: $unpack:literal) => {
+        /// INT4 packing: `out[k] = (q[2k] << 4) | (q[2k+1] & 0xF)` for every `k`
+        /// of `out` (`q` holds at least `2 * out.len()` bytes).
+        #[target_feature(enable = $feature)]
+        pub(super) fn pack4(q: &[u8], out: &mut [u8]) {
+            let n = out.len().min(q.len() / 2);
+            let body = whole_blocks!(n, $pack, |i| pack_block(q, out, i));
+            scalar::pack4(&q[2 * body..2 * n], &mut out[body..n]);
+        }
+
+        /// INT4 unpacking: `out[2k]` and `out[2k+1]` are the sign-extended high and
+        /// low nibbles of `data[k]` (`out` holds at least `2 * data.len()` bytes).
+        #[target_feature(enable = $feature)]
+        pub(super) fn unpack4(data: &[u8], out: &mut [u8]) {
+            let n = data.len().min(out.len() / 2);
+            let body = whole_blocks!(n, $unpack, |i| unpack_block(data, out, i));
+            scalar::unpack4(&data[body..n], &mut out[2 * body..2 * n]);
         }
     };
 }
@@ -60,6 +105,9 @@ macro_rules! float_load_store {
     };
 }
 
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[macro_use]
+mod vector;
 #[cfg(target_arch = "x86_64")]
 #[macro_use]
 mod x86;
