@@ -1,8 +1,8 @@
 //! AVX2 kernels (x86-64). Each function mirrors its [`super::scalar`]
 //! counterpart operation for operation (no FMA), so results are bit-identical.
 //! Vector loops handle whole chunks; remainders go through the scalar code.
-//! The rounding kernels are the shared x86 bodies (`super::x86`) over the
-//! 8-lane vocabulary in [`lanes`].
+//! The reductions, rounding and dequantization are the shared bodies
+//! (`super::vector`, `super::x86`) over the 8-lane vocabulary in [`lanes`].
 
 use super::scalar;
 use std::arch::x86_64::*;

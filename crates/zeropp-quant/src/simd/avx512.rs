@@ -1,8 +1,8 @@
 //! AVX-512F kernels (x86-64). Same operation order as [`super::scalar`]
 //! (no FMA), so results are bit-identical. Compiled on x86-64 with Rust >= 1.89; used only when
-//! `is_x86_feature_detected!("avx512f")` says so. The rounding kernels are
-//! the shared x86 bodies (`super::x86`) over the 16-lane vocabulary in
-//! [`lanes`]; INT4 (un)packing is AVX2's.
+//! `is_x86_feature_detected!("avx512f")` says so. The reductions, rounding and
+//! dequantization are the shared bodies (`super::vector`, `super::x86`) over
+//! the 16-lane vocabulary in [`lanes`]; INT4 (un)packing is AVX2's.
 
 use std::arch::x86_64::*;
 

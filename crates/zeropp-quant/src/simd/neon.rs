@@ -1,7 +1,8 @@
 //! NEON kernels (aarch64). Each function mirrors its [`super::scalar`]
 //! counterpart operation for operation (separate multiply and add, never
 //! `vfma`), so results are bit-identical. Vector loops handle whole chunks;
-//! remainders go through the scalar code.
+//! remainders go through the scalar code. The reductions and rounding are
+//! the shared bodies (`super::vector`) over the 4-lane vocabulary in [`lanes`].
 
 use super::scalar;
 use std::arch::aarch64::*;
