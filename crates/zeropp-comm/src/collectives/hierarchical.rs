@@ -215,7 +215,7 @@ fn two_hop_gather_bytes(topology: &Topology, chunk: u64) -> LinkBytes {
 /// `shard` (`s` elements) receives shard `rank` of the sum or mean over all ranks,
 /// its padding set to 0. Everything that travels is sent as `wire`; sums are f32.
 ///
-/// [`Routing::Flat`] is [`reduce_scatter`] (f32) / [`dense_reduce_scatter`] (bf16 wire) on
+/// [`Routing::Flat`] is [`dense_reduce_scatter`] (f32 or bf16 wire) on
 /// [`Group::world`]. [`Routing::Hierarchical`] runs (1) an intra-node all-to-all
 /// where the chunk for local peer `j` holds the shards of ranks `(m', j)`, summed in
 /// local-rank order into one partial per node (the own chunk never travels and stays
