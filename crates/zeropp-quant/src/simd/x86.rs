@@ -7,7 +7,7 @@
 /// Defines the shared layer of an x86 kernel module: `loadu` and `storeu`
 /// (`$loadu`, `$storeu` behind a bounds assert), the `lanes` module (the
 /// vocabulary of the shared bodies, see the module docs) from the module's
-/// intrinsics, and the shared bodies (`x86_rounding!`, `x86_dequant!`). `ops`
+/// intrinsics, and the shared bodies (`vector_rounding!`, `vector_reductions!`, `x86_dequant!`). `ops`
 /// lists, in this order, the intrinsics behind `add_i`, `mullo_i`,
 /// `splat_i`, `shr_i`, `xor_i`, `i_to_f`, `add_f`, `sub_f`, `mul_f`, `min_f`,
 /// `max_f`, `splat_f`; `lane_ids`, `round_f`, `floor_f` and `add_one_if_lt`
