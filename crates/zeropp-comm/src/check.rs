@@ -4,7 +4,7 @@
 //! Order: the group (every member inside the world), then membership of the
 //! caller, then the primitive's own arguments (buffer lengths, counts, root).
 
-use crate::{CommError, Group, Primitive, Topology};
+use crate::{CommError, Group, Primitive, RawCall, Topology};
 
 /// Checks that `group` fits the world and contains `rank`; returns the caller's
 /// group index. Both failures are [`CommError::InvalidGroup`].
@@ -26,20 +26,42 @@ pub(crate) fn member(
     })
 }
 
-/// `recv == send · g`.
-pub(crate) fn all_gather(group: &Group, send: usize, recv: usize) -> Result<(), CommError> {
+/// The arguments of `call` by member `index` of `group`, after [`member`].
+pub(crate) fn arguments(group: &Group, index: usize, call: &RawCall<'_>) -> Result<(), CommError> {
     let g = group.size();
-    if send.checked_mul(g) != Some(recv) {
-        return Err(CommError::Mismatch(format!(
-            "{}: receive buffer of {recv} bytes for {g} chunks of {send} bytes",
-            Primitive::AllGather
-        )));
+    match call {
+        RawCall::AllGather { send, recv } => whole_of_chunks(g, send.len(), recv.len(), || {
+            format!(
+                "{}: receive buffer of {} bytes for {g} chunks of {} bytes",
+                call.primitive(),
+                recv.len(),
+                send.len()
+            )
+        }),
+        RawCall::AllToAll { send, recv } => all_to_all(group, send.len(), recv.len()).map(drop),
+        RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+            all_to_all_v(group, index, send.len(), send_counts, recv.len(), recv_counts)
+        }
+        RawCall::ReduceScatter { send, recv } => whole_of_chunks(g, recv.len(), send.len(), || {
+            format!("{}: send of {} elements for {g} chunks of {}", call.primitive(), send.len(), recv.len())
+        }),
+        RawCall::Broadcast { root, .. } => broadcast(group, *root).map(drop),
+        RawCall::AllReduce { .. } | RawCall::Barrier => Ok(()),
     }
-    Ok(())
+}
+
+/// `whole == chunk · g`, else a [`CommError::Mismatch`] saying `why()`.
+fn whole_of_chunks(
+    g: usize,
+    chunk: usize,
+    whole: usize,
+    why: impl FnOnce() -> String,
+) -> Result<(), CommError> {
+    if chunk.checked_mul(g) == Some(whole) { Ok(()) } else { Err(CommError::Mismatch(why())) }
 }
 
 /// `send == recv`, a multiple of `g`; returns the chunk length.
-pub(crate) fn all_to_all(group: &Group, send: usize, recv: usize) -> Result<usize, CommError> {
+fn all_to_all(group: &Group, send: usize, recv: usize) -> Result<usize, CommError> {
     let g = group.size();
     if send != recv || !send.is_multiple_of(g) {
         return Err(CommError::Mismatch(format!(
@@ -52,7 +74,7 @@ pub(crate) fn all_to_all(group: &Group, send: usize, recv: usize) -> Result<usiz
 
 /// `g` counts each, adding up to the buffer lengths, the caller's own chunk the
 /// same both ways.
-pub(crate) fn all_to_all_v(
+fn all_to_all_v(
     group: &Group,
     index: usize,
     send: usize,
@@ -84,18 +106,6 @@ pub(crate) fn all_to_all_v(
         }
         _ => Err(CommError::InvalidGroup(format!("{p}: group index {index} in a group of {g}"))),
     }
-}
-
-/// `send == recv · g` (elements).
-pub(crate) fn reduce_scatter(group: &Group, send: usize, recv: usize) -> Result<(), CommError> {
-    let g = group.size();
-    if recv.checked_mul(g) != Some(send) {
-        return Err(CommError::Mismatch(format!(
-            "{}: send of {send} elements for {g} chunks of {recv}",
-            Primitive::ReduceScatter
-        )));
-    }
-    Ok(())
 }
 
 /// `root` is a group index; returns the root's global rank.

@@ -54,10 +54,7 @@ pub struct LinkModel {
 impl LinkModel {
     /// The link of one class.
     pub fn link(&self, class: LinkClass) -> &Link {
-        match class {
-            LinkClass::IntraNode => &self.intra,
-            LinkClass::InterNode => &self.inter,
-        }
+        class.pick(&self.intra, &self.inter)
     }
 
     /// Parses `intra=<bw>,inter=<bw>[,latency=<t>][,intra_latency=<t>][,inter_latency=<t>]`.

@@ -115,7 +115,7 @@ pub(crate) struct TrainArgs {
     #[arg(long = "no-qgz")]
     pub no_qgz: bool,
     /// qwZ bits (8 or 4).
-    #[arg(long = "qwz-bits")]
+    #[arg(long)]
     pub qwz_bits: Option<u8>,
     /// qgZ bits (4 or 8).
     #[arg(long = "qgz-bits")]

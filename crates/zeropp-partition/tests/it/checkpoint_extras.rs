@@ -14,8 +14,8 @@ use zeropp_partition::checkpoint::{
     FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, shard_file_name, step_dir_name,
 };
 use zeropp_partition::{
-    BucketLayout, Manifest, PartitionError, PartitionPlan, PlanConfig, ShardState, commit_checkpoint,
-    load_checkpoint, save_checkpoint, write_shard,
+    BucketLayout, Checkpoint, Manifest, PartitionError, PartitionPlan, PlanConfig, ShardState,
+    commit_checkpoint, load_checkpoint, save_checkpoint, write_shard,
 };
 
 use super::checkpoint::{full_state, plan, shards_of};
@@ -73,6 +73,17 @@ fn save_with_extras(dir: &Path, p: &PartitionPlan, step: u64) -> (PathBuf, Vec<S
     let shards = shards_with_extras(p);
     let path = save_checkpoint(dir, p, step, &shards, serde_json::json!({"qgz": true})).unwrap();
     (path, shards)
+}
+
+/// [`save_with_extras`] into a fresh directory, and the checkpoint loaded back.
+fn saved_with_extras_and_loaded(
+    p: &PartitionPlan,
+    step: u64,
+) -> (tempfile::TempDir, (PathBuf, Vec<ShardState>), Checkpoint) {
+    let tmp = tempfile::tempdir().unwrap();
+    let saved = save_with_extras(tmp.path(), p, step);
+    let ck = load_checkpoint(tmp.path()).unwrap();
+    (tmp, saved, ck)
 }
 
 fn load_err(dir: &Path) -> (PartitionError, String) {
@@ -138,10 +149,8 @@ fn rewrite_shard(step_dir: &Path, rank: usize, world: usize, edit: impl FnOnce(&
 
 #[test]
 fn extras_round_trip_bitwise() {
-    let tmp = tempfile::tempdir().unwrap();
     let p = plan(4, 2, 4, 2);
-    let (path, shards) = save_with_extras(tmp.path(), &p, 77);
-    let ck = load_checkpoint(tmp.path()).unwrap();
+    let (tmp, (path, shards), ck) = saved_with_extras_and_loaded(&p, 77);
 
     // Listed in the manifest: names and lengths per rank.
     let listed: Vec<_> = shards.iter().map(ShardState::extra_lens).collect();
@@ -383,10 +392,8 @@ fn commit_refuses_a_manifest_that_does_not_list_the_extras() {
 
 #[test]
 fn resharding_drops_extras_and_says_so() {
-    let tmp = tempfile::tempdir().unwrap();
     let p = plan(4, 2, 4, 2);
-    let (_, shards) = save_with_extras(tmp.path(), &p, 9);
-    let ck = load_checkpoint(tmp.path()).unwrap();
+    let (_tmp, (_, shards), ck) = saved_with_extras_and_loaded(&p, 9);
 
     // (world, local_size, align, hpz) -> extras dropped?
     let cases = [
