@@ -53,8 +53,8 @@ pub(crate) struct RunArgs {
     /// Baseline communication dtype.
     #[arg(long = "comm-dtype", value_enum, default_value_t = DtypeArg::Bf16)]
     pub comm_dtype: DtypeArg,
-    /// Model: gpt, gpt-tiny, mlp, mlp-tiny.
-    #[arg(long, default_value = "gpt")]
+    /// Model: a preset (gpt-tiny, gpt, gpt-1m, gpt-10m, gpt-40m, gpt2-small, mlp, mlp-tiny) or a GPT shape like gpt:d=768,layers=12,heads=12,seq=256.
+    #[arg(long, default_value = "gpt", long_help = model_help())]
     pub model: String,
     /// Training text file (default: the project's generated Markov text).
     #[arg(long)]
@@ -174,17 +174,87 @@ pub(crate) struct TrainArgs {
     pub resume: Option<PathBuf>,
 }
 
-/// The model of a `--model` name (`gpt`, `gpt-tiny`, `mlp`, `mlp-tiny`) with its default shape.
-pub(crate) fn model_choice(name: &str) -> Result<ModelChoice, CliError> {
-    match name.to_ascii_lowercase().as_str() {
-        "gpt" | "gpt-small" => Ok(ModelChoice::Gpt(GptConfig::default_small())),
-        "gpt-tiny" => Ok(ModelChoice::Gpt(GptConfig::tiny())),
-        "mlp" | "mlp-small" => Ok(ModelChoice::Mlp(MlpConfig::default_small())),
-        "mlp-tiny" => Ok(ModelChoice::Mlp(MlpConfig::tiny())),
-        other => {
-            Err(format!("--model: unknown model `{other}` (expected gpt, gpt-tiny, mlp or mlp-tiny)").into())
-        }
+/// The model of a `--model` value: a preset name (`gpt-tiny`, `gpt`, `gpt-1m`,
+/// ... `gpt2-small`, `mlp`, `mlp-tiny`), optionally followed by `:key=value,...`
+/// overrides of a GPT's shape (`d`, `layers`, `heads`, `seq`, `mlp`), e.g.
+/// `gpt:d=768,layers=12,heads=12,seq=256`. The shape is validated by the engine.
+pub(crate) fn model_choice(spec: &str) -> Result<ModelChoice, CliError> {
+    let (name, keys) = match spec.split_once(':') {
+        Some((n, k)) => (n.trim(), Some(k)),
+        None => (spec.trim(), None),
+    };
+    let lower = name.to_ascii_lowercase();
+    let base = match lower.as_str() {
+        "gpt-small" => ModelChoice::Gpt(GptConfig::default_small()),
+        "mlp" | "mlp-small" => ModelChoice::Mlp(MlpConfig::default_small()),
+        "mlp-tiny" => ModelChoice::Mlp(MlpConfig::tiny()),
+        other => match GptConfig::preset(other) {
+            Some(g) => ModelChoice::Gpt(g),
+            None => {
+                let names: Vec<&str> = GptConfig::presets().iter().map(|(n, _)| *n).collect();
+                return Err(format!(
+                    "--model: unknown model `{other}` (expected {}, mlp or mlp-tiny)",
+                    names.join(", ")
+                )
+                .into());
+            }
+        },
+    };
+    let Some(keys) = keys else { return Ok(base) };
+    let ModelChoice::Gpt(mut g) = base else {
+        return Err(format!(
+            "--model: `{name}` takes no shape; only GPT models do (e.g. gpt:d=256,layers=4)"
+        )
+        .into());
+    };
+    for kv in keys.split(',').map(str::trim).filter(|kv| !kv.is_empty()) {
+        let Some((k, v)) = kv.split_once('=') else {
+            return Err(format!("--model: `{kv}` in `{spec}` is not key=value").into());
+        };
+        let (k, v) = (k.trim(), v.trim());
+        let field = match k.to_ascii_lowercase().as_str() {
+            "d" | "d_model" => &mut g.d_model,
+            "layers" | "n_layer" => &mut g.n_layer,
+            "heads" | "n_head" => &mut g.n_head,
+            "seq" | "seq_len" => &mut g.seq_len,
+            "mlp" | "mlp_ratio" => &mut g.mlp_ratio,
+            _ => {
+                return Err(format!(
+                    "--model: unknown key `{k}` in `{spec}` (expected d, layers, heads, seq or mlp)"
+                )
+                .into());
+            }
+        };
+        *field = v
+            .parse::<usize>()
+            .ok()
+            .filter(|&x| x > 0)
+            .ok_or_else(|| format!("--model: `{k}={v}` is not a positive integer"))?;
     }
+    g.validate().map_err(|e| format!("--model `{spec}`: {e}"))?;
+    Ok(ModelChoice::Gpt(g))
+}
+
+/// The `--model` help: the presets with their parameter counts (at a byte-level
+/// vocabulary of 256; training takes the data's vocabulary).
+pub(crate) fn model_help() -> String {
+    let mut s = String::from(
+        "Model: a preset, optionally with GPT shape overrides `NAME:d=768,layers=12,heads=12,seq=256[,mlp=4]`.\n\
+         Presets (parameters at a byte vocabulary of 256; training uses the data's vocabulary):\n",
+    );
+    for (name, g) in GptConfig::presets() {
+        s += &format!(
+            "  {name:<11} d {:>3}, {:>2} layers, {:>2} heads, seq {:>4}: {:>6.2}M\n",
+            g.d_model,
+            g.n_layer,
+            g.n_head,
+            g.seq_len,
+            g.with_vocab(256).num_params() as f64 / 1e6
+        );
+    }
+    s += "  mlp, mlp-tiny  context-window MLP language models\n\
+          gpt2-small is GPT-2 small's shape; GPT-2's 124M counts a tied 50257-token embedding (38.6M).";
+    s
 }
 
 /// Builds the run configuration shared by `train` and `compare` (ZeRO switches
@@ -376,6 +446,38 @@ mod tests {
         assert!(matches!(model_choice("mlp-tiny"), Ok(ModelChoice::Mlp(m)) if m == MlpConfig::tiny()));
         let err = model_choice("rnn").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("unknown model `rnn`"), "{err}");
+    }
+
+    #[test]
+    fn gpt_shapes_parse_and_bad_keys_name_themselves() {
+        let g = match model_choice("gpt:d=768,layers=12,heads=12,seq=256") {
+            Ok(ModelChoice::Gpt(g)) => g,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((g.d_model, g.n_layer, g.n_head, g.seq_len, g.mlp_ratio), (768, 12, 12, 256, 4));
+        // A preset with an override keeps the rest of its shape.
+        assert!(matches!(model_choice("gpt2-small:seq=256"),
+            Ok(ModelChoice::Gpt(g)) if g == GptConfig { seq_len: 256, ..GptConfig::shape(768, 12, 12, 1024) }));
+        for (spec, says) in [
+            ("gpt:d=768,depth=3", "unknown key `depth`"),
+            ("gpt:layers=x", "`layers=x` is not a positive integer"),
+            ("gpt:heads=0", "`heads=0` is not a positive integer"),
+            ("gpt:d=100,heads=3", "n_head 3 does not divide d_model 100"),
+            ("gpt:seq=4096", "seq_len 4096 exceeds"),
+            ("gpt:d", "`d` in `gpt:d` is not key=value"),
+            ("mlp:d=3", "takes no shape"),
+            ("gpt-7b", "unknown model `gpt-7b`"),
+        ] {
+            let err = model_choice(spec).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(says), "{spec}: {err}");
+        }
+        // The help lists every preset with its parameter count.
+        let help = model_help();
+        for (name, g) in GptConfig::presets() {
+            let line =
+                help.lines().find(|l| l.trim_start().starts_with(&format!("{name} "))).unwrap_or_default();
+            assert!(line.contains(&format!("{:.2}M", g.with_vocab(256).num_params() as f64 / 1e6)), "{line}");
+        }
     }
 
     /// `zeropp train`'s flags as the CLI parses them.
