@@ -160,6 +160,18 @@ pub(crate) struct TrainArgs {
     /// Disable the prefetch of the next layer's gather.
     #[arg(long = "no-prefetch")]
     pub no_prefetch: bool,
+    /// DeepSpeed's reduce_bucket_size: most padded elements per gradient reduce call.
+    #[arg(long = "reduce-bucket-size", value_name = "ELEMENTS")]
+    pub reduce_bucket_size: Option<usize>,
+    /// DeepSpeed's stage3_prefetch_bucket_size: largest layer (padded elements) prefetched; 0 = none.
+    #[arg(long = "prefetch-bucket-size", value_name = "ELEMENTS")]
+    pub prefetch_bucket_size: Option<usize>,
+    /// DeepSpeed's stage3_param_persistence_threshold: parameters of at most this many elements are kept whole on every rank.
+    #[arg(long = "param-persistence-threshold", value_name = "ELEMENTS")]
+    pub param_persistence_threshold: Option<usize>,
+    /// DeepSpeed's stage3_max_live_parameters: most gathered elements alive when prefetching.
+    #[arg(long = "max-live-parameters", value_name = "ELEMENTS")]
+    pub max_live_parameters: Option<usize>,
     /// Write JSON Lines metrics (one object per step, then a summary).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
@@ -413,11 +425,32 @@ pub(crate) fn train_config(args: &TrainArgs) -> Result<(TrainConfig, Vec<String>
             cfg.engine.zero.hpz_size = h;
         }
     }
+    apply_bucket_flags(args, &mut cfg.engine.zero.buckets)?;
     cfg.metrics = args.metrics.clone();
     cfg.save = args.save.clone();
     cfg.save_every = args.save_every;
     cfg.resume = args.resume.clone();
     Ok((cfg, warnings))
+}
+
+/// The bucket knob flags, over the DeepSpeed file's values.
+fn apply_bucket_flags(a: &TrainArgs, k: &mut zeropp_engine::config::BucketKnobs) -> Result<(), CliError> {
+    if let Some(r) = a.reduce_bucket_size {
+        if r == 0 {
+            return Err("--reduce-bucket-size: must be > 0 (omit it for one reduce per layer)".into());
+        }
+        k.reduce_bucket_size = Some(r);
+    }
+    if a.prefetch_bucket_size.is_some() {
+        k.prefetch_bucket_size = a.prefetch_bucket_size;
+    }
+    if let Some(t) = a.param_persistence_threshold {
+        k.param_persistence_threshold = t;
+    }
+    if a.max_live_parameters.is_some() {
+        k.max_live_parameters = a.max_live_parameters;
+    }
+    Ok(())
 }
 
 /// Advances the progress bar after one optimizer step.
@@ -446,6 +479,51 @@ mod tests {
         assert!(matches!(model_choice("mlp-tiny"), Ok(ModelChoice::Mlp(m)) if m == MlpConfig::tiny()));
         let err = model_choice("rnn").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("unknown model `rnn`"), "{err}");
+    }
+
+    #[test]
+    fn bucket_flags_map_onto_the_knobs() -> Result<(), CliError> {
+        #[derive(clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        use clap::Parser as _;
+        let parse = |args: &[&str]| -> Result<TrainConfig, CliError> {
+            let cmd = Cmd::try_parse_from(std::iter::once("train").chain(args.iter().copied()))?;
+            Ok(train_config(&cmd.train)?.0)
+        };
+        let k = parse(&[
+            "--reduce-bucket-size",
+            "4096",
+            "--prefetch-bucket-size",
+            "0",
+            "--param-persistence-threshold",
+            "100",
+            "--max-live-parameters",
+            "1000000",
+        ])?
+        .engine
+        .zero
+        .buckets;
+        assert_eq!(
+            (
+                k.reduce_bucket_size,
+                k.prefetch_bucket_size,
+                k.param_persistence_threshold,
+                k.max_live_parameters
+            ),
+            (Some(4096), Some(0), 100, Some(1_000_000))
+        );
+        assert_eq!(parse(&[])?.engine.zero.buckets, Default::default());
+        for (args, says) in [
+            (&["--reduce-bucket-size", "0"][..], "--reduce-bucket-size"),
+            (&["--max-live-parameters", "x"][..], "--max-live-parameters"),
+        ] {
+            let err = parse(args).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(says), "{args:?}: {err}");
+        }
+        Ok(())
     }
 
     #[test]

@@ -175,7 +175,8 @@ pub struct TrainReport {
     pub steps: Vec<StepRecord>,
     /// The final summary.
     pub summary: Summary,
-    /// The final full parameters, one vector per layer (when `keep_params`).
+    /// The final full parameters, one vector per bucket of the plan: per layer,
+    /// then the persistent parameters when there are any (when `keep_params`).
     pub params: Option<Vec<Vec<f32>>>,
 }
 

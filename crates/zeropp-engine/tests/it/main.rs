@@ -17,6 +17,7 @@ mod engine_checkpoint;
 mod engine_equivalence;
 mod engine_faults;
 mod engine_fidelity;
+mod engine_knobs;
 mod engine_zeropp_options;
 mod model_data;
 mod models;
