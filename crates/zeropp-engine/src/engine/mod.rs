@@ -23,6 +23,7 @@
 pub mod bytes;
 pub mod checkpoint;
 mod layer_comm;
+pub mod memory;
 
 use zeropp_comm::{CommError, CommExt, Communicator, Group, Topology};
 use zeropp_partition::{DType, ParamRegistry, ParamSpec, PartitionPlan, PlanConfig};

@@ -417,6 +417,19 @@ impl Model for Gpt {
 
     stack_model_items!("gpt");
 
+    /// The tape: per block `8·n·d + 2·n·f + 2·n + b·h·T²` floats (normalized
+    /// inputs, attention, MLP activations and probabilities), the residual
+    /// stream `n·d`, the head's `2·n·d + n + n·v`; plus one block's backward
+    /// temporaries, `6·n·d + n·f` (n = b·T rows, f the MLP width).
+    fn activation_bytes(&self, batch: usize, seq: usize) -> usize {
+        let (d, v, h) = (self.cfg.d_model, self.cfg.vocab, self.cfg.n_head);
+        let f = self.cfg.mlp_ratio * d;
+        let n = batch * seq;
+        let block = 8 * n * d + 2 * n * f + 2 * n + batch * h * seq * seq;
+        let floats = self.cfg.n_layer * block + n * d + 2 * n * d + n + n * v + 6 * n * d + n * f;
+        4 * floats
+    }
+
     /// GPT-2 style init: weights and embeddings `N(0, 0.02^2)`, residual
     /// projections (`attn.proj`, `mlp.proj`) scaled by `1/sqrt(2 n_layer)`,
     /// biases 0, LayerNorm gains 1.
