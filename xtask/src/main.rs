@@ -10,6 +10,8 @@ use std::process::{Command, ExitCode};
 
 use serde_json::Value;
 
+mod scale;
+
 const HELP: &str = "\
 cargo xtask <task>
 
@@ -20,7 +22,9 @@ tasks:
   bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e) and the
                    fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds;
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
-                   writes a markdown summary to target/bench-report/NAME.md
+                   writes a markdown summary to target/bench-report/NAME.md;
+                   `scale`: GPT sizes 1M..GPT-2 small on 2x4 threads (tokens/s, time split, memory,
+                   bytes, GEMM vs numpy/OpenBLAS; ZEROPP_SCALE_SIZES, ZEROPP_SCALE_SEQ)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   help             this text
 ";
@@ -158,6 +162,10 @@ fn bench(args: &[String]) -> Result<(), String> {
     for name in names {
         if name == "fidelity" {
             fidelity(&report_dir)?;
+            continue;
+        }
+        if name == "scale" {
+            scale::scale(&report_dir)?;
             continue;
         }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
