@@ -18,7 +18,7 @@ use serde_json::Value;
 use crate::{cargo, root, run};
 
 /// The reference SGEMM: numpy `A @ B` in f32 on one thread (the engine's GEMM
-/// runs one call per thread), best of several repetitions, in GFLOP/s.
+/// runs one call per thread), the fastest of several calls, in GFLOP/s.
 const NUMPY_REF: &str = r#"
 import json, sys, time
 import numpy as np
@@ -28,11 +28,12 @@ for m, k, n in json.loads(sys.argv[1]):
     b = (np.arange(k * n, dtype=np.float32) % 13 - 6).reshape(k, n) * 0.01
     a @ b
     flops = 2.0 * m * k * n
-    reps = max(2, min(50, int(2e10 / flops)))
-    t = time.perf_counter()
-    for _ in range(reps):
+    best = float("inf")
+    for _ in range(max(5, min(30, int(1e10 / flops)))):
+        t = time.perf_counter()
         a @ b
-    out.append(flops * reps / (time.perf_counter() - t) / 1e9)
+        best = min(best, time.perf_counter() - t)
+    out.append(flops / best / 1e9)
 print(json.dumps(out))
 "#;
 
@@ -125,36 +126,53 @@ pub(crate) fn scale(report_dir: &Path) -> Result<(), String> {
                 "NO"
             },
         );
-        // GEMM: the engine's rate and the reference's on the same shapes.
-        let mut c = example();
-        c.args(["--model", name, "--seq", &seq, "--gemm"]);
-        let gemm = json_of(&format!("{name} gemm"), c)?;
-        let shapes: Vec<[u64; 3]> = gemm["gemm"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|s| {
-                        [
-                            s["m"].as_u64().unwrap_or(0),
-                            s["k"].as_u64().unwrap_or(0),
-                            s["n"].as_u64().unwrap_or(0),
-                        ]
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let refs: Vec<f64> = match &python {
-            Some(py) => {
+        // GEMM: the engine's rate and the reference's on the same shapes,
+        // alternated three times (best of each kept): the machine may be busy.
+        let mut gemm = Value::Null;
+        let mut refs: Vec<f64> = Vec::new();
+        for _ in 0..3 {
+            let mut c = example();
+            c.args(["--model", name, "--seq", &seq, "--gemm"]);
+            let g = json_of(&format!("{name} gemm"), c)?;
+            gemm = match gemm {
+                Value::Null => g,
+                mut best => {
+                    if let (Some(b), Some(n)) = (best["gemm"].as_array_mut(), g["gemm"].as_array()) {
+                        for (b, n) in b.iter_mut().zip(n) {
+                            if f(n, "gflops") > f(b, "gflops") {
+                                *b = n.clone();
+                            }
+                        }
+                    }
+                    best
+                }
+            };
+            let shapes: Vec<[u64; 3]> = gemm["gemm"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .map(|s| {
+                            [
+                                s["m"].as_u64().unwrap_or(0),
+                                s["k"].as_u64().unwrap_or(0),
+                                s["n"].as_u64().unwrap_or(0),
+                            ]
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            if let Some(py) = &python {
                 let mut c = Command::new(py);
                 c.args(["-c", NUMPY_REF]).arg(serde_json::to_string(&shapes).unwrap_or_default());
                 c.env("OPENBLAS_NUM_THREADS", "1").env("OMP_NUM_THREADS", "1");
-                json_of(&format!("{name} numpy reference"), c)?
+                let r: Vec<f64> = json_of(&format!("{name} numpy reference"), c)?
                     .as_array()
                     .map(|a| a.iter().filter_map(Value::as_f64).collect())
-                    .unwrap_or_default()
+                    .unwrap_or_default();
+                refs =
+                    if refs.is_empty() { r } else { refs.iter().zip(&r).map(|(a, b)| a.max(*b)).collect() };
             }
-            None => Vec::new(),
-        };
+        }
         for (i, s) in gemm["gemm"].as_array().into_iter().flatten().enumerate() {
             let ours = f(s, "gflops");
             let reference = refs.get(i).copied().unwrap_or(f64::NAN);
