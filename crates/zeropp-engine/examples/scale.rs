@@ -31,16 +31,6 @@ fn num(args: &[String], key: &str, default: usize) -> usize {
     arg(args, key).map_or(default, |v| v.parse().unwrap_or_else(|_| panic!("{key}: not a number: {v}")))
 }
 
-/// This process's peak resident set (`VmHWM`), in bytes (0 where /proc is absent).
-fn peak_rss() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// GFLOP/s of `C = A·B` (`m x k` by `k x n`, row-major f32) through the engine's GEMM,
 /// from the fastest of several calls.
 fn gemm_rate(m: usize, k: usize, n: usize) -> f64 {
@@ -132,7 +122,7 @@ fn main() {
         s.model_bytes_per_step.inter,
         mem.total(),
         mem.states,
-        peak_rss(),
+        zeropp_engine::engine::memory::peak_rss().unwrap_or(0),
         s.final_loss,
     );
 }

@@ -400,7 +400,30 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
     pb.finish();
     let report = report?;
     print_report(&report.summary, cfg.metrics.as_deref());
+    print_memory(&cfg, cfg.world, None);
     Ok(())
+}
+
+/// One line: this process's peak RSS against the memory model's prediction for
+/// the `ranks` ranks it ran (all of them with threads; one, `rank`, under MPI).
+pub(crate) fn print_memory(cfg: &TrainConfig, ranks: usize, rank: Option<usize>) {
+    let (Some(peak), Ok(p)) =
+        (zeropp_engine::engine::memory::peak_rss(), zeropp_engine::train::memory_prediction(cfg))
+    else {
+        return;
+    };
+    let predicted = (p.total() * ranks) as f64;
+    let who = match rank {
+        Some(r) => format!("rank {r}"),
+        None => format!("this process ({ranks} ranks)"),
+    };
+    eprintln!(
+        "memory: peak RSS of {who} {:.1} MB; memory model {:.1} MB ({:.1} MB states per rank); measured / model = {:.2}",
+        peak as f64 / 1e6,
+        predicted / 1e6,
+        p.states as f64 / 1e6,
+        peak as f64 / predicted
+    );
 }
 
 /// The full training configuration of `zeropp train` (on any backend): the mode

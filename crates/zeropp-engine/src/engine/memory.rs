@@ -94,3 +94,11 @@ pub fn predict<M: Model + ?Sized>(
         full_f32_model: 4 * plan.padded_numel(),
     })
 }
+
+/// This process's peak resident set (`VmHWM` of `/proc/self/status`), in bytes;
+/// `None` where that file is absent (not Linux). Under MPI, one rank's peak.
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().trim_end_matches("kB").trim();
+    kb.parse::<u64>().ok().map(|kb| kb * 1024)
+}

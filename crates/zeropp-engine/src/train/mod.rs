@@ -225,6 +225,27 @@ pub fn train_with(
     }
 }
 
+/// The memory model's per-rank prediction for the run `cfg` describes (the model
+/// as training builds it, with the data's vocabulary; see [`crate::engine::memory`]).
+pub fn memory_prediction(cfg: &TrainConfig) -> Result<crate::engine::memory::MemoryPrediction, EngineError> {
+    use crate::engine::{build_plan, memory::predict};
+    let (data, _) = load_data(&cfg.data)?;
+    let topo = zeropp_comm::Topology::ranks(cfg.world)
+        .per_node(cfg.local_size)
+        .map_err(EngineError::InvalidTopology)?;
+    let micro = cfg.engine.micro_batch(cfg.world)?;
+    match &cfg.model {
+        ModelChoice::Gpt(g) => {
+            let model = Gpt::new(g.with_vocab(data.vocab_size()))?;
+            predict(&model, &build_plan(&model, &cfg.engine, topo)?, &cfg.engine, micro)
+        }
+        ModelChoice::Mlp(m) => {
+            let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
+            predict(&model, &build_plan(&model, &cfg.engine, topo)?, &cfg.engine, micro)
+        }
+    }
+}
+
 /// The tags the engine uses, in display order.
 pub const OP_TAGS: [&str; 5] =
     [tags::FWD_GATHER, tags::BWD_GATHER, tags::GRAD_REDUCE, tags::GRAD_NORM, tags::OTHER];
