@@ -41,7 +41,8 @@ pub struct RankState {
     pub feedback: Option<Vec<(Vec<f32>, Vec<f32>)>>,
 }
 
-/// The checkpoint extra holding layer `l`'s hop-`hop` qgZ residual.
+/// The checkpoint extra holding reduce call `l`'s hop-`hop` qgZ residual (one call
+/// per bucket unless `reduce_bucket_size` splits them).
 fn feedback_key(l: usize, hop: u8) -> String {
     format!("qgz_feedback.{l}.hop{hop}")
 }
@@ -157,13 +158,14 @@ pub fn load(
     }
     for r in 0..plan.world() {
         let s = ckpt.shard_for(plan, r)?;
-        let layers = s.buckets.len();
-        let feedback = (0..layers)
-            .map(|l| {
+        // One residual pair per reduce call (per bucket, or per piece with
+        // `reduce_bucket_size`), numbered from 0.
+        let feedback: Vec<_> = (0..)
+            .map_while(|l| {
                 Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone()))
             })
-            .collect::<Option<Vec<_>>>()
-            .filter(|v| !v.is_empty());
+            .collect();
+        let feedback = (!feedback.is_empty()).then_some(feedback);
         let mut master = Vec::new();
         let mut optim = Vec::new();
         for b in s.buckets {
