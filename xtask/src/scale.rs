@@ -7,6 +7,9 @@
 //!
 //! `ZEROPP_SCALE_SIZES` picks the sizes (comma-separated presets, default
 //! `gpt-1m,gpt-10m,gpt-40m,gpt2-small`); `ZEROPP_SCALE_SEQ` the context (256).
+//! When `mpirun` is present (and `ZEROPP_SCALE_MPI` is not `0`) each size also runs
+//! under MPI (`zeropp train --backend mpi`, built with the `mpi` feature), with each
+//! rank's peak RSS against the memory model.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -76,6 +79,64 @@ fn numpy_python() -> Option<std::path::PathBuf> {
     has_numpy(&py).then_some(py)
 }
 
+/// One size under MPI: `mpirun -np 8` of `zeropp train --backend mpi` (2 nodes x 4
+/// simulated on this host), 3 steps. Returns the table row: tokens/s (steps 2-3),
+/// the largest per-rank peak RSS against the memory model, and whether the
+/// counters equal the model.
+fn mpi_row(name: &str, seq: &str) -> Result<String, String> {
+    let metrics = root().join(format!("target/scale-mpi-{name}.jsonl"));
+    let mut c = Command::new("mpirun");
+    c.current_dir(root());
+    c.env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .env("OMPI_MCA_rmaps_base_oversubscribe", "1");
+    c.args(["-np", "8"]).arg(root().join("target/release/zeropp"));
+    c.args([
+        "train",
+        "--backend",
+        "mpi",
+        "--local-size",
+        "4",
+        "--steps",
+        "3",
+        "--batch",
+        "8",
+        "--eval-batches",
+        "0",
+    ]);
+    c.arg("--model").arg(format!("{name}:seq={seq}")).arg("--metrics").arg(&metrics);
+    eprintln!("\n==> {name} under MPI: {c:?}");
+    let t = Instant::now();
+    let out = c.output().map_err(|e| format!("mpirun: {e}"))?;
+    let secs = t.elapsed().as_secs_f64();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        return Err(format!("{name} under MPI failed ({}): {stderr}", out.status));
+    }
+    // `memory: peak RSS of rank R X MB; memory model Y MB (...)`, one line per rank.
+    let ratio = stderr
+        .lines()
+        .filter_map(|l| {
+            let l = l.split("memory: peak RSS of rank ").nth(1)?;
+            let mb = |s: &str| s.split_whitespace().next()?.parse::<f64>().ok();
+            let peak = mb(l.split_once(' ')?.1)?;
+            let model = mb(l.split("memory model ").nth(1)?)?;
+            Some(peak / model)
+        })
+        .fold(f64::NAN, f64::max);
+    let text = std::fs::read_to_string(&metrics).map_err(|e| format!("{}: {e}", metrics.display()))?;
+    let lines: Vec<Value> = text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let steps: Vec<&Value> = lines.iter().filter(|v| v.get("step").is_some()).skip(1).collect();
+    let tokens = steps.iter().map(|v| f(v, "tokens_per_s")).sum::<f64>() / steps.len().max(1) as f64;
+    let exact = lines.iter().find_map(|v| v.get("summary")).is_some_and(|s| {
+        s.get("bytes_by_op").is_some() && s.get("bytes_by_op") == s.get("model_bytes_by_op")
+    });
+    Ok(format!(
+        "| {name} | {tokens:.0} | {ratio:.2} | {} | {secs:.0} s |\n",
+        if exact { "yes" } else { "NO" }
+    ))
+}
+
 fn f(v: &Value, key: &str) -> f64 {
     v.get(key).and_then(Value::as_f64).unwrap_or(f64::NAN)
 }
@@ -89,6 +150,14 @@ pub(crate) fn scale(report_dir: &Path) -> Result<(), String> {
     build.args(["build", "--locked", "--release", "-p", "zeropp-engine", "--example", "scale"]);
     run("build the scale example", build)?;
     let python = numpy_python();
+    let mpi = std::env::var("ZEROPP_SCALE_MPI").map_or(true, |v| v != "0")
+        && Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    let mpi = mpi && {
+        let mut b = cargo();
+        b.args(["build", "--locked", "--release", "-p", "zeropp", "--features", "mpi"]);
+        run("build zeropp with MPI", b).is_ok()
+    };
+    let mut mpi_table = String::new();
     let mut table = String::new();
     let mut gemm_table = String::new();
     let mut single = String::new();
@@ -126,6 +195,15 @@ pub(crate) fn scale(report_dir: &Path) -> Result<(), String> {
                 "NO"
             },
         );
+        if mpi {
+            match mpi_row(name, &seq) {
+                Ok(row) => mpi_table += &row,
+                Err(e) => {
+                    eprintln!("==> {e}");
+                    mpi_table += &format!("| {name} | failed (see the log) | | | |\n");
+                }
+            }
+        }
         // GEMM: the engine's rate and the reference's on the same shapes,
         // alternated three times (best of each kept): the machine may be busy.
         let mut gemm = Value::Null;
@@ -214,8 +292,18 @@ pub(crate) fn scale(report_dir: &Path) -> Result<(), String> {
          |---|---|---|---|---|---|---|---|---|\n{table}\n\
          GEMM, the model's largest linear shapes at one rank's rows, one thread: the engine's GEMM against numpy's \
          (OpenBLAS) SGEMM in the same run.\n\n\
-         | model | m x k x n | engine GFLOP/s | reference GFLOP/s | ratio |\n|---|---|---|---|---|\n{gemm_table}\n{single}",
-        crate::machine()
+         | model | m x k x n | engine GFLOP/s | reference GFLOP/s | ratio |\n|---|---|---|---|---|\n{gemm_table}\n{single}\n{}",
+        crate::machine(),
+        if mpi_table.is_empty() {
+            "MPI: not run (no mpirun, ZEROPP_SCALE_MPI=0, or the MPI build failed).\n".to_string()
+        } else {
+            format!(
+                "\nThe same sizes under MPI (`mpirun -np 8`, one process per rank, 2 simulated nodes x 4, ZeRO++, 3 steps): \
+                 tokens/s (steps 2-3), the largest per-rank peak RSS over the memory model's per-rank prediction, \
+                 counters equal to the model.\n\n| model | tokens/s | peak RSS / model (worst rank) | exact | wall |\n\
+                 |---|---|---|---|---|\n{mpi_table}"
+            )
+        }
     );
     let out = report_dir.join("scale.md");
     std::fs::write(&out, &md).map_err(|e| format!("{}: {e}", out.display()))?;
