@@ -17,7 +17,7 @@
 //! | `zero_optimization.zeropp_loco_param.{err_beta,reset_T}` | `zero.qgz.error_feedback` (LoCo; ignored, with a warning, when qgZ is off) |
 //! | `zero_optimization.{reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters}` | `zero.buckets` ([`BucketKnobs`](crate::config::BucketKnobs); integers or integral numbers such as `5e8`) |
 //!
-//! Keys DeepSpeed knows but this engine does not model (bucket sizes, overlap
+//! Keys DeepSpeed knows but this engine does not model (the all-gather bucket size, overlap
 //! switches, logging) are reported as warnings; unknown keys are warnings too.
 //! Wrong types, unsupported values (stage 1, `fp16.enabled`, another optimizer)
 //! and inconsistent batch arithmetic are errors.
