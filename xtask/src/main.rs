@@ -12,6 +12,7 @@ use serde_json::Value;
 
 mod gpu;
 mod ptx;
+mod scale;
 
 const HELP: &str = "\
 cargo xtask <task>
@@ -24,7 +25,9 @@ tasks:
   bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e), `gpu`, and the
                    fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds;
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
-                   writes a markdown summary to target/bench-report/NAME.md
+                   writes a markdown summary to target/bench-report/NAME.md;
+                   `scale`: GPT sizes 1M..GPT-2 small on 2x4 threads (tokens/s, time split, memory,
+                   bytes, GEMM vs numpy/OpenBLAS; ZEROPP_SCALE_SIZES, ZEROPP_SCALE_SEQ)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
@@ -178,9 +181,13 @@ fn bench(args: &[String]) -> Result<(), String> {
             gpu::bench(&report_dir)?;
             continue;
         }
+        if name == "scale" {
+            scale::scale(&report_dir)?;
+            continue;
+        }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
-            return Err(format!("unknown bench `{name}` (known: {}, fidelity, gpu)", known.join(", ")));
+            return Err(format!("unknown bench `{name}` (known: {}, fidelity, gpu, scale)", known.join(", ")));
         };
         let home = root().join("target/criterion").join(name);
         // Start from an empty criterion home so the report holds only this run's figures.

@@ -172,7 +172,18 @@ fn decode(bytes: &[u8]) -> Result<RankStep, EngineError> {
         }
         traffic.by_op.insert(tag, op);
     }
-    Ok(RankStep { rank, step, loss, grad_norm, skipped, time_s, traffic })
+    // The time split and the prefetch count stay on their rank under MPI.
+    Ok(RankStep {
+        rank,
+        step,
+        loss,
+        grad_norm,
+        skipped,
+        time_s,
+        traffic,
+        times: Default::default(),
+        prefetched: 0,
+    })
 }
 
 /// Trains `model` on `data` with this process as one rank (see [`train_mpi`]).
@@ -295,6 +306,8 @@ mod tests {
             skipped: true,
             time_s: 0.25,
             traffic,
+            times: Default::default(),
+            prefetched: 0,
         };
         let back = decode(&encode(&r))?;
         assert_eq!((back.rank, back.step, back.skipped), (5, 9, true));

@@ -113,6 +113,8 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     if let Some(report) = report {
         print_report(&report.summary, cfg.metrics.as_deref());
     }
+    // Every rank is a process: each reports its own peak.
+    crate::train::print_memory(&cfg, 1, Some(rank));
     drop(comm);
     Ok(())
 }

@@ -44,7 +44,8 @@ pub struct RankState {
     pub feedback: Option<Vec<(Vec<f32>, Vec<f32>)>>,
 }
 
-/// The checkpoint extra holding layer `l`'s hop-`hop` qgZ residual.
+/// The checkpoint extra holding reduce call `l`'s hop-`hop` qgZ residual (one call
+/// per bucket unless `reduce_bucket_size` splits them).
 fn feedback_key(l: usize, hop: u8) -> String {
     format!("qgz_feedback.{l}.hop{hop}")
 }
@@ -220,11 +221,12 @@ fn rank_state(
             EngineError::Checkpoint(format!("the manifest's `skipped` is not a step count: {v}"))
         })?,
     };
-    let layers = s.buckets.len();
-    let feedback = (0..layers)
-        .map(|l| Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone())))
-        .collect::<Option<Vec<_>>>()
-        .filter(|v| !v.is_empty());
+    // One residual pair per reduce call (per bucket, or per piece with
+    // `reduce_bucket_size`), numbered from 0.
+    let feedback: Vec<_> = (0..)
+        .map_while(|l| Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone())))
+        .collect();
+    let feedback = (!feedback.is_empty()).then_some(feedback);
     let mut master = Vec::new();
     let mut optim = Vec::new();
     for b in s.buckets {
