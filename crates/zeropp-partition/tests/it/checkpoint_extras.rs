@@ -488,17 +488,16 @@ fn write_v1_checkpoint(dir: &Path, p: &PartitionPlan, step: u64, shards: &[Shard
             tensors
                 .insert(format!("bucket.{b:05}.step"), (Dtype::U64, vec![1], bs.step.to_le_bytes().to_vec()));
         }
-        let metadata = [
-            ("format", "zeropp-shard".to_string()),
-            ("format_version", "1".to_string()),
-            ("rank", r.to_string()),
-            ("world", world.to_string()),
-            ("step", step.to_string()),
-            ("buckets", s.buckets.len().to_string()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+        // The v1 shard metadata, spelled as it stands in the file's header.
+        let metadata = serde_json::from_value(serde_json::json!({
+            "format": "zeropp-shard",
+            "format_version": "1",
+            "rank": r.to_string(),
+            "world": world.to_string(),
+            "step": step.to_string(),
+            "buckets": s.buckets.len().to_string(),
+        }))
+        .unwrap();
         let bytes = serialize(&tensors, metadata);
         let file = shard_file_name(r, world);
         fs::write(step_dir.join(&file), &bytes).unwrap();
