@@ -24,7 +24,7 @@ use crate::engine::{build_plan, bytes::step_bytes};
 use crate::metrics::{MetricsWriter, StepRecord};
 use crate::model::{Gpt, Mlp, Model};
 use crate::train::aggregate::aggregate;
-use crate::train::preflight::check_run;
+use crate::train::preflight::{check_run, resume_point};
 use crate::train::rank::{RankJob, RankStep, run_rank};
 use crate::train::summary::summarize;
 use crate::train::{Backend, DataInfo, ModelChoice, TrainConfig, TrainReport, load_data};
@@ -204,20 +204,9 @@ fn train_model_mpi<M: Model>(
 
     // Resume: every rank reads only its own state from the checkpoint; all fail
     // together if one cannot.
-    let (start_step, resume) = match &cfg.resume {
-        Some(dir) => {
-            let (step, state) =
-                crate::engine::checkpoint::load_rank_collective(comm, dir, &plan, &cfg.engine)?;
-            (step, Some(state))
-        }
-        None => (0, None),
-    };
-    if start_step >= cfg.steps {
-        return Err(EngineError::InvalidConfig(format!(
-            "the checkpoint is at step {start_step}, not before the last step {}",
-            cfg.steps
-        )));
-    }
+    let (start_step, resume) = resume_point(cfg, |dir| {
+        crate::engine::checkpoint::load_rank_collective(comm, dir, &plan, &cfg.engine)
+    })?;
     let mut metrics = match (&cfg.metrics, rank) {
         (Some(p), 0) => Some(MetricsWriter::create(p)?),
         _ => None,

@@ -43,10 +43,10 @@ pub(crate) fn run(args: &CheckpointArgs) -> Result<(), CliError> {
 
 fn inspect(dir: &std::path::Path) -> Result<(), CliError> {
     let ck = load_checkpoint(dir)?;
-    let m = ck.manifest();
+    let m = ck.reader().manifest();
     let params: usize = m.buckets.iter().map(|b| b.numel).sum();
     let padded: usize = m.buckets.iter().map(|b| b.padded_len).sum();
-    println!("checkpoint {} (format v{})", ck.dir().display(), m.format_version);
+    println!("checkpoint {} (format v{})", ck.reader().dir().display(), m.format_version);
     println!("step: {}", m.step);
     println!(
         "topology: world {} = {} nodes x {} ranks/node; align {}; hpz {}",

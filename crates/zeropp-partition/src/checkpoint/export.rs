@@ -9,7 +9,7 @@ use std::path::Path;
 use safetensors::tensor::{Dtype, TensorInfo, TensorView};
 
 use super::CHUNK_BYTES;
-use super::format::{MAX_HEADER_BYTES, f32_bytes, tensor_name};
+use super::format::{MAX_HEADER_BYTES, tensor_name};
 use super::fs::{atomic_write, atomic_write_with};
 use super::load::Checkpoint;
 use super::stream::CheckpointReader;
@@ -23,22 +23,14 @@ impl Checkpoint {
     /// stripped. Written atomically. Returns the file size in bytes.
     pub fn export_safetensors(&self, out: &Path) -> Result<u64> {
         let mut data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-        for (layout, full) in self.manifest.buckets.iter().zip(&self.buckets) {
+        for (layout, full) in self.reader.manifest().buckets.iter().zip(&self.buckets) {
             for (p, range) in layout.compact_ranges() {
                 let vals = full.master.get(range).ok_or_else(|| {
                     PartitionError::LayoutMismatch(format!("parameter {:?} out of bounds", p.name))
                 })?;
-                let (dtype, bytes): (Dtype, Vec<u8>) = match p.dtype {
-                    DType::F32 => (Dtype::F32, f32_bytes(vals)),
-                    DType::BF16 => (
-                        Dtype::BF16,
-                        vals.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
-                    ),
-                    DType::F16 => (
-                        Dtype::F16,
-                        vals.iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect(),
-                    ),
-                };
+                let dtype = export_dtype(p.dtype);
+                let mut bytes = Vec::with_capacity(vals.len() * dtype.bitsize() / 8);
+                encode_as(dtype, vals.iter().copied(), &mut bytes);
                 data.push((p.name.clone(), dtype, p.shape.clone(), bytes));
             }
         }
@@ -53,7 +45,7 @@ impl Checkpoint {
         let metadata: HashMap<String, String> = [
             ("format".to_string(), "pt".to_string()),
             ("producer".to_string(), "zeropp".to_string()),
-            ("step".to_string(), self.step().to_string()),
+            ("step".to_string(), self.reader.step().to_string()),
         ]
         .into_iter()
         .collect();
@@ -126,24 +118,14 @@ impl CheckpointReader {
                         let k = len.min(buf.len());
                         let piece = buf.get_mut(..k).unwrap_or_default();
                         f.read_exact(piece).map_err(read_err)?;
-                        let bytes: &[u8] = match dtype {
-                            Dtype::BF16 => {
-                                conv.clear();
-                                conv.extend(piece.chunks_exact(4).flat_map(|c| {
-                                    half::bf16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                                        .to_le_bytes()
-                                }));
-                                &conv
-                            }
-                            Dtype::F16 => {
-                                conv.clear();
-                                conv.extend(piece.chunks_exact(4).flat_map(|c| {
-                                    half::f16::from_f32(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                                        .to_le_bytes()
-                                }));
-                                &conv
-                            }
-                            _ => piece,
+                        let bytes: &[u8] = if dtype == Dtype::F32 {
+                            piece
+                        } else {
+                            conv.clear();
+                            let vals =
+                                piece.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                            encode_as(dtype, vals, &mut conv);
+                            &conv
                         };
                         w.write_all(bytes).map_err(write_err)?;
                         total += bytes.len() as u64;
@@ -164,6 +146,16 @@ fn export_dtype(dtype: DType) -> Dtype {
         DType::F32 => Dtype::F32,
         DType::BF16 => Dtype::BF16,
         DType::F16 => Dtype::F16,
+    }
+}
+
+/// Appends `vals` to `out` in export dtype `dtype`: little-endian f32, or
+/// rounded to nearest bf16 or f16 (the only dtypes [`export_dtype`] gives).
+fn encode_as(dtype: Dtype, vals: impl Iterator<Item = f32>, out: &mut Vec<u8>) {
+    match dtype {
+        Dtype::BF16 => out.extend(vals.flat_map(|x| half::bf16::from_f32(x).to_le_bytes())),
+        Dtype::F16 => out.extend(vals.flat_map(|x| half::f16::from_f32(x).to_le_bytes())),
+        _ => out.extend(vals.flat_map(f32::to_le_bytes)),
     }
 }
 

@@ -99,7 +99,9 @@
 //! * `fs.rs`: atomic writes (temporary file, fsync, rename, fsync folder).
 //! * `save.rs`: [`write_shard`], [`commit_checkpoint`], [`save_checkpoint`].
 //! * `load.rs`: [`resolve_checkpoint_dir`], [`load_checkpoint`],
-//!   [`Checkpoint`] and re-sharding with [`Checkpoint::shard_for`].
+//!   [`Checkpoint`] (the consolidated state beside the [`CheckpointReader`]
+//!   it was opened with, [`Checkpoint::reader`]) and re-sharding with
+//!   [`Checkpoint::shard_for`].
 //! * `stream.rs`: [`CheckpointReader`]: streaming, verified re-sharding.
 //! * `export.rs`: [`Checkpoint::export_safetensors`] and the streamed
 //!   [`CheckpointReader::export_safetensors`].

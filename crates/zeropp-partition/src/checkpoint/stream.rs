@@ -22,7 +22,7 @@ use zeropp_comm::Topology;
 
 use super::MANIFEST_FILE;
 use super::format::{
-    EXTRA_PREFIX, MAX_HEADER_BYTES, SHARD_FORMAT, compare_extras, extra_tensor_name, tensor_name,
+    EXTRA_PREFIX, check_shard_metadata, compare_extras, extra_tensor_name, read_header_json, tensor_name,
 };
 use super::fs::read_file;
 use super::load::resolve_checkpoint_dir;
@@ -216,18 +216,11 @@ pub(super) fn read_header<R: Read>(
     saved: &PartitionPlan,
 ) -> Result<ShardHeader> {
     let bad = |reason: String| PartitionError::corrupt(path, reason);
-    let mut len = [0u8; 8];
-    r.read_exact(&mut len).map_err(|e| bad(format!("cannot read the safetensors header length: {e}")))?;
-    let n = usize::try_from(u64::from_le_bytes(len))
-        .ok()
-        .filter(|&n| n <= MAX_HEADER_BYTES)
-        .ok_or_else(|| bad("safetensors header too large".into()))?;
-    let mut header = vec![0u8; n];
-    r.read_exact(&mut header).map_err(|e| bad(format!("cannot read the safetensors header: {e}")))?;
+    let header = read_header_json(r, path)?;
     let meta: Metadata =
         serde_json::from_slice(&header).map_err(|e| bad(format!("invalid safetensors header: {e}")))?;
+    let data_start = 8 + header.len() as u64;
     drop(header);
-    let data_start = 8 + n as u64;
     if data_start + meta.data_len() as u64 != rec.size {
         return Err(bad(format!(
             "the header describes {} data bytes after {data_start} header bytes, the file has {}",
@@ -236,17 +229,7 @@ pub(super) fn read_header<R: Read>(
         )));
     }
     let info = meta.metadata().clone().unwrap_or_default();
-    let expect = [
-        ("format", SHARD_FORMAT.to_string()),
-        ("rank", rec.rank.to_string()),
-        ("world", saved.world().to_string()),
-        ("step", manifest.step.to_string()),
-    ];
-    for (k, v) in expect {
-        if info.get(k) != Some(&v) {
-            return Err(bad(format!("metadata {k} is {:?}, expected {v:?}", info.get(k))));
-        }
-    }
+    check_shard_metadata(&info, rec.rank, saved.world(), manifest.step).map_err(bad)?;
     let tensors: HashMap<String, TensorInfo> =
         meta.tensors().into_iter().map(|(name, t)| (name, t.clone())).collect();
     for b in 0..saved.num_buckets() {

@@ -91,11 +91,11 @@ fn round_trip_same_topology() {
     assert_eq!(path, tmp.path().join("step-00000123"));
     assert_eq!(fs::read_to_string(tmp.path().join(LATEST_FILE)).unwrap().trim(), "step-00000123");
     let ck = load_checkpoint(tmp.path()).unwrap();
-    assert_eq!(ck.step(), 123);
-    assert_eq!(ck.dir(), path);
-    assert_eq!(ck.user_config()["model"], "tiny");
-    assert_eq!(ck.user_config()["lr"], 0.001);
-    let m = ck.manifest();
+    assert_eq!(ck.reader().step(), 123);
+    assert_eq!(ck.reader().dir(), path);
+    assert_eq!(ck.reader().user_config()["model"], "tiny");
+    assert_eq!(ck.reader().user_config()["lr"], 0.001);
+    let m = ck.reader().manifest();
     assert_eq!((m.topology.world, m.topology.local_size, m.topology.nodes), (4, 2, 2));
     assert_eq!((m.align, m.hpz), (4, 2));
     assert_eq!(m.shards.len(), 4);
@@ -127,8 +127,10 @@ fn round_trip_same_topology() {
 fn reshard(from: (usize, usize, usize, usize), to: (usize, usize, usize, usize)) {
     let src = plan(from.0, from.1, from.2, from.3);
     let (_tmp, ck) = saved_and_loaded(&src, 7, 3.0);
-    let dst =
-        ck.plan_for(Topology::ranks(to.0).per_node(to.1).unwrap(), PlanConfig::new(to.2, to.3)).unwrap();
+    let dst = ck
+        .reader()
+        .plan_for(Topology::ranks(to.0).per_node(to.1).unwrap(), PlanConfig::new(to.2, to.3))
+        .unwrap();
     let expected = shards_of(&dst, &full_state(&dst, 3.0));
     assert_eq!(expected.len(), to.0);
     for (r, want) in expected.iter().enumerate() {
@@ -183,8 +185,8 @@ fn two_phase_api_with_records_in_any_order() {
     let manifest = Manifest::new(&p, 9, serde_json::json!({"x": 1}), records.clone()).unwrap();
     let dir = commit_checkpoint(tmp.path(), &manifest).unwrap();
     let ck = load_checkpoint(tmp.path()).unwrap();
-    assert_eq!(ck.dir(), dir);
-    assert_eq!(ck.manifest(), &manifest);
+    assert_eq!(ck.reader().dir(), dir);
+    assert_eq!(ck.reader().manifest(), &manifest);
     assert_eq!(ck.shard_for(&p, 2).unwrap(), shards[2]);
     // Missing or duplicated records are refused.
     assert!(Manifest::new(&p, 9, serde_json::Value::Null, records[..3].to_vec()).is_err());
@@ -366,7 +368,7 @@ fn save_failing_midway_leaves_previous_checkpoint() {
     let path = save_checkpoint(tmp.path(), &p, 200, &shards, serde_json::Value::Null).unwrap();
     assert_eq!(path, step200);
     let after = load_checkpoint(tmp.path()).unwrap();
-    assert_eq!(after.step(), 200);
+    assert_eq!(after.reader().step(), 200);
     assert_eq!(after.shard_for(&p, 3).unwrap(), shards[3]);
     assert!(!step200.join(format!("{}.tmp", shard_file_name(0, 4))).exists());
     // The old checkpoint is untouched and still loadable by folder.
@@ -382,8 +384,8 @@ fn crash_between_manifest_and_latest() {
     save(tmp.path(), &p, 2, 2.0);
     // Simulate the crash: LATEST still names step 1.
     fs::write(tmp.path().join(LATEST_FILE), latest).unwrap();
-    assert_eq!(load_checkpoint(tmp.path()).unwrap().step(), 1);
-    assert_eq!(load_checkpoint(&tmp.path().join(step_dir_name(2))).unwrap().step(), 2);
+    assert_eq!(load_checkpoint(tmp.path()).unwrap().reader().step(), 1);
+    assert_eq!(load_checkpoint(&tmp.path().join(step_dir_name(2))).unwrap().reader().step(), 2);
 }
 
 #[test]

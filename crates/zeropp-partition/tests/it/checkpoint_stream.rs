@@ -117,7 +117,7 @@ fn check_reshard(params: &[Vec<Param>], from: Cfg, to: Cfg, extras: bool) {
     save_checkpoint(tmp.path(), &saved, 9, &states(&saved, 5, extras), serde_json::json!({})).unwrap();
     let reference = load_checkpoint(tmp.path()).unwrap();
     let reader = CheckpointReader::open(tmp.path()).unwrap();
-    assert_eq!(reader.manifest(), reference.manifest());
+    assert_eq!(reader.manifest(), reference.reader().manifest());
     let new = plan(&reg, to);
     assert_eq!(reader.extras_dropped(&new), reference.extras_dropped(&new));
     assert_eq!(reader.has_extras(), reference.has_extras());
