@@ -187,7 +187,10 @@ fn bench(args: &[String]) -> Result<(), String> {
         }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
-            return Err(format!("unknown bench `{name}` (known: {}, fidelity, gpu, scale)", known.join(", ")));
+            return Err(format!(
+                "unknown bench `{name}` (known: {}, fidelity, gpu, scale)",
+                known.join(", ")
+            ));
         };
         let home = root().join("target/criterion").join(name);
         // Start from an empty criterion home so the report holds only this run's figures.

@@ -224,7 +224,9 @@ fn rank_state(
     // One residual pair per reduce call (per bucket, or per piece with
     // `reduce_bucket_size`), numbered from 0.
     let feedback: Vec<_> = (0..)
-        .map_while(|l| Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone())))
+        .map_while(|l| {
+            Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone()))
+        })
         .collect();
     let feedback = (!feedback.is_empty()).then_some(feedback);
     let mut master = Vec::new();

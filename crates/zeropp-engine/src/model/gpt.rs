@@ -21,11 +21,10 @@
 
 use super::ops::{self, AttnShape};
 use super::stack::{
-    Part, StackTape, TapeCore, backward_layer, check_positive, check_vocab, forward_layer, init_parts,
-    stack_model_items,
+    Part, StackTape, TapeCore, backward_layer, check_sizes, forward_layer, init_parts, stack_model_items,
 };
 use super::{Batch, LayerSpec, Model, TensorSpec, fill_normal};
-use crate::EngineError;
+use crate::{EngineError, Result};
 
 /// Shape of a [`Gpt`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,13 +115,12 @@ impl GptConfig {
     /// `seq_len <= MAX_SEQ_LEN`; errors name the field.
     pub fn validate(&self) -> Result<(), EngineError> {
         let sizes = [
-            ("vocab", self.vocab),
             ("seq_len", self.seq_len),
             ("d_model", self.d_model),
             ("n_head", self.n_head),
             ("mlp_ratio", self.mlp_ratio),
         ];
-        check_positive("gpt", &sizes)?;
+        check_sizes("gpt", self.vocab, &sizes)?;
         if self.seq_len > Self::MAX_SEQ_LEN {
             return Err(EngineError::InvalidConfig(format!(
                 "gpt: seq_len {} exceeds the maximum context {}",
@@ -136,7 +134,7 @@ impl GptConfig {
                 self.n_head, self.d_model
             )));
         }
-        check_vocab("gpt", self.vocab)
+        Ok(())
     }
 }
 
@@ -460,7 +458,7 @@ impl Model for Gpt {
         })
     }
 
-    fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<(), EngineError> {
+    fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<()> {
         forward_layer(&self.layers, layer, params, tape, |part, _, p, tape| match part {
             Part::Embed => {
                 self.embed_forward(p, tape);
@@ -471,13 +469,7 @@ impl Model for Gpt {
         })
     }
 
-    fn backward(
-        &self,
-        layer: usize,
-        params: &[f32],
-        tape: &mut GptTape,
-        grad: &mut [f32],
-    ) -> Result<(), EngineError> {
+    fn backward(&self, layer: usize, params: &[f32], tape: &mut GptTape, grad: &mut [f32]) -> Result<()> {
         backward_layer(&self.layers, layer, params, tape, grad, |part, _, p, g, tape| match part {
             Part::Embed => {
                 self.embed_backward(g, tape);
