@@ -10,6 +10,8 @@ use std::process::{Command, ExitCode};
 
 use serde_json::Value;
 
+mod cluster;
+
 const HELP: &str = "\
 cargo xtask <task>
 
@@ -22,6 +24,10 @@ tasks:
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
                    writes a markdown summary to target/bench-report/NAME.md
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
+  cluster CMD      a real cluster on one machine: network namespaces, shaped links, OpenMPI over
+                   TCP (`cluster run ... -- TRAIN_ARGS`, `cluster probe`; `cargo xtask cluster help`)
+  test-cluster     the cluster tests (root, iproute2, OpenMPI; `--full`: 2x4 too, `--faults`:
+                   network faults); run by `ci`, which fails instead of skipping under CI=true
   help             this text
 ";
 
@@ -40,6 +46,8 @@ fn main() -> ExitCode {
         Some("test") => test(),
         Some("bench") => bench(&args[1..]),
         Some("test-mpi") => test_mpi(),
+        Some("cluster") => cluster::main(&args[1..]),
+        Some("test-cluster") => cluster::test(&args[1..]),
         Some("help") | Some("--help") | Some("-h") | None => {
             print!("{HELP}");
             Ok(())
@@ -116,6 +124,10 @@ fn ci(args: &[String]) -> Result<(), String> {
     } else {
         eprintln!("\n==> MPI tests skipped: no `mpirun` on PATH (install libopenmpi-dev openmpi-bin)");
     }
+    if !no_mpi {
+        // Skips (one counted line) without root/netns/mpirun; fails instead under CI=true.
+        cluster::test(&[])?;
+    }
     eprintln!("\nxtask ci: all green");
     Ok(())
 }
@@ -158,6 +170,10 @@ fn bench(args: &[String]) -> Result<(), String> {
     for name in names {
         if name == "fidelity" {
             fidelity(&report_dir)?;
+            continue;
+        }
+        if name == "cluster" {
+            cluster::bench(&report_dir)?;
             continue;
         }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
