@@ -92,11 +92,12 @@ shape() {
     parent=(parent 1:1)
   fi
   if [ "$rate" != unshaped ]; then
-    # burst: 4 ms of traffic (at least 64 KiB), so one 64 KiB GSO packet always fits;
+    # burst: 25 ms of traffic (at least 64 KiB): one 64 KiB GSO packet always fits, and a
+    # sender that the CPU scheduler held back can catch up (4 ms reached 0.68 of 1 Gbit/s);
     # limit: 20 MB of queue (TCP, not drops, should pace the sender).
     local bits
     bits="$(rate_bits "$rate")"
-    local burst=$((bits / 8 / 250))
+    local burst=$((bits / 8 / 40))
     [ "$burst" -lt 65536 ] && burst=65536
     ip netns exec "$ns" tc qdisc add dev "$dev" "${parent[@]}" handle 10: tbf rate "${bits}bit" \
       burst "$burst" limit 20000000 || return 1

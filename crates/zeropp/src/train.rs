@@ -53,7 +53,7 @@ pub(crate) struct RunArgs {
     /// Baseline communication dtype.
     #[arg(long = "comm-dtype", value_enum, default_value_t = DtypeArg::Bf16)]
     pub comm_dtype: DtypeArg,
-    /// Model: gpt, gpt-tiny, mlp, mlp-tiny.
+    /// Model: gpt, gpt-tiny, gpt-medium, mlp, mlp-tiny.
     #[arg(long, default_value = "gpt")]
     pub model: String,
     /// Training text file (default: the project's generated Markov text).
@@ -179,11 +179,19 @@ pub(crate) fn model_choice(name: &str) -> Result<ModelChoice, CliError> {
     match name.to_ascii_lowercase().as_str() {
         "gpt" | "gpt-small" => Ok(ModelChoice::Gpt(GptConfig::default_small())),
         "gpt-tiny" => Ok(ModelChoice::Gpt(GptConfig::tiny())),
+        // A few million parameters: communication-bound over a slow link (`cargo xtask bench cluster`).
+        "gpt-medium" => Ok(ModelChoice::Gpt(GptConfig {
+            seq_len: 32,
+            d_model: 256,
+            n_layer: 3,
+            ..GptConfig::default_small()
+        })),
         "mlp" | "mlp-small" => Ok(ModelChoice::Mlp(MlpConfig::default_small())),
         "mlp-tiny" => Ok(ModelChoice::Mlp(MlpConfig::tiny())),
-        other => {
-            Err(format!("--model: unknown model `{other}` (expected gpt, gpt-tiny, mlp or mlp-tiny)").into())
-        }
+        other => Err(format!(
+            "--model: unknown model `{other}` (expected gpt, gpt-tiny, gpt-medium, mlp or mlp-tiny)"
+        )
+        .into()),
     }
 }
 
