@@ -821,11 +821,10 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     }
     let zeropp = build_zeropp(true)?;
     let rates: Vec<String> = std::env::var("ZEROPP_CLUSTER_RATES")
-        .unwrap_or_else(|_| "50mbit,200mbit,1gbit,unshaped".into())
+        .unwrap_or_else(|_| "10mbit,50mbit,200mbit,1gbit,unshaped".into())
         .split(',')
         .map(String::from)
         .collect();
-    let steps: usize = std::env::var("ZEROPP_CLUSTER_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(4);
     let model = std::env::var("ZEROPP_CLUSTER_MODEL").unwrap_or_else(|_| "gpt-medium".into());
     let variants: [(&str, &[&str]); 5] = [
         ("ZeRO-3", &["--mode", "zero3"]),
@@ -836,24 +835,25 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     ];
     let base = target_dir().join("cluster/bench");
     let _ = std::fs::remove_dir_all(&base);
-    let steps_s = steps.to_string();
-    let common = [
-        "--model",
-        model.as_str(),
-        "--steps",
-        steps_s.as_str(),
-        "--seed",
-        "1",
-        "--eval-batches",
-        "0",
-        "--batch",
-        "4",
-    ];
     let shape0 = Shape::new(2, 2, "unshaped");
     // rows[rate][variant] = (measured step s, predicted step s)
     let mut rows: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
     let mut params = 0.0;
     for rate in &rates {
+        // Slow rates: seconds per step, 3 steps; fast ones: 12 (the first is left out).
+        let steps = if rate_bits(rate).is_some_and(|b| b < 100e6) { "3" } else { "12" };
+        let common = [
+            "--model",
+            model.as_str(),
+            "--steps",
+            steps,
+            "--seed",
+            "1",
+            "--eval-batches",
+            "0",
+            "--batch",
+            "4",
+        ];
         let mut row = Vec::new();
         for (name, margs) in variants {
             let mut shape = shape0.clone();
@@ -877,7 +877,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
             let measured = steady_step_time(&msteps);
             // The link model of the same configuration on the thread backend.
             let predicted_path = out.join("model.jsonl");
-            let link = link_for(rate);
+            let link = link_for(rate, shape.local_size);
             let args: Vec<String> = margs.iter().chain(&common).map(|s| s.to_string()).collect();
             threads_run(&zeropp, &shape, &args, &predicted_path, Some(&link))?;
             let (psteps, _) = read_metrics(&predicted_path)?;
@@ -889,7 +889,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
         }
         rows.push((rate.clone(), row));
     }
-    let md = bench_report(&rows, &variants.iter().map(|v| v.0).collect::<Vec<_>>(), params, &model, steps);
+    let md = bench_report(&rows, &variants.iter().map(|v| v.0).collect::<Vec<_>>(), params, &model);
     let out = report_dir.join("cluster.md");
     std::fs::write(&out, &md).map_err(|e| format!("{}: {e}", out.display()))?;
     let csv = report_dir.join("cluster.csv");
@@ -900,17 +900,28 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
         }
     }
     std::fs::write(&csv, c).map_err(|e| format!("{}: {e}", csv.display()))?;
+    let svg = report_dir.join("cluster-speedup.svg");
+    plot_speedup(&rows, &variants.iter().map(|v| v.0).collect::<Vec<_>>(), &svg)
+        .map_err(|e| format!("{}: {e}", svg.display()))?;
     println!("{md}");
-    eprintln!("==> wrote {} and {}", out.display(), csv.display());
+    eprintln!("==> wrote {}, {} and {}", out.display(), csv.display(), svg.display());
     Ok(())
 }
 
-/// The `--link` of the thread backend for a cluster rate: the inter-node bandwidth per
-/// node uplink, intra-node as shared memory.
-fn link_for(rate: &str) -> String {
+/// The `--link` of the thread backend for a cluster rate. The link model gives every
+/// rank its own inter-node port, while on the cluster the `local_size` ranks of a node
+/// share one shaped uplink and send at the same time in every collective: each rank's
+/// port gets the uplink's rate / `local_size` (`ZEROPP_CLUSTER_LINK=per-rank` gives it
+/// the whole rate, the naive reading). Unshaped: the probe's order of magnitude.
+fn link_for(rate: &str, local_size: usize) -> String {
+    let share = if std::env::var("ZEROPP_CLUSTER_LINK").is_ok_and(|v| v == "per-rank") {
+        1.0
+    } else {
+        local_size as f64
+    };
     match rate_bits(rate) {
-        Some(bits) => format!("intra=10GB/s,inter={}B/s,latency=0", bits / 8.0),
-        None => "intra=10GB/s,inter=10GB/s,latency=0".into(),
+        Some(bits) => format!("intra=10GB/s,inter={}B/s,latency=0", bits / 8.0 / share),
+        None => format!("intra=10GB/s,inter={}B/s,latency=0", 1.2e9 / 8.0 / share),
     }
 }
 
@@ -921,19 +932,14 @@ fn steady_step_time(steps: &[Value]) -> f64 {
     if t.is_empty() { f64::NAN } else { t.iter().sum::<f64>() / t.len() as f64 }
 }
 
-fn bench_report(
-    rows: &[(String, Vec<(f64, f64)>)],
-    names: &[&str],
-    params: f64,
-    model: &str,
-    steps: usize,
-) -> String {
+fn bench_report(rows: &[(String, Vec<(f64, f64)>)], names: &[&str], params: f64, model: &str) -> String {
     let mut md = String::new();
     let _ = writeln!(md, "# bench `cluster`\n");
     let _ = writeln!(
         md,
         "2 nodes x 2 ranks (network namespaces, OpenMPI over TCP between nodes, shared memory within), \
-         model `{model}` ({:.2} M parameters), {steps} steps (the first left out), global batch 4. \
+         model `{model}` ({:.2} M parameters), global batch 4, median step time of 3 steps (below \
+         100 Mbit/s) or 12 (the first left out), no added delay. \
          Machine: {}.\n",
         params / 1e6,
         crate::machine()
@@ -969,4 +975,60 @@ fn bench_report(
         let _ = writeln!(md);
     }
     md
+}
+
+/// Speedup over ZeRO-3 against the inter-node bandwidth (log scale), one colour per
+/// variant: measured solid, link model dashed. Unshaped rows have no bandwidth and are
+/// left out.
+fn plot_speedup(rows: &[(String, Vec<(f64, f64)>)], names: &[&str], path: &Path) -> Result<(), String> {
+    use plotters::prelude::*;
+    let e = |x: &dyn std::fmt::Display| x.to_string();
+    let pts: Vec<(f64, &Vec<(f64, f64)>)> =
+        rows.iter().filter_map(|(r, row)| rate_bits(r).map(|b| (b / 1e6, row))).collect();
+    if pts.is_empty() {
+        return Err("no shaped rate to plot".into());
+    }
+    let (lo, hi) = pts.iter().fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let top = pts
+        .iter()
+        .flat_map(|(_, row)| row.iter().map(move |&(m, p)| (row[0].0 / m).max(row[0].1 / p)))
+        .fold(1.0f64, f64::max);
+    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE).map_err(|x| e(&x))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("speedup over ZeRO-3 vs inter-node bandwidth (2 nodes x 2, TCP)", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d((lo * 0.8..hi * 1.25).log_scale(), 0.0..top * 1.1)
+        .map_err(|x| e(&x))?;
+    chart
+        .configure_mesh()
+        .x_desc("inter-node rate per node uplink (Mbit/s)")
+        .y_desc("step-time speedup over ZeRO-3")
+        .draw()
+        .map_err(|x| e(&x))?;
+    for (i, name) in names.iter().enumerate().skip(1) {
+        let color = Palette99::pick(i).to_rgba();
+        let measured: Vec<(f64, f64)> = pts.iter().map(|(x, row)| (*x, row[0].0 / row[i].0)).collect();
+        let model: Vec<(f64, f64)> = pts.iter().map(|(x, row)| (*x, row[0].1 / row[i].1)).collect();
+        chart
+            .draw_series(LineSeries::new(measured, color.stroke_width(2)))
+            .map_err(|x| e(&x))?
+            .label(format!("{name} (measured)"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+        chart
+            .draw_series(DashedLineSeries::new(model, 6, 4, color.stroke_width(1)))
+            .map_err(|x| e(&x))?
+            .label(format!("{name} (link model)"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(1)));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|x| e(&x))?;
+    root.present().map_err(|x| e(&x))?;
+    Ok(())
 }
