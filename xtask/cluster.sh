@@ -24,7 +24,9 @@
 # --fault SPEC injects a network fault while the program runs:
 #   linkdown:NODE:SECONDS   set NODE's uplink down SECONDS after the start
 #   killnode:NODE:SECONDS   SIGKILL every process in NODE's namespace after SECONDS
-# The program's exit status is this script's exit status.
+# The program's exit status is this script's exit status. A job that reported a failure
+# (a fatal error, a dead rank) is ended ZEROPP_CLUSTER_GRACE seconds later (default 15)
+# if mpirun has not ended it by then.
 set -uo pipefail
 
 nodes=2 local_size=1 rate=unshaped delay=0ms loss="" jitter="" out="" time_limit=600
@@ -124,7 +126,7 @@ drop_random() {
 table inet zpploss {
   chain out {
     type filter hook output priority 0; policy accept;
-    oifname "$dev" numgen random mod 1000000 < $per_million drop
+    oifname "$dev" numgen random mod 1000000 < $per_million counter drop
   }
 }
 NFT
@@ -225,8 +227,37 @@ start=$(date +%s.%N)
 launch="$(printf '%q ' exec env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
   OMPI_MCA_rmaps_base_oversubscribe=1 mpirun --hostfile "$hostfile" -np $((nodes * local_size)) \
   --map-by "ppr:$local_size:node" "${mca[@]}" "$@")"
-timeout -k 10 "$time_limit" "$agent" "$(addr_of 0)" "$launch"
-rc=$?
+# The reaper: once the job has reported a failure (a rank's fatal error, or mpirun
+# noticing a dead rank), give mpirun GRACE seconds to end it, then end it here, as a
+# batch scheduler would. mpirun alone can wait forever for a daemon it cannot reach
+# (a node whose link is down).
+grace="${ZEROPP_CLUSTER_GRACE:-15}"
+reap() {
+  sleep "$grace"
+  echo "cluster: the job reported a failure and was still running ${grace}s later: ending it" >&2
+  local ns pid
+  for i in $(seq 0 $((nodes - 1))); do
+    ns="$(ns_of "$i")"
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
+  done
+}
+reaper=""
+while IFS= read -r line; do
+  printf '%s\n' "$line"
+  case "$line" in
+    *"fatal:"* | *"mpirun noticed"* | *"ORTE has lost communication"*)
+      if [ -z "$reaper" ]; then reap & reaper=$!; fi ;;
+  esac
+done < <(timeout -k 10 "$time_limit" "$agent" "$(addr_of 0)" "$launch" 2>&1; echo "$?" >"$out/.rc")
+rc="$(cat "$out/.rc" 2>/dev/null || echo 1)"
+rm -f "$out/.rc"
+[ -n "$reaper" ] && kill "$reaper" 2>/dev/null
+if [ -n "$loss" ]; then
+  for i in $(seq 0 $((nodes - 1))); do
+    dropped="$(ip netns exec "$(ns_of "$i")" nft list table inet zpploss 2>/dev/null | grep -o 'packets [0-9]*' | head -1)"
+    echo "cluster: node $i's uplink dropped ${dropped:-? packets} at random (--loss $loss%)" >&2
+  done
+fi
 end=$(date +%s.%N)
 [ -n "$fault_pid" ] && kill "$fault_pid" 2>/dev/null
 
