@@ -310,9 +310,10 @@ fn build_bandwidth_example() -> Result<PathBuf, String> {
 /// Achieved node-to-node bandwidth (bytes/s) through MPI at `rate`.
 fn measure_bandwidth(bin: &Path, rate: &str, out: &Path, bidi: bool) -> Result<f64, String> {
     let bits = rate_bits(rate).ok_or_else(|| format!("probe: cannot read the rate `{rate}`"))?;
-    // About 3 s of traffic at the configured rate (at least 4 MiB messages).
+    // About 3 s of traffic at the configured rate.
     let total = (bits / 8.0 * 3.0).max(8.0 * 1024.0 * 1024.0);
-    let msg = 4usize << 20;
+    // 1 MiB messages: below the cluster's eager limit (4 MiB), as in training.
+    let msg = 1usize << 20;
     let reps = ((total / msg as f64).ceil() as usize).max(2);
     let shape = Shape::new(2, 1, rate);
     let mut args = vec![msg.to_string(), reps.to_string()];
