@@ -68,7 +68,8 @@ addr_of() { echo "$subnet_prefix.$(($1 + 1))"; }
 
 created=()
 teardown() {
-  local ns pid
+  # A signal can arrive during `IFS= read` below, whose empty IFS the trap inherits.
+  local ns pid IFS=$' \t\n'
   for ns in "${created[@]+"${created[@]}"}"; do
     # Processes this run started in its namespaces (ranks, OpenMPI daemons).
     for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
@@ -235,7 +236,7 @@ grace="${ZEROPP_CLUSTER_GRACE:-15}"
 reap() {
   sleep "$grace"
   echo "cluster: the job reported a failure and was still running ${grace}s later: ending it" >&2
-  local ns pid
+  local ns pid IFS=$' \t\n'
   for i in $(seq 0 $((nodes - 1))); do
     ns="$(ns_of "$i")"
     for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null; done
