@@ -909,28 +909,33 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// The `--link` of the thread backend for a cluster rate. The link model gives every
-/// rank its own inter-node port, while on the cluster the `local_size` ranks of a node
-/// share one shaped uplink and send at the same time in every collective: each rank's
-/// port gets the uplink's rate / `local_size` (`ZEROPP_CLUSTER_LINK=per-rank` gives it
-/// the whole rate, the naive reading). Unshaped: the probe's order of magnitude.
+/// The `--link` of the thread backend for a cluster rate, with the two corrections
+/// the measurements asked for:
+/// - the link model gives every rank its own inter-node port, while on the cluster
+///   the `local_size` ranks of a node share one shaped uplink and all send at once in
+///   every collective: each rank's port gets the uplink's rate / `local_size`;
+/// - tbf counts Ethernet frames: TCP carries 1448 payload bytes per 1514-byte frame
+///   (0.956, what `cluster probe` measures one way).
+///
+/// `ZEROPP_CLUSTER_LINK=naive` gives each rank the whole rate instead. Unshaped: the
+/// 1.2 Gbit/s order of magnitude of the unshaped probe.
 fn link_for(rate: &str, local_size: usize) -> String {
-    let share = if std::env::var("ZEROPP_CLUSTER_LINK").is_ok_and(|v| v == "per-rank") {
-        1.0
-    } else {
-        local_size as f64
-    };
-    match rate_bits(rate) {
-        Some(bits) => format!("intra=10GB/s,inter={}B/s,latency=0", bits / 8.0 / share),
-        None => format!("intra=10GB/s,inter={}B/s,latency=0", 1.2e9 / 8.0 / share),
-    }
+    let naive = std::env::var("ZEROPP_CLUSTER_LINK").is_ok_and(|v| v == "naive");
+    let per_rank = if naive { 1.0 } else { 1448.0 / 1514.0 / local_size as f64 };
+    let bits = rate_bits(rate).unwrap_or(1.2e9);
+    format!("intra=10GB/s,inter={}B/s,latency=0", bits / 8.0 * per_rank)
 }
 
-/// Mean step time without the first step (warm-up: connection set-up, allocation).
+/// Median step time without the first step (warm-up: connection set-up, allocation).
 fn steady_step_time(steps: &[Value]) -> f64 {
-    let t: Vec<f64> =
+    let mut t: Vec<f64> =
         steps.iter().skip(1).filter_map(|s| s.get("step_time_s").and_then(Value::as_f64)).collect();
-    if t.is_empty() { f64::NAN } else { t.iter().sum::<f64>() / t.len() as f64 }
+    t.sort_by(f64::total_cmp);
+    match t.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => t[n / 2],
+        n => (t[n / 2 - 1] + t[n / 2]) / 2.0,
+    }
 }
 
 fn bench_report(rows: &[(String, Vec<(f64, f64)>)], names: &[&str], params: f64, model: &str) -> String {
