@@ -697,7 +697,14 @@ fn fault_tests(zeropp: &Path, base: &Path, t: &mut Tally) -> Result<(), String> 
             None,
         )
         .and_then(|()| same_losses(&m_loss, &reference))
-        .map(|d| format!("{d} ({:.1} s with 1% loss)", o.wall_s))
+        .and_then(|d| {
+            let drops: Vec<&str> = o.log.lines().filter(|l| l.contains("dropped")).collect();
+            if drops.is_empty() || drops.iter().any(|l| l.contains("packets 0 ") || l.contains("? packets")) {
+                Err(format!("no packet was dropped: {drops:?}"))
+            } else {
+                Ok(format!("{d} ({:.1} s); {}", o.wall_s, drops.join("; ")))
+            }
+        })
     } else {
         Err(tail(&o.log, 20))
     };
@@ -707,7 +714,8 @@ fn fault_tests(zeropp: &Path, base: &Path, t: &mut Tally) -> Result<(), String> 
     let out = base.join("linkdown");
     let ckpt = out.join("ckpt");
     let m = out.join("metrics.jsonl");
-    let steps = ["--mode", "zeropp", "--steps", "400", "--save-every", "5", "--timeout", "10"];
+    // Far more steps than 6 s allow (gpt-tiny takes milliseconds a step): the fault ends it.
+    let steps = ["--mode", "zeropp", "--steps", "1000000", "--save-every", "100", "--timeout", "10"];
     let mut targs = train_args(&shape, &steps, &common, &m);
     targs.extend(["--save".into(), ckpt.display().to_string()]);
     // The bound: the fault at 6 s, --timeout for rank 0's watchdog, the cluster's 15 s
@@ -741,7 +749,8 @@ fn fault_tests(zeropp: &Path, base: &Path, t: &mut Tally) -> Result<(), String> 
     // uninterrupted run to the same step.
     let resumed = (|| {
         let saved = read_metrics(&m).map(|(s, _)| s.len()).unwrap_or(0);
-        let resume_to = 400;
+        // The checkpoint is at or before the last step with metrics: resume past that.
+        let resume_to = saved + 50;
         let r_out = out.join("resumed.jsonl");
         let full_out = out.join("full.jsonl");
         let mut a: Vec<String> = ["--mode", "zeropp", "--steps", &resume_to.to_string()]
@@ -784,7 +793,8 @@ fn fault_tests(zeropp: &Path, base: &Path, t: &mut Tally) -> Result<(), String> 
     // Every rank of node 1 killed: the job ends with an error, node 0's ranks exit.
     let out = base.join("killnode");
     let m = out.join("metrics.jsonl");
-    let targs = train_args(&shape, &["--mode", "zeropp", "--steps", "400", "--timeout", "10"], &common, &m);
+    let targs =
+        train_args(&shape, &["--mode", "zeropp", "--steps", "1000000", "--timeout", "10"], &common, &m);
     let o = launch(
         &shape,
         &out,
