@@ -22,7 +22,8 @@ tasks:
   bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e) and the
                    fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds;
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
-                   writes a markdown summary to target/bench-report/NAME.md
+                   writes a markdown summary to target/bench-report/NAME.md; `cluster`: speedups
+                   over ZeRO-3 on the namespace cluster against the link model (root, ~7 min)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   cluster CMD      a real cluster on one machine: network namespaces, shaped links, OpenMPI over
                    TCP (`cluster run ... -- TRAIN_ARGS`, `cluster probe`; `cargo xtask cluster help`)
