@@ -1048,3 +1048,73 @@ fn plot_speedup(rows: &[(String, Vec<(f64, f64)>)], names: &[&str], path: &Path)
     root.present().map_err(|x| e(&x))?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_read_as_tc_writes_them() {
+        assert_eq!(rate_bits("100mbit"), Some(100e6));
+        assert_eq!(rate_bits("1gbit"), Some(1e9));
+        assert_eq!(rate_bits("1Gbit/s"), Some(1e9));
+        assert_eq!(rate_bits("12.5kbit"), Some(12.5e3));
+        assert_eq!(rate_bits("unshaped"), None);
+        assert_eq!(rate_bits("10MB/s"), None, "bytes per second are not a tc rate here");
+    }
+
+    #[test]
+    fn nodes_are_named_by_host_name_or_hostfile_address() {
+        assert_eq!(node_index("zpp-0555b0f-n0"), Some(0));
+        assert_eq!(node_index("zpp-0555b0f-n12"), Some(12));
+        assert_eq!(node_index("10.217.188.2"), Some(1));
+        assert_eq!(node_index("vm"), None);
+    }
+
+    /// Lines as OpenMPI 4.1 prints them with `btl_base_verbose` (from a 2 x 2 run).
+    const BML: &str = "\
+[zpp-0555b0f-n0:21946] mca: bml: Using vader btl for send to [[46993,1],1] on node zpp-0555b0f-n0
+[zpp-0555b0f-n0:21946] mca: bml: Using self btl for send to [[46993,1],0] on node zpp-0555b0f-n0
+[zpp-0555b0f-n1:21952] mca: bml: Using vader btl for send to [[46993,1],3] on node 10.217.188.2
+[zpp-0555b0f-n1:21952] mca: bml: Using tcp btl for send to [[46993,1],0] on node zpp-0555b0f-n0
+[zpp-0555b0f-n0:21946] mca: bml: Using tcp btl for send to [[46993,1],2] on node 10.217.188.2
+";
+
+    #[test]
+    fn transports_vader_within_tcp_across() {
+        assert_eq!(
+            transports(BML),
+            Ok("within a node: 2 pairs vader, 0 other; across nodes: 2 pairs tcp, 0 other".into())
+        );
+        // tcp inside a node, or vader across nodes, fails.
+        let wrong = BML
+            .replace("Using vader btl for send to [[46993,1],3]", "Using tcp btl for send to [[46993,1],3]");
+        assert!(transports(&wrong).is_err());
+        let wrong = BML
+            .replace("Using tcp btl for send to [[46993,1],0]", "Using vader btl for send to [[46993,1],0]");
+        assert!(transports(&wrong).is_err());
+        assert!(transports("").is_err(), "no bml lines at all is a failure");
+    }
+
+    #[test]
+    fn steady_step_time_is_the_median_after_the_first_step() {
+        let steps: Vec<Value> =
+            [9.0, 1.0, 3.0, 2.0].iter().map(|t| serde_json::json!({ "step_time_s": t })).collect();
+        assert_eq!(steady_step_time(&steps), 2.0);
+        assert_eq!(steady_step_time(&steps[..3]), 2.0);
+        assert!(steady_step_time(&steps[..1]).is_nan());
+    }
+
+    #[test]
+    fn the_link_model_shares_the_uplink_and_pays_tcp_framing() {
+        // 100 Mbit/s = 12.5 MB/s shared by 2 ranks, times 1448/1514.
+        let link = link_for("100mbit", 2);
+        let bw: f64 = link
+            .split("inter=")
+            .nth(1)
+            .and_then(|s| s.split("B/s").next())
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(f64::NAN);
+        assert!((bw - 12.5e6 / 2.0 * 1448.0 / 1514.0).abs() < 1.0, "{link}");
+    }
+}
