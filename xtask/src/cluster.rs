@@ -920,20 +920,16 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
 }
 
 /// The `--link` of the thread backend for a cluster rate, with the two corrections
-/// the measurements asked for:
-/// - the link model gives every rank its own inter-node port, while on the cluster
-///   the `local_size` ranks of a node share one shaped uplink and all send at once in
-///   every collective: each rank's port gets the uplink's rate / `local_size`;
-/// - tbf counts Ethernet frames: TCP carries 1448 payload bytes per 1514-byte frame
-///   (0.956, what `cluster probe` measures one way).
-///
-/// `ZEROPP_CLUSTER_LINK=naive` gives each rank the whole rate instead. Unshaped: the
-/// 1.2 Gbit/s order of magnitude of the unshaped probe.
+/// the measurements asked for (see `LinkModel::parse`): the node's ranks share one
+/// uplink (`inter_share`), and tbf counts Ethernet frames, of which TCP payload is 0.956
+/// (`inter_framing=tcp`, what `cluster probe` measures one way).
+/// `ZEROPP_CLUSTER_LINK=naive` leaves both out. Unshaped: the 1.2 Gbit/s order of
+/// magnitude of the unshaped probe.
 fn link_for(rate: &str, local_size: usize) -> String {
     let naive = std::env::var("ZEROPP_CLUSTER_LINK").is_ok_and(|v| v == "naive");
-    let per_rank = if naive { 1.0 } else { 1448.0 / 1514.0 / local_size as f64 };
     let bits = rate_bits(rate).unwrap_or(1.2e9);
-    format!("intra=10GB/s,inter={}B/s,latency=0", bits / 8.0 * per_rank)
+    let fix = if naive { String::new() } else { format!(",inter_share={local_size},inter_framing=tcp") };
+    format!("intra=10GB/s,inter={bits}bit/s,latency=0{fix}")
 }
 
 /// Median step time without the first step (warm-up: connection set-up, allocation).
@@ -1107,14 +1103,9 @@ mod tests {
 
     #[test]
     fn the_link_model_shares_the_uplink_and_pays_tcp_framing() {
-        // 100 Mbit/s = 12.5 MB/s shared by 2 ranks, times 1448/1514.
-        let link = link_for("100mbit", 2);
-        let bw: f64 = link
-            .split("inter=")
-            .nth(1)
-            .and_then(|s| s.split("B/s").next())
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(f64::NAN);
-        assert!((bw - 12.5e6 / 2.0 * 1448.0 / 1514.0).abs() < 1.0, "{link}");
+        assert_eq!(
+            link_for("100mbit", 2),
+            "intra=10GB/s,inter=100000000bit/s,latency=0,inter_share=2,inter_framing=tcp"
+        );
     }
 }
