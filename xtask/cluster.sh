@@ -9,7 +9,8 @@
 #   holds a bridge; each node's uplink is a veth pair created straight into the two
 #   namespaces, so no interface or address ever exists outside the namespaces this run
 #   creates (the host's own network is not touched, and two runs cannot collide: ID is
-#   unique per run and the subnet is private to the run's switch).
+#   unique among running runs, `ip netns add` refuses a name that exists, and the
+#   subnet is private to the run's switch).
 # - Each uplink is shaped in both directions: tbf at RATE (`unshaped`: none), under a
 #   netem parent when DELAY or jitter is set (delay/2 each way, so a node-to-node one-way
 #   delay of DELAY). LOSS (percent) drops packets at random on each node's egress with
@@ -23,7 +24,7 @@
 #
 # --fault SPEC injects a network fault while the program runs:
 #   linkdown:NODE:SECONDS   set NODE's uplink down SECONDS after the start
-#   killnode:NODE:SECONDS   SIGKILL every process in NODE's namespace after SECONDS
+#   killnode:NODE:SECONDS   SIGKILL every rank on NODE (not OpenMPI's daemon) after SECONDS
 # The program's exit status is this script's exit status. A job that reported a failure
 # (a fatal error, a dead rank) is ended ZEROPP_CLUSTER_GRACE seconds later (default 15)
 # if mpirun has not ended it by then.
@@ -52,7 +53,8 @@ done
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
 
-# Unique per run: the pid (its low 20 bits) and 8 random bits, 7 hex digits.
+# The pid (its low 20 bits) and 8 random bits, 7 hex digits. Should two live runs ever
+# draw the same ID, the second stops at `ip netns add` (before touching anything).
 rnd=$(od -An -N3 -tu1 /dev/urandom | tr -s ' ' | sed 's/^ //')
 read -r r1 r2 r3 <<<"$rnd"
 id="$(printf '%05x%02x' $(($$ % 1048576)) "$r3")"
