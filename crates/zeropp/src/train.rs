@@ -53,7 +53,7 @@ pub(crate) struct RunArgs {
     /// Baseline communication dtype.
     #[arg(long = "comm-dtype", value_enum, default_value_t = DtypeArg::Bf16)]
     pub comm_dtype: DtypeArg,
-    /// Model: a preset (gpt-tiny, gpt, gpt-1m, gpt-10m, gpt-40m, gpt2-small, mlp, mlp-tiny) or a GPT shape like gpt:d=768,layers=12,heads=12,seq=256.
+    /// Model: a preset (gpt-tiny, gpt, gpt-1m, gpt-medium, gpt-10m, gpt-40m, gpt2-small, mlp, mlp-tiny) or a GPT shape like gpt:d=768,layers=12,heads=12,seq=256.
     #[arg(long, default_value = "gpt", long_help = model_help())]
     pub model: String,
     /// Training text file (default: the project's generated Markov text).

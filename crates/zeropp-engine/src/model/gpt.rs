@@ -68,7 +68,7 @@ impl GptConfig {
     }
 
     /// The named model sizes, smallest first: `gpt-tiny`, `gpt` (the default),
-    /// then `gpt-1m`, `gpt-10m`, `gpt-40m` and `gpt2-small` (GPT-2 small's shape:
+    /// then `gpt-1m`, `gpt-medium`, `gpt-10m`, `gpt-40m` and `gpt2-small` (GPT-2 small's shape:
     /// width 768, 12 blocks, 12 heads, context 1024).
     ///
     /// Vocabularies are byte-level (256 here; training uses the data's). GPT-2
@@ -83,11 +83,13 @@ impl GptConfig {
     /// assert!((85_000_000..87_000_000).contains(&g.num_params()));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    pub fn presets() -> [(&'static str, Self); 6] {
+    pub fn presets() -> [(&'static str, Self); 7] {
         [
             ("gpt-tiny", Self::tiny()),
             ("gpt", Self::default_small()),
             ("gpt-1m", Self::shape(128, 5, 4, 128)),
+            // Communication-bound over a slow link (`cargo xtask bench cluster`).
+            ("gpt-medium", Self { seq_len: 32, d_model: 256, n_layer: 3, ..Self::default_small() }),
             ("gpt-10m", Self::shape(384, 6, 6, 256)),
             ("gpt-40m", Self::shape(640, 8, 10, 256)),
             ("gpt2-small", Self::shape(768, 12, 12, 1024)),
