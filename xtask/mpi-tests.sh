@@ -213,6 +213,16 @@ else
   tail -20 "$E2E_DIR/save-threads.log"
   fail "checkpoint: threads save"
 fi
+# Each rank reads only the shard files its state overlaps: a corrupt one fails every
+# rank anyway (they agree on the outcome), the ones that read it naming the file.
+if [ -d "$E2E_DIR/ckpt-threads" ]; then
+  rm -rf "$E2E_DIR/ckpt-corrupt"
+  cp -r "$E2E_DIR/ckpt-threads" "$E2E_DIR/ckpt-corrupt"
+  shard="$E2E_DIR/ckpt-corrupt/$(cat "$E2E_DIR/ckpt-corrupt/LATEST")/rank-00005-of-00008.safetensors"
+  python3 -c 'import sys; p = sys.argv[1]; b = bytearray(open(p, "rb").read()); b[-3] ^= 1; open(p, "wb").write(b)' "$shard"
+  run "checkpoint: a corrupt shard fails every mpi rank" fail "rank 5 could not load its checkpoint state" -- \
+    -np 8 "$zeropp" train --backend mpi --local-size 4 "${TRAIN_ARGS[@]}" --resume "$E2E_DIR/ckpt-corrupt"
+fi
 
 echo
 for f in "${failures[@]+"${failures[@]}"}"; do echo "failed: $f"; done

@@ -10,8 +10,10 @@ use std::process::{Command, ExitCode};
 
 use serde_json::Value;
 
+mod cluster;
 mod gpu;
 mod ptx;
+mod scale;
 
 const HELP: &str = "\
 cargo xtask <task>
@@ -24,7 +26,10 @@ tasks:
   bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e), `gpu`, and the
                    fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds;
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
-                   writes a markdown summary to target/bench-report/NAME.md
+                   writes a markdown summary to target/bench-report/NAME.md; `cluster`: speedups
+                   over ZeRO-3 on the namespace cluster against the link model (root, ~7 min);
+                   `scale`: GPT sizes 1M..GPT-2 small on 2x4 threads (tokens/s, time split, memory,
+                   bytes, GEMM vs numpy/OpenBLAS; ZEROPP_SCALE_SIZES, ZEROPP_SCALE_SEQ)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
@@ -34,6 +39,10 @@ tasks:
                    `bench gpu` benchmarks the kernels against device memcpy;
                    `bench gpu-comm` the device collectives (qgZ/qwZ vs bf16; host-simulated + GPU);
                    `gpu nccl`: NCCL across the visible GPUs under mpirun (skips below 2 GPUs)
+  cluster CMD      a real cluster on one machine: network namespaces, shaped links, OpenMPI over
+                   TCP (`cluster run ... -- TRAIN_ARGS`, `cluster probe`; `cargo xtask cluster help`)
+  test-cluster     the cluster tests (root, iproute2, OpenMPI; `--full`: 2x4 too, `--faults`:
+                   network faults); run by `ci`, which fails instead of skipping under CI=true
   help             this text
 ";
 
@@ -54,6 +63,8 @@ fn main() -> ExitCode {
         Some("test-mpi") => test_mpi(),
         Some("ptx") => ptx::ptx(&args[1..]),
         Some("gpu") => gpu::gpu(&args[1..]),
+        Some("cluster") => cluster::main(&args[1..]),
+        Some("test-cluster") => cluster::test(&args[1..]),
         Some("help") | Some("--help") | Some("-h") | None => {
             print!("{HELP}");
             Ok(())
@@ -132,6 +143,10 @@ fn ci(args: &[String]) -> Result<(), String> {
     } else {
         eprintln!("\n==> MPI tests skipped: no `mpirun` on PATH (install libopenmpi-dev openmpi-bin)");
     }
+    if !no_mpi {
+        // Skips (one counted line) without root/netns/mpirun; fails instead under CI=true.
+        cluster::test(&[])?;
+    }
     eprintln!("\nxtask ci: all green");
     Ok(())
 }
@@ -184,10 +199,18 @@ fn bench(args: &[String]) -> Result<(), String> {
             gpu::bench_comm(&report_dir)?;
             continue;
         }
+        if name == "scale" {
+            scale::scale(&report_dir)?;
+            continue;
+        }
+        if name == "cluster" {
+            cluster::bench(&report_dir)?;
+            continue;
+        }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
             return Err(format!(
-                "unknown bench `{name}` (known: {}, fidelity, gpu, gpu-comm)",
+                "unknown bench `{name}` (known: {}, fidelity, gpu, gpu-comm, scale, cluster)",
                 known.join(", ")
             ));
         };

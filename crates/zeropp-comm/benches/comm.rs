@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput, criterion_group, criterion_main};
 use zeropp_comm::collectives::{
     DenseWire, QgzOptions, QwzOptions, Reduce, Routing, all_gather_f32, all_gather_f32_via_bf16,
-    qgz_reduce_scatter, qwz_all_gather, reduce_scatter, reduce_scatter_bf16_wire, shard_len,
-    world_all_gather, world_reduce_scatter,
+    dense_reduce_scatter, qgz_reduce_scatter, qwz_all_gather, reduce_scatter, shard_len, world_all_gather,
+    world_reduce_scatter,
 };
 use zeropp_comm::{
     CommError, CommExt, Communicator, Group, ThreadCluster, ThreadComm, ThreadOptions, Topology,
@@ -92,7 +92,7 @@ fn step(comm: &mut ThreadComm, op: Op, b: &mut Bufs) -> Result<(), CommError> {
         }
         Op::ReduceScatterF32 => reduce_scatter(comm, &world, &b.full_in, &mut b.shard_out, Reduce::Mean),
         Op::ReduceScatterBf16 => {
-            reduce_scatter_bf16_wire(comm, &world, &b.full_in, &mut b.shard_out, Reduce::Mean)
+            dense_reduce_scatter(comm, &world, DenseWire::Bf16, &b.full_in, &mut b.shard_out, Reduce::Mean)
         }
         Op::Qgz => qgz_reduce_scatter(comm, &b.full_in, &mut b.shard_out, &QgzOptions::default()),
         Op::WorldAllGatherBf16(routing) => {

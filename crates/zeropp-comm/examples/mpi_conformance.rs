@@ -67,6 +67,23 @@ fn groups(topo: &Topology, rank: usize) -> Vec<(&'static str, Group)> {
 
 const SIZES: &[usize] = &[0, 1, 5, 64, 1021];
 
+/// The reference sum: element `e` is `Σ x(r, e)` over the members `r` of `g`, in
+/// group order from zero.
+fn member_sum(g: &Group, len: usize, x: impl Fn(usize, usize) -> f32) -> Vec<f32> {
+    let mut want = vec![0.0f32; len];
+    for &r in g.ranks() {
+        for (e, w) in want.iter_mut().enumerate() {
+            *w += x(r, e);
+        }
+    }
+    want
+}
+
+/// Equal to the bit (so -0.0 differs from 0.0 and NaN payloads count).
+fn bitwise_eq(a: &[f32], b: &[f32]) -> bool {
+    a.iter().map(|x| x.to_bits()).eq(b.iter().map(|x| x.to_bits()))
+}
+
 /// The workload whose results and traffic are compared across backends; returns
 /// the number of checks that passed.
 fn workload<C: Communicator + ?Sized>(
@@ -120,13 +137,7 @@ fn workload<C: Communicator + ?Sized>(
             let send: Vec<f32> = (0..gs).flat_map(|j| (0..len).map(move |e| values(me, j, e))).collect();
             let mut recv = vec![f32::NAN; len];
             ctx(&what, comm.reduce_scatter_f32(&g, &send, &mut recv))?;
-            let mut want = vec![0.0f32; len];
-            for &r in g.ranks() {
-                for (e, w) in want.iter_mut().enumerate() {
-                    *w += values(r, i, e);
-                }
-            }
-            if recv.iter().map(|x| x.to_bits()).ne(want.iter().map(|x| x.to_bits())) {
+            if !bitwise_eq(&recv, &member_sum(&g, len, |r, e| values(r, i, e))) {
                 return fail(format!("reduce_scatter {what}: wrong sums"));
             }
             checks += 1;
@@ -134,13 +145,7 @@ fn workload<C: Communicator + ?Sized>(
             comm.set_op(&format!("all_reduce/{name}"));
             let mut buf: Vec<f32> = (0..len).map(|e| values(me, 1, e)).collect();
             ctx(&what, comm.all_reduce_f32(&g, &mut buf))?;
-            let mut want = vec![0.0f32; len];
-            for &r in g.ranks() {
-                for (e, w) in want.iter_mut().enumerate() {
-                    *w += values(r, 1, e);
-                }
-            }
-            if buf.iter().map(|x| x.to_bits()).ne(want.iter().map(|x| x.to_bits())) {
+            if !bitwise_eq(&buf, &member_sum(&g, len, |r, e| values(r, 1, e))) {
                 return fail(format!("all_reduce {what}: wrong sums"));
             }
             checks += 1;

@@ -4,7 +4,7 @@
 //! Order: the group (every member inside the world), then membership of the
 //! caller, then the primitive's own arguments (buffer lengths, counts, root).
 
-use crate::{CommError, Group, Primitive, Topology};
+use crate::{CommError, Group, Primitive, RawCall, Topology};
 
 /// Checks that `group` fits the world and contains `rank`; returns the caller's
 /// group index. Both failures are [`CommError::InvalidGroup`].
@@ -26,20 +26,75 @@ pub(crate) fn member(
     })
 }
 
-/// `recv == send · g`.
-pub(crate) fn all_gather(group: &Group, send: usize, recv: usize) -> Result<(), CommError> {
-    let g = group.size();
-    if send.checked_mul(g) != Some(recv) {
-        return Err(CommError::Mismatch(format!(
-            "{}: receive buffer of {recv} bytes for {g} chunks of {send} bytes",
-            Primitive::AllGather
-        )));
+/// The arguments of `call` by member `index` of `group`, after [`member`].
+pub(crate) fn arguments(group: &Group, index: usize, call: &RawCall<'_>) -> Result<(), CommError> {
+    let shape = match call {
+        RawCall::AllGather { send, recv } | RawCall::AllToAll { send, recv } => {
+            Shape::buffers(send.len(), recv.len())
+        }
+        RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+            Shape { send_counts, recv_counts, ..Shape::buffers(send.len(), recv.len()) }
+        }
+        RawCall::ReduceScatter { send, recv } => Shape::buffers(send.len(), recv.len()),
+        RawCall::Broadcast { root, .. } => Shape { root: *root, ..Shape::buffers(0, 0) },
+        RawCall::AllReduce { .. } | RawCall::Barrier => Shape::buffers(0, 0),
+    };
+    arguments_of(group, index, call.primitive(), &shape)
+}
+
+/// The lengths [`arguments_of`] checks: bytes (elements for the f32 primitives),
+/// counts, root. Host calls ([`arguments`]) and device calls
+/// (`device::DeviceCommunicator`) both reduce to it, so they fail alike.
+pub(crate) struct Shape<'a> {
+    pub(crate) send: usize,
+    pub(crate) send_counts: &'a [usize],
+    pub(crate) recv: usize,
+    pub(crate) recv_counts: &'a [usize],
+    pub(crate) root: usize,
+}
+
+impl Shape<'_> {
+    /// Two buffer lengths, no counts, root 0.
+    pub(crate) fn buffers(send: usize, recv: usize) -> Self {
+        Shape { send, send_counts: &[], recv, recv_counts: &[], root: 0 }
     }
-    Ok(())
+}
+
+/// The arguments of primitive `p` with lengths `shape`, by member `index` of `group`.
+pub(crate) fn arguments_of(
+    group: &Group,
+    index: usize,
+    p: Primitive,
+    shape: &Shape<'_>,
+) -> Result<(), CommError> {
+    let g = group.size();
+    let (send, recv) = (shape.send, shape.recv);
+    match p {
+        Primitive::AllGather => whole_of_chunks(g, send, recv, || {
+            format!("{p}: receive buffer of {recv} bytes for {g} chunks of {send} bytes")
+        }),
+        Primitive::AllToAll => all_to_all(group, send, recv).map(drop),
+        Primitive::AllToAllV => all_to_all_v(group, index, send, shape.send_counts, recv, shape.recv_counts),
+        Primitive::ReduceScatter => whole_of_chunks(g, recv, send, || {
+            format!("{p}: send of {send} elements for {g} chunks of {recv}")
+        }),
+        Primitive::Broadcast => broadcast(group, shape.root).map(drop),
+        Primitive::AllReduce | Primitive::Barrier => Ok(()),
+    }
+}
+
+/// `whole == chunk · g`, else a [`CommError::Mismatch`] saying `why()`.
+fn whole_of_chunks(
+    g: usize,
+    chunk: usize,
+    whole: usize,
+    why: impl FnOnce() -> String,
+) -> Result<(), CommError> {
+    if chunk.checked_mul(g) == Some(whole) { Ok(()) } else { Err(CommError::Mismatch(why())) }
 }
 
 /// `send == recv`, a multiple of `g`; returns the chunk length.
-pub(crate) fn all_to_all(group: &Group, send: usize, recv: usize) -> Result<usize, CommError> {
+fn all_to_all(group: &Group, send: usize, recv: usize) -> Result<usize, CommError> {
     let g = group.size();
     if send != recv || !send.is_multiple_of(g) {
         return Err(CommError::Mismatch(format!(
@@ -52,7 +107,7 @@ pub(crate) fn all_to_all(group: &Group, send: usize, recv: usize) -> Result<usiz
 
 /// `g` counts each, adding up to the buffer lengths, the caller's own chunk the
 /// same both ways.
-pub(crate) fn all_to_all_v(
+fn all_to_all_v(
     group: &Group,
     index: usize,
     send: usize,
@@ -84,18 +139,6 @@ pub(crate) fn all_to_all_v(
         }
         _ => Err(CommError::InvalidGroup(format!("{p}: group index {index} in a group of {g}"))),
     }
-}
-
-/// `send == recv · g` (elements).
-pub(crate) fn reduce_scatter(group: &Group, send: usize, recv: usize) -> Result<(), CommError> {
-    let g = group.size();
-    if recv.checked_mul(g) != Some(send) {
-        return Err(CommError::Mismatch(format!(
-            "{}: send of {send} elements for {g} chunks of {recv}",
-            Primitive::ReduceScatter
-        )));
-    }
-    Ok(())
 }
 
 /// `root` is a group index; returns the root's global rank.

@@ -10,9 +10,9 @@
 //! callers use ([`Communicator::all_gather_bytes`], …) are *provided* methods: they
 //! validate the group and the arguments once, for every backend (so every backend
 //! reports the same [`CommError`] variant with the same words), hand the call to the
-//! backend's `raw_*` hook, and count the traffic once the hook succeeded (so every
+//! backend's [`Communicator::raw`] hook, and count the traffic once the hook succeeded (so every
 //! backend counts the same bytes, see [`crate::threads`] for the table). A backend
-//! implements only the hooks, which may assume valid arguments, plus
+//! implements only the hook, which may assume valid arguments, plus
 //! [`Communicator::raw_reject`] when its peers must learn that a member rejected
 //! its arguments (the MPI backend does, so no peer waits forever).
 
@@ -79,13 +79,149 @@ impl fmt::Display for Primitive {
     }
 }
 
-/// Records one message of `bytes` to and one from every other member of `group`
-/// (the counter skips the caller itself).
-fn record_exchange(traffic: &mut TrafficCounter, group: &Group, bytes: usize) {
-    for &peer in group.ranks() {
-        traffic.record_send(peer, bytes);
-        traffic.record_recv(peer, bytes);
+/// One primitive's arguments, as the checked methods of [`Communicator`] hand them
+/// to the backend's [`Communicator::raw`] hook, already validated (the conditions
+/// under each variant hold; the caller is member `index` of `group`).
+///
+/// ```
+/// use zeropp_comm::{Primitive, RawCall};
+/// let call = RawCall::Broadcast { root: 0, buf: &mut [0u8; 4] };
+/// assert_eq!(call.primitive(), Primitive::Broadcast);
+/// ```
+#[derive(Debug)]
+pub enum RawCall<'a> {
+    /// [`Communicator::all_gather_bytes`]: `recv.len() == send.len() * group.size()`.
+    AllGather {
+        /// This member's chunk.
+        send: &'a [u8],
+        /// Every member's chunk, in group order.
+        recv: &'a mut [u8],
+    },
+    /// [`Communicator::all_to_all_bytes`]: both buffers are `chunk * group.size()` bytes.
+    AllToAll {
+        /// Chunk `i` goes to member `i`.
+        send: &'a [u8],
+        /// Chunk `j` comes from member `j`.
+        recv: &'a mut [u8],
+    },
+    /// [`Communicator::all_to_all_v_bytes`]: one count per member, the counts add
+    /// up to the buffer lengths and `send_counts[index] == recv_counts[index]`.
+    /// Whether a peer sends what the caller expects is the hook's to find out.
+    AllToAllV {
+        /// Consecutive chunks, one per member.
+        send: &'a [u8],
+        /// The length of each chunk of `send`.
+        send_counts: &'a [usize],
+        /// Consecutive chunks, one per member.
+        recv: &'a mut [u8],
+        /// The length of each chunk of `recv`.
+        recv_counts: &'a [usize],
+    },
+    /// [`Communicator::reduce_scatter_f32`]: `send.len() == recv.len() * group.size()`.
+    ReduceScatter {
+        /// Chunk `i` is this member's part of member `i`'s sum.
+        send: &'a [f32],
+        /// This member's chunk of the sum.
+        recv: &'a mut [f32],
+    },
+    /// [`Communicator::all_reduce_f32`].
+    AllReduce {
+        /// Summed in place.
+        buf: &'a mut [f32],
+    },
+    /// [`Communicator::broadcast_bytes`]: `root` is a valid group index.
+    Broadcast {
+        /// The group index of the member whose `buf` is copied.
+        root: usize,
+        /// The root's data, or where it lands.
+        buf: &'a mut [u8],
+    },
+    /// [`Communicator::barrier`].
+    Barrier,
+}
+
+impl RawCall<'_> {
+    /// The primitive these are the arguments of.
+    pub fn primitive(&self) -> Primitive {
+        match self {
+            RawCall::AllGather { .. } => Primitive::AllGather,
+            RawCall::AllToAll { .. } => Primitive::AllToAll,
+            RawCall::AllToAllV { .. } => Primitive::AllToAllV,
+            RawCall::ReduceScatter { .. } => Primitive::ReduceScatter,
+            RawCall::AllReduce { .. } => Primitive::AllReduce,
+            RawCall::Broadcast { .. } => Primitive::Broadcast,
+            RawCall::Barrier => Primitive::Barrier,
+        }
     }
+
+    /// The same call on reborrowed buffers (to keep the lengths after the hook).
+    fn reborrow(&mut self) -> RawCall<'_> {
+        match self {
+            RawCall::AllGather { send, recv } => RawCall::AllGather { send, recv },
+            RawCall::AllToAll { send, recv } => RawCall::AllToAll { send, recv },
+            RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+                RawCall::AllToAllV { send, send_counts, recv, recv_counts }
+            }
+            RawCall::ReduceScatter { send, recv } => RawCall::ReduceScatter { send, recv },
+            RawCall::AllReduce { buf } => RawCall::AllReduce { buf },
+            RawCall::Broadcast { root, buf } => RawCall::Broadcast { root: *root, buf },
+            RawCall::Barrier => RawCall::Barrier,
+        }
+    }
+
+    /// Counts the traffic of this (successful) call by member `index` of `group`:
+    /// the table of the checked methods' docs.
+    fn record(&self, traffic: &mut TrafficCounter, group: &Group, index: usize) {
+        let each = |traffic: &mut TrafficCounter, bytes: usize| {
+            for &peer in group.ranks() {
+                traffic.record_send(peer, bytes);
+                traffic.record_recv(peer, bytes);
+            }
+        };
+        match self {
+            RawCall::AllGather { send, .. } => each(traffic, send.len()),
+            RawCall::AllToAll { send, .. } => each(traffic, send.len() / group.size()),
+            RawCall::AllToAllV { send_counts, recv_counts, .. } => {
+                for ((&peer, &s), &r) in group.ranks().iter().zip(*send_counts).zip(*recv_counts) {
+                    traffic.record_send(peer, s);
+                    traffic.record_recv(peer, r);
+                }
+            }
+            RawCall::ReduceScatter { recv, .. } => each(traffic, 4 * recv.len()),
+            RawCall::AllReduce { buf } => {
+                let k = buf.len().div_ceil(group.size());
+                each(traffic, 4 * k);
+                each(traffic, 4 * k);
+            }
+            RawCall::Broadcast { root, buf } if *root == index => {
+                group.ranks().iter().for_each(|&peer| traffic.record_send(peer, buf.len()));
+            }
+            RawCall::Broadcast { root, buf } => {
+                if let Some(r) = group.rank_at(*root) {
+                    traffic.record_recv(r, buf.len());
+                }
+            }
+            RawCall::Barrier => each(traffic, 0),
+        }
+    }
+}
+
+/// The checked path of every primitive: the group, then the arguments (a
+/// rejection goes through [`Communicator::raw_reject`]), the backend's hook, and
+/// the traffic once the hook succeeded.
+fn checked<C: Communicator + ?Sized>(
+    comm: &mut C,
+    group: &Group,
+    mut call: RawCall<'_>,
+) -> Result<(), CommError> {
+    let p = call.primitive();
+    let me = check::member(comm.topology(), comm.rank(), group, p)?;
+    if let Err(e) = check::arguments(group, me, &call) {
+        return Err(comm.raw_reject(group, me, p, e));
+    }
+    comm.raw(group, me, call.reborrow())?;
+    call.record(comm.traffic_mut(), group, me);
+    Ok(())
 }
 
 /// A rank's handle on the job: group collectives on byte and `f32` buffers.
@@ -121,11 +257,15 @@ fn record_exchange(traffic: &mut TrafficCounter, group: &Group, bytes: usize) {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub trait Communicator: Send {
-    /// This rank's global rank.
-    fn rank(&self) -> usize;
+    /// This rank's global rank (by default, the rank its traffic is counted for).
+    fn rank(&self) -> usize {
+        self.traffic().rank()
+    }
 
-    /// The job's topology.
-    fn topology(&self) -> &Topology;
+    /// The job's topology (by default, the one its traffic is classed by).
+    fn topology(&self) -> &Topology {
+        self.traffic().topology()
+    }
 
     /// The traffic counters of this communicator.
     fn traffic(&self) -> &TrafficCounter;
@@ -135,43 +275,28 @@ pub trait Communicator: Send {
 
     /// Gathers `send` from every member: `recv.len() == send.len() * group.size()`.
     ///
-    /// Validates, calls [`Communicator::raw_all_gather_bytes`], then counts
-    /// `send.len()` bytes to and from every other member.
+    /// Validates, calls [`Communicator::raw`] with [`RawCall::AllGather`], then
+    /// counts `send.len()` bytes to and from every other member.
     fn all_gather_bytes(&mut self, group: &Group, send: &[u8], recv: &mut [u8]) -> Result<(), CommError> {
-        let p = Primitive::AllGather;
-        let me = check::member(self.topology(), self.rank(), group, p)?;
-        if let Err(e) = check::all_gather(group, send.len(), recv.len()) {
-            return Err(self.raw_reject(group, me, p, e));
-        }
-        self.raw_all_gather_bytes(group, me, send, recv)?;
-        record_exchange(self.traffic_mut(), group, send.len());
-        Ok(())
+        checked(self, group, RawCall::AllGather { send, recv })
     }
 
     /// Equal-chunk all-to-all: chunk `i` of `send` goes to member `i`; chunk `j` of
     /// `recv` comes from member `j`. Both lengths are `chunk * group.size()`.
     ///
-    /// Validates, calls [`Communicator::raw_all_to_all_bytes`], then counts one
-    /// chunk to and from every other member.
+    /// Validates, calls [`Communicator::raw`] with [`RawCall::AllToAll`], then
+    /// counts one chunk to and from every other member.
     fn all_to_all_bytes(&mut self, group: &Group, send: &[u8], recv: &mut [u8]) -> Result<(), CommError> {
-        let p = Primitive::AllToAll;
-        let me = check::member(self.topology(), self.rank(), group, p)?;
-        let chunk = match check::all_to_all(group, send.len(), recv.len()) {
-            Ok(c) => c,
-            Err(e) => return Err(self.raw_reject(group, me, p, e)),
-        };
-        self.raw_all_to_all_bytes(group, me, send, recv)?;
-        record_exchange(self.traffic_mut(), group, chunk);
-        Ok(())
+        checked(self, group, RawCall::AllToAll { send, recv })
     }
 
     /// Variable-chunk all-to-all: `send_counts[i]` bytes (consecutive in `send`) go to
     /// member `i`; `recv_counts[j]` bytes (consecutive in `recv`) come from member `j`.
     ///
     /// Validates (one count per member, counts adding up to the buffer lengths, the
-    /// caller's own chunk the same both ways), calls
-    /// [`Communicator::raw_all_to_all_v_bytes`], then counts `send_counts[j]` bytes
-    /// to and `recv_counts[j]` from every other member `j`.
+    /// caller's own chunk the same both ways), calls [`Communicator::raw`] with
+    /// [`RawCall::AllToAllV`], then counts `send_counts[j]` bytes to and
+    /// `recv_counts[j]` from every other member `j`.
     fn all_to_all_v_bytes(
         &mut self,
         group: &Group,
@@ -180,83 +305,42 @@ pub trait Communicator: Send {
         recv: &mut [u8],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        let p = Primitive::AllToAllV;
-        let me = check::member(self.topology(), self.rank(), group, p)?;
-        if let Err(e) = check::all_to_all_v(group, me, send.len(), send_counts, recv.len(), recv_counts) {
-            return Err(self.raw_reject(group, me, p, e));
-        }
-        self.raw_all_to_all_v_bytes(group, me, send, send_counts, recv, recv_counts)?;
-        let traffic = self.traffic_mut();
-        for ((&peer, &s), &r) in group.ranks().iter().zip(send_counts).zip(recv_counts) {
-            traffic.record_send(peer, s);
-            traffic.record_recv(peer, r);
-        }
-        Ok(())
+        checked(self, group, RawCall::AllToAllV { send, send_counts, recv, recv_counts })
     }
 
     /// Sum-reduce-scatter: `send.len() == recv.len() * group.size()`; member `i`
     /// receives the element-wise sum of chunk `i` over all members, summed in group
     /// order starting from zero.
     ///
-    /// Validates, calls [`Communicator::raw_reduce_scatter_f32`], then counts
-    /// `4·recv.len()` bytes to and from every other member.
+    /// Validates, calls [`Communicator::raw`] with [`RawCall::ReduceScatter`], then
+    /// counts `4·recv.len()` bytes to and from every other member.
     fn reduce_scatter_f32(&mut self, group: &Group, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
-        let p = Primitive::ReduceScatter;
-        let me = check::member(self.topology(), self.rank(), group, p)?;
-        if let Err(e) = check::reduce_scatter(group, send.len(), recv.len()) {
-            return Err(self.raw_reject(group, me, p, e));
-        }
-        self.raw_reduce_scatter_f32(group, me, send, recv)?;
-        record_exchange(self.traffic_mut(), group, 4 * recv.len());
-        Ok(())
+        checked(self, group, RawCall::ReduceScatter { send, recv })
     }
 
     /// Element-wise sum over all members, in place (in group order, from zero).
     ///
-    /// Validates the group, calls [`Communicator::raw_all_reduce_f32`], then counts
-    /// a reduce-scatter and an all-gather of `⌈n/g⌉` floats: `4·⌈n/g⌉` bytes to and
-    /// from every other member, twice.
+    /// Validates the group, calls [`Communicator::raw`] with [`RawCall::AllReduce`],
+    /// then counts a reduce-scatter and an all-gather of `⌈n/g⌉` floats: `4·⌈n/g⌉`
+    /// bytes to and from every other member, twice.
     fn all_reduce_f32(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
-        let me = check::member(self.topology(), self.rank(), group, Primitive::AllReduce)?;
-        self.raw_all_reduce_f32(group, me, buf)?;
-        let k = buf.len().div_ceil(group.size());
-        let traffic = self.traffic_mut();
-        record_exchange(traffic, group, 4 * k);
-        record_exchange(traffic, group, 4 * k);
-        Ok(())
+        checked(self, group, RawCall::AllReduce { buf })
     }
 
     /// Copies `buf` of the member at group index `root` into every member's `buf`.
     ///
-    /// Validates, calls [`Communicator::raw_broadcast_bytes`], then counts
-    /// `buf.len()` bytes from the root to every other member.
+    /// Validates, calls [`Communicator::raw`] with [`RawCall::Broadcast`], then
+    /// counts `buf.len()` bytes from the root to every other member.
     fn broadcast_bytes(&mut self, group: &Group, root: usize, buf: &mut [u8]) -> Result<(), CommError> {
-        let p = Primitive::Broadcast;
-        let me = check::member(self.topology(), self.rank(), group, p)?;
-        let root_rank = match check::broadcast(group, root) {
-            Ok(r) => r,
-            Err(e) => return Err(self.raw_reject(group, me, p, e)),
-        };
-        self.raw_broadcast_bytes(group, me, root, buf)?;
-        let n = buf.len();
-        let traffic = self.traffic_mut();
-        if me == root {
-            group.ranks().iter().for_each(|&peer| traffic.record_send(peer, n));
-        } else {
-            traffic.record_recv(root_rank, n);
-        }
-        Ok(())
+        checked(self, group, RawCall::Broadcast { root, buf })
     }
 
     /// Returns once every member has entered the barrier.
     ///
-    /// Validates the group, calls [`Communicator::raw_barrier`], then counts one
-    /// empty message to and from every other member.
+    /// Validates the group, calls [`Communicator::raw`] with [`RawCall::Barrier`],
+    /// then counts one empty message to and from every other member.
     fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
-        let me = check::member(self.topology(), self.rank(), group, Primitive::Barrier)?;
-        self.raw_barrier(group, me)?;
-        record_exchange(self.traffic_mut(), group, 0);
-        Ok(())
+        checked(self, group, RawCall::Barrier)
     }
 
     /// Collective over the world: an independent communicator on the same ranks
@@ -264,74 +348,13 @@ pub trait Communicator: Send {
     /// another thread) never interleaves with this one.
     fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError>;
 
-    /// Backend hook of [`Communicator::all_gather_bytes`], called with valid
-    /// arguments: the caller is member `index` of `group` and
-    /// `recv.len() == send.len() * group.size()`. Counts no traffic.
-    /// Callers use the checked method instead.
-    fn raw_all_gather_bytes(
-        &mut self,
-        group: &Group,
-        index: usize,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> Result<(), CommError>;
+    /// The backend hook of every primitive, called by the checked methods with
+    /// valid arguments (see [`RawCall`]); the caller is member `index` of `group`.
+    /// Counts no traffic. Callers use the checked methods instead.
+    fn raw(&mut self, group: &Group, index: usize, call: RawCall<'_>) -> Result<(), CommError>;
 
-    /// Backend hook of [`Communicator::all_to_all_bytes`], called with valid
-    /// arguments: the caller is member `index` and both buffers are
-    /// `chunk * group.size()` bytes. Counts no traffic.
-    fn raw_all_to_all_bytes(
-        &mut self,
-        group: &Group,
-        index: usize,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> Result<(), CommError>;
-
-    /// Backend hook of [`Communicator::all_to_all_v_bytes`], called with valid
-    /// arguments: the caller is member `index`, there is one count per member, the
-    /// counts add up to the buffer lengths and `send_counts[index] ==
-    /// recv_counts[index]`. Whether a peer sends what the caller expects is the
-    /// hook's to find out. Counts no traffic.
-    fn raw_all_to_all_v_bytes(
-        &mut self,
-        group: &Group,
-        index: usize,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<(), CommError>;
-
-    /// Backend hook of [`Communicator::reduce_scatter_f32`], called with valid
-    /// arguments: the caller is member `index` and
-    /// `send.len() == recv.len() * group.size()`. Counts no traffic.
-    fn raw_reduce_scatter_f32(
-        &mut self,
-        group: &Group,
-        index: usize,
-        send: &[f32],
-        recv: &mut [f32],
-    ) -> Result<(), CommError>;
-
-    /// Backend hook of [`Communicator::all_reduce_f32`]; the caller is member
-    /// `index` of `group`. Counts no traffic.
-    fn raw_all_reduce_f32(&mut self, group: &Group, index: usize, buf: &mut [f32]) -> Result<(), CommError>;
-
-    /// Backend hook of [`Communicator::broadcast_bytes`]; the caller is member
-    /// `index` and `root` is a valid group index. Counts no traffic.
-    fn raw_broadcast_bytes(
-        &mut self,
-        group: &Group,
-        index: usize,
-        root: usize,
-        buf: &mut [u8],
-    ) -> Result<(), CommError>;
-
-    /// Backend hook of [`Communicator::barrier`]; the caller is member `index`.
-    fn raw_barrier(&mut self, group: &Group, index: usize) -> Result<(), CommError>;
-
-    /// Backend hook called instead of the `raw_*` hook of `primitive` when the
-    /// caller (member `index` of `group`) passed invalid arguments; `error` says
+    /// Backend hook called instead of [`Communicator::raw`] when the caller (member
+    /// `index` of `group`) passed invalid arguments to `primitive`; `error` says
     /// why, and the returned error is what the caller gets.
     ///
     /// The default returns `error` unchanged: the caller's peers block in the

@@ -20,7 +20,7 @@ use zeropp_quant::{Bits, QuantSpec, dequantize, encoded_len, quantize, quantize_
 
 use crate::collectives::{
     DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, all_gather_f32, all_gather_f32_via_bf16,
-    dequantize_encodings, qgz_reduce_scatter, qwz_all_gather, reduce_scatter, reduce_scatter_bf16_wire,
+    dense_reduce_scatter, dequantize_encodings, qgz_reduce_scatter, qwz_all_gather, reduce_scatter,
     ring_quantized_reduce_scatter, shard_len, world_all_gather, world_qwz_all_gather,
     world_qwz_gather_encoded, world_reduce_scatter,
 };
@@ -102,11 +102,23 @@ fn on_wire(wire: DenseWire, x: f32) -> f32 {
     }
 }
 
-/// All-gather of bytes and of `f32` on every group of [`groups`].
-pub fn check_all_gather<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
+/// Runs `check(comm, group, seed)` on every group of [`groups`], the `i`-th with
+/// `seed + i`.
+fn each_group<C: Communicator + ?Sized>(
+    comm: &mut C,
+    seed: u64,
+    mut check: impl FnMut(&mut C, &Group, u64) -> Result<(), String>,
+) -> Result<(), String> {
     let topo = *comm.topology();
     for (gi, group) in groups(&topo, comm.rank()).iter().enumerate() {
-        let seed = case.seed + gi as u64;
+        check(comm, group, seed + gi as u64)?;
+    }
+    Ok(())
+}
+
+/// All-gather of bytes and of `f32` on every group of [`groups`].
+pub fn check_all_gather<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
+    each_group(comm, case.seed, |comm, group, seed| {
         let mine = rank_bytes(seed, comm.rank(), case.len);
         let mut all = vec![0u8; case.len * group.size()];
         comm.all_gather_bytes(group, &mine, &mut all).map_err(|e| err("all_gather_bytes", e))?;
@@ -117,15 +129,13 @@ pub fn check_all_gather<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> 
         all_gather_f32(comm, group, &mine, &mut all).map_err(|e| err("all_gather_f32", e))?;
         let expect: Vec<f32> = group.ranks().iter().flat_map(|&r| rank_data(seed, r, case.len)).collect();
         ensure(all == expect, || format!("all_gather_f32 on group {:?}: wrong result", group.ranks()))?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Equal-chunk all-to-all of `u16` elements on every group.
 pub fn check_all_to_all<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
-    let topo = *comm.topology();
-    for (gi, group) in groups(&topo, comm.rank()).iter().enumerate() {
-        let seed = case.seed + 100 + gi as u64;
+    each_group(comm, case.seed + 100, |comm, group, seed| {
         let g = group.size();
         let data = |r: usize| -> Vec<u16> {
             rank_bytes(seed, r, 2 * case.len * g)
@@ -142,15 +152,13 @@ pub fn check_all_to_all<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> 
             .flat_map(|&r| data(r)[me * case.len..(me + 1) * case.len].to_vec())
             .collect();
         ensure(recv == expect, || format!("all_to_all on group {:?}: wrong result", group.ranks()))?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Variable all-to-all with pseudo-random counts in `0..=len` per pair.
 pub fn check_all_to_all_v<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
-    let topo = *comm.topology();
-    for (gi, group) in groups(&topo, comm.rank()).iter().enumerate() {
-        let seed = case.seed + 200 + gi as u64;
+    each_group(comm, case.seed + 200, |comm, group, seed| {
         let g = group.size();
         let count =
             |from: usize, to: usize| (key(seed, from * 1000 + to, 3) % (case.len as u64 + 1)) as usize;
@@ -172,15 +180,13 @@ pub fn check_all_to_all_v<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -
             expect.extend_from_slice(&s[off..off + count(i, me)]);
         }
         ensure(recv == expect, || format!("all_to_all_v on group {:?}: wrong result", group.ranks()))?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// `reduce_scatter_f32` and `all_reduce_f32` (exact: the reference sums in group order).
 pub fn check_reductions<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
-    let topo = *comm.topology();
-    for (gi, group) in groups(&topo, comm.rank()).iter().enumerate() {
-        let seed = case.seed + 300 + gi as u64;
+    each_group(comm, case.seed + 300, |comm, group, seed| {
         let g = group.size();
         let me = group.index_of(comm.rank()).unwrap_or(0);
         let n = case.len;
@@ -196,16 +202,14 @@ pub fn check_reductions<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> 
         ensure(buf == expect, || format!("all_reduce_f32 on group {:?}: wrong result", group.ranks()))?;
         let s = comm.all_reduce_scalar_f32(group, 1.0).map_err(|e| err("all_reduce_scalar_f32", e))?;
         ensure(s == g as f32, || format!("all_reduce_scalar_f32 gave {s}, expected {g}"))?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Broadcast from every root index, and barriers, on every group.
 pub fn check_broadcast_barrier<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
-    let topo = *comm.topology();
-    for (gi, group) in groups(&topo, comm.rank()).iter().enumerate() {
+    each_group(comm, case.seed + 400, |comm, group, seed| {
         for root in 0..group.size() {
-            let seed = case.seed + 400 + gi as u64;
             let root_rank = group.rank_at(root).unwrap_or(0);
             let mut buf = if root_rank == comm.rank() {
                 rank_bytes(seed, root_rank, case.len)
@@ -218,8 +222,8 @@ pub fn check_broadcast_barrier<C: Communicator + ?Sized>(comm: &mut C, case: &Ca
             })?;
         }
         comm.barrier(group).map_err(|e| err("barrier", e))?;
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 /// The ZeRO-3 baselines: f32 and bf16-wire reduce-scatter (sum and mean) and the
@@ -246,7 +250,7 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
             })?;
 
             let mut out = vec![f32::NAN; s];
-            reduce_scatter_bf16_wire(comm, group, &inputs[me], &mut out, reduce)
+            dense_reduce_scatter(comm, group, DenseWire::Bf16, &inputs[me], &mut out, reduce)
                 .map_err(|e| err("reduce_scatter_bf16_wire", e))?;
             let expect: Vec<f32> = (0..s)
                 .map(|k| {

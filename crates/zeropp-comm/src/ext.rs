@@ -40,14 +40,13 @@ pub trait CommExt: Communicator {
         self.all_to_all_bytes(group, bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
-    /// Typed [`Communicator::all_to_all_v_bytes`]; counts are in elements.
+    /// Typed [`Communicator::all_to_all_v_bytes`]: each buffer with its counts, in
+    /// elements.
     fn all_to_all_v<T: Pod>(
         &mut self,
         group: &Group,
-        send: &[T],
-        send_counts: &[usize],
-        recv: &mut [T],
-        recv_counts: &[usize],
+        (send, send_counts): (&[T], &[usize]),
+        (recv, recv_counts): (&mut [T], &[usize]),
     ) -> Result<(), CommError> {
         let size = std::mem::size_of::<T>();
         let sc: Vec<usize> = send_counts.iter().map(|c| c * size).collect();

@@ -26,6 +26,10 @@ use std::time::Duration;
 
 use crate::{CommError, LinkClass};
 
+/// TCP payload per byte of Ethernet frame at a 1500-byte MTU with TCP timestamps:
+/// 1448 of 1514 (`inter_framing=tcp`).
+pub const TCP_PAYLOAD_PER_FRAME: f64 = 1448.0 / 1514.0;
+
 /// One link class: sustained bandwidth and per-message latency.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Link {
@@ -54,22 +58,35 @@ pub struct LinkModel {
 impl LinkModel {
     /// The link of one class.
     pub fn link(&self, class: LinkClass) -> &Link {
-        match class {
-            LinkClass::IntraNode => &self.intra,
-            LinkClass::InterNode => &self.inter,
-        }
+        class.pick(&self.intra, &self.inter)
     }
 
-    /// Parses `intra=<bw>,inter=<bw>[,latency=<t>][,intra_latency=<t>][,inter_latency=<t>]`.
+    /// Parses `intra=<bw>,inter=<bw>[,latency=<t>][,intra_latency=<t>][,inter_latency=<t>]`
+    /// `[,inter_share=<n>][,inter_framing=tcp]`.
     ///
     /// Bandwidth units: `B/s`, `KB/s`, `MB/s`, `GB/s`, `TB/s` (powers of 1000),
     /// `KiB/s`, `MiB/s`, `GiB/s` (powers of 1024), `bit/s`, `Kbit/s`, `Mbit/s`,
     /// `Gbit/s`, `Tbit/s` (also spelled `Gb/s` or `Gbps`). Latency units: `ns`, `us`
     /// (or `µs`), `ms`, `s`; a bare `0` is allowed. `latency` sets both classes.
+    ///
+    /// Two corrections for a real network, measured on `cargo xtask cluster`:
+    /// - `inter_share=n`: `inter` is one node uplink shared by the node's `n` ranks, which
+    ///   all send at once in every collective, so each rank's inter-node port gets
+    ///   `inter / n` (without it, every rank has a port of its own at the full rate);
+    /// - `inter_framing=tcp`: `inter` is a wire rate counted in Ethernet frames, of which
+    ///   TCP payload is 1448 of every 1514 bytes (0.956).
+    ///
+    /// ```
+    /// use zeropp_comm::LinkModel;
+    /// let m: LinkModel = "intra=10GB/s,inter=100Mbit/s,inter_share=2,inter_framing=tcp".parse()?;
+    /// assert!((m.inter.bandwidth_bytes_per_s - 12.5e6 / 2.0 * 1448.0 / 1514.0).abs() < 1e-6);
+    /// # Ok::<(), zeropp_comm::CommError>(())
+    /// ```
     pub fn parse(s: &str) -> Result<Self, CommError> {
         let mut intra = None;
         let mut inter = None;
         let mut lat = [None, None];
+        let mut inter_factor = 1.0;
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, value) = part
                 .split_once('=')
@@ -83,9 +100,27 @@ impl LinkModel {
                 }
                 "intra_latency" => lat[0] = Some(parse_latency(value.trim())?),
                 "inter_latency" => lat[1] = Some(parse_latency(value.trim())?),
+                "inter_share" => {
+                    let n: usize = value.trim().parse().ok().filter(|&n| n >= 1).ok_or_else(|| {
+                        CommError::InvalidConfig(format!(
+                            "link model: inter_share `{value}` must be a whole number >= 1"
+                        ))
+                    })?;
+                    inter_factor /= n as f64;
+                }
+                "inter_framing" => match value.trim() {
+                    "tcp" => inter_factor *= TCP_PAYLOAD_PER_FRAME,
+                    "none" => {}
+                    other => {
+                        return Err(CommError::InvalidConfig(format!(
+                            "link model: inter_framing `{other}` (expected tcp or none)"
+                        )));
+                    }
+                },
                 other => {
                     return Err(CommError::InvalidConfig(format!(
-                        "link model: unknown key `{other}` (expected intra, inter, latency, intra_latency, inter_latency)"
+                        "link model: unknown key `{other}` (expected intra, inter, latency, intra_latency, \
+                         inter_latency, inter_share, inter_framing)"
                     )));
                 }
             }
@@ -98,7 +133,7 @@ impl LinkModel {
                 latency: lat[0].unwrap_or_default(),
             },
             inter: Link {
-                bandwidth_bytes_per_s: inter.ok_or_else(|| missing("inter"))?,
+                bandwidth_bytes_per_s: inter.ok_or_else(|| missing("inter"))? * inter_factor,
                 latency: lat[1].unwrap_or_default(),
             },
         })

@@ -44,17 +44,6 @@ pub(crate) fn chunk<'a, T>(buf: &'a [T], index: usize, len: usize, what: &str) -
     window(buf, start, len, what)
 }
 
-/// Mutable chunk `index` of `len` elements, checked.
-pub(crate) fn chunk_mut<'a, T>(
-    buf: &'a mut [T],
-    index: usize,
-    len: usize,
-    what: &str,
-) -> Result<&'a mut [T], CommError> {
-    let start = index.checked_mul(len).ok_or_else(|| outside(what, usize::MAX, len, buf.len()))?;
-    window_mut(buf, start, len, what)
-}
-
 /// Copies `src` into `dst` at `at`, checked.
 pub(crate) fn copy_to<T: Copy>(dst: &mut [T], at: usize, src: &[T], what: &str) -> Result<(), CommError> {
     window_mut(dst, at, src.len(), what)?.copy_from_slice(src);
@@ -87,7 +76,7 @@ mod tests {
         copy_to(&mut w, 1, &[7, 8], "w").unwrap();
         assert_eq!(w, [0, 7, 8, 0]);
         assert!(copy_to(&mut w, 3, &[7, 8], "w").is_err());
-        chunk_mut(&mut w, 1, 2, "w").unwrap().fill(1);
+        window_mut(&mut w, 2, 2, "w").unwrap().fill(1);
         assert_eq!(w, [0, 7, 1, 1]);
         assert!(window_mut(&mut w, 2, usize::MAX, "w").is_err());
     }

@@ -23,6 +23,20 @@ impl LinkClass {
     pub fn between(topology: &Topology, a: usize, b: usize) -> Self {
         if topology.same_node(a, b) { Self::IntraNode } else { Self::InterNode }
     }
+
+    /// `intra` or `inter`, whichever belongs to this class: the one accessor of
+    /// every per-class pair (counters, links, byte predictions).
+    ///
+    /// ```
+    /// use zeropp_comm::LinkClass;
+    /// assert_eq!(LinkClass::InterNode.pick("intra", "inter"), "inter");
+    /// ```
+    pub fn pick<T>(self, intra: T, inter: T) -> T {
+        match self {
+            Self::IntraNode => intra,
+            Self::InterNode => inter,
+        }
+    }
 }
 
 /// Bytes one rank sends per link class: the analytic prediction of a collective's
@@ -68,10 +82,7 @@ impl LinkBytes {
     pub fn to_members(topology: &Topology, rank: usize, group: &Group, payload: u64) -> LinkBytes {
         let mut out = LinkBytes::default();
         for &peer in group.ranks().iter().filter(|&&p| p != rank) {
-            match LinkClass::between(topology, rank, peer) {
-                LinkClass::IntraNode => out.intra += payload,
-                LinkClass::InterNode => out.inter += payload,
-            }
+            *LinkClass::between(topology, rank, peer).pick(&mut out.intra, &mut out.inter) += payload;
         }
         out
     }
@@ -117,10 +128,17 @@ impl LinkCounters {
     /// assert_eq!((a.bytes_sent, a.messages_sent), (15, 3));
     /// ```
     pub fn add(&mut self, other: &Self) {
-        self.bytes_sent += other.bytes_sent;
-        self.bytes_received += other.bytes_received;
-        self.messages_sent += other.messages_sent;
-        self.messages_received += other.messages_received;
+        *self = self.zip(other, |a, b| a + b);
+    }
+
+    /// Every counter of `self` combined with the same counter of `other` by `f`.
+    fn zip(&self, other: &Self, f: impl Fn(u64, u64) -> u64) -> Self {
+        Self {
+            bytes_sent: f(self.bytes_sent, other.bytes_sent),
+            bytes_received: f(self.bytes_received, other.bytes_received),
+            messages_sent: f(self.messages_sent, other.messages_sent),
+            messages_received: f(self.messages_received, other.messages_received),
+        }
     }
 }
 
@@ -136,10 +154,7 @@ pub struct OpTraffic {
 impl OpTraffic {
     /// The counters of one link class.
     pub fn class(&self, class: LinkClass) -> &LinkCounters {
-        match class {
-            LinkClass::IntraNode => &self.intra,
-            LinkClass::InterNode => &self.inter,
-        }
+        class.pick(&self.intra, &self.inter)
     }
 
     /// Adds `other`'s counters (both link classes) to these.
@@ -149,10 +164,7 @@ impl OpTraffic {
     }
 
     fn class_mut(&mut self, class: LinkClass) -> &mut LinkCounters {
-        match class {
-            LinkClass::IntraNode => &mut self.intra,
-            LinkClass::InterNode => &mut self.inter,
-        }
+        class.pick(&mut self.intra, &mut self.inter)
     }
 }
 
@@ -166,11 +178,10 @@ pub struct TrafficSnapshot {
 impl TrafficSnapshot {
     /// The counters summed over all tags.
     pub fn total(&self) -> OpTraffic {
-        let mut t = OpTraffic::default();
-        for op in self.by_op.values() {
+        self.by_op.values().fold(OpTraffic::default(), |mut t, op| {
             t.add(op);
-        }
-        t
+            t
+        })
     }
 
     /// Adds every tag's counters of `other` to this snapshot (tags missing here are
@@ -210,11 +221,8 @@ impl TrafficSnapshot {
         for (tag, op) in out.by_op.iter_mut() {
             let e = earlier.op(tag);
             for class in [LinkClass::IntraNode, LinkClass::InterNode] {
-                let (a, b) = (op.class_mut(class), e.class(class));
-                a.bytes_sent = a.bytes_sent.saturating_sub(b.bytes_sent);
-                a.bytes_received = a.bytes_received.saturating_sub(b.bytes_received);
-                a.messages_sent = a.messages_sent.saturating_sub(b.messages_sent);
-                a.messages_received = a.messages_received.saturating_sub(b.messages_received);
+                let a = op.class_mut(class);
+                *a = a.zip(e.class(class), u64::saturating_sub);
             }
         }
         out
@@ -253,6 +261,16 @@ impl TrafficCounter {
         Self { topology, rank, ops: vec![(DEFAULT_OP.to_string(), OpTraffic::default())], current: 0 }
     }
 
+    /// The rank these counters belong to.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The topology that classes each peer's link.
+    pub fn topology(&self) -> &Topology {
+        &self.topology
+    }
+
     /// Labels the traffic that follows (e.g. `fwd_gather`, `bwd_gather`, `grad_reduce`).
     pub fn set_op(&mut self, tag: &str) {
         if let Some(i) = self.ops.iter().position(|(t, _)| t == tag) {
@@ -268,31 +286,28 @@ impl TrafficCounter {
         self.ops.get(self.current).map_or(DEFAULT_OP, |(t, _)| t.as_str())
     }
 
-    fn entry(&mut self, peer: usize) -> Option<&mut LinkCounters> {
+    /// Adds one message of `bytes` to the pair of counters `pick` chooses (bytes,
+    /// messages) of `peer`'s link class; self-sends are not traffic.
+    fn record(&mut self, peer: usize, bytes: usize, pick: fn(&mut LinkCounters) -> (&mut u64, &mut u64)) {
+        if peer == self.rank {
+            return;
+        }
         let class = LinkClass::between(&self.topology, self.rank, peer);
-        self.ops.get_mut(self.current).map(|(_, op)| op.class_mut(class))
+        if let Some((_, op)) = self.ops.get_mut(self.current) {
+            let (b, m) = pick(op.class_mut(class));
+            *b += bytes as u64;
+            *m += 1;
+        }
     }
 
     /// Records one message of `bytes` payload sent to `peer` (self-sends are not traffic).
     pub fn record_send(&mut self, peer: usize, bytes: usize) {
-        if peer == self.rank {
-            return;
-        }
-        if let Some(e) = self.entry(peer) {
-            e.bytes_sent += bytes as u64;
-            e.messages_sent += 1;
-        }
+        self.record(peer, bytes, |c| (&mut c.bytes_sent, &mut c.messages_sent));
     }
 
     /// Records one message of `bytes` payload received from `peer`.
     pub fn record_recv(&mut self, peer: usize, bytes: usize) {
-        if peer == self.rank {
-            return;
-        }
-        if let Some(e) = self.entry(peer) {
-            e.bytes_received += bytes as u64;
-            e.messages_received += 1;
-        }
+        self.record(peer, bytes, |c| (&mut c.bytes_received, &mut c.messages_received));
     }
 
     /// A copy of the counters now (tags that carried nothing are left out).

@@ -307,6 +307,38 @@ pub struct ZeroConfig {
     /// becomes 1/127). Applies to every mode, so all modes pad the model alike.
     #[serde(default = "yes")]
     pub per_tensor_groups: bool,
+    /// DeepSpeed's stage-3 bucket knobs (all off by default).
+    #[serde(default)]
+    pub buckets: BucketKnobs,
+}
+
+/// DeepSpeed's stage-3 bucket and prefetch knobs, in elements, mapped onto this
+/// engine's schedule (`zero_optimization.*` in a DeepSpeed file, or flags).
+///
+/// | knob | effect here |
+/// |---|---|
+/// | `param_persistence_threshold` | parameters of at most this many elements leave their layer's bucket for one `persistent` bucket: gathered once per step (`persist_gather`, after the update) and kept whole on every rank, never gathered per layer; their gradients are reduced together once per micro-batch |
+/// | `prefetch_bucket_size` | a layer's gather is prefetched only when its padded size is at most this (`Some(0)`: no prefetch) |
+/// | `max_live_parameters` | a prefetch is issued only when the gathered layer in use plus the prefetched one stay within this many elements |
+/// | `reduce_bucket_size` | a layer's gradient is reduced in calls of at most this many padded elements (each call its own collective, headers and scales) |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct BucketKnobs {
+    /// `reduce_bucket_size`: most padded elements per gradient reduce call
+    /// (`None`: one call per layer).
+    #[serde(default)]
+    pub reduce_bucket_size: Option<usize>,
+    /// `stage3_prefetch_bucket_size`: largest layer (padded elements) that is
+    /// prefetched (`None`: any; `Some(0)`: none).
+    #[serde(default)]
+    pub prefetch_bucket_size: Option<usize>,
+    /// `stage3_param_persistence_threshold`: parameters with at most this many
+    /// elements are persistent (0: none; DeepSpeed's default is 100000).
+    #[serde(default)]
+    pub param_persistence_threshold: usize,
+    /// `stage3_max_live_parameters`: most gathered elements alive at once when
+    /// deciding a prefetch (`None`: unlimited).
+    #[serde(default)]
+    pub max_live_parameters: Option<usize>,
 }
 
 fn yes() -> bool {
@@ -327,6 +359,7 @@ impl ZeroConfig {
             stochastic_rounding: false,
             prefetch: true,
             per_tensor_groups: true,
+            buckets: BucketKnobs::default(),
         }
     }
 
@@ -456,7 +489,16 @@ impl ZeroConfig {
                 l.err_beta
             )));
         }
-
+        if let Some(r) = self.buckets.reduce_bucket_size {
+            let (a, b) = self.group_sizes();
+            let min = world * a.max(b);
+            if r < min {
+                return Err(EngineError::InvalidConfig(format!(
+                    "reduce_bucket_size {r} is below one quantization group per rank ({world} ranks x {} = {min} elements)",
+                    a.max(b)
+                )));
+            }
+        }
         Ok(())
     }
 }

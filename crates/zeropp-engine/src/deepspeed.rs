@@ -15,8 +15,9 @@
 //! | `zero_optimization.zero_hpz_partition_size` | `zero.hpz_size` |
 //! | `zero_optimization.zero_quantized_gradients` | `zero.qgz` (on: the base's qgZ, or INT4 in groups of 256 without options) |
 //! | `zero_optimization.zeropp_loco_param.{err_beta,reset_T}` | `zero.qgz.error_feedback` (LoCo; ignored, with a warning, when qgZ is off) |
+//! | `zero_optimization.{reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters}` | `zero.buckets` ([`BucketKnobs`](crate::config::BucketKnobs); integers or integral numbers such as `5e8`) |
 //!
-//! Keys DeepSpeed knows but this engine does not model (bucket sizes, overlap
+//! Keys DeepSpeed knows but this engine does not model (the all-gather bucket size, overlap
 //! switches, logging) are reported as warnings; unknown keys are warnings too.
 //! Wrong types, unsupported values (stage 1, `fp16.enabled`, another optimizer)
 //! and inconsistent batch arithmetic are errors.
@@ -62,12 +63,8 @@ const IGNORED_ZERO: &[&str] = &[
     "overlap_comm",
     "contiguous_gradients",
     "reduce_scatter",
-    "reduce_bucket_size",
     "allgather_partitions",
     "allgather_bucket_size",
-    "stage3_prefetch_bucket_size",
-    "stage3_param_persistence_threshold",
-    "stage3_max_live_parameters",
     "stage3_max_reuse_distance",
     "stage3_gather_16bit_weights_on_model_save",
     "sub_group_size",
@@ -98,6 +95,28 @@ fn opt_usize(
         Some(v) => match v.as_u64() {
             Some(n) if n > 0 => Ok(Some(n as usize)),
             _ => Err(type_err(key, "a positive integer", v)),
+        },
+    }
+}
+
+/// Reads a bucket knob: a non-negative integer (an integral number such as
+/// `5e8` too, as DeepSpeed configs write them); `"auto"` is reported and skipped.
+fn opt_elements(
+    obj: &Map<String, Value>,
+    key: &str,
+    warnings: &mut Vec<String>,
+) -> Result<Option<usize>, EngineError> {
+    let full = format!("zero_optimization.{key}");
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if s == "auto" => {
+            warnings.push(format!("`{full}`: \"auto\" is not resolved by zeropp; using the default"));
+            Ok(None)
+        }
+        Some(v) => match (v.as_u64(), v.as_f64()) {
+            (Some(n), _) => Ok(Some(n as usize)),
+            (None, Some(x)) if x >= 0.0 && x.fract() == 0.0 && x < 9.0e15 => Ok(Some(x as usize)),
+            _ => Err(type_err(&full, "a non-negative integer (elements)", v)),
         },
     }
 }
@@ -361,6 +380,33 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
                                 cfg.zero.hpz_size = n;
                             }
                         }
+                        "reduce_bucket_size" => {
+                            if let Some(n) = opt_elements(z, zk, &mut warnings)? {
+                                if n == 0 {
+                                    return Err(type_err(
+                                        "zero_optimization.reduce_bucket_size",
+                                        "a positive integer (elements)",
+                                        zv,
+                                    ));
+                                }
+                                cfg.zero.buckets.reduce_bucket_size = Some(n);
+                            }
+                        }
+                        "stage3_prefetch_bucket_size" => {
+                            if let Some(n) = opt_elements(z, zk, &mut warnings)? {
+                                cfg.zero.buckets.prefetch_bucket_size = Some(n);
+                            }
+                        }
+                        "stage3_param_persistence_threshold" => {
+                            if let Some(n) = opt_elements(z, zk, &mut warnings)? {
+                                cfg.zero.buckets.param_persistence_threshold = n;
+                            }
+                        }
+                        "stage3_max_live_parameters" => {
+                            if let Some(n) = opt_elements(z, zk, &mut warnings)? {
+                                cfg.zero.buckets.max_live_parameters = Some(n);
+                            }
+                        }
                         k if IGNORED_ZERO.contains(&k) => {
                             warnings.push(format!(
                                 "`zero_optimization.{k}` is not modelled by zeropp and was ignored"
@@ -457,6 +503,35 @@ mod tests {
         assert!(imp.warnings.is_empty(), "{:?}", imp.warnings);
         let bad = r#"{"zero_optimization": {"zeropp_loco_param": {"err_beta": "high"}}}"#;
         assert!(from_json_str(bad, 4, &EngineConfig::default()).is_err());
+    }
+
+    #[test]
+    fn bucket_knobs_are_imported_and_bad_values_name_the_key() {
+        let text = r#"{"zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8,
+            "stage3_prefetch_bucket_size": 0, "stage3_param_persistence_threshold": 1e5,
+            "stage3_max_live_parameters": 1000000000}}"#;
+        let imp = from_json_str(text, 8, &EngineConfig::default()).unwrap();
+        assert!(imp.warnings.is_empty(), "{:?}", imp.warnings);
+        let k = imp.config.zero.buckets;
+        assert_eq!(k.reduce_bucket_size, Some(500_000_000));
+        assert_eq!(k.prefetch_bucket_size, Some(0));
+        assert_eq!(k.param_persistence_threshold, 100_000);
+        assert_eq!(k.max_live_parameters, Some(1_000_000_000));
+        for (bad, says) in [
+            (r#"{"zero_optimization": {"reduce_bucket_size": -1}}"#, "zero_optimization.reduce_bucket_size"),
+            (r#"{"zero_optimization": {"reduce_bucket_size": 0}}"#, "zero_optimization.reduce_bucket_size"),
+            (r#"{"zero_optimization": {"stage3_prefetch_bucket_size": 1.5}}"#, "stage3_prefetch_bucket_size"),
+            (
+                r#"{"zero_optimization": {"stage3_max_live_parameters": "lots"}}"#,
+                "stage3_max_live_parameters",
+            ),
+        ] {
+            let err = from_json_str(bad, 8, &EngineConfig::default())
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     #[test]

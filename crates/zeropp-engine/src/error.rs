@@ -123,3 +123,6 @@ pub enum EngineError {
     #[error("training failed: {0}")]
     Training(String),
 }
+
+/// Shorthand for `Result<T, EngineError>`.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

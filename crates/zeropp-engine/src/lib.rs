@@ -56,6 +56,6 @@ pub mod train_mpi;
 
 pub use config::{EngineConfig, ZeroConfig};
 pub use engine::ZeroEngine;
-pub use error::EngineError;
+pub use error::{EngineError, Result};
 pub use model::{Gpt, GptConfig, Mlp, MlpConfig, Model};
 pub use train::{DataChoice, ModelChoice, TrainConfig, TrainReport, train, train_with};

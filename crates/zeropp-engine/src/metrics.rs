@@ -59,6 +59,12 @@ pub struct StepRecord {
     pub bytes_by_op: BTreeMap<String, LinkBytes>,
     /// True when the step found a non-finite gradient and was skipped.
     pub skipped: bool,
+    /// Where the slowest rank's step time went (zero under MPI).
+    #[serde(default)]
+    pub times: crate::engine::StepTimes,
+    /// Gathers prefetched this step, summed over ranks (0 under MPI).
+    #[serde(default)]
+    pub prefetched_gathers: usize,
 }
 
 /// The final line of a metrics file and the body of the printed summary.

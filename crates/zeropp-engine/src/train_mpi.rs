@@ -24,7 +24,7 @@ use crate::engine::{build_plan, bytes::step_bytes};
 use crate::metrics::{MetricsWriter, StepRecord};
 use crate::model::{Gpt, Mlp, Model};
 use crate::train::aggregate::aggregate;
-use crate::train::preflight::check_run;
+use crate::train::preflight::{check_run, resume_point};
 use crate::train::rank::{RankJob, RankStep, run_rank};
 use crate::train::summary::summarize;
 use crate::train::{Backend, DataInfo, ModelChoice, TrainConfig, TrainReport, load_data};
@@ -172,7 +172,18 @@ fn decode(bytes: &[u8]) -> Result<RankStep, EngineError> {
         }
         traffic.by_op.insert(tag, op);
     }
-    Ok(RankStep { rank, step, loss, grad_norm, skipped, time_s, traffic })
+    // The time split and the prefetch count stay on their rank under MPI.
+    Ok(RankStep {
+        rank,
+        step,
+        loss,
+        grad_norm,
+        skipped,
+        time_s,
+        traffic,
+        times: Default::default(),
+        prefetched: 0,
+    })
 }
 
 /// Trains `model` on `data` with this process as one rank (see [`train_mpi`]).
@@ -191,20 +202,11 @@ fn train_model_mpi<M: Model>(
     let plan = build_plan(model, &cfg.engine, topo)?;
     let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
 
-    // Resume: every rank reads the checkpoint and keeps its own state.
-    let (start_step, resume) = match &cfg.resume {
-        Some(dir) => {
-            let (step, states) = crate::engine::checkpoint::load(dir, &plan, &cfg.engine)?;
-            (step, states.into_iter().nth(rank))
-        }
-        None => (0, None),
-    };
-    if start_step >= cfg.steps {
-        return Err(EngineError::InvalidConfig(format!(
-            "the checkpoint is at step {start_step}, not before the last step {}",
-            cfg.steps
-        )));
-    }
+    // Resume: every rank reads only its own state from the checkpoint; all fail
+    // together if one cannot.
+    let (start_step, resume) = resume_point(cfg, |dir| {
+        crate::engine::checkpoint::load_rank_collective(comm, dir, &plan, &cfg.engine)
+    })?;
     let mut metrics = match (&cfg.metrics, rank) {
         (Some(p), 0) => Some(MetricsWriter::create(p)?),
         _ => None,
@@ -293,6 +295,8 @@ mod tests {
             skipped: true,
             time_s: 0.25,
             traffic,
+            times: Default::default(),
+            prefetched: 0,
         };
         let back = decode(&encode(&r))?;
         assert_eq!((back.rank, back.step, back.skipped), (5, 9, true));

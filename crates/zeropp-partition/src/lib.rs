@@ -61,8 +61,8 @@ mod layout;
 mod plan;
 
 pub use checkpoint::{
-    BucketShard, Checkpoint, FullBucket, Manifest, ShardRecord, ShardState, TopologyInfo, commit_checkpoint,
-    load_checkpoint, resolve_checkpoint_dir, save_checkpoint, write_shard,
+    BucketShard, Checkpoint, CheckpointReader, FullBucket, Manifest, ShardRecord, ShardState, TopologyInfo,
+    commit_checkpoint, load_checkpoint, resolve_checkpoint_dir, save_checkpoint, write_shard,
 };
 pub use error::{PartitionError, Result};
 pub use layout::{BucketLayout, BucketSpec, DType, ParamRegistry, ParamSlot, ParamSpec};

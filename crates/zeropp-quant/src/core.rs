@@ -76,10 +76,15 @@ impl Plan {
 pub(crate) struct GroupParams {
     /// The multiplier `s`.
     pub(crate) s: f32,
-    /// The stored scale `1/s`.
-    pub(crate) scale: f32,
     /// The offset (0 for symmetric).
     pub(crate) offset: f32,
+}
+
+impl GroupParams {
+    /// The stored scale `1/s`.
+    fn scale(self) -> f32 {
+        1.0 / self.s
+    }
 }
 
 /// Range statistics of (part of) a group.
@@ -123,7 +128,7 @@ fn params(bits: Bits, st: Stats) -> GroupParams {
             let s = if amax == 0.0 { 1.0 } else { half / amax };
             // A tiny (subnormal) amax makes `half / amax` overflow.
             let s = s.min(f32::MAX);
-            GroupParams { s, scale: 1.0 / s, offset: 0.0 }
+            GroupParams { s, offset: 0.0 }
         }
         Stats::Asym(lo, hi) => {
             // `+ 0.0` maps -0.0 to +0.0 so the result does not depend on
@@ -142,7 +147,7 @@ fn params(bits: Bits, st: Stats) -> GroupParams {
             let s = s.min(f32::MAX);
             let sum = hi + lo;
             let offset = if sum.is_finite() { sum / 2.0 } else { hi / 2.0 + lo / 2.0 };
-            GroupParams { s, scale: 1.0 / s, offset }
+            GroupParams { s, offset }
         }
     }
 }
@@ -243,7 +248,7 @@ fn emit(
 
 /// Stores group `g`'s parameters.
 fn put(out: &mut QOut<'_>, g: usize, p: GroupParams) {
-    out.scales.set(g, p.scale);
+    out.scales.set(g, p.scale());
     if let Some(o) = out.offsets.as_mut() {
         o.set(g, p.offset);
     }

@@ -41,13 +41,7 @@ pub fn quantize<T: Element>(input: &[T], spec: QuantSpec, opts: &Options) -> Res
 /// using `out`'s spec, without allocating. `out.len()` must equal
 /// `input.len()`. On error the contents of `out` are unspecified (but still a valid value).
 pub fn quantize_into<T: Element>(input: &[T], opts: &Options, out: &mut Quantized) -> Result<()> {
-    if out.len() != input.len() {
-        return Err(QuantError::LengthMismatch {
-            what: "quantize_into output",
-            expected: input.len(),
-            actual: out.len(),
-        });
-    }
+    same_len("quantize_into output", input.len(), out.len())?;
     let d = Dispatch::resolve(opts.kernel)?;
     let spec = out.spec();
     let par = core::use_parallel(opts.parallelism, input.len());
@@ -132,13 +126,7 @@ fn dequant_impl<Q: AsQuantizedRef + ?Sized, T: Element>(
     mode: Mode,
 ) -> Result<()> {
     let q = q.as_quantized_ref();
-    if out.len() != q.len() {
-        return Err(QuantError::LengthMismatch {
-            what: "dequantize output",
-            expected: q.len(),
-            actual: out.len(),
-        });
-    }
+    same_len("dequantize output", q.len(), out.len())?;
     let d = Dispatch::resolve(opts.kernel)?;
     let par = core::use_parallel(opts.parallelism, q.len());
     core::par_slices(out, 0, par, &|base, chunk: &mut [T]| {
@@ -153,13 +141,7 @@ fn reduce_len<Q: AsQuantizedRef>(inputs: &[Q]) -> Result<usize> {
     let len = first.as_quantized_ref().len();
     for q in inputs {
         let l = q.as_quantized_ref().len();
-        if l != len {
-            return Err(QuantError::LengthMismatch {
-                what: "dequant_reduce_quant input",
-                expected: len,
-                actual: l,
-            });
-        }
+        same_len("dequant_reduce_quant input", len, l)?;
     }
     Ok(len)
 }
@@ -207,13 +189,7 @@ pub fn dequant_reduce_quant_into<Q: AsQuantizedRef + Sync>(
     out: &mut Quantized,
 ) -> Result<()> {
     let len = reduce_len(inputs)?;
-    if out.len() != len {
-        return Err(QuantError::LengthMismatch {
-            what: "dequant_reduce_quant output",
-            expected: len,
-            actual: out.len(),
-        });
-    }
+    same_len("dequant_reduce_quant output", len, out.len())?;
     let d = Dispatch::resolve(opts.kernel)?;
     let spec = out.spec();
     let par = core::use_parallel(opts.parallelism, len);
@@ -236,4 +212,9 @@ pub fn dequant_reduce_quant_to_wire<Q: AsQuantizedRef + Sync>(
     let src = SumSource { inputs, d };
     core::quantize_range(Plan::new(d, out_spec, opts), &src, 0, len, out, par)?;
     Ok(total)
+}
+
+/// `Ok` when `actual == expected`, else [`QuantError::LengthMismatch`] naming `what`.
+fn same_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if actual == expected { Ok(()) } else { Err(QuantError::LengthMismatch { what, expected, actual }) }
 }

@@ -1,11 +1,11 @@
 //! `zeropp checkpoint`: inspect and export sharded checkpoints. All logic
-//! (verification, consolidation, export) is in `zeropp_partition`; this
+//! (verification, consolidation, streamed export) is in `zeropp_partition`; this
 //! module only reads arguments and prints.
 
 use crate::CliError;
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
-use zeropp_partition::load_checkpoint;
+use zeropp_partition::{CheckpointReader, load_checkpoint};
 
 /// Arguments of `zeropp checkpoint`.
 #[derive(Debug, Args)]
@@ -43,10 +43,10 @@ pub(crate) fn run(args: &CheckpointArgs) -> Result<(), CliError> {
 
 fn inspect(dir: &std::path::Path) -> Result<(), CliError> {
     let ck = load_checkpoint(dir)?;
-    let m = ck.manifest();
+    let m = ck.reader().manifest();
     let params: usize = m.buckets.iter().map(|b| b.numel).sum();
     let padded: usize = m.buckets.iter().map(|b| b.padded_len).sum();
-    println!("checkpoint {} (format v{})", ck.dir().display(), m.format_version);
+    println!("checkpoint {} (format v{})", ck.reader().dir().display(), m.format_version);
     println!("step: {}", m.step);
     println!(
         "topology: world {} = {} nodes x {} ranks/node; align {}; hpz {}",
@@ -84,7 +84,9 @@ fn inspect(dir: &std::path::Path) -> Result<(), CliError> {
 }
 
 fn export(dir: &std::path::Path, out: &std::path::Path) -> Result<(), CliError> {
-    let ck = load_checkpoint(dir)?;
+    // Streamed: verifies every shard file, then writes tensor by tensor
+    // without holding the model.
+    let ck = CheckpointReader::open(dir)?;
     let size = ck.export_safetensors(out)?;
     let tensors: usize = ck.manifest().buckets.iter().map(|b| b.params.len()).sum();
     let params: usize = ck.manifest().buckets.iter().map(|b| b.numel).sum();

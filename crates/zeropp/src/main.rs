@@ -28,7 +28,7 @@ enum Command {
     /// Inspect or export a sharded checkpoint.
     Checkpoint(checkpoint::CheckpointArgs),
     /// Train a model with ZeRO-3 / ZeRO++ on simulated nodes.
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Run ZeRO-3, ZeRO++ and each technique alone on one workload, side by side.
     Compare(compare::CompareArgs),
 }

@@ -53,8 +53,8 @@ pub(crate) struct RunArgs {
     /// Baseline communication dtype.
     #[arg(long = "comm-dtype", value_enum, default_value_t = DtypeArg::Bf16)]
     pub comm_dtype: DtypeArg,
-    /// Model: gpt, gpt-tiny, mlp, mlp-tiny.
-    #[arg(long, default_value = "gpt")]
+    /// Model: a preset (gpt-tiny, gpt, gpt-1m, gpt-medium, gpt-10m, gpt-40m, gpt2-small, mlp, mlp-tiny) or a GPT shape like gpt:d=768,layers=12,heads=12,seq=256.
+    #[arg(long, default_value = "gpt", long_help = model_help())]
     pub model: String,
     /// Training text file (default: the project's generated Markov text).
     #[arg(long)]
@@ -115,7 +115,7 @@ pub(crate) struct TrainArgs {
     #[arg(long = "no-qgz")]
     pub no_qgz: bool,
     /// qwZ bits (8 or 4).
-    #[arg(long = "qwz-bits")]
+    #[arg(long)]
     pub qwz_bits: Option<u8>,
     /// qgZ bits (4 or 8).
     #[arg(long = "qgz-bits")]
@@ -160,6 +160,18 @@ pub(crate) struct TrainArgs {
     /// Disable the prefetch of the next layer's gather.
     #[arg(long = "no-prefetch")]
     pub no_prefetch: bool,
+    /// DeepSpeed's reduce_bucket_size: most padded elements per gradient reduce call.
+    #[arg(long = "reduce-bucket-size", value_name = "ELEMENTS")]
+    pub reduce_bucket_size: Option<usize>,
+    /// DeepSpeed's stage3_prefetch_bucket_size: largest layer (padded elements) prefetched; 0 = none.
+    #[arg(long = "prefetch-bucket-size", value_name = "ELEMENTS")]
+    pub prefetch_bucket_size: Option<usize>,
+    /// DeepSpeed's stage3_param_persistence_threshold: parameters of at most this many elements are kept whole on every rank.
+    #[arg(long = "param-persistence-threshold", value_name = "ELEMENTS")]
+    pub param_persistence_threshold: Option<usize>,
+    /// DeepSpeed's stage3_max_live_parameters: most gathered elements alive when prefetching.
+    #[arg(long = "max-live-parameters", value_name = "ELEMENTS")]
+    pub max_live_parameters: Option<usize>,
     /// Write JSON Lines metrics (one object per step, then a summary).
     #[arg(long)]
     pub metrics: Option<PathBuf>,
@@ -174,17 +186,87 @@ pub(crate) struct TrainArgs {
     pub resume: Option<PathBuf>,
 }
 
-/// The model of a `--model` name (`gpt`, `gpt-tiny`, `mlp`, `mlp-tiny`) with its default shape.
-pub(crate) fn model_choice(name: &str) -> Result<ModelChoice, CliError> {
-    match name.to_ascii_lowercase().as_str() {
-        "gpt" | "gpt-small" => Ok(ModelChoice::Gpt(GptConfig::default_small())),
-        "gpt-tiny" => Ok(ModelChoice::Gpt(GptConfig::tiny())),
-        "mlp" | "mlp-small" => Ok(ModelChoice::Mlp(MlpConfig::default_small())),
-        "mlp-tiny" => Ok(ModelChoice::Mlp(MlpConfig::tiny())),
-        other => {
-            Err(format!("--model: unknown model `{other}` (expected gpt, gpt-tiny, mlp or mlp-tiny)").into())
-        }
+/// The model of a `--model` value: a preset name (`gpt-tiny`, `gpt`, `gpt-1m`,
+/// ... `gpt2-small`, `mlp`, `mlp-tiny`), optionally followed by `:key=value,...`
+/// overrides of a GPT's shape (`d`, `layers`, `heads`, `seq`, `mlp`), e.g.
+/// `gpt:d=768,layers=12,heads=12,seq=256`. The shape is validated by the engine.
+pub(crate) fn model_choice(spec: &str) -> Result<ModelChoice, CliError> {
+    let (name, keys) = match spec.split_once(':') {
+        Some((n, k)) => (n.trim(), Some(k)),
+        None => (spec.trim(), None),
+    };
+    let lower = name.to_ascii_lowercase();
+    let base = match lower.as_str() {
+        "gpt-small" => ModelChoice::Gpt(GptConfig::default_small()),
+        "mlp" | "mlp-small" => ModelChoice::Mlp(MlpConfig::default_small()),
+        "mlp-tiny" => ModelChoice::Mlp(MlpConfig::tiny()),
+        other => match GptConfig::preset(other) {
+            Some(g) => ModelChoice::Gpt(g),
+            None => {
+                let names: Vec<&str> = GptConfig::presets().iter().map(|(n, _)| *n).collect();
+                return Err(format!(
+                    "--model: unknown model `{other}` (expected {}, mlp or mlp-tiny)",
+                    names.join(", ")
+                )
+                .into());
+            }
+        },
+    };
+    let Some(keys) = keys else { return Ok(base) };
+    let ModelChoice::Gpt(mut g) = base else {
+        return Err(format!(
+            "--model: `{name}` takes no shape; only GPT models do (e.g. gpt:d=256,layers=4)"
+        )
+        .into());
+    };
+    for kv in keys.split(',').map(str::trim).filter(|kv| !kv.is_empty()) {
+        let Some((k, v)) = kv.split_once('=') else {
+            return Err(format!("--model: `{kv}` in `{spec}` is not key=value").into());
+        };
+        let (k, v) = (k.trim(), v.trim());
+        let field = match k.to_ascii_lowercase().as_str() {
+            "d" | "d_model" => &mut g.d_model,
+            "layers" | "n_layer" => &mut g.n_layer,
+            "heads" | "n_head" => &mut g.n_head,
+            "seq" | "seq_len" => &mut g.seq_len,
+            "mlp" | "mlp_ratio" => &mut g.mlp_ratio,
+            _ => {
+                return Err(format!(
+                    "--model: unknown key `{k}` in `{spec}` (expected d, layers, heads, seq or mlp)"
+                )
+                .into());
+            }
+        };
+        *field = v
+            .parse::<usize>()
+            .ok()
+            .filter(|&x| x > 0)
+            .ok_or_else(|| format!("--model: `{k}={v}` is not a positive integer"))?;
     }
+    g.validate().map_err(|e| format!("--model `{spec}`: {e}"))?;
+    Ok(ModelChoice::Gpt(g))
+}
+
+/// The `--model` help: the presets with their parameter counts (at a byte-level
+/// vocabulary of 256; training takes the data's vocabulary).
+pub(crate) fn model_help() -> String {
+    let mut s = String::from(
+        "Model: a preset, optionally with GPT shape overrides `NAME:d=768,layers=12,heads=12,seq=256[,mlp=4]`.\n\
+         Presets (parameters at a byte vocabulary of 256; training uses the data's vocabulary):\n",
+    );
+    for (name, g) in GptConfig::presets() {
+        s += &format!(
+            "  {name:<11} d {:>3}, {:>2} layers, {:>2} heads, seq {:>4}: {:>6.2}M\n",
+            g.d_model,
+            g.n_layer,
+            g.n_head,
+            g.seq_len,
+            g.with_vocab(256).num_params() as f64 / 1e6
+        );
+    }
+    s += "  mlp, mlp-tiny  context-window MLP language models\n\
+          gpt2-small is GPT-2 small's shape; GPT-2's 124M counts a tied 50257-token embedding (38.6M).";
+    s
 }
 
 /// Builds the run configuration shared by `train` and `compare` (ZeRO switches
@@ -318,7 +400,30 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
     pb.finish();
     let report = report?;
     print_report(&report.summary, cfg.metrics.as_deref());
+    print_memory(&cfg, cfg.world, None);
     Ok(())
+}
+
+/// One line: this process's peak RSS against the memory model's prediction for
+/// the `ranks` ranks it ran (all of them with threads; one, `rank`, under MPI).
+pub(crate) fn print_memory(cfg: &TrainConfig, ranks: usize, rank: Option<usize>) {
+    let (Some(peak), Ok(p)) =
+        (zeropp_engine::engine::memory::peak_rss(), zeropp_engine::train::memory_prediction(cfg))
+    else {
+        return;
+    };
+    let predicted = (p.total() * ranks) as f64;
+    let who = match rank {
+        Some(r) => format!("rank {r}"),
+        None => format!("this process ({ranks} ranks)"),
+    };
+    eprintln!(
+        "memory: peak RSS of {who} {:.1} MB; memory model {:.1} MB ({:.1} MB states per rank); measured / model = {:.2}",
+        peak as f64 / 1e6,
+        predicted / 1e6,
+        p.states as f64 / 1e6,
+        peak as f64 / predicted
+    );
 }
 
 /// The full training configuration of `zeropp train` (on any backend): the mode
@@ -343,11 +448,32 @@ pub(crate) fn train_config(args: &TrainArgs) -> Result<(TrainConfig, Vec<String>
             cfg.engine.zero.hpz_size = h;
         }
     }
+    apply_bucket_flags(args, &mut cfg.engine.zero.buckets)?;
     cfg.metrics = args.metrics.clone();
     cfg.save = args.save.clone();
     cfg.save_every = args.save_every;
     cfg.resume = args.resume.clone();
     Ok((cfg, warnings))
+}
+
+/// The bucket knob flags, over the DeepSpeed file's values.
+fn apply_bucket_flags(a: &TrainArgs, k: &mut zeropp_engine::config::BucketKnobs) -> Result<(), CliError> {
+    if let Some(r) = a.reduce_bucket_size {
+        if r == 0 {
+            return Err("--reduce-bucket-size: must be > 0 (omit it for one reduce per layer)".into());
+        }
+        k.reduce_bucket_size = Some(r);
+    }
+    if a.prefetch_bucket_size.is_some() {
+        k.prefetch_bucket_size = a.prefetch_bucket_size;
+    }
+    if let Some(t) = a.param_persistence_threshold {
+        k.param_persistence_threshold = t;
+    }
+    if a.max_live_parameters.is_some() {
+        k.max_live_parameters = a.max_live_parameters;
+    }
+    Ok(())
 }
 
 /// Advances the progress bar after one optimizer step.
@@ -376,6 +502,83 @@ mod tests {
         assert!(matches!(model_choice("mlp-tiny"), Ok(ModelChoice::Mlp(m)) if m == MlpConfig::tiny()));
         let err = model_choice("rnn").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("unknown model `rnn`"), "{err}");
+    }
+
+    #[test]
+    fn bucket_flags_map_onto_the_knobs() -> Result<(), CliError> {
+        #[derive(clap::Parser)]
+        struct Cmd {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        use clap::Parser as _;
+        let parse = |args: &[&str]| -> Result<TrainConfig, CliError> {
+            let cmd = Cmd::try_parse_from(std::iter::once("train").chain(args.iter().copied()))?;
+            Ok(train_config(&cmd.train)?.0)
+        };
+        let k = parse(&[
+            "--reduce-bucket-size",
+            "4096",
+            "--prefetch-bucket-size",
+            "0",
+            "--param-persistence-threshold",
+            "100",
+            "--max-live-parameters",
+            "1000000",
+        ])?
+        .engine
+        .zero
+        .buckets;
+        assert_eq!(
+            (
+                k.reduce_bucket_size,
+                k.prefetch_bucket_size,
+                k.param_persistence_threshold,
+                k.max_live_parameters
+            ),
+            (Some(4096), Some(0), 100, Some(1_000_000))
+        );
+        assert_eq!(parse(&[])?.engine.zero.buckets, Default::default());
+        for (args, says) in [
+            (&["--reduce-bucket-size", "0"][..], "--reduce-bucket-size"),
+            (&["--max-live-parameters", "x"][..], "--max-live-parameters"),
+        ] {
+            let err = parse(args).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(says), "{args:?}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn gpt_shapes_parse_and_bad_keys_name_themselves() {
+        let g = match model_choice("gpt:d=768,layers=12,heads=12,seq=256") {
+            Ok(ModelChoice::Gpt(g)) => g,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((g.d_model, g.n_layer, g.n_head, g.seq_len, g.mlp_ratio), (768, 12, 12, 256, 4));
+        // A preset with an override keeps the rest of its shape.
+        assert!(matches!(model_choice("gpt2-small:seq=256"),
+            Ok(ModelChoice::Gpt(g)) if g == GptConfig { seq_len: 256, ..GptConfig::shape(768, 12, 12, 1024) }));
+        for (spec, says) in [
+            ("gpt:d=768,depth=3", "unknown key `depth`"),
+            ("gpt:layers=x", "`layers=x` is not a positive integer"),
+            ("gpt:heads=0", "`heads=0` is not a positive integer"),
+            ("gpt:d=100,heads=3", "n_head 3 does not divide d_model 100"),
+            ("gpt:seq=4096", "seq_len 4096 exceeds"),
+            ("gpt:d", "`d` in `gpt:d` is not key=value"),
+            ("mlp:d=3", "takes no shape"),
+            ("gpt-7b", "unknown model `gpt-7b`"),
+        ] {
+            let err = model_choice(spec).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(says), "{spec}: {err}");
+        }
+        // The help lists every preset with its parameter count.
+        let help = model_help();
+        for (name, g) in GptConfig::presets() {
+            let line =
+                help.lines().find(|l| l.trim_start().starts_with(&format!("{name} "))).unwrap_or_default();
+            assert!(line.contains(&format!("{:.2}M", g.with_vocab(256).num_params() as f64 / 1e6)), "{line}");
+        }
     }
 
     /// `zeropp train`'s flags as the CLI parses them.

@@ -101,11 +101,18 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
         print_plan(&a.run.model, &cfg, topo.nodes(), Some(&comm.thread_level()));
     }
     let pb = lead.then(|| progress_bar(cfg.steps, "train"));
+    let watchdog = lead.then(|| Watchdog::start(args.run.timeout_s.max(1)));
     let report = train_mpi(&mut comm, &cfg, &mut |r| {
+        if let Some(w) = &watchdog {
+            w.progress();
+        }
         if let Some(pb) = &pb {
             show_step(pb, r);
         }
     });
+    if let Some(w) = &watchdog {
+        w.stop();
+    }
     if let Some(pb) = &pb {
         pb.finish();
     }
@@ -113,8 +120,59 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     if let Some(report) = report {
         print_report(&report.summary, cfg.metrics.as_deref());
     }
+    // Every rank is a process: each reports its own peak.
+    crate::train::print_memory(&cfg, 1, Some(rank));
     drop(comm);
     Ok(())
+}
+
+/// Rank 0's watchdog: MPI itself has no timeout, so a peer or link that went silent
+/// (a node's network down) would block the job forever. When no step completes within
+/// `--timeout` seconds, it ends the job through `MPI_Abort` with a message that says so.
+#[cfg(feature = "mpi")]
+struct Watchdog {
+    last: std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+}
+
+#[cfg(feature = "mpi")]
+impl Watchdog {
+    fn start(timeout_s: u64) -> Self {
+        use std::time::{Duration, Instant};
+        let last = std::sync::Arc::new(std::sync::Mutex::new(Some(Instant::now())));
+        let seen = std::sync::Arc::clone(&last);
+        std::thread::spawn(move || {
+            let limit = Duration::from_secs(timeout_s);
+            loop {
+                std::thread::sleep(Duration::from_millis(200));
+                let since = match *seen.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+                    Some(t) => t.elapsed(),
+                    None => return,
+                };
+                if since > limit {
+                    zeropp_comm::mpi::abort(
+                        3,
+                        &format!(
+                            "no training step completed for {timeout_s} s (--timeout): \
+                             a peer rank or the network between the nodes is gone"
+                        ),
+                    );
+                }
+            }
+        });
+        Self { last }
+    }
+
+    fn set(&self, v: Option<std::time::Instant>) {
+        *self.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = v;
+    }
+
+    fn progress(&self) {
+        self.set(Some(std::time::Instant::now()));
+    }
+
+    fn stop(&self) {
+        self.set(None);
+    }
 }
 
 #[cfg(test)]

@@ -28,8 +28,8 @@ use zeropp_quant::{
 
 use super::{
     DenseWire, QwzOptions, Reduce, Routing, all_gather_f32, all_gather_f32_via_bf16, check_shard,
-    finish_shard, group_all_gather_bytes, group_qwz_bytes, group_reduce_scatter_bytes, reduce_scatter,
-    reduce_scatter_bf16_wire, shard_len, with_part,
+    dense_reduce_scatter, finish_shard, group_all_gather_bytes, group_qwz_bytes, group_reduce_scatter_bytes,
+    shard_len, with_part,
 };
 use crate::{CommError, CommExt, Communicator, Group, LinkBytes, Topology, slices};
 
@@ -65,7 +65,7 @@ fn slot<'a, T>(what: &str, buf: &'a [T], index: usize, len: usize) -> Result<&'a
 
 /// Mutable slot `index` of `len` elements of `buf`, or an error naming `what`.
 fn slot_mut<'a, T>(what: &str, buf: &'a mut [T], index: usize, len: usize) -> Result<&'a mut [T], CommError> {
-    slices::chunk_mut(buf, index, len, what)
+    slices::window_mut(buf, index.saturating_mul(len), len, what)
 }
 
 /// The two gather hops: all-gather `mine` over the rail, then the `N`-chunk result
@@ -215,7 +215,7 @@ fn two_hop_gather_bytes(topology: &Topology, chunk: u64) -> LinkBytes {
 /// `shard` (`s` elements) receives shard `rank` of the sum or mean over all ranks,
 /// its padding set to 0. Everything that travels is sent as `wire`; sums are f32.
 ///
-/// [`Routing::Flat`] is [`reduce_scatter`] (f32) / [`reduce_scatter_bf16_wire`] on
+/// [`Routing::Flat`] is [`dense_reduce_scatter`] (f32 or bf16 wire) on
 /// [`Group::world`]. [`Routing::Hierarchical`] runs (1) an intra-node all-to-all
 /// where the chunk for local peer `j` holds the shards of ranks `(m', j)`, summed in
 /// local-rank order into one partial per node (the own chunk never travels and stays
@@ -250,8 +250,7 @@ pub fn world_reduce_scatter<C: Communicator + ?Sized>(
 ) -> Result<(), CommError> {
     let world = Group::world(comm.topology());
     match (routing, wire) {
-        (Routing::Flat, DenseWire::F32) => reduce_scatter(comm, &world, full, shard, reduce),
-        (Routing::Flat, DenseWire::Bf16) => reduce_scatter_bf16_wire(comm, &world, full, shard, reduce),
+        (Routing::Flat, wire) => dense_reduce_scatter(comm, &world, wire, full, shard, reduce),
         (Routing::Hierarchical, DenseWire::F32) => hier_reduce_scatter::<C, f32>(comm, full, shard, reduce),
         (Routing::Hierarchical, DenseWire::Bf16) => hier_reduce_scatter::<C, bf16>(comm, full, shard, reduce),
     }

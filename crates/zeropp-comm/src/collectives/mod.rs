@@ -50,7 +50,7 @@
 //! | [`all_gather_f32`] (shard `c`) | by peer | `4c` to each of the `g-1` others |
 //! | [`all_gather_bf16`], [`all_gather_f32_via_bf16`] | by peer | `2c` to each other member |
 //! | [`reduce_scatter`] (full `n`, `s = ⌈n/g⌉`) | by peer | `4s` to each other member |
-//! | [`reduce_scatter_bf16_wire`] | by peer | `2s` to each other member |
+//! | [`dense_reduce_scatter`] (bf16 wire) | by peer | `2s` to each other member |
 //! | [`qwz_all_gather`] (shard `c`) | by peer | `E(spec, c)` to each other member (one message: data + scales + header) |
 //! | [`qgz_reduce_scatter`], hop 1 (`L > 1`) | intra only | `N·E(intra_spec, s)` to each of the `L-1` local peers |
 //! | [`qgz_reduce_scatter`], hop 2 (`N > 1`) | inter only | `E(inter_spec, s)` to each of the `N-1` rail peers |
@@ -91,8 +91,8 @@ use std::ops::Range;
 use std::str::FromStr;
 
 pub use baseline::{
-    all_gather_bf16, all_gather_f32, all_gather_f32_via_bf16, group_all_gather_bytes,
-    group_reduce_scatter_bytes, reduce_scatter, reduce_scatter_bf16_wire,
+    all_gather_bf16, all_gather_f32, all_gather_f32_via_bf16, dense_reduce_scatter, group_all_gather_bytes,
+    group_reduce_scatter_bytes, reduce_scatter,
 };
 pub use hierarchical::{
     dequantize_encodings, world_all_gather, world_all_gather_bytes, world_qwz_all_gather, world_qwz_bytes,
@@ -119,6 +119,43 @@ use crate::{CommError, Communicator, Group, slices};
 /// ```
 pub const DEFAULT_GROUP_SIZE: usize = 256;
 
+/// `ALL`, `name`, [`fmt::Display`] and [`FromStr`] (case-insensitive, trimmed) of
+/// a fieldless option enum, from its variants and their names; `$what` names the
+/// type in the parse error.
+macro_rules! named {
+    ($ty:ident, $what:literal, [$($v:ident => $name:literal),+ $(,)?]) => {
+        impl $ty {
+            /// Every variant, in declaration order.
+            pub const ALL: [$ty; [$($name),+].len()] = [$($ty::$v),+];
+
+            #[doc = concat!("The name [`FromStr`] accepts: ", $("`", $name, "` "),+, "(in that order).")]
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$v => $name),+
+                }
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = CommError;
+
+            fn from_str(s: &str) -> Result<Self, CommError> {
+                let key = s.trim().to_ascii_lowercase();
+                $ty::ALL.into_iter().find(|v| v.name() == key).ok_or_else(|| {
+                    let names: Vec<String> = $ty::ALL.iter().map(|v| format!("`{v}`")).collect();
+                    CommError::InvalidConfig(format!("unknown {} {s:?}: expected {}", $what, names.join(" or ")))
+                })
+            }
+        }
+    };
+}
+
 /// How a world collective is routed over the topology.
 ///
 /// ```
@@ -139,38 +176,7 @@ pub enum Routing {
     Hierarchical,
 }
 
-impl Routing {
-    /// Every routing, in declaration order.
-    pub const ALL: [Routing; 2] = [Routing::Flat, Routing::Hierarchical];
-
-    /// The name [`FromStr`] accepts: `flat` or `hierarchical`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Routing::Flat => "flat",
-            Routing::Hierarchical => "hierarchical",
-        }
-    }
-}
-
-impl fmt::Display for Routing {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Routing {
-    type Err = CommError;
-
-    fn from_str(s: &str) -> Result<Self, CommError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "flat" => Ok(Routing::Flat),
-            "hierarchical" => Ok(Routing::Hierarchical),
-            _ => Err(CommError::InvalidConfig(format!(
-                "unknown routing {s:?}: expected `flat` or `hierarchical`"
-            ))),
-        }
-    }
-}
+named!(Routing, "routing", [Flat => "flat", Hierarchical => "hierarchical"]);
 
 /// Element type of the dense (baseline) collectives on the wire.
 ///
@@ -192,9 +198,6 @@ pub enum DenseWire {
 }
 
 impl DenseWire {
-    /// Every wire type, in declaration order.
-    pub const ALL: [DenseWire; 2] = [DenseWire::Bf16, DenseWire::F32];
-
     /// Bytes per element on the wire (2 or 4).
     pub fn bytes(self) -> usize {
         match self {
@@ -202,35 +205,9 @@ impl DenseWire {
             DenseWire::F32 => 4,
         }
     }
-
-    /// The name [`FromStr`] accepts: `bf16` or `f32`.
-    pub fn name(self) -> &'static str {
-        match self {
-            DenseWire::Bf16 => "bf16",
-            DenseWire::F32 => "f32",
-        }
-    }
 }
 
-impl fmt::Display for DenseWire {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for DenseWire {
-    type Err = CommError;
-
-    fn from_str(s: &str) -> Result<Self, CommError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "bf16" => Ok(DenseWire::Bf16),
-            "f32" => Ok(DenseWire::F32),
-            _ => Err(CommError::InvalidConfig(format!(
-                "unknown dense wire type {s:?}: expected `bf16` or `f32`"
-            ))),
-        }
-    }
-}
+named!(DenseWire, "dense wire type", [Bf16 => "bf16", F32 => "f32"]);
 
 /// How a reduce-scatter combines the ranks' contributions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -121,7 +121,7 @@ where
                 q.len()
             )));
         }
-        let out = slices::chunk_mut(full, j, c, "qwz_all_gather: output")?;
+        let out = slices::window_mut(full, j * c, c, "qwz_all_gather: output")?;
         dequantize_into(&q, out, &opts.quant)?;
     }
     Ok(())

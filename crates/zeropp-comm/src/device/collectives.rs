@@ -191,7 +191,7 @@ pub fn all_gather_bf16<C: DeviceCommunicator + ?Sized>(
 /// The bf16-wire baseline reduce-scatter: rounds `full` (f32, `n` values) to
 /// bf16, all-to-all, sums the `g` parts in f32 in group order and applies
 /// `reduce`, into `shard` (f32, `⌈n/g⌉` values), like
-/// [`crate::collectives::reduce_scatter_bf16_wire`].
+/// [`crate::collectives::dense_reduce_scatter`] with [`DenseWire::Bf16`](crate::collectives::DenseWire::Bf16).
 pub fn reduce_scatter_bf16_wire<C: DeviceCommunicator + ?Sized>(
     comm: &mut C,
     group: &Group,

@@ -231,25 +231,21 @@ pub trait DeviceCommunicator: Send {
     fn call(&mut self, group: &Group, call: DeviceCall<'_, Self::Device>) -> Result<(), CommError> {
         let p = call.primitive();
         let me = check::member(self.topology(), self.rank(), group, p)?;
-        match &call {
-            DeviceCall::AllGather { send, recv } => check::all_gather(group, send.len(), recv.len())?,
-            DeviceCall::AllToAll { send, recv } => {
-                check::all_to_all(group, send.len(), recv.len())?;
+        let shape = match &call {
+            DeviceCall::AllGather { send, recv } | DeviceCall::AllToAll { send, recv } => {
+                check::Shape::buffers(send.len(), recv.len())
             }
             DeviceCall::AllToAllV { send, send_counts, recv, recv_counts } => {
-                check::all_to_all_v(group, me, send.len(), send_counts, recv.len(), recv_counts)?;
+                check::Shape { send_counts, recv_counts, ..check::Shape::buffers(send.len(), recv.len()) }
             }
             DeviceCall::ReduceScatterF32 { send, recv } => {
-                check::reduce_scatter(group, floats(p, send.len())?, floats(p, recv.len())?)?;
+                check::Shape::buffers(floats(p, send.len())?, floats(p, recv.len())?)
             }
-            DeviceCall::AllReduceF32 { buf } => {
-                floats(p, buf.len())?;
-            }
-            DeviceCall::Broadcast { root, .. } => {
-                check::broadcast(group, *root)?;
-            }
-            DeviceCall::Barrier => {}
-        }
+            DeviceCall::AllReduceF32 { buf } => check::Shape::buffers(floats(p, buf.len())?, 0),
+            DeviceCall::Broadcast { root, .. } => check::Shape { root: *root, ..check::Shape::buffers(0, 0) },
+            DeviceCall::Barrier => check::Shape::buffers(0, 0),
+        };
+        check::arguments_of(group, me, p, &shape)?;
         self.raw(group, me, call)?;
         record(self.traffic_mut(), group, me, &call);
         Ok(())

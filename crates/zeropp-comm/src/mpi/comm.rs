@@ -10,7 +10,7 @@ use ::mpi::topology::{Communicator as _, Group as _};
 use super::ffi::SendComm;
 use super::{Env, MpiOptions, Reduction};
 use crate::slices::{copy_to, window};
-use crate::{CommError, Communicator, Group, Primitive, Topology, TrafficCounter};
+use crate::{CommError, Communicator, Group, Primitive, RawCall, Topology, TrafficCounter};
 
 /// One rank's communicator of the MPI backend.
 ///
@@ -156,7 +156,6 @@ impl MpiComm {
         recv: &mut [u8],
         exchange: impl FnOnce(&::mpi::topology::SimpleCommunicator, &[u8], &mut [u8]),
     ) -> Result<(), CommError> {
-        self.env.check_thread()?;
         let c = send.len() / parts;
         let local = too_big(op, "a chunk", c);
         if group.size() == 1 {
@@ -280,7 +279,7 @@ const ROOT: &str = "the root";
 
 impl MpiComm {
     /// The agreement round of `primitive` for a member whose arguments were
-    /// rejected with `error` (the twin of the round the raw hooks run), so the
+    /// rejected with `error` (the twin of the round `raw` runs), so the
     /// other members fail with [`CommError::Mismatch`] instead of waiting.
     fn reject(&mut self, group: &Group, primitive: Primitive, error: CommError) -> Result<(), CommError> {
         self.env.check_thread()?;
@@ -309,68 +308,18 @@ impl MpiComm {
     }
 }
 
-impl Communicator for MpiComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn topology(&self) -> &Topology {
-        &self.topology
-    }
-
-    fn traffic(&self) -> &TrafficCounter {
-        &self.traffic
-    }
-
-    fn traffic_mut(&mut self) -> &mut TrafficCounter {
-        &mut self.traffic
-    }
-
-    fn raw_reject(
+/// The primitives behind [`RawCall`]s, called after `Env::check_thread`.
+impl MpiComm {
+    /// [`RawCall::AllToAllV`]: the counts are checked against the peers' (one
+    /// `MPI_Alltoall`), then one `MPI_Alltoallv`.
+    fn mpi_all_to_all_v(
         &mut self,
         group: &Group,
-        _index: usize,
-        primitive: Primitive,
-        error: CommError,
-    ) -> CommError {
-        match self.reject(group, primitive, error) {
-            Err(e) => e,
-            Ok(()) => CommError::Mismatch(format!("{primitive}: arguments rejected")),
-        }
-    }
-
-    fn raw_all_gather_bytes(
-        &mut self,
-        group: &Group,
-        _index: usize,
-        send: &[u8],
-        recv: &mut [u8],
+        send: (&[u8], &[usize]),
+        recv: (&mut [u8], &[usize]),
     ) -> Result<(), CommError> {
-        self.fixed_chunks(group, "all_gather", 1, send, recv, |c, s, r| c.all_gather_into(s, r))
-    }
-
-    fn raw_all_to_all_bytes(
-        &mut self,
-        group: &Group,
-        _index: usize,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> Result<(), CommError> {
-        let parts = group.size();
-        self.fixed_chunks(group, "all_to_all", parts, send, recv, |c, s, r| c.all_to_all_into(s, r))
-    }
-
-    fn raw_all_to_all_v_bytes(
-        &mut self,
-        group: &Group,
-        _index: usize,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<(), CommError> {
+        let ((send, send_counts), (recv, recv_counts)) = (send, recv);
         const OP: &str = "all_to_all_v";
-        self.env.check_thread()?;
         let g = group.size();
         let mut local = too_big(OP, "the send buffer", send.len())
             .or_else(|| too_big(OP, "the receive buffer", recv.len()));
@@ -412,15 +361,9 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
-    fn raw_reduce_scatter_f32(
-        &mut self,
-        group: &Group,
-        _index: usize,
-        send: &[f32],
-        recv: &mut [f32],
-    ) -> Result<(), CommError> {
+    /// [`RawCall::ReduceScatter`] by [`MpiOptions::reduction`].
+    fn mpi_reduce_scatter(&mut self, group: &Group, send: &[f32], recv: &mut [f32]) -> Result<(), CommError> {
         const OP: &str = "reduce_scatter";
-        self.env.check_thread()?;
         let (g, n) = (group.size(), recv.len());
         let local = too_big(OP, "a chunk", n);
         if g == 1 {
@@ -442,9 +385,9 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
-    fn raw_all_reduce_f32(&mut self, group: &Group, _index: usize, buf: &mut [f32]) -> Result<(), CommError> {
+    /// [`RawCall::AllReduce`] by [`MpiOptions::reduction`].
+    fn mpi_all_reduce(&mut self, group: &Group, buf: &mut [f32]) -> Result<(), CommError> {
         const OP: &str = "all_reduce";
-        self.env.check_thread()?;
         let (g, n) = (group.size(), buf.len());
         let local = too_big(OP, "the buffer", n.div_ceil(g) * g);
         if g == 1 {
@@ -478,15 +421,9 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
-    fn raw_broadcast_bytes(
-        &mut self,
-        group: &Group,
-        _index: usize,
-        root: usize,
-        buf: &mut [u8],
-    ) -> Result<(), CommError> {
+    /// [`RawCall::Broadcast`]: members agree on the length and the root first.
+    fn mpi_broadcast(&mut self, group: &Group, root: usize, buf: &mut [u8]) -> Result<(), CommError> {
         const OP: &str = "broadcast";
-        self.env.check_thread()?;
         let n = buf.len();
         let local = too_big(OP, "the buffer", n);
         if group.size() == 1 {
@@ -497,19 +434,57 @@ impl Communicator for MpiComm {
         self.comm_of(group)?.process_at_rank(count(root)).broadcast_into(real_ptr_mut(buf, &mut r0));
         Ok(())
     }
+}
 
-    fn raw_barrier(&mut self, group: &Group, _index: usize) -> Result<(), CommError> {
-        self.env.check_thread()?;
-        if group.size() == 1 {
-            return Ok(());
-        }
-        self.ensure(group)?;
-        self.comm_of(group)?.barrier();
-        Ok(())
-    }
-
+impl Communicator for MpiComm {
     fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
         Ok(Box::new(self.split_stream()?))
+    }
+
+    fn traffic(&self) -> &TrafficCounter {
+        &self.traffic
+    }
+
+    fn traffic_mut(&mut self) -> &mut TrafficCounter {
+        &mut self.traffic
+    }
+
+    fn raw_reject(
+        &mut self,
+        group: &Group,
+        _index: usize,
+        primitive: Primitive,
+        error: CommError,
+    ) -> CommError {
+        match self.reject(group, primitive, error) {
+            Err(e) => e,
+            Ok(()) => CommError::Mismatch(format!("{primitive}: arguments rejected")),
+        }
+    }
+
+    fn raw(&mut self, group: &Group, _index: usize, call: RawCall<'_>) -> Result<(), CommError> {
+        self.env.check_thread()?;
+        match call {
+            RawCall::AllGather { send, recv } => {
+                self.fixed_chunks(group, "all_gather", 1, send, recv, |c, s, r| c.all_gather_into(s, r))
+            }
+            RawCall::AllToAll { send, recv } => {
+                let parts = group.size();
+                self.fixed_chunks(group, "all_to_all", parts, send, recv, |c, s, r| c.all_to_all_into(s, r))
+            }
+            RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+                self.mpi_all_to_all_v(group, (send, send_counts), (recv, recv_counts))
+            }
+            RawCall::ReduceScatter { send, recv } => self.mpi_reduce_scatter(group, send, recv),
+            RawCall::AllReduce { buf } => self.mpi_all_reduce(group, buf),
+            RawCall::Broadcast { root, buf } => self.mpi_broadcast(group, root, buf),
+            RawCall::Barrier if group.size() == 1 => Ok(()),
+            RawCall::Barrier => {
+                self.ensure(group)?;
+                self.comm_of(group)?.barrier();
+                Ok(())
+            }
+        }
     }
 }
 

@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 
-use super::fabric::{ChannelSet, Fabric, Header, Kind, Msg, Payload};
+use super::fabric::{CallId, ChannelSet, Fabric, Header, Kind, Msg, Payload};
 use crate::slices::{chunk, copy_to, window, window_mut};
-use crate::{CommError, Communicator, Group, Topology, TrafficCounter, check};
+use crate::{CommError, Communicator, Group, RawCall, Topology, TrafficCounter, check};
 
 /// One rank's communicator of the thread backend.
 ///
@@ -116,7 +116,8 @@ impl ThreadComm {
 
     fn send(&mut self, op: &Op, dst: usize, payload: Payload) {
         let deliver_at = self.fabric.book(self.rank, dst, payload.len);
-        let header = Header { kind: op.kind, group: op.group, seq: op.seq, len: payload.len };
+        let id = CallId { kind: op.kind, group: op.group, seq: op.seq };
+        let header = Header { id, len: payload.len };
         self.set.send(self.rank, dst, Msg::Data { header, payload, deliver_at });
     }
 
@@ -147,15 +148,16 @@ impl ThreadComm {
             }
             Msg::Data { header, payload, deliver_at } => (header, payload, deliver_at),
         };
-        if header.kind != op.kind || header.group != op.group || header.seq != op.seq {
-            let same_group = if header.group == op.group { "the same group" } else { "a different group" };
+        let got = header.id;
+        if got != (CallId { kind: op.kind, group: op.group, seq: op.seq }) {
+            let same_group = if got.group == op.group { "the same group" } else { "a different group" };
             return Err(CommError::Mismatch(format!(
                 "rank {} expected {} #{} from rank {src} but received {} #{} on {same_group}: ranks called collectives in different orders",
                 self.rank,
                 op.kind.name(),
                 op.seq,
-                header.kind.name(),
-                header.seq
+                got.kind.name(),
+                got.seq
             )));
         }
         if header.len != expected_len {
@@ -249,14 +251,6 @@ fn windows(counts: &[usize]) -> Vec<(usize, usize)> {
 }
 
 impl Communicator for ThreadComm {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn topology(&self) -> &Topology {
-        &self.topology
-    }
-
     fn traffic(&self) -> &TrafficCounter {
         &self.traffic
     }
@@ -265,75 +259,92 @@ impl Communicator for ThreadComm {
         &mut self.traffic
     }
 
-    fn raw_all_gather_bytes(
+    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
+        Ok(Box::new(self.split_stream()?))
+    }
+
+    fn raw(&mut self, group: &Group, index: usize, call: RawCall<'_>) -> Result<(), CommError> {
+        match call {
+            RawCall::AllGather { send, recv } => {
+                let c = send.len();
+                let op = self.begin(group, Kind::AllGather, index);
+                self.send_to_all(&op, group, &Arc::from(send))?;
+                self.collect(&op, group, (send, c), |j, bytes| {
+                    copy_to(recv, j * c, bytes, "all_gather: receive buffer")
+                })
+            }
+            RawCall::AllToAll { send, recv } => {
+                let counts = vec![send.len() / group.size(); group.size()];
+                let op = self.begin(group, Kind::AllToAll, index);
+                self.hook_all_to_all(&op, group, (send, &counts), (recv, &counts))
+            }
+            RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+                let op = self.begin(group, Kind::AllToAllV, index);
+                self.hook_all_to_all(&op, group, (send, send_counts), (recv, recv_counts))
+            }
+            RawCall::ReduceScatter { send, recv } => self.hook_reduce_scatter(group, index, send, recv),
+            RawCall::AllReduce { buf } => self.hook_all_reduce(group, index, buf),
+            RawCall::Broadcast { root, buf } => {
+                let root_rank = check::broadcast(group, root)?;
+                let op = self.begin(group, Kind::Broadcast, index);
+                if index == root {
+                    let data: Arc<[u8]> = Arc::from(&*buf);
+                    self.send_to_all(&op, group, &data)
+                } else {
+                    let p = self.recv(&op, root_rank, buf.len())?;
+                    buf.copy_from_slice(p.bytes()?);
+                    Ok(())
+                }
+            }
+            RawCall::Barrier => {
+                let op = self.begin(group, Kind::Barrier, index);
+                let empty: Arc<[u8]> = Arc::from(&[][..]);
+                self.send_to_all(&op, group, &empty)?;
+                self.collect(&op, group, (&[], 0), |_, _| Ok(()))
+            }
+        }
+    }
+}
+
+/// The algorithms behind [`RawCall`]s (arguments validated by the trait).
+impl ThreadComm {
+    /// Hands every member's `len` bytes to `take(j, bytes)`, in group order: the
+    /// caller's own are `own`, the others' are received.
+    fn collect(
         &mut self,
+        op: &Op,
         group: &Group,
-        index: usize,
-        send: &[u8],
-        recv: &mut [u8],
+        (own, len): (&[u8], usize),
+        mut take: impl FnMut(usize, &[u8]) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
-        let c = send.len();
-        let op = self.begin(group, Kind::AllGather, index);
-        let buf: Arc<[u8]> = Arc::from(send);
-        self.send_to_all(&op, group, &buf)?;
-        copy_to(recv, index * c, send, "all_gather: receive buffer")?;
         for (j, &src) in group.ranks().iter().enumerate() {
-            if j != index {
-                let p = self.recv(&op, src, c)?;
-                copy_to(recv, j * c, p.bytes()?, "all_gather: receive buffer")?;
+            if j == op.index {
+                take(j, own)?;
+            } else {
+                let p = self.recv(op, src, len)?;
+                take(j, p.bytes()?)?;
             }
         }
         Ok(())
     }
 
-    fn raw_all_to_all_bytes(
+    fn hook_reduce_scatter(
         &mut self,
         group: &Group,
-        index: usize,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> Result<(), CommError> {
-        let counts = vec![send.len() / group.size(); group.size()];
-        self.all_to_all_generic(group, index, Kind::AllToAll, send, &counts, recv, &counts)
-    }
-
-    fn raw_all_to_all_v_bytes(
-        &mut self,
-        group: &Group,
-        index: usize,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<(), CommError> {
-        self.all_to_all_generic(group, index, Kind::AllToAllV, send, send_counts, recv, recv_counts)
-    }
-
-    fn raw_reduce_scatter_f32(
-        &mut self,
-        group: &Group,
-        index: usize,
+        me: usize,
         send: &[f32],
         recv: &mut [f32],
     ) -> Result<(), CommError> {
         let n = recv.len();
-        let op = self.begin(group, Kind::ReduceScatter, index);
+        let op = self.begin(group, Kind::ReduceScatter, me);
         let buf: Arc<[u8]> = Arc::from(bytemuck::cast_slice::<f32, u8>(send));
         self.scatter_chunks(&op, group, &buf, 4 * n)?;
         recv.fill(0.0);
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j == index {
-                let own = chunk(send, j, n, "reduce_scatter: send buffer")?;
-                recv.iter_mut().zip(own).for_each(|(a, b)| *a += b);
-            } else {
-                let p = self.recv(&op, src, 4 * n)?;
-                sum_into(recv, p.bytes()?)?;
-            }
-        }
-        Ok(())
+        let own = chunk(&buf, me, 4 * n, "reduce_scatter: send buffer")?;
+        self.collect(&op, group, (own, 4 * n), |_, bytes| sum_into(recv, bytes))
     }
 
-    fn raw_all_reduce_f32(&mut self, group: &Group, index: usize, buf: &mut [f32]) -> Result<(), CommError> {
+    fn hook_all_reduce(&mut self, group: &Group, index: usize, buf: &mut [f32]) -> Result<(), CommError> {
         let g = group.size();
         let n = buf.len();
         let c = n.div_ceil(g);
@@ -348,20 +359,14 @@ impl Communicator for ThreadComm {
         };
         self.scatter_chunks(&op, group, &padded, 4 * c)?;
         let mut acc = vec![0.0f32; c];
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j == index {
-                sum_into(&mut acc, chunk(&padded, j, 4 * c, "all_reduce: padded buffer")?)?;
-            } else {
-                let p = self.recv(&op, src, 4 * c)?;
-                sum_into(&mut acc, p.bytes()?)?;
-            }
-        }
+        let own = chunk(&padded, index, 4 * c, "all_reduce: padded buffer")?;
+        self.collect(&op, group, (own, 4 * c), |_, bytes| sum_into(&mut acc, bytes))?;
         // Phase 2: all-gather of the reduced chunks; chunk j lands on elements
         // [j·c, (j+1)·c) clipped to n (the padding is dropped).
         let op2 = self.begin(group, Kind::AllReduceGather, index);
         let mine: Arc<[u8]> = Arc::from(bytemuck::cast_slice::<f32, u8>(&acc));
         self.send_to_all(&op2, group, &mine)?;
-        let place = |buf: &mut [f32], j: usize, bytes: &[u8]| -> Result<(), CommError> {
+        self.collect(&op2, group, (&mine, 4 * c), |j, bytes| {
             let lo = (j * c).min(n);
             let hi = ((j + 1) * c).min(n);
             let out = window_mut(buf, lo, hi - lo, "all_reduce: buffer")?;
@@ -369,78 +374,28 @@ impl Communicator for ThreadComm {
                 *d = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
             }
             Ok(())
-        };
-        place(buf, index, &mine)?;
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j != index {
-                let p = self.recv(&op2, src, 4 * c)?;
-                place(buf, j, p.bytes()?)?;
-            }
-        }
-        Ok(())
+        })
     }
 
-    fn raw_broadcast_bytes(
+    /// Both all-to-alls: member `j` gets `send.1[j]` bytes of `send.0`, member `j`
+    /// sends `recv.1[j]` bytes into `recv.0` (the caller validated the counts).
+    fn hook_all_to_all(
         &mut self,
+        op: &Op,
         group: &Group,
-        index: usize,
-        root: usize,
-        buf: &mut [u8],
+        (send, send_counts): (&[u8], &[usize]),
+        (recv, recv_counts): (&mut [u8], &[usize]),
     ) -> Result<(), CommError> {
-        let root_rank = check::broadcast(group, root)?;
-        let op = self.begin(group, Kind::Broadcast, index);
-        if index == root {
-            let data: Arc<[u8]> = Arc::from(&*buf);
-            self.send_to_all(&op, group, &data)?;
-        } else {
-            let p = self.recv(&op, root_rank, buf.len())?;
-            buf.copy_from_slice(p.bytes()?);
-        }
-        Ok(())
-    }
-
-    fn raw_barrier(&mut self, group: &Group, index: usize) -> Result<(), CommError> {
-        let op = self.begin(group, Kind::Barrier, index);
-        let empty: Arc<[u8]> = Arc::from(&[][..]);
-        self.send_to_all(&op, group, &empty)?;
-        for (j, &src) in group.ranks().iter().enumerate() {
-            if j != index {
-                self.recv(&op, src, 0)?;
-            }
-        }
-        Ok(())
-    }
-
-    fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
-        Ok(Box::new(self.split_stream()?))
-    }
-}
-
-impl ThreadComm {
-    /// Both all-to-alls: member `j` gets `send_counts[j]` bytes, member `j` sends
-    /// `recv_counts[j]` (the caller validated the counts).
-    #[allow(clippy::too_many_arguments)] // the primitive's arguments plus the message kind
-    fn all_to_all_generic(
-        &mut self,
-        group: &Group,
-        index: usize,
-        kind: Kind,
-        send: &[u8],
-        send_counts: &[usize],
-        recv: &mut [u8],
-        recv_counts: &[usize],
-    ) -> Result<(), CommError> {
-        let op = self.begin(group, kind, index);
         let sr = windows(send_counts);
         let rr = windows(recv_counts);
         let buf: Arc<[u8]> = Arc::from(send);
-        self.scatter_out(&op, group, &buf, &sr)?;
-        let what = format!("{}: receive buffer", kind.name());
+        self.scatter_out(op, group, &buf, &sr)?;
+        let what = format!("{}: receive buffer", op.kind.name());
         for (j, ((&src, &(s, sc)), &(at, rc))) in group.ranks().iter().zip(&sr).zip(&rr).enumerate() {
-            if j == index {
+            if j == op.index {
                 copy_to(recv, at, window(send, s, sc, "all_to_all: send buffer")?, &what)?;
             } else {
-                let p = self.recv(&op, src, rc)?;
+                let p = self.recv(op, src, rc)?;
                 copy_to(recv, at, p.bytes()?, &what)?;
             }
         }

@@ -59,12 +59,19 @@ impl Payload {
     }
 }
 
-/// The small header every message carries.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Header {
+/// Which collective a message belongs to: its kind, the group's id and the
+/// per-group sequence number (a receiver expects exactly this triple).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct CallId {
     pub(crate) kind: Kind,
     pub(crate) group: u64,
     pub(crate) seq: u64,
+}
+
+/// The small header every message carries: the collective, and the length.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Header {
+    pub(crate) id: CallId,
     pub(crate) len: usize,
 }
 

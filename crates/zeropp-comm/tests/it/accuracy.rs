@@ -8,30 +8,33 @@ use zeropp_comm::collectives::{
     ring_quantized_reduce_scatter, shard_len,
 };
 use zeropp_comm::conformance::{qgz_error_bound, rank_data};
-use zeropp_comm::{Group, ThreadCluster, ThreadOptions, Topology};
+use zeropp_comm::{CommError, Group, ThreadCluster, ThreadComm, ThreadOptions, Topology};
+
+/// Runs `f(comm, input)` on a `w`×`l` thread cluster where rank `r`'s input is
+/// `rank_data(seed, r, n)`; returns the topology, the inputs and every rank's result.
+fn run_on<R: Send>(
+    (w, l, n, seed): (usize, usize, usize, u64),
+    f: impl Fn(&mut ThreadComm, &[f32]) -> Result<R, CommError> + Sync,
+) -> (Topology, Vec<Vec<f32>>, Vec<R>) {
+    let t = Topology::ranks(w).per_node(l).unwrap();
+    let inputs: Vec<Vec<f32>> = (0..w).map(|r| rank_data(seed, r, n)).collect();
+    let outs =
+        ThreadCluster::new(t, ThreadOptions::default()).run(|comm| f(comm, &inputs[comm.rank()])).unwrap();
+    (t, inputs, outs)
+}
 
 /// Returns (qgZ RMS error, ring RMS error) against the exact f64 mean, and checks
 /// the analytic bound on every element.
 fn errors(w: usize, l: usize, n: usize) -> (f64, f64) {
-    let t = Topology::ranks(w).per_node(l).unwrap();
-    let inputs: Vec<Vec<f32>> = (0..w).map(|r| rank_data(11, r, n)).collect();
     let s = shard_len(n, w);
-    let outs = ThreadCluster::new(t, ThreadOptions::default())
-        .run(|comm| -> Result<_, zeropp_comm::CommError> {
-            let r = comm.rank();
-            let mut a = vec![0.0; s];
-            qgz_reduce_scatter(comm, &inputs[r], &mut a, &QgzOptions::default())?;
-            let mut b = vec![0.0; s];
-            ring_quantized_reduce_scatter(
-                comm,
-                &Group::world(&t),
-                &inputs[r],
-                &mut b,
-                &RingOptions::default(),
-            )?;
-            Ok((a, b))
-        })
-        .unwrap();
+    let (t, inputs, outs) = run_on((w, l, n, 11), |comm, input| {
+        let mut a = vec![0.0; s];
+        qgz_reduce_scatter(comm, input, &mut a, &QgzOptions::default())?;
+        let mut b = vec![0.0; s];
+        let world = Group::world(comm.topology());
+        ring_quantized_reduce_scatter(comm, &world, input, &mut b, &RingOptions::default())?;
+        Ok((a, b))
+    });
     let (mut ea, mut eb) = (0.0f64, 0.0f64);
     for (r, (a, b)) in outs.iter().enumerate() {
         let bound = qgz_error_bound(&t, &inputs, &QgzOptions::default(), r);
@@ -62,30 +65,19 @@ fn error_feedback_reduces_the_accumulated_error() {
     // With a constant gradient, the running average of the qgZ outputs converges
     // to the exact mean with error feedback, and stays biased without it.
     let (w, l, n, steps) = (4, 2, 4096, 16);
-    let t = Topology::ranks(w).per_node(l).unwrap();
-    let inputs: Vec<Vec<f32>> = (0..w).map(|r| rank_data(5, r, n)).collect();
     let s = shard_len(n, w);
-    let outs = ThreadCluster::new(t, ThreadOptions::default())
-        .run(|comm| -> Result<_, zeropp_comm::CommError> {
-            let r = comm.rank();
-            let mut fb = ErrorFeedback::new();
-            let (mut with, mut without) = (vec![0.0f64; s], vec![0.0f64; s]);
-            let mut out = vec![0.0; s];
-            for _ in 0..steps {
-                qgz_reduce_scatter_with_feedback(
-                    comm,
-                    &inputs[r],
-                    &mut out,
-                    &QgzOptions::default(),
-                    &mut fb,
-                )?;
-                with.iter_mut().zip(&out).for_each(|(a, b)| *a += f64::from(*b) / steps as f64);
-                qgz_reduce_scatter(comm, &inputs[r], &mut out, &QgzOptions::default())?;
-                without.iter_mut().zip(&out).for_each(|(a, b)| *a += f64::from(*b) / steps as f64);
-            }
-            Ok((with, without))
-        })
-        .unwrap();
+    let (_, inputs, outs) = run_on((w, l, n, 5), |comm, input| {
+        let mut fb = ErrorFeedback::new();
+        let (mut with, mut without) = (vec![0.0f64; s], vec![0.0f64; s]);
+        let mut out = vec![0.0; s];
+        for _ in 0..steps {
+            qgz_reduce_scatter_with_feedback(comm, input, &mut out, &QgzOptions::default(), &mut fb)?;
+            with.iter_mut().zip(&out).for_each(|(a, b)| *a += f64::from(*b) / steps as f64);
+            qgz_reduce_scatter(comm, input, &mut out, &QgzOptions::default())?;
+            without.iter_mut().zip(&out).for_each(|(a, b)| *a += f64::from(*b) / steps as f64);
+        }
+        Ok((with, without))
+    });
     let (mut ew, mut eo) = (0.0, 0.0);
     for (r, (with, without)) in outs.iter().enumerate() {
         for k in 0..s {

@@ -1,11 +1,11 @@
 //! Argument checks: every primitive with every kind of bad argument gives exactly
 //! the documented error (variant and words), on the thread backend and on any
-//! backend that implements only the raw hooks, because the checks live in the
+//! backend that implements only the `raw` hook, because the checks live in the
 //! [`Communicator`] trait's provided methods.
 
 use zeropp_comm::conformance::check_argument_errors;
 use zeropp_comm::{
-    CommError, CommExt, Communicator, Group, Primitive, ThreadCluster, ThreadOptions, Topology,
+    CommError, CommExt, Communicator, Group, Primitive, RawCall, ThreadCluster, ThreadOptions, Topology,
     TrafficCounter,
 };
 
@@ -45,8 +45,9 @@ fn messages_and_check_order() {
                 e,
                 CommError::Mismatch("all_gather: receive buffer of 12 bytes for 4 chunks of 4 bytes".into())
             );
-            let e =
-                comm.all_to_all_v(&world, &[1u16; 4], &[1, 1, 1, 1], &mut [0u16; 4], &[1, 1, 2]).unwrap_err();
+            let e = comm
+                .all_to_all_v(&world, (&[1u16; 4], &[1, 1, 1, 1]), (&mut [0u16; 4], &[1, 1, 2]))
+                .unwrap_err();
             assert_eq!(
                 e,
                 CommError::Mismatch("all_to_all_v: 4 send and 3 receive counts for a group of 4".into())
@@ -62,7 +63,7 @@ fn messages_and_check_order() {
         .unwrap();
 }
 
-/// The smallest possible backend: one rank, raw hooks only (what a new backend,
+/// The smallest possible backend: one rank, the `raw` hook only (what a new backend,
 /// e.g. a GPU one, implements). It inherits the checks, their words and the
 /// traffic accounting from the trait.
 struct Loopback {
@@ -79,75 +80,25 @@ impl Loopback {
 }
 
 impl Communicator for Loopback {
-    fn rank(&self) -> usize {
-        0
-    }
-    fn topology(&self) -> &Topology {
-        &self.topology
-    }
     fn traffic(&self) -> &TrafficCounter {
         &self.traffic
     }
     fn traffic_mut(&mut self) -> &mut TrafficCounter {
         &mut self.traffic
     }
-    fn raw_all_gather_bytes(
-        &mut self,
-        _: &Group,
-        _: usize,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> Result<(), CommError> {
+    fn raw(&mut self, _: &Group, _: usize, call: RawCall<'_>) -> Result<(), CommError> {
         self.raw_calls += 1;
-        recv.copy_from_slice(send); // valid arguments: the lengths are equal
-        Ok(())
-    }
-    fn raw_all_to_all_bytes(
-        &mut self,
-        _: &Group,
-        _: usize,
-        send: &[u8],
-        recv: &mut [u8],
-    ) -> Result<(), CommError> {
-        self.raw_calls += 1;
-        recv.copy_from_slice(send);
-        Ok(())
-    }
-    fn raw_all_to_all_v_bytes(
-        &mut self,
-        _: &Group,
-        _: usize,
-        send: &[u8],
-        _: &[usize],
-        recv: &mut [u8],
-        _: &[usize],
-    ) -> Result<(), CommError> {
-        self.raw_calls += 1;
-        recv.copy_from_slice(send);
-        Ok(())
-    }
-    fn raw_reduce_scatter_f32(
-        &mut self,
-        _: &Group,
-        _: usize,
-        send: &[f32],
-        recv: &mut [f32],
-    ) -> Result<(), CommError> {
-        self.raw_calls += 1;
-        recv.iter_mut().zip(send).for_each(|(r, s)| *r = 0.0 + s);
-        Ok(())
-    }
-    fn raw_all_reduce_f32(&mut self, _: &Group, _: usize, buf: &mut [f32]) -> Result<(), CommError> {
-        self.raw_calls += 1;
-        buf.iter_mut().for_each(|x| *x += 0.0);
-        Ok(())
-    }
-    fn raw_broadcast_bytes(&mut self, _: &Group, _: usize, _: usize, _: &mut [u8]) -> Result<(), CommError> {
-        self.raw_calls += 1;
-        Ok(())
-    }
-    fn raw_barrier(&mut self, _: &Group, _: usize) -> Result<(), CommError> {
-        self.raw_calls += 1;
+        match call {
+            // Valid arguments: the lengths are equal in a group of one.
+            RawCall::AllGather { send, recv }
+            | RawCall::AllToAll { send, recv }
+            | RawCall::AllToAllV { send, recv, .. } => recv.copy_from_slice(send),
+            RawCall::ReduceScatter { send, recv } => {
+                recv.iter_mut().zip(send).for_each(|(r, s)| *r = 0.0 + s)
+            }
+            RawCall::AllReduce { buf } => buf.iter_mut().for_each(|x| *x += 0.0),
+            RawCall::Broadcast { .. } | RawCall::Barrier => {}
+        }
         Ok(())
     }
     fn duplicate(&mut self) -> Result<Box<dyn Communicator>, CommError> {
@@ -163,7 +114,7 @@ fn a_backend_with_only_raw_hooks_inherits_the_checks() {
         checks,
         ThreadCluster::new(lb.topology, ThreadOptions::default()).run(check_argument_errors).unwrap()[0]
     );
-    // Only the final, valid all_gather reached a raw hook.
+    // Only the final, valid all_gather reached the raw hook.
     assert_eq!(lb.raw_calls, 1);
     assert_eq!(
         Primitive::ALL.map(Primitive::name).join(" "),

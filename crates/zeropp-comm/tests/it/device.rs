@@ -128,7 +128,7 @@ pub(crate) fn on_threads(comm: &mut zeropp_comm::ThreadComm, n: usize) -> Result
     host::all_gather_bf16(comm, &world, &shard16, &mut full16)?;
     r.ag_bf16 = full16.iter().map(|x| x.to_bits()).collect();
     let mut out = vec![0f32; shard_len(n, w)];
-    host::reduce_scatter_bf16_wire(comm, &world, &grad, &mut out, Reduce::Mean)?;
+    host::dense_reduce_scatter(comm, &world, host::DenseWire::Bf16, &grad, &mut out, Reduce::Mean)?;
     r.rs_bf16 = bits(&out);
     comm.traffic_mut().set_op("qgz");
     host::qgz_reduce_scatter(comm, &grad, &mut out, &QgzOptions::default())?;

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use zeropp_comm::{
-    CommError, CommExt, Communicator, Group, RunError, ThreadCluster, ThreadOptions, Topology,
+    CommError, CommExt, Communicator, Group, RunError, ThreadCluster, ThreadComm, ThreadOptions, Topology,
 };
 
 fn cluster(w: usize, l: usize, timeout_ms: u64) -> ThreadCluster {
@@ -15,21 +15,32 @@ fn cluster(w: usize, l: usize, timeout_ms: u64) -> ThreadCluster {
     )
 }
 
+/// Runs `f(comm, world)` on every rank of a `w`×`l` cluster with a 2 s receive
+/// timeout and checks that the run came back in under 1.5 s (a failure reached
+/// the peers, not the timeout); returns the cluster and every rank's outcome.
+fn run_quickly(
+    w: usize,
+    l: usize,
+    f: impl Fn(&mut ThreadComm, &Group) -> Result<(), CommError> + Sync,
+) -> (ThreadCluster, Vec<Result<(), RunError<CommError>>>) {
+    let c = cluster(w, l, 2_000);
+    let start = Instant::now();
+    let out = c.run_each(|comm| f(comm, &Group::world(comm.topology())));
+    assert!(start.elapsed() < Duration::from_millis(1_500), "took {:?}", start.elapsed());
+    (c, out)
+}
+
 #[test]
 fn panicking_rank_makes_every_peer_fail_with_peer_lost() {
-    let c = cluster(4, 2, 2_000);
-    let start = Instant::now();
-    let out = c.run_each(|comm| -> Result<(), CommError> {
-        let world = Group::world(comm.topology());
-        comm.barrier(&world)?;
+    let (c, out) = run_quickly(4, 2, |comm, world| {
+        comm.barrier(world)?;
         if comm.rank() == 1 {
             panic!("injected failure");
         }
         let mut buf = vec![0u8; 16 * 4];
-        comm.all_gather_bytes(&world, &[comm.rank() as u8; 16], &mut buf)?;
+        comm.all_gather_bytes(world, &[comm.rank() as u8; 16], &mut buf)?;
         Ok(())
     });
-    assert!(start.elapsed() < Duration::from_millis(1_500), "took {:?}", start.elapsed());
     for (rank, r) in out.iter().enumerate() {
         match (rank, r) {
             (1, Err(RunError::Panicked { rank: 1, message })) => assert!(message.contains("injected")),
@@ -50,17 +61,13 @@ fn panicking_rank_makes_every_peer_fail_with_peer_lost() {
 
 #[test]
 fn rank_returning_early_makes_peers_fail() {
-    let c = cluster(8, 4, 2_000);
-    let start = Instant::now();
-    let out = c.run_each(|comm| -> Result<(), CommError> {
-        let world = Group::world(comm.topology());
+    let (_, out) = run_quickly(8, 4, |comm, world| {
         if comm.rank() == 5 {
             return Ok(()); // skips the collective
         }
         let mut x = vec![1.0f32; 10];
-        comm.all_reduce_f32(&world, &mut x)
+        comm.all_reduce_f32(world, &mut x)
     });
-    assert!(start.elapsed() < Duration::from_millis(1_500));
     for (rank, r) in out.iter().enumerate() {
         if rank == 5 {
             assert!(r.is_ok());

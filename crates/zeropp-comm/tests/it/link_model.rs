@@ -31,6 +31,33 @@ fn parses_units() {
     assert_eq!(m.to_string().parse::<LinkModel>().unwrap(), m);
 }
 
+/// The cluster corrections: a shared node uplink divides the rate, TCP framing takes
+/// its 66 of every 1514 bytes, and only the inter-node class changes.
+#[test]
+fn shared_uplink_and_tcp_framing() {
+    let plain: LinkModel = "intra=10GB/s,inter=100Mbit/s,latency=1ms".parse().unwrap();
+    let shared: LinkModel = "intra=10GB/s,inter=100Mbit/s,latency=1ms,inter_share=4".parse().unwrap();
+    let tcp: LinkModel = "intra=10GB/s,inter=100Mbit/s,latency=1ms,inter_framing=tcp".parse().unwrap();
+    let both: LinkModel =
+        "inter_framing=tcp,inter_share=2,intra=10GB/s,inter=100Mbit/s,latency=1ms".parse().unwrap();
+    assert_eq!(plain.inter.bandwidth_bytes_per_s, 12.5e6);
+    assert_eq!(shared.inter.bandwidth_bytes_per_s, 12.5e6 / 4.0);
+    assert_eq!(tcp.inter.bandwidth_bytes_per_s, 12.5e6 * 1448.0 / 1514.0);
+    assert_eq!(both.inter.bandwidth_bytes_per_s, 12.5e6 / 2.0 * 1448.0 / 1514.0);
+    for m in [&shared, &tcp, &both] {
+        assert_eq!(m.intra, plain.intra);
+        assert_eq!(m.inter.latency, plain.inter.latency);
+    }
+    assert_eq!(
+        "intra=1GB/s,inter=1GB/s,inter_share=1,inter_framing=none".parse::<LinkModel>().unwrap(),
+        "intra=1GB/s,inter=1GB/s".parse::<LinkModel>().unwrap()
+    );
+    for bad in ["inter_share=0", "inter_share=-2", "inter_share=1.5", "inter_framing=udp"] {
+        let s = format!("intra=1GB/s,inter=1GB/s,{bad}");
+        assert!(s.parse::<LinkModel>().is_err(), "{s}");
+    }
+}
+
 fn timed(
     model: &str,
     world: usize,

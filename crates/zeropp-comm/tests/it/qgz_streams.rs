@@ -65,6 +65,17 @@ fn mean_sq_error(world: usize, local: usize) -> f64 {
     sum / count as f64
 }
 
+/// `V(8) / V(2)` (see [`mean_sq_error`]) for worlds of 2 and 8 ranks with
+/// `local(w)` ranks per node, printed with the `expected` ratios; `var` names the
+/// size that varies.
+fn ratio_8_to_2(hop: &str, var: &str, local: fn(usize) -> usize, expected: &str) -> f64 {
+    let v2 = mean_sq_error(2, local(2));
+    let v8 = mean_sq_error(8, local(8));
+    let ratio = v8 / v2;
+    eprintln!("{hop}: V({var}=2) = {v2:.3e}, V({var}=8) = {v8:.3e}, ratio {ratio:.3} ({expected})");
+    ratio
+}
+
 /// Intra-node sums (one node of L ranks). Independent draws: the mean of L
 /// errors of variance σ² has variance σ²/L, so V(8)/V(2) = 1/4; one shared draw
 /// per element gives every rank the same error, so V(8)/V(2) = 1.
@@ -77,12 +88,7 @@ fn mean_sq_error(world: usize, local: usize) -> f64 {
 /// below 1e-100. The seeds are fixed, so the test is deterministic.
 #[test]
 fn intra_node_error_variance_grows_linearly() {
-    let v2 = mean_sq_error(2, 2);
-    let v8 = mean_sq_error(8, 8);
-    let ratio = v8 / v2;
-    eprintln!(
-        "intra: V(L=2) = {v2:.3e}, V(L=8) = {v8:.3e}, ratio {ratio:.3} (independent 0.25, correlated 1.0)"
-    );
+    let ratio = ratio_8_to_2("intra", "L", |w| w, "independent 0.25, correlated 1.0");
     assert!(ratio < 0.5, "error variance of the mean did not shrink with L: ratio {ratio}");
     assert!(ratio > 0.15, "ratio {ratio} is far below the independent 0.25: errors anti-correlated?");
 }
@@ -92,12 +98,7 @@ fn intra_node_error_variance_grows_linearly() {
 /// draws: V ∝ ((N-1)/N)², so V(8)/V(2) = 49/16. Same false-failure argument.
 #[test]
 fn inter_node_error_variance_grows_linearly() {
-    let v2 = mean_sq_error(2, 1);
-    let v8 = mean_sq_error(8, 1);
-    let ratio = v8 / v2;
-    eprintln!(
-        "inter: V(N=2) = {v2:.3e}, V(N=8) = {v8:.3e}, ratio {ratio:.3} (independent 0.44, correlated 3.06)"
-    );
+    let ratio = ratio_8_to_2("inter", "N", |_| 1, "independent 0.44, correlated 3.06");
     assert!(ratio < 1.0, "error variance grew like N^2: ratio {ratio}");
 }
 

@@ -8,7 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
 
 use zeropp_comm::collectives::{
-    DenseWire, Reduce, Routing, reduce_scatter, reduce_scatter_bf16_wire, shard_len, world_reduce_scatter,
+    DenseWire, Reduce, Routing, dense_reduce_scatter, reduce_scatter, shard_len, world_reduce_scatter,
 };
 use zeropp_comm::{Group, ThreadCluster, ThreadOptions, Topology};
 use zeropp_quant::rng::splitmix64;
@@ -31,7 +31,7 @@ fn check(world: usize, local: usize) {
             let mut a = vec![0.0; s];
             reduce_scatter(comm, &g, &full, &mut a, Reduce::Mean)?;
             let mut b = vec![0.0; s];
-            reduce_scatter_bf16_wire(comm, &g, &full, &mut b, Reduce::Mean)?;
+            dense_reduce_scatter(comm, &g, DenseWire::Bf16, &full, &mut b, Reduce::Mean)?;
             let mut v = vec![a, b];
             for routing in Routing::ALL {
                 for wire in DenseWire::ALL {

@@ -4,10 +4,10 @@
 
 use zeropp_comm::collectives::{
     DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, all_gather_f32_via_bf16,
-    group_all_gather_bytes, group_qwz_bytes, group_reduce_scatter_bytes, qgz_reduce_scatter, qwz_all_gather,
-    reduce_scatter, reduce_scatter_bf16_wire, ring_quantized_reduce_scatter, shard_len, world_all_gather,
-    world_all_gather_bytes, world_qwz_all_gather, world_qwz_bytes, world_qwz_gather_encoded,
-    world_reduce_scatter, world_reduce_scatter_bytes,
+    dense_reduce_scatter, group_all_gather_bytes, group_qwz_bytes, group_reduce_scatter_bytes,
+    qgz_reduce_scatter, qwz_all_gather, reduce_scatter, ring_quantized_reduce_scatter, shard_len,
+    world_all_gather, world_all_gather_bytes, world_qwz_all_gather, world_qwz_bytes,
+    world_qwz_gather_encoded, world_reduce_scatter, world_reduce_scatter_bytes,
 };
 use zeropp_comm::{
     CommExt, Communicator, Group, LinkBytes, LinkClass, OpTraffic, ThreadCluster, ThreadOptions, Topology,
@@ -76,9 +76,10 @@ fn check(w: usize, l: usize) {
             comm.set_op("base_rs");
             reduce_scatter(comm, &world, &vec![0.5; n], &mut vec![0.0; shard_len(n, g)], Reduce::Mean)?;
             comm.set_op("base_rs_bf16");
-            reduce_scatter_bf16_wire(
+            dense_reduce_scatter(
                 comm,
                 &world,
+                DenseWire::Bf16,
                 &vec![0.5; n],
                 &mut vec![0.0; shard_len(n, g)],
                 Reduce::Mean,
@@ -173,7 +174,7 @@ fn qgz_cuts_cross_node_bytes() {
             let grad = vec![0.1f32; n];
             let mut shard = vec![0.0; shard_len(n, 8)];
             comm.set_op("base");
-            reduce_scatter_bf16_wire(comm, &world, &grad, &mut shard, Reduce::Mean)?;
+            dense_reduce_scatter(comm, &world, DenseWire::Bf16, &grad, &mut shard, Reduce::Mean)?;
             comm.set_op("qgz");
             qgz_reduce_scatter(comm, &grad, &mut shard, &QgzOptions::default())?;
             Ok(comm.traffic().snapshot())

@@ -107,11 +107,19 @@ pub fn step_bytes(
         let s = plan.shard_len(l)?;
         let layout = plan.bucket(l)?;
         let padded = layout.padded_len;
+        if padded == 0 {
+            // A layer whose parameters are all persistent: nothing moves.
+            continue;
+        }
         let world_gather = match qwz_spec {
             Some(q) => collectives::world_qwz_bytes(&t, z.routing, q, s),
             None => collectives::world_all_gather_bytes(&t, z.routing, dense, s),
         };
-        if z.hpz() {
+        if layout.name == super::PERSISTENT_BUCKET && l + 1 == plan.num_buckets() {
+            // Gathered densely once per step, never per layer.
+            let once = collectives::world_all_gather_bytes(&t, z.routing, dense, s);
+            add(tags::PERSIST_GATHER, once.scaled(wu));
+        } else if z.hpz() {
             for (r, g) in hpz_groups.iter().enumerate() {
                 let sec = match qwz_spec {
                     Some(q) if z.hpz_wire == HpzWire::Int8 => {
@@ -127,30 +135,33 @@ pub fn step_bytes(
             add(tags::FWD_GATHER, world_gather.scaled(a * wu));
             add(tags::BWD_GATHER, world_gather.scaled(a * wu));
         }
-        if let Some(qgz) = z.qgz {
-            let wire = qgz.spec;
-            let opts = collectives::QgzOptions {
-                intra_spec: wire,
-                inter_spec: wire,
-                ..collectives::QgzOptions::default()
-            };
-            add(tags::GRAD_REDUCE, collectives::qgz_bytes(&t, &opts, padded).scaled(a * wu));
-            if qgz.exclude_1d {
-                let slices = super::layer_comm::DenseSlices::of(plan, l)?;
-                if !slices.is_empty() {
-                    for r in 0..w {
-                        add(
-                            tags::GRAD_REDUCE,
-                            super::layer_comm::dense_slices_bytes(&t, z.routing, r, &slices, b).scaled(a),
-                        );
+        for c in super::layer_comm::reduce_chunks(plan, cfg, l)? {
+            let call = c.len() * w;
+            if let Some(qgz) = z.qgz {
+                let wire = qgz.spec;
+                let opts = collectives::QgzOptions {
+                    intra_spec: wire,
+                    inter_spec: wire,
+                    ..collectives::QgzOptions::default()
+                };
+                add(tags::GRAD_REDUCE, collectives::qgz_bytes(&t, &opts, call).scaled(a * wu));
+                if qgz.exclude_1d {
+                    let slices = super::layer_comm::DenseSlices::of_chunk(plan, l, c)?;
+                    if !slices.is_empty() {
+                        for r in 0..w {
+                            add(
+                                tags::GRAD_REDUCE,
+                                super::layer_comm::dense_slices_bytes(&t, z.routing, r, &slices, b).scaled(a),
+                            );
+                        }
                     }
                 }
+            } else {
+                add(
+                    tags::GRAD_REDUCE,
+                    collectives::world_reduce_scatter_bytes(&t, z.routing, dense, call).scaled(a * wu),
+                );
             }
-        } else {
-            add(
-                tags::GRAD_REDUCE,
-                collectives::world_reduce_scatter_bytes(&t, z.routing, dense, padded).scaled(a * wu),
-            );
         }
     }
     // The norm exchange: an all-gather of one f64 over the world.

@@ -7,15 +7,18 @@
 //! broadcast so every rank fails if the commit failed. hpZ secondary shards are
 //! never saved: they are rebuilt at the next forward gather.
 //!
-//! Load: [`load`] consolidates the checkpoint and cuts every rank's state for
-//! the current plan (any world size, local size or hpZ size).
+//! Load: [`load`] (every rank's state, for the thread driver) and [`load_rank`]
+//! (one rank's, for a process of an MPI job) read the checkpoint with a
+//! streaming `CheckpointReader`: each rank's state for the current plan (any
+//! world size, local size or hpZ size) is read shard by shard from the saved
+//! files that overlap it, without consolidating the model.
 
 use std::path::Path;
 
 use zeropp_comm::{CommExt, Communicator, Group};
 use zeropp_partition::checkpoint::shard_file_name;
 use zeropp_partition::{
-    BucketShard, Manifest, PartitionPlan, ShardRecord, ShardState, commit_checkpoint, load_checkpoint,
+    BucketShard, CheckpointReader, Manifest, PartitionPlan, ShardRecord, ShardState, commit_checkpoint,
     write_shard,
 };
 
@@ -41,7 +44,8 @@ pub struct RankState {
     pub feedback: Option<Vec<(Vec<f32>, Vec<f32>)>>,
 }
 
-/// The checkpoint extra holding layer `l`'s hop-`hop` qgZ residual.
+/// The checkpoint extra holding reduce call `l`'s hop-`hop` qgZ residual (one call
+/// per bucket unless `reduce_bucket_size` splits them).
 fn feedback_key(l: usize, hop: u8) -> String {
     format!("qgz_feedback.{l}.hop{hop}")
 }
@@ -138,39 +142,98 @@ pub fn load(
     plan: &PartitionPlan,
     cfg: &EngineConfig,
 ) -> Result<(usize, Vec<RankState>), EngineError> {
-    let ckpt = load_checkpoint(dir)?;
-    let steps = ckpt.step() as usize;
-    // A checkpoint without the count (not written by `save`) starts it at zero;
-    // one that holds something else than a count is corrupt, not silently zero.
-    let skipped = match ckpt.user_config().get("skipped") {
-        None => 0,
-        Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).ok_or_else(|| {
-            EngineError::Checkpoint(format!("the manifest's `skipped` is not a step count: {v}"))
-        })?,
-    };
-    let mut out = Vec::with_capacity(plan.world());
-    if ckpt.has_extras() && ckpt.extras_dropped(plan) {
+    let reader = open(dir, plan, true)?;
+    // Every rank's state in one pass over the shard files.
+    let ranks: Vec<usize> = (0..plan.world()).collect();
+    let out = reader
+        .shards_for(plan, &ranks)?
+        .into_iter()
+        .map(|s| rank_state(&reader, cfg, s))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((reader.step() as usize, out))
+}
+
+/// Loads `rank`'s state under `plan` only, reading just the saved shards
+/// that overlap it (one process of a multi-process job); returns the
+/// training steps done with it. Only rank 0 warns about dropped residuals.
+pub fn load_rank(
+    dir: &Path,
+    plan: &PartitionPlan,
+    cfg: &EngineConfig,
+    rank: usize,
+) -> Result<(usize, RankState), EngineError> {
+    let reader = open(dir, plan, rank == 0)?;
+    let state = rank_state(&reader, cfg, reader.shard_for(plan, rank)?)?;
+    Ok((reader.step() as usize, state))
+}
+
+/// [`load_rank`] on every rank of `comm` (collective: every rank calls it).
+/// Each rank reads only the shard files its state overlaps, so a corrupt file
+/// fails only the ranks that read it; the ranks then exchange success (tag
+/// `checkpoint`, outside the step metrics) and all fail alike, each naming the
+/// first rank that could not load (the failing ranks with their own error).
+pub fn load_rank_collective<C: Communicator + ?Sized>(
+    comm: &mut C,
+    dir: &Path,
+    plan: &PartitionPlan,
+    cfg: &EngineConfig,
+) -> Result<(usize, RankState), EngineError> {
+    let loaded = load_rank(dir, plan, cfg, comm.rank());
+    let mine = [u64::from(loaded.is_ok())];
+    let world = Group::world(comm.topology());
+    comm.set_op("checkpoint");
+    let mut all = vec![0u64; world.size()];
+    let gathered = comm.all_gather(&world, &mine, &mut all);
+    comm.set_op("other");
+    let loaded = loaded?;
+    gathered?;
+    if let Some(r) = all.iter().position(|&ok| ok == 0) {
+        return Err(EngineError::Checkpoint(format!("rank {r} could not load its checkpoint state")));
+    }
+    Ok(loaded)
+}
+
+/// Opens the checkpoint for streaming; warns (if `warn`) when its qgZ
+/// residuals cannot follow onto `plan`.
+fn open(dir: &Path, plan: &PartitionPlan, warn: bool) -> Result<CheckpointReader, EngineError> {
+    let reader = CheckpointReader::open(dir)?;
+    if warn && reader.has_extras() && reader.extras_dropped(plan) {
         eprintln!(
             "warning: the checkpoint's qgZ error-feedback residuals were saved on another topology or layout; \
              they start from zero"
         );
     }
-    for r in 0..plan.world() {
-        let s = ckpt.shard_for(plan, r)?;
-        let layers = s.buckets.len();
-        let feedback = (0..layers)
-            .map(|l| {
-                Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone()))
-            })
-            .collect::<Option<Vec<_>>>()
-            .filter(|v| !v.is_empty());
-        let mut master = Vec::new();
-        let mut optim = Vec::new();
-        for b in s.buckets {
-            optim.push(AdamW::from_state(cfg.optim, b.step, b.exp_avg, b.exp_avg_sq)?);
-            master.push(b.master);
-        }
-        out.push(RankState { master, optim, steps, skipped, feedback });
+    Ok(reader)
+}
+
+/// The engine's state of a rank from its checkpoint state `s`.
+fn rank_state(
+    reader: &CheckpointReader,
+    cfg: &EngineConfig,
+    s: ShardState,
+) -> Result<RankState, EngineError> {
+    let steps = reader.step() as usize;
+    // A checkpoint without the count (not written by `save`) starts it at zero;
+    // one that holds something else than a count is corrupt, not silently zero.
+    let skipped = match reader.user_config().get("skipped") {
+        None => 0,
+        Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()).ok_or_else(|| {
+            EngineError::Checkpoint(format!("the manifest's `skipped` is not a step count: {v}"))
+        })?,
+    };
+    // One residual pair per reduce call (per bucket, or per piece with
+    // `reduce_bucket_size`), numbered from 0.
+    let feedback: Vec<_> = (0..)
+        .map_while(|l| {
+            Some((s.extra.get(&feedback_key(l, 1))?.clone(), s.extra.get(&feedback_key(l, 2))?.clone()))
+        })
+        .collect();
+    let feedback = (!feedback.is_empty()).then_some(feedback);
+    let mut master = Vec::new();
+    let mut optim = Vec::new();
+    for b in s.buckets {
+        optim.push(AdamW::from_state(cfg.optim, b.step, b.exp_avg, b.exp_avg_sq)?);
+        master.push(b.master);
     }
-    Ok((steps, out))
+    Ok(RankState { master, optim, steps, skipped, feedback })
 }

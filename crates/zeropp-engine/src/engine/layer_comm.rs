@@ -197,20 +197,30 @@ pub(crate) struct DenseSlices {
 
 impl DenseSlices {
     /// The 1-D parameters (biases, norm gains and shifts) of layer `layer` of
-    /// `plan`, cut along the ranks' primary shards. Used by the exchange and by
-    /// the byte model, so both see the same elements.
-    pub(crate) fn of(plan: &PartitionPlan, layer: usize) -> Result<Self, EngineError> {
+    /// `plan` in one reduce call of the layer, the one that carries elements
+    /// `chunk` of every rank's shard ([`reduce_chunks`]; `0..shard_len` when the
+    /// layer is reduced whole): ranges are positions in that call's buffer (`W`
+    /// pieces of `chunk.len()` elements, in rank order). Used by the exchange and
+    /// by the byte model, so both see the same elements.
+    pub(crate) fn of_chunk(
+        plan: &PartitionPlan,
+        layer: usize,
+        chunk: Range<usize>,
+    ) -> Result<Self, EngineError> {
         let layout = plan.bucket(layer)?;
         let s = plan.shard_len(layer)?;
+        let len = chunk.len();
         let one_d: Vec<Range<usize>> =
             layout.params.iter().filter(|p| p.shape.len() == 1).map(|p| p.range()).collect();
         let per_rank = (0..plan.world())
             .map(|r| {
-                let own = r * s..(r + 1) * s;
+                let own = r * s + chunk.start..r * s + chunk.end;
+                let shift = own.start - r * len;
                 one_d
                     .iter()
                     .map(|x| x.start.max(own.start)..x.end.min(own.end))
                     .filter(|x| x.start < x.end)
+                    .map(|x| x.start - shift..x.end - shift)
                     .collect()
             })
             .collect();
@@ -228,6 +238,28 @@ impl DenseSlices {
     }
 }
 
+/// The reduce calls of bucket `layer`: ranges of every rank's shard, each
+/// reduced by its own collective. One call for the whole shard, unless
+/// `reduce_bucket_size` (in padded elements over all ranks) is smaller than
+/// the bucket: then pieces of `W·k` elements, `k` a multiple of the shard
+/// alignment (at least one alignment unit per rank).
+pub(crate) fn reduce_chunks(
+    plan: &PartitionPlan,
+    cfg: &EngineConfig,
+    layer: usize,
+) -> Result<Vec<Range<usize>>, EngineError> {
+    let s = plan.shard_len(layer)?;
+    let w = plan.world();
+    match cfg.zero.buckets.reduce_bucket_size {
+        Some(r) if r < s * w => {
+            let align = super::shard_align(cfg);
+            let k = (r / w / align).max(1) * align;
+            Ok((0..s).step_by(k).map(|c| c..(c + k).min(s)).collect())
+        }
+        _ => Ok(std::iter::once(0..s).collect()),
+    }
+}
+
 /// One rank's layer traffic: the collectives chosen from the config, the qgZ
 /// error-feedback state and the stochastic-rounding streams.
 #[derive(Debug)]
@@ -235,7 +267,13 @@ pub(crate) struct LayerComm {
     rank: usize,
     gather: GatherSpec,
     qgz: Option<Qgz>,
+    /// The 1-D elements of every reduce call (flat over buckets and chunks).
     dense_slices: Vec<DenseSlices>,
+    /// The reduce calls of every bucket ([`reduce_chunks`]).
+    chunks: Vec<Vec<Range<usize>>>,
+    /// Index of each bucket's first reduce call in the flat per-call vectors
+    /// (`dense_slices`, the qgZ residuals).
+    first_call: Vec<usize>,
     streams: Streams,
 }
 
@@ -256,7 +294,17 @@ impl LayerComm {
             hpz_int8: z.qwz.is_some() && z.hpz_wire == HpzWire::Int8,
             stochastic: None,
         };
-        let layers = plan.num_buckets();
+        let chunks =
+            (0..plan.num_buckets()).map(|l| reduce_chunks(plan, cfg, l)).collect::<Result<Vec<_>, _>>()?;
+        let first_call = chunks
+            .iter()
+            .scan(0, |at, c| {
+                let first = *at;
+                *at += c.len();
+                Some(first)
+            })
+            .collect();
+        let layers = chunks.iter().map(Vec::len).sum();
         let qgz = if let Some(q) = z.qgz {
             let wire = q.spec;
             let local = QuantSpec::int8(wire.group_size()).map_err(EngineError::InvalidQuantSpec)?;
@@ -272,7 +320,11 @@ impl LayerComm {
             None
         };
         let dense_slices = if z.exclude_1d() {
-            (0..plan.num_buckets()).map(|l| DenseSlices::of(plan, l)).collect::<Result<Vec<_>, _>>()?
+            chunks
+                .iter()
+                .enumerate()
+                .flat_map(|(l, cs)| cs.iter().map(move |c| DenseSlices::of_chunk(plan, l, c.clone())))
+                .collect::<Result<Vec<_>, _>>()?
         } else {
             Vec::new()
         };
@@ -281,7 +333,7 @@ impl LayerComm {
             step: 0,
             call: 0,
         };
-        Ok(Self { rank, gather, qgz, dense_slices, streams })
+        Ok(Self { rank, gather, qgz, dense_slices, chunks, first_call, streams })
     }
 
     /// Starts optimizer step `step` (also before an evaluation): restarts the
@@ -336,6 +388,18 @@ impl LayerComm {
     ) -> Result<(Vec<f32>, Option<Secondary>), EngineError> {
         let g = self.next_gather();
         Ok(gather_world(comm, g, shard, keep)?)
+    }
+
+    /// World gather of the persistent bucket's primary `shard`: always dense, in
+    /// the baseline type (DeepSpeed gathers persistent parameters unquantized).
+    pub(crate) fn gather_persistent<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        shard: &[f32],
+    ) -> Result<Vec<f32>, EngineError> {
+        let g =
+            GatherSpec { weights: WeightGather::Dense(self.gather.dense), stochastic: None, ..self.gather };
+        Ok(gather_world(comm, g, shard, None)?.0)
     }
 
     /// Submits a world gather to the prefetch stream.
@@ -395,6 +459,35 @@ impl LayerComm {
         full: &mut [f32],
         out: &mut [f32],
     ) -> Result<(), EngineError> {
+        let chunks = self.chunks.get(layer).cloned().unwrap_or_default();
+        let first = self.first_call.get(layer).copied().unwrap_or_default();
+        if chunks.len() <= 1 {
+            return self.reduce_call(comm, first, full, out);
+        }
+        // Each piece: elements `c` of every rank's shard, reduced on its own.
+        let (s, w) = (out.len(), comm.topology().world());
+        for (i, c) in chunks.into_iter().enumerate() {
+            let mut buf = Vec::with_capacity(c.len() * w);
+            for r in 0..w {
+                buf.extend_from_slice(full.get(r * s + c.start..r * s + c.end).unwrap_or_default());
+            }
+            let dst = out.get_mut(c.clone()).ok_or_else(|| {
+                EngineError::Training(format!("reduce piece {c:?} outside a shard of {s} elements"))
+            })?;
+            self.reduce_call(comm, first + i, &mut buf, dst)?;
+        }
+        Ok(())
+    }
+
+    /// One reduce call: reduce call number `call` (flat over buckets and pieces).
+    fn reduce_call<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        call: usize,
+        full: &mut [f32],
+        out: &mut [f32],
+    ) -> Result<(), EngineError> {
+        let layer = call;
         let seed = self.streams.next(Streams::QGZ);
         let dense = self.gather.dense;
         let Some(q) = &mut self.qgz else {

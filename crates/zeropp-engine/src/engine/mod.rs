@@ -23,6 +23,7 @@
 pub mod bytes;
 pub mod checkpoint;
 mod layer_comm;
+pub mod memory;
 
 use zeropp_comm::{CommError, CommExt, Communicator, Group, Topology};
 use zeropp_partition::{DType, ParamRegistry, ParamSpec, PartitionPlan, PlanConfig};
@@ -47,6 +48,9 @@ pub mod tags {
     pub const GRAD_NORM: &str = "grad_norm";
     /// Evaluation gathers (outside training steps).
     pub const EVAL: &str = "eval";
+    /// The once-per-step gather of the persistent parameters
+    /// ([`BucketKnobs::param_persistence_threshold`](crate::config::BucketKnobs)).
+    pub const PERSIST_GATHER: &str = "persist_gather";
     /// Everything else.
     pub const OTHER: &str = "other";
 }
@@ -66,6 +70,18 @@ pub enum Inject {
     NanGradient,
 }
 
+/// Where one step's wall time went on this rank, in seconds. Quantization
+/// happens inside the collectives, so it is part of `comm_s`.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct StepTimes {
+    /// The model's forward and backward passes (with the layout copies around them).
+    pub compute_s: f64,
+    /// Gathers, reduces and the norm exchange, and waits for prefetched gathers.
+    pub comm_s: f64,
+    /// The optimizer update (clipping and AdamW on the shards).
+    pub optim_s: f64,
+}
+
 /// What one optimizer step did on this rank.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepOutcome {
@@ -75,6 +91,18 @@ pub struct StepOutcome {
     pub grad_norm: f32,
     /// True when the update was skipped (non-finite gradient somewhere).
     pub skipped: bool,
+    /// Where the step's time went.
+    pub times: StepTimes,
+    /// Gathers issued on the prefetch stream in this step.
+    pub prefetched: usize,
+}
+
+/// A bucket of [`StepTimes`].
+#[derive(Debug, Clone, Copy)]
+enum Lap {
+    Compute,
+    Comm,
+    Optim,
 }
 
 /// Replaces every non-finite value of `grad` by zero; true when there was one.
@@ -99,21 +127,37 @@ pub(crate) fn global_sum_f64<C: Communicator + ?Sized>(
     Ok(all.iter().sum())
 }
 
+/// Name of the bucket that holds the persistent parameters (the last bucket,
+/// after one bucket per model layer), when there are any.
+pub const PERSISTENT_BUCKET: &str = "persistent";
+
 /// Builds the [`PartitionPlan`] the engine uses for `model` on `topology`:
 /// one bucket per model layer, shards aligned to the quantization groups.
+/// With a persistence threshold (`cfg.zero.buckets.param_persistence_threshold`),
+/// the parameters of at most that many elements leave their layer's bucket for
+/// one last bucket, [`PERSISTENT_BUCKET`] (a layer's bucket may then be empty).
 pub fn build_plan<M: Model + ?Sized>(
     model: &M,
     cfg: &EngineConfig,
     topology: Topology,
 ) -> Result<PartitionPlan, EngineError> {
     let mut reg = ParamRegistry::new();
+    let threshold = cfg.zero.buckets.param_persistence_threshold;
+    let mut persistent = Vec::new();
     for layer in model.layers() {
-        let params = layer
-            .params
-            .iter()
-            .map(|p| ParamSpec::new(format!("{}.{}", layer.name, p.name), p.shape.clone(), DType::F32))
-            .collect();
+        let mut params = Vec::new();
+        for p in &layer.params {
+            let spec = ParamSpec::new(format!("{}.{}", layer.name, p.name), p.shape.clone(), DType::F32);
+            if p.numel() <= threshold {
+                persistent.push(spec);
+            } else {
+                params.push(spec);
+            }
+        }
         reg.push_bucket(layer.name.clone(), params)?;
+    }
+    if !persistent.is_empty() {
+        reg.push_bucket(PERSISTENT_BUCKET, persistent)?;
     }
     let align = shard_align(cfg);
     let mut plan_cfg = PlanConfig::new(align, cfg.zero.hpz_size);
@@ -139,6 +183,51 @@ pub fn shard_align(cfg: &EngineConfig) -> usize {
     if l.is_multiple_of(2) { l } else { 2 * l }
 }
 
+/// Where each model parameter lives in a plan: per model layer, per parameter,
+/// `(bucket, index of the parameter in that bucket)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Placement {
+    params: Vec<Vec<(usize, usize)>>,
+    /// The persistent bucket (the one after the layers), if any.
+    persistent: Option<usize>,
+}
+
+impl Placement {
+    fn of<M: Model + ?Sized>(model: &M, plan: &PartitionPlan) -> Result<Self, EngineError> {
+        let layers = model.layers();
+        let persistent =
+            plan.buckets().iter().position(|b| b.name == PERSISTENT_BUCKET).filter(|&b| b == layers.len());
+        let pos = |b: usize, name: &str| -> Option<usize> {
+            plan.bucket(b).ok()?.params.iter().position(|p| p.name == name)
+        };
+        let params = layers
+            .iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                layer
+                    .params
+                    .iter()
+                    .map(|p| {
+                        let name = format!("{}.{}", layer.name, p.name);
+                        pos(l, &name)
+                            .map(|i| (l, i))
+                            .or_else(|| persistent.and_then(|pb| pos(pb, &name).map(|i| (pb, i))))
+                            .ok_or_else(|| {
+                                EngineError::Training(format!("parameter {name} is in no bucket of the plan"))
+                            })
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self { params, persistent })
+    }
+
+    /// True when some parameter of layer `l` is persistent.
+    fn has_persistent(&self, l: usize) -> bool {
+        self.params.get(l).is_some_and(|ps| ps.iter().any(|&(b, _)| b != l))
+    }
+}
+
 /// One rank's ZeRO-3 / ZeRO++ state and step (see the [module docs](self)).
 #[derive(Debug)]
 pub struct ZeroEngine<'m, M: Model> {
@@ -157,6 +246,14 @@ pub struct ZeroEngine<'m, M: Model> {
     skipped: usize,
     /// The fault [`Self::inject_fault`] set for the next step (tests only).
     inject: Inject,
+    placement: Placement,
+    /// The persistent bucket, gathered (padded flat layout); `None` until the
+    /// first gather of a step, and again after each update.
+    persist_full: Option<Vec<f32>>,
+    /// Gathers issued on the prefetch stream so far.
+    prefetched: usize,
+    /// Time split of the step in progress.
+    times: StepTimes,
 }
 
 impl<'m, M: Model> ZeroEngine<'m, M> {
@@ -176,11 +273,31 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             )));
         }
         let plan = build_plan(model, cfg, topology)?;
+        let placement = Placement::of(model, &plan)?;
         let mut master = Vec::with_capacity(plan.num_buckets());
+        // The persistent parameters, back to back in bucket order.
+        let mut persist = Vec::new();
         for (l, layer) in model.layers().iter().enumerate() {
             let mut full = vec![0.0f32; layer.numel()];
             model.init_layer(l, cfg.seed, &mut full)?;
+            if placement.has_persistent(l) {
+                let mut mine = Vec::with_capacity(full.len());
+                let mut at = 0;
+                for (p, &(b, _)) in layer.params.iter().zip(&placement.params[l]) {
+                    let part = full.get(at..at + p.numel()).unwrap_or_default();
+                    if b == l {
+                        mine.extend_from_slice(part)
+                    } else {
+                        persist.extend_from_slice(part)
+                    }
+                    at += p.numel();
+                }
+                full = mine;
+            }
             master.push(plan.shard_of(l, rank, &full)?);
+        }
+        if let Some(pb) = placement.persistent {
+            master.push(plan.shard_of(pb, rank, &persist)?);
         }
         let hpz_group = if cfg.zero.hpz() {
             let g = plan.hpz_group(rank)?;
@@ -207,6 +324,10 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             steps: 0,
             skipped: 0,
             inject: Inject::None,
+            placement,
+            persist_full: None,
+            prefetched: 0,
+            times: StepTimes::default(),
         })
     }
 
@@ -245,6 +366,71 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         self.skipped
     }
 
+    /// Gathers issued on the prefetch stream so far (forward and backward), as
+    /// the prefetch knobs allow ([`Self::may_prefetch`]).
+    pub fn prefetched_gathers(&self) -> usize {
+        self.prefetched
+    }
+
+    /// Whether the gather of layer `next` may be prefetched while layer `cur`
+    /// computes: `next` has a non-empty bucket of at most
+    /// `stage3_prefetch_bucket_size` padded elements, and the two gathered layers
+    /// together stay within `stage3_max_live_parameters`.
+    pub fn may_prefetch(&self, cur: usize, next: usize) -> bool {
+        let k = self.cfg.zero.buckets;
+        let size = |l: usize| self.plan.bucket(l).map_or(0, |b| b.padded_len);
+        let (c, n) = (size(cur), size(next));
+        n > 0
+            && k.prefetch_bucket_size.is_none_or(|m| n <= m)
+            && k.max_live_parameters.is_none_or(|m| c + n <= m)
+    }
+
+    /// The persistent parameters gathered (padded flat layout of the persistent
+    /// bucket), when held.
+    pub fn persistent_params(&self) -> Option<&[f32]> {
+        self.persist_full.as_deref()
+    }
+
+    /// Gathers the persistent bucket when it is not held (once per step, and
+    /// before an evaluation), tagged `tag`.
+    fn refresh_persistent<C: Communicator + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        tag: &str,
+    ) -> Result<(), EngineError> {
+        let Some(pb) = self.placement.persistent else { return Ok(()) };
+        if self.persist_full.is_some() {
+            return Ok(());
+        }
+        comm.traffic_mut().set_op(tag);
+        let full = self.comms.gather_persistent(comm, &self.master[pb])?;
+        comm.traffic_mut().set_op(tags::OTHER);
+        self.persist_full = Some(full);
+        Ok(())
+    }
+
+    /// Adds the time since `since` to `lap`; returns now.
+    fn lap(&mut self, since: std::time::Instant, lap: Lap) -> std::time::Instant {
+        let now = std::time::Instant::now();
+        let dt = now.duration_since(since).as_secs_f64();
+        match lap {
+            Lap::Compute => self.times.compute_s += dt,
+            Lap::Comm => self.times.comm_s += dt,
+            Lap::Optim => self.times.optim_s += dt,
+        }
+        now
+    }
+
+    /// The number of model layers (buckets without the persistent one).
+    fn num_layers(&self) -> usize {
+        self.placement.params.len()
+    }
+
+    /// True when layer `l`'s bucket holds anything to gather.
+    fn gathered(&self, l: usize) -> bool {
+        self.plan.bucket(l).is_ok_and(|b| b.padded_len > 0)
+    }
+
     /// True while hpZ secondary shards are held (between a forward and the step).
     pub fn has_secondary(&self) -> bool {
         self.secondary.iter().any(Option::is_some)
@@ -281,6 +467,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         self.steps = steps;
         self.skipped = skipped;
         self.invalidate_secondary();
+        self.persist_full = None;
         Ok(())
     }
 
@@ -325,6 +512,9 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         l: usize,
         eval: bool,
     ) -> Result<Vec<f32>, EngineError> {
+        if !self.gathered(l) {
+            return Ok(Vec::new());
+        }
         if !eval && let (Some(g), Some(sec)) = (&self.hpz_group, &self.secondary[l]) {
             comm.traffic_mut().set_op(tags::FWD_GATHER);
             return self.comms.gather_secondary(comm, g, sec);
@@ -339,9 +529,30 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
     }
 
     /// Layer `l`'s parameters back to back, as the model takes them, from the
-    /// gathered flat buffer (borrowed when the layout is packed).
+    /// gathered flat buffer (borrowed when the layout is packed), and the
+    /// persistent parameters when the layer has any.
     fn model_view<'a>(&self, l: usize, full: &'a [f32]) -> Result<std::borrow::Cow<'a, [f32]>, EngineError> {
         let layout = self.plan.bucket(l)?;
+        if self.placement.has_persistent(l) {
+            let pb = self.placement.persistent.unwrap_or(l);
+            let persistent = self.plan.bucket(pb)?;
+            let held = self.persist_full.as_deref().ok_or_else(|| {
+                EngineError::CallOrder("persistent parameters used before their gather".into())
+            })?;
+            let mut out = Vec::with_capacity(self.model.layers()[l].numel());
+            for &(b, i) in &self.placement.params[l] {
+                let (src, slots) = if b == l { (full, layout) } else { (held, persistent) };
+                let part = slots.params.get(i).and_then(|p| src.get(p.range())).ok_or(
+                    EngineError::LengthMismatch {
+                        what: "gathered layer",
+                        expected: slots.padded_len,
+                        got: src.len(),
+                    },
+                )?;
+                out.extend_from_slice(part);
+            }
+            return Ok(std::borrow::Cow::Owned(out));
+        }
         if layout.is_packed() {
             let numel = layout.numel;
             full.get(..numel).map(std::borrow::Cow::Borrowed).ok_or(EngineError::LengthMismatch {
@@ -391,7 +602,8 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         eval: bool,
     ) -> Result<M::Tape, EngineError> {
         let model = self.model;
-        let n = self.master.len();
+        let n = self.num_layers();
+        self.refresh_persistent(comm, if eval { tags::EVAL } else { tags::PERSIST_GATHER })?;
         let mut tape = model.start(batch)?;
         // Prefetch only world gathers of the primary shards (hpZ-sourced gathers
         // are intra-node and cheap; they run inline).
@@ -399,6 +611,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             |this: &Self, l: usize| eval || this.hpz_group.is_none() || this.secondary[l].is_none();
         let mut pending: Option<(usize, PendingGather)> = None;
         for l in 0..n {
+            let t = std::time::Instant::now();
             let full = match pending.take() {
                 Some((pl, p)) if pl == l => {
                     let (full, sec) = p.wait()?;
@@ -412,14 +625,18 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             if let Some(pf) = prefetch.as_deref_mut()
                 && l + 1 < n
                 && can_prefetch(self, l + 1)
+                && self.may_prefetch(l, l + 1)
             {
                 let tag = if eval { tags::EVAL } else { tags::FWD_GATHER };
                 let keep = self.keep_range(l + 1, eval)?;
                 let p = self.comms.prefetch_weights(pf, &self.master[l + 1], keep, tag);
+                self.prefetched += 1;
                 pending = Some((l + 1, p));
             }
+            let t = self.lap(t, Lap::Comm);
             model.forward(l, &self.model_view(l, &full)?, &mut tape)?;
             drop(full);
+            self.lap(t, Lap::Compute);
         }
         if let Some((_, p)) = pending {
             p.wait()?;
@@ -461,8 +678,10 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             return Err(EngineError::InvalidBatch("a step needs at least one micro-batch".into()));
         }
         let model = self.model;
-        let n = self.master.len();
+        let n = self.num_layers();
         self.comms.start_step(self.steps, true);
+        self.times = StepTimes::default();
+        let prefetched_before = self.prefetched;
         let mut loss_sum = 0.0f32;
         // Set when this rank's local gradient (before any reduce) held a NaN or an
         // infinity: the non-finite values are replaced by zeros so the collectives
@@ -479,19 +698,42 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             // Backward: while layer l computes, the prefetch stream gathers layer
             // l-1 (from the hpZ secondary shards when they exist).
             let mut pending: Option<(usize, PendingGather)> = None;
+            let mut persist_grad: Option<Vec<f32>> = None;
             for l in (0..n).rev() {
+                let t = std::time::Instant::now();
                 let full = match pending.take() {
                     Some((pl, p)) if pl == l => p.wait()?.0,
+                    _ if !self.gathered(l) => Vec::new(),
                     _ => self.gather_backward(comm, l)?,
                 };
                 if let Some(pf) = prefetch.as_deref_mut()
                     && l > 0
+                    && self.may_prefetch(l, l - 1)
                 {
                     pending = Some((l - 1, self.prefetch_backward(pf, l - 1)?));
+                    self.prefetched += 1;
                 }
+                let t = self.lap(t, Lap::Comm);
                 let mut grad = vec![0.0f32; full.len()];
                 let layout = self.plan.bucket(l)?;
-                if layout.is_packed() {
+                if self.placement.has_persistent(l) {
+                    let mut compact = vec![0.0f32; model.layers()[l].numel()];
+                    model.backward(l, &self.model_view(l, &full)?, &mut tape, &mut compact)?;
+                    let pb = self.placement.persistent.unwrap_or(l);
+                    let persistent = self.plan.bucket(pb)?;
+                    let pgrad = persist_grad.get_or_insert_with(|| vec![0.0f32; persistent.padded_len]);
+                    let mut at = 0;
+                    for &(b, i) in &self.placement.params[l] {
+                        let (dst, slots): (&mut [f32], _) =
+                            if b == l { (&mut grad, layout) } else { (pgrad.as_mut_slice(), persistent) };
+                        let slot = slots.params.get(i).map(|p| p.range()).unwrap_or_default();
+                        let src = compact.get(at..at + slot.len()).unwrap_or_default();
+                        if let Some(d) = dst.get_mut(slot) {
+                            d.copy_from_slice(src);
+                        }
+                        at += src.len();
+                    }
+                } else if layout.is_packed() {
                     let numel = layout.numel;
                     model.backward(l, &full[..numel], &mut tape, &mut grad[..numel])?;
                 } else {
@@ -508,12 +750,30 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
                     *g = f32::NAN;
                 }
                 non_finite |= sanitize(&mut grad);
+                let t = self.lap(t, Lap::Compute);
+                if grad.is_empty() {
+                    continue;
+                }
                 comm.traffic_mut().set_op(tags::GRAD_REDUCE);
                 let mut shard = vec![0.0f32; self.master[l].len()];
                 self.comms.reduce_grads(comm, l, &mut grad, &mut shard)?;
                 for (a, g) in self.grad_acc[l].iter_mut().zip(&shard) {
                     *a += g;
                 }
+                self.lap(t, Lap::Comm);
+            }
+            // The persistent parameters' gradients, reduced together once per
+            // micro-batch (DeepSpeed coalesces small gradients the same way).
+            if let (Some(pb), Some(mut grad)) = (self.placement.persistent, persist_grad.take()) {
+                let t = std::time::Instant::now();
+                non_finite |= sanitize(&mut grad);
+                comm.traffic_mut().set_op(tags::GRAD_REDUCE);
+                let mut shard = vec![0.0f32; self.master[pb].len()];
+                self.comms.reduce_grads(comm, pb, &mut grad, &mut shard)?;
+                for (a, g) in self.grad_acc[pb].iter_mut().zip(&shard) {
+                    *a += g;
+                }
+                self.lap(t, Lap::Comm);
             }
         }
         let accum = micro_batches.len() as f32;
@@ -530,8 +790,10 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         } else {
             self.grad_acc.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum()
         };
+        let t = std::time::Instant::now();
         comm.traffic_mut().set_op(tags::GRAD_NORM);
         let total_sq = global_sum_f64(comm, &self.world, local_sq)?;
+        let t = self.lap(t, Lap::Comm);
         comm.traffic_mut().set_op(tags::OTHER);
         let norm = total_sq.sqrt() as f32;
         let skipped = !norm.is_finite();
@@ -547,8 +809,12 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         for g in &mut self.grad_acc {
             g.fill(0.0);
         }
+        self.lap(t, Lap::Optim);
         self.invalidate_secondary();
+        self.persist_full = None;
         self.steps += 1;
-        Ok(StepOutcome { loss: loss_sum / accum, grad_norm: norm, skipped })
+        let times = std::mem::take(&mut self.times);
+        let prefetched = self.prefetched - prefetched_before;
+        Ok(StepOutcome { loss: loss_sum / accum, grad_norm: norm, skipped, times, prefetched })
     }
 }

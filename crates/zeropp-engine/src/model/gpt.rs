@@ -21,11 +21,10 @@
 
 use super::ops::{self, AttnShape};
 use super::stack::{
-    Part, StackTape, TapeCore, backward_layer, check_positive, check_vocab, forward_layer, init_parts,
-    stack_model_items,
+    Part, StackTape, TapeCore, backward_layer, check_sizes, forward_layer, init_parts, stack_model_items,
 };
 use super::{Batch, LayerSpec, Model, TensorSpec, fill_normal};
-use crate::EngineError;
+use crate::{EngineError, Result};
 
 /// Shape of a [`Gpt`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,23 +60,83 @@ impl GptConfig {
         Self { vocab, ..self }
     }
 
-    /// Checks that every size is positive and `n_head` divides `d_model`.
+    /// A GPT of width `d_model`, `n_layer` blocks of `n_head` heads, context
+    /// `seq_len`, MLP ratio 4 and a byte-level vocabulary of 256 (training sets
+    /// the vocabulary from the data).
+    pub fn shape(d_model: usize, n_layer: usize, n_head: usize, seq_len: usize) -> Self {
+        Self { vocab: 256, seq_len, d_model, n_head, n_layer, mlp_ratio: 4 }
+    }
+
+    /// The named model sizes, smallest first: `gpt-tiny`, `gpt` (the default),
+    /// then `gpt-1m`, `gpt-medium`, `gpt-10m`, `gpt-40m` and `gpt2-small` (GPT-2 small's shape:
+    /// width 768, 12 blocks, 12 heads, context 1024).
+    ///
+    /// Vocabularies are byte-level (256 here; training uses the data's). GPT-2
+    /// small's "124M" counts its 50257-token embedding (38.6M) once, tied with the
+    /// LM head; this GPT has an untied head and a byte vocabulary, so the same
+    /// shape is about 86M parameters here, 85M of them in the 12 blocks.
+    ///
+    /// ```
+    /// use zeropp_engine::model::GptConfig;
+    /// let (name, g) = GptConfig::presets().last().copied().ok_or("no presets")?;
+    /// assert_eq!((name, g.d_model, g.n_layer, g.n_head, g.seq_len), ("gpt2-small", 768, 12, 12, 1024));
+    /// assert!((85_000_000..87_000_000).contains(&g.num_params()));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn presets() -> [(&'static str, Self); 7] {
+        [
+            ("gpt-tiny", Self::tiny()),
+            ("gpt", Self::default_small()),
+            ("gpt-1m", Self::shape(128, 5, 4, 128)),
+            // Communication-bound over a slow link (`cargo xtask bench cluster`).
+            ("gpt-medium", Self { seq_len: 32, d_model: 256, n_layer: 3, ..Self::default_small() }),
+            ("gpt-10m", Self::shape(384, 6, 6, 256)),
+            ("gpt-40m", Self::shape(640, 8, 10, 256)),
+            ("gpt2-small", Self::shape(768, 12, 12, 1024)),
+        ]
+    }
+
+    /// The preset called `name` (see [`presets`](Self::presets)), case-insensitive.
+    pub fn preset(name: &str) -> Option<Self> {
+        Self::presets().into_iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, g)| g)
+    }
+
+    /// Parameters of a [`Gpt`] of this shape, without building it.
+    pub fn num_params(&self) -> usize {
+        let (v, t, d) = (self.vocab, self.seq_len, self.d_model);
+        let f = self.mlp_ratio * d;
+        let block = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d);
+        v * d + t * d + self.n_layer * block + 2 * d + d * v + v
+    }
+
+    /// The longest context [`validate`](Self::validate) accepts (GPT-2's): the
+    /// attention keeps `batch · heads · seq²` probabilities per block.
+    pub const MAX_SEQ_LEN: usize = 1024;
+
+    /// Checks that every size is positive, `n_head` divides `d_model` and
+    /// `seq_len <= MAX_SEQ_LEN`; errors name the field.
     pub fn validate(&self) -> Result<(), EngineError> {
         let sizes = [
-            ("vocab", self.vocab),
             ("seq_len", self.seq_len),
             ("d_model", self.d_model),
             ("n_head", self.n_head),
             ("mlp_ratio", self.mlp_ratio),
         ];
-        check_positive("gpt", &sizes)?;
+        check_sizes("gpt", self.vocab, &sizes)?;
+        if self.seq_len > Self::MAX_SEQ_LEN {
+            return Err(EngineError::InvalidConfig(format!(
+                "gpt: seq_len {} exceeds the maximum context {}",
+                self.seq_len,
+                Self::MAX_SEQ_LEN
+            )));
+        }
         if !self.d_model.is_multiple_of(self.n_head) {
             return Err(EngineError::InvalidConfig(format!(
                 "gpt: n_head {} does not divide d_model {}",
                 self.n_head, self.d_model
             )));
         }
-        check_vocab("gpt", self.vocab)
+        Ok(())
     }
 }
 
@@ -358,6 +417,19 @@ impl Model for Gpt {
 
     stack_model_items!("gpt");
 
+    /// The tape: per block `8·n·d + 2·n·f + 2·n + b·h·T²` floats (normalized
+    /// inputs, attention, MLP activations and probabilities), the residual
+    /// stream `n·d`, the head's `2·n·d + n + n·v`; plus one block's backward
+    /// temporaries, `6·n·d + n·f` (n = b·T rows, f the MLP width).
+    fn activation_bytes(&self, batch: usize, seq: usize) -> usize {
+        let (d, v, h) = (self.cfg.d_model, self.cfg.vocab, self.cfg.n_head);
+        let f = self.cfg.mlp_ratio * d;
+        let n = batch * seq;
+        let block = 8 * n * d + 2 * n * f + 2 * n + batch * h * seq * seq;
+        let floats = self.cfg.n_layer * block + n * d + 2 * n * d + n + n * v + 6 * n * d + n * f;
+        4 * floats
+    }
+
     /// GPT-2 style init: weights and embeddings `N(0, 0.02^2)`, residual
     /// projections (`attn.proj`, `mlp.proj`) scaled by `1/sqrt(2 n_layer)`,
     /// biases 0, LayerNorm gains 1.
@@ -388,7 +460,7 @@ impl Model for Gpt {
         })
     }
 
-    fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<(), EngineError> {
+    fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<()> {
         forward_layer(&self.layers, layer, params, tape, |part, _, p, tape| match part {
             Part::Embed => {
                 self.embed_forward(p, tape);
@@ -399,13 +471,7 @@ impl Model for Gpt {
         })
     }
 
-    fn backward(
-        &self,
-        layer: usize,
-        params: &[f32],
-        tape: &mut GptTape,
-        grad: &mut [f32],
-    ) -> Result<(), EngineError> {
+    fn backward(&self, layer: usize, params: &[f32], tape: &mut GptTape, grad: &mut [f32]) -> Result<()> {
         backward_layer(&self.layers, layer, params, tape, grad, |part, _, p, g, tape| match part {
             Part::Embed => {
                 self.embed_backward(g, tape);
@@ -414,5 +480,24 @@ impl Model for Gpt {
             Part::Head => self.head_backward(p, g, tape),
             Part::Hidden => self.block_backward(p, g, tape),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preset_parameter_counts_match_the_built_models() -> Result<(), EngineError> {
+        for (name, g) in GptConfig::presets() {
+            assert_eq!(g.num_params(), Gpt::new(g)?.num_params(), "{name}");
+        }
+        let sizes: Vec<usize> = GptConfig::presets().iter().map(|(_, g)| g.num_params()).collect();
+        assert!(sizes.windows(2).all(|w| w[0] < w[1]), "presets are sorted by size: {sizes:?}");
+        assert_eq!(GptConfig::preset("GPT2-Small").map(|g| g.d_model), Some(768));
+        assert!(GptConfig::preset("gpt-7b").is_none());
+        let too_long = GptConfig { seq_len: GptConfig::MAX_SEQ_LEN + 1, ..GptConfig::tiny() };
+        assert!(too_long.validate().is_err());
+        Ok(())
     }
 }

@@ -14,11 +14,10 @@
 
 use super::ops;
 use super::stack::{
-    Part, StackTape, TapeCore, backward_layer, check_positive, check_vocab, forward_layer, init_parts,
-    stack_model_items,
+    Part, StackTape, TapeCore, backward_layer, check_sizes, forward_layer, init_parts, stack_model_items,
 };
 use super::{Batch, LayerSpec, Model, TensorSpec, fill_normal};
-use crate::EngineError;
+use crate::{EngineError, Result};
 
 /// Shape of an [`Mlp`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,14 +52,8 @@ impl MlpConfig {
 
     /// Checks that the sizes are positive.
     pub fn validate(&self) -> Result<(), EngineError> {
-        let sizes = [
-            ("vocab", self.vocab),
-            ("context", self.context),
-            ("hidden", self.hidden),
-            ("seq_len", self.seq_len),
-        ];
-        check_positive("mlp", &sizes)?;
-        check_vocab("mlp", self.vocab)
+        let sizes = [("context", self.context), ("hidden", self.hidden), ("seq_len", self.seq_len)];
+        check_sizes("mlp", self.vocab, &sizes)
     }
 }
 
@@ -165,7 +158,7 @@ impl Model for Mlp {
         })
     }
 
-    fn forward(&self, layer: usize, params: &[f32], tape: &mut MlpTape) -> Result<(), EngineError> {
+    fn forward(&self, layer: usize, params: &[f32], tape: &mut MlpTape) -> Result<()> {
         let (h, c, v) = (self.cfg.hidden, self.cfg.context, self.cfg.vocab);
         forward_layer(&self.layers, layer, params, tape, |part, spec, p, tape| {
             let n = tape.core.batch * tape.core.seq;
@@ -208,13 +201,7 @@ impl Model for Mlp {
         })
     }
 
-    fn backward(
-        &self,
-        layer: usize,
-        params: &[f32],
-        tape: &mut MlpTape,
-        grad: &mut [f32],
-    ) -> Result<(), EngineError> {
+    fn backward(&self, layer: usize, params: &[f32], tape: &mut MlpTape, grad: &mut [f32]) -> Result<()> {
         let (h, c, v) = (self.cfg.hidden, self.cfg.context, self.cfg.vocab);
         let missing = || EngineError::CallOrder("mlp backward without saved activations".into());
         backward_layer(&self.layers, layer, params, tape, grad, |part, spec, p, g, tape| {

@@ -173,6 +173,15 @@ pub trait Model: Send + Sync {
         tape: &mut Self::Tape,
         grad: &mut [f32],
     ) -> Result<(), EngineError>;
+
+    /// Bytes of activations one rank keeps for a micro-batch of `batch`
+    /// sequences of `seq` tokens: the tape of the forward pass plus the largest
+    /// temporaries of one layer's backward (for the memory model; 0 when the
+    /// model does not say).
+    fn activation_bytes(&self, batch: usize, seq: usize) -> usize {
+        let _ = (batch, seq);
+        0
+    }
 }
 
 /// Initialises every layer of `model` from `seed` (one flat vector per layer).

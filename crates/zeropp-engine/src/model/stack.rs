@@ -117,16 +117,14 @@ pub(crate) fn backward_layer<T: StackTape>(
     Ok(())
 }
 
-/// Checks that every named size of `model`'s config is positive.
-pub(crate) fn check_positive(model: &str, sizes: &[(&str, usize)]) -> Result<(), EngineError> {
-    match sizes.iter().find(|(_, v)| *v == 0) {
-        Some((name, _)) => Err(EngineError::InvalidConfig(format!("{model}: {name} must be > 0"))),
-        None => Ok(()),
+/// Checks a model config's sizes: `vocab` and every one of `sizes` must be
+/// positive (the error names the first that is not), and `vocab` must fit token
+/// ids (`u32`).
+pub(crate) fn check_sizes(model: &str, vocab: usize, sizes: &[(&str, usize)]) -> Result<(), EngineError> {
+    let zero = std::iter::once(("vocab", vocab)).chain(sizes.iter().copied()).find(|&(_, v)| v == 0);
+    if let Some((name, _)) = zero {
+        return Err(EngineError::InvalidConfig(format!("{model}: {name} must be > 0")));
     }
-}
-
-/// Checks that `model`'s `vocab` fits token ids (`u32`).
-pub(crate) fn check_vocab(model: &str, vocab: usize) -> Result<(), EngineError> {
     match u32::try_from(vocab) {
         Ok(_) => Ok(()),
         Err(_) => {

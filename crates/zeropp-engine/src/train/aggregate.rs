@@ -30,6 +30,7 @@ pub(crate) fn aggregate(step: usize, ranks: &[RankStep], tokens: usize) -> StepR
         .fold((0u64, 0u64), |(a, b), op| (a + op.intra.bytes_sent, b + op.inter.bytes_sent));
     let total = LinkBytes { intra: ti as f64 / w, inter: te as f64 / w };
     let time = ranks.iter().map(|r| r.time_s).fold(0.0, f64::max);
+    let slowest = ranks.iter().max_by(|a, b| a.time_s.total_cmp(&b.time_s));
     let loss = (ranks.iter().map(|r| f64::from(r.loss)).sum::<f64>() / w) as f32;
     StepRecord {
         step,
@@ -41,6 +42,8 @@ pub(crate) fn aggregate(step: usize, ranks: &[RankStep], tokens: usize) -> StepR
         inter_node_bytes: total.inter,
         bytes_by_op: by_op,
         skipped: ranks.iter().any(|r| r.skipped),
+        times: slowest.map(|r| r.times).unwrap_or_default(),
+        prefetched_gathers: ranks.iter().map(|r| r.prefetched).sum(),
     }
 }
 
@@ -57,7 +60,17 @@ mod tests {
         let mut traffic = TrafficSnapshot::default();
         traffic.by_op.insert("fwd_gather".into(), op);
         traffic.by_op.insert("idle".into(), OpTraffic::default());
-        RankStep { rank, step: 7, loss, grad_norm: 1.5, skipped: rank == 1, time_s, traffic }
+        RankStep {
+            rank,
+            step: 7,
+            loss,
+            grad_norm: 1.5,
+            skipped: rank == 1,
+            time_s,
+            traffic,
+            times: Default::default(),
+            prefetched: 0,
+        }
     }
 
     #[test]

@@ -175,7 +175,8 @@ pub struct TrainReport {
     pub steps: Vec<StepRecord>,
     /// The final summary.
     pub summary: Summary,
-    /// The final full parameters, one vector per layer (when `keep_params`).
+    /// The final full parameters, one vector per bucket of the plan: per layer,
+    /// then the persistent parameters when there are any (when `keep_params`).
     pub params: Option<Vec<Vec<f32>>>,
 }
 
@@ -220,6 +221,27 @@ pub fn train_with(
         ModelChoice::Mlp(m) => {
             let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
             threads::train_model(&model, &data, &info, cfg, on_step)
+        }
+    }
+}
+
+/// The memory model's per-rank prediction for the run `cfg` describes (the model
+/// as training builds it, with the data's vocabulary; see [`crate::engine::memory`]).
+pub fn memory_prediction(cfg: &TrainConfig) -> Result<crate::engine::memory::MemoryPrediction, EngineError> {
+    use crate::engine::{build_plan, memory::predict};
+    let (data, _) = load_data(&cfg.data)?;
+    let topo = zeropp_comm::Topology::ranks(cfg.world)
+        .per_node(cfg.local_size)
+        .map_err(EngineError::InvalidTopology)?;
+    let micro = cfg.engine.micro_batch(cfg.world)?;
+    match &cfg.model {
+        ModelChoice::Gpt(g) => {
+            let model = Gpt::new(g.with_vocab(data.vocab_size()))?;
+            predict(&model, &build_plan(&model, &cfg.engine, topo)?, &cfg.engine, micro)
+        }
+        ModelChoice::Mlp(m) => {
+            let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
+            predict(&model, &build_plan(&model, &cfg.engine, topo)?, &cfg.engine, micro)
         }
     }
 }

@@ -1,5 +1,7 @@
 //! The checks every driver (threads or MPI) makes before it starts a rank.
 
+use std::path::Path;
+
 use crate::EngineError;
 use crate::data::TextDataset;
 use crate::model::Model;
@@ -32,4 +34,27 @@ pub(crate) fn check_run<M: Model>(
         data.val_batches(micro * cfg.world, seq_len, 1)?;
     }
     Ok((seq_len, micro))
+}
+
+/// Where a run starts: step 0 and no state without `cfg.resume`, else the
+/// step and state `load` (the driver's way of reading the checkpoint in
+/// `cfg.resume`) returns. An error when that step is not before the last.
+pub(crate) fn resume_point<S>(
+    cfg: &TrainConfig,
+    load: impl FnOnce(&Path) -> Result<(usize, S), EngineError>,
+) -> Result<(usize, Option<S>), EngineError> {
+    let (start_step, state) = match &cfg.resume {
+        Some(dir) => {
+            let (step, state) = load(dir)?;
+            (step, Some(state))
+        }
+        None => (0, None),
+    };
+    if start_step >= cfg.steps {
+        return Err(EngineError::InvalidConfig(format!(
+            "the checkpoint is at step {start_step}, not before the last step {}",
+            cfg.steps
+        )));
+    }
+    Ok((start_step, state))
 }

@@ -35,6 +35,10 @@ pub(crate) struct RankStep {
     pub(crate) time_s: f64,
     /// This rank's traffic during the step (main and prefetch streams).
     pub(crate) traffic: TrafficSnapshot,
+    /// Where the step's time went on this rank.
+    pub(crate) times: crate::engine::StepTimes,
+    /// Gathers this rank prefetched in the step.
+    pub(crate) prefetched: usize,
 }
 
 /// What one rank returns at the end of the run.
@@ -127,6 +131,8 @@ pub(crate) fn run_rank<M: Model, C: Communicator + ?Sized>(
             skipped: out.skipped,
             time_s,
             traffic: after.since(&before),
+            times: out.times,
+            prefetched: out.prefetched,
         });
         let done = step + 1;
         if let Some(dir) = &cfg.save

@@ -15,7 +15,7 @@ use crate::model::Model;
 
 use super::aggregate::aggregate;
 use super::failure::root_cause;
-use super::preflight::check_run;
+use super::preflight::{check_run, resume_point};
 use super::rank::{RankJob, RankResult, RankStep, run_rank};
 use super::summary::summarize;
 use super::{Backend, DataInfo, TrainConfig, TrainReport};
@@ -40,19 +40,7 @@ pub(crate) fn train_model<M: Model>(
     let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
 
     // Resume: read every rank's state before starting the ranks.
-    let (start_step, resume_states) = match &cfg.resume {
-        Some(dir) => {
-            let (step, states) = checkpoint::load(dir, &plan, &cfg.engine)?;
-            (step, Some(states))
-        }
-        None => (0, None),
-    };
-    if start_step >= cfg.steps {
-        return Err(EngineError::InvalidConfig(format!(
-            "the checkpoint is at step {start_step}, not before the last step {}",
-            cfg.steps
-        )));
-    }
+    let (start_step, resume_states) = resume_point(cfg, |dir| checkpoint::load(dir, &plan, &cfg.engine))?;
 
     let mut metrics = match &cfg.metrics {
         Some(p) => Some(MetricsWriter::create(p)?),

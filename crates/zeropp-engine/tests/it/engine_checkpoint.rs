@@ -36,6 +36,16 @@ fn resume_reproduces_the_uninterrupted_run() {
             }),
             ..ZeroConfig::zeropp(4)
         },
+        // The bucket knobs: a persistent bucket, and reduces split into pieces
+        // (each with its own LoCo residuals).
+        ZeroConfig {
+            buckets: zeropp_engine::config::BucketKnobs {
+                param_persistence_threshold: 64,
+                reduce_bucket_size: Some(8 * 256),
+                ..Default::default()
+            },
+            ..ZeroConfig::zeropp(4)
+        },
     ] {
         let dir = tempfile::tempdir().unwrap();
         let full = train(&cfg(zero, 10)).unwrap();

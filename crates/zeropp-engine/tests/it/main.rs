@@ -17,6 +17,8 @@ mod engine_checkpoint;
 mod engine_equivalence;
 mod engine_faults;
 mod engine_fidelity;
+mod engine_knobs;
+mod engine_scale;
 mod engine_zeropp_options;
 mod model_data;
 mod models;

@@ -132,87 +132,86 @@ fn grad_check<M: Model>(
     failures
 }
 
-fn gpt_case() -> (Gpt, Vec<Vec<f32>>, Batch) {
-    let model = Gpt::new(GptConfig::tiny()).unwrap();
-    let params = perturbed_params(&model, 3, 0.3);
-    let batch = random_batch(model.vocab_size(), 2, model.seq_len(), 11);
+/// `model` with parameters perturbed by `(seed, scale)` (see [`perturbed_params`])
+/// and a random batch of `rows` sequences of `seq_len` tokens (the model's own
+/// when `None`) drawn from `batch_seed`.
+fn case<M: Model>(
+    model: M,
+    (seed, scale): (u64, f32),
+    (rows, seq_len, batch_seed): (usize, Option<usize>, u64),
+) -> (M, Vec<Vec<f32>>, Batch) {
+    let params = perturbed_params(&model, seed, scale);
+    let batch = random_batch(model.vocab_size(), rows, seq_len.unwrap_or(model.seq_len()), batch_seed);
     (model, params, batch)
+}
+
+fn gpt_case() -> (Gpt, Vec<Vec<f32>>, Batch) {
+    case(Gpt::new(GptConfig::tiny()).unwrap(), (3, 0.3), (2, None, 11))
 }
 
 fn mlp_case() -> (Mlp, Vec<Vec<f32>>, Batch) {
-    let model = Mlp::new(MlpConfig::tiny()).unwrap();
-    let params = perturbed_params(&model, 5, 0.2);
-    let batch = random_batch(model.vocab_size(), 2, model.seq_len(), 13);
-    (model, params, batch)
+    case(Mlp::new(MlpConfig::tiny()).unwrap(), (5, 0.2), (2, None, 13))
 }
 
-/// The model's gradients, after checking `per_tensor` entries of each tensor
-/// against finite differences.
+/// The case's model and gradients, after checking `per_tensor` entries of each
+/// tensor against finite differences.
 fn checked_gradients<M: Model>(
-    model: &M,
-    params: &[Vec<f32>],
-    batch: &Batch,
+    (model, params, batch): (M, Vec<Vec<f32>>, Batch),
     per_tensor: usize,
-) -> Vec<Vec<f32>> {
-    let (_, grads) = full_forward_backward(model, params, batch).unwrap();
-    let failures = grad_check(model, params, batch, &grads, per_tensor);
+) -> (M, Vec<Vec<f32>>) {
+    let (_, grads) = full_forward_backward(&model, &params, &batch).unwrap();
+    let failures = grad_check(&model, &params, &batch, &grads, per_tensor);
     assert!(failures.is_empty(), "{} failures:\n{}", failures.len(), failures.join("\n"));
-    grads
+    (model, grads)
 }
 
 #[test]
 fn gpt_gradients_match_finite_differences() {
-    let (model, params, batch) = gpt_case();
-    checked_gradients(&model, &params, &batch, 48);
+    checked_gradients(gpt_case(), 48);
 }
 
 #[test]
 fn gpt_gradients_match_with_shorter_sequences() {
     // seq_len below the model maximum: unused position embeddings get zero gradient.
-    let model = Gpt::new(GptConfig::tiny()).unwrap();
-    let params = perturbed_params(&model, 8, 0.3);
-    let batch = random_batch(model.vocab_size(), 3, 5, 17);
-    let grads = checked_gradients(&model, &params, &batch, 16);
+    let gpt = Gpt::new(GptConfig::tiny()).unwrap();
+    let (model, grads) = checked_gradients(case(gpt, (8, 0.3), (3, Some(5), 17)), 16);
     let d = model.config().d_model;
     assert!(grads[0][model.vocab_size() * d + 5 * d..].iter().all(|&g| g == 0.0));
 }
 
 #[test]
 fn mlp_gradients_match_finite_differences() {
-    let (model, params, batch) = mlp_case();
-    checked_gradients(&model, &params, &batch, 64);
+    checked_gradients(mlp_case(), 64);
 }
 
 #[test]
 fn mlp_without_hidden_layers_gradients_match() {
     let model = Mlp::new(MlpConfig { layers: 0, ..MlpConfig::tiny() }).unwrap();
-    let params = perturbed_params(&model, 9, 0.2);
-    let batch = random_batch(model.vocab_size(), 2, 4, 19);
-    checked_gradients(&model, &params, &batch, 64);
+    checked_gradients(case(model, (9, 0.2), (2, Some(4), 19)), 64);
+}
+
+/// The number of failing checks after a tampering with the gradients.
+type FailureCount = Box<dyn Fn(&dyn Fn(&mut Vec<Vec<f32>>)) -> usize>;
+
+/// Counts the failing gradient checks (`per_tensor` entries of each tensor) of
+/// the case's true gradients after `tamper`ing with them.
+fn failures_after<M: Model + 'static>(
+    (model, params, batch): (M, Vec<Vec<f32>>, Batch),
+    per_tensor: usize,
+) -> FailureCount {
+    let (_, grads) = full_forward_backward(&model, &params, &batch).unwrap();
+    Box::new(move |tamper: &dyn Fn(&mut Vec<Vec<f32>>)| {
+        let mut g = grads.clone();
+        tamper(&mut g);
+        grad_check(&model, &params, &batch, &g, per_tensor).len()
+    })
 }
 
 #[test]
 fn grad_check_catches_wrong_gradients() {
-    for (model_name, failures_for) in [
-        ("gpt", {
-            let (model, params, batch) = gpt_case();
-            let (_, grads) = full_forward_backward(&model, &params, &batch).unwrap();
-            Box::new(move |tamper: &dyn Fn(&mut Vec<Vec<f32>>)| {
-                let mut g = grads.clone();
-                tamper(&mut g);
-                grad_check(&model, &params, &batch, &g, 48).len()
-            }) as Box<dyn Fn(&dyn Fn(&mut Vec<Vec<f32>>)) -> usize>
-        }),
-        ("mlp", {
-            let (model, params, batch) = mlp_case();
-            let (_, grads) = full_forward_backward(&model, &params, &batch).unwrap();
-            Box::new(move |tamper: &dyn Fn(&mut Vec<Vec<f32>>)| {
-                let mut g = grads.clone();
-                tamper(&mut g);
-                grad_check(&model, &params, &batch, &g, 64).len()
-            })
-        }),
-    ] {
+    for (model_name, failures_for) in
+        [("gpt", failures_after(gpt_case(), 48)), ("mlp", failures_after(mlp_case(), 64))]
+    {
         assert_eq!(failures_for(&|_| {}), 0, "{model_name}: untouched gradients must pass");
         // A 10% error on a whole layer's gradient (e.g. a wrong scale).
         assert!(
@@ -244,32 +243,33 @@ fn in_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
     rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap().install(f)
 }
 
+/// The case's loss and gradients are bitwise equal on a second run and in rayon
+/// pools of each of `threads` threads.
+fn assert_deterministic<M: Model + Sync>(
+    (model, params, batch): (M, Vec<Vec<f32>>, Batch),
+    threads: &[usize],
+) {
+    let run = || full_forward_backward(&model, &params, &batch).unwrap();
+    let first = run();
+    assert_bitwise_eq(&first, &run());
+    for &t in threads {
+        assert_bitwise_eq(&first, &in_pool(t, run));
+    }
+}
+
 #[test]
 fn gpt_is_bitwise_deterministic_across_runs_and_thread_counts() {
     // Big enough for rayon to split rows and (batch x heads) into several tasks.
     let model =
         Gpt::new(GptConfig { vocab: 30, seq_len: 32, d_model: 32, n_head: 4, n_layer: 2, mlp_ratio: 4 })
             .unwrap();
-    let params = perturbed_params(&model, 21, 0.1);
-    let batch = random_batch(30, 8, 32, 23);
-    let run = || full_forward_backward(&model, &params, &batch).unwrap();
-    let first = run();
-    assert_bitwise_eq(&first, &run());
-    assert_bitwise_eq(&first, &in_pool(1, run));
-    assert_bitwise_eq(&first, &in_pool(2, run));
-    assert_bitwise_eq(&first, &in_pool(3, run));
+    assert_deterministic(case(model, (21, 0.1), (8, Some(32), 23)), &[1, 2, 3]);
 }
 
 #[test]
 fn mlp_is_bitwise_deterministic_across_runs_and_thread_counts() {
     let model = Mlp::new(MlpConfig::default_small().with_vocab(30)).unwrap();
-    let params = perturbed_params(&model, 25, 0.1);
-    let batch = random_batch(30, 4, 64, 27);
-    let run = || full_forward_backward(&model, &params, &batch).unwrap();
-    let first = run();
-    assert_bitwise_eq(&first, &run());
-    assert_bitwise_eq(&first, &in_pool(1, run));
-    assert_bitwise_eq(&first, &in_pool(2, run));
+    assert_deterministic(case(model, (25, 0.1), (4, Some(64), 27)), &[1, 2]);
 }
 
 /// The mean loss of a batch equals the mean of its halves' losses, and so do

@@ -103,14 +103,7 @@ pub(super) fn read_header_extras(path: &Path) -> Result<BTreeMap<String, (Dtype,
     }
     let bad = |reason: String| PartitionError::corrupt(path, reason);
     let mut f = File::open(path).map_err(|e| PartitionError::io(path, e))?;
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|e| bad(format!("cannot read the safetensors header length: {e}")))?;
-    let n = usize::try_from(u64::from_le_bytes(len))
-        .ok()
-        .filter(|&n| n <= MAX_HEADER_BYTES)
-        .ok_or_else(|| bad("safetensors header too large".into()))?;
-    let mut header = vec![0u8; n];
-    f.read_exact(&mut header).map_err(|e| bad(format!("cannot read the safetensors header: {e}")))?;
+    let header = read_header_json(&mut f, path)?;
     let entries: HashMap<String, serde_json::Value> =
         serde_json::from_slice(&header).map_err(|e| bad(format!("invalid safetensors header: {e}")))?;
     entries
@@ -125,4 +118,42 @@ pub(super) fn read_header_extras(path: &Path) -> Result<BTreeMap<String, (Dtype,
 }
 
 /// Largest safetensors header accepted (the limit of the safetensors crate).
-const MAX_HEADER_BYTES: usize = 100_000_000;
+pub(super) const MAX_HEADER_BYTES: usize = 100_000_000;
+
+/// Reads the header of a safetensors file from the start of `r`: the
+/// little-endian u64 length, then that many bytes (the JSON header, at most
+/// [`MAX_HEADER_BYTES`]), which it returns; `path` names the file in errors.
+pub(super) fn read_header_json<R: Read>(r: &mut R, path: &Path) -> Result<Vec<u8>> {
+    let bad = |reason: String| PartitionError::corrupt(path, reason);
+    let mut len = [0u8; 8];
+    r.read_exact(&mut len).map_err(|e| bad(format!("cannot read the safetensors header length: {e}")))?;
+    let n = usize::try_from(u64::from_le_bytes(len))
+        .ok()
+        .filter(|&n| n <= MAX_HEADER_BYTES)
+        .ok_or_else(|| bad("safetensors header too large".into()))?;
+    let mut header = vec![0u8; n];
+    r.read_exact(&mut header).map_err(|e| bad(format!("cannot read the safetensors header: {e}")))?;
+    Ok(header)
+}
+
+/// Checks a shard file's safetensors metadata `info`: the shard format, and
+/// the rank, world size and step the manifest says it was saved with.
+pub(super) fn check_shard_metadata(
+    info: &HashMap<String, String>,
+    rank: usize,
+    world: usize,
+    step: u64,
+) -> std::result::Result<(), String> {
+    let expect = [
+        ("format", SHARD_FORMAT.to_string()),
+        ("rank", rank.to_string()),
+        ("world", world.to_string()),
+        ("step", step.to_string()),
+    ];
+    for (k, v) in expect {
+        if info.get(k) != Some(&v) {
+            return Err(format!("metadata {k} is {:?}, expected {v:?}", info.get(k)));
+        }
+    }
+    Ok(())
+}

@@ -2,7 +2,7 @@
 //! in their errors.
 
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use crate::error::{PartitionError, Result};
@@ -28,6 +28,31 @@ pub(super) fn atomic_write(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = File::create(&tmp).map_err(|e| PartitionError::io(&tmp, e))?;
     f.write_all(bytes).and_then(|()| f.sync_all()).map_err(|e| PartitionError::io(&tmp, e))?;
     drop(f);
+    fs::rename(&tmp, path).map_err(|e| PartitionError::io(path, e))?;
+    sync_dir(dir)
+}
+
+/// Writes `path` atomically like [`atomic_write`], the content produced by
+/// `write` through a buffered writer (so it need not be in memory at once).
+/// On failure the temporary file is removed and `path` is untouched.
+pub(super) fn atomic_write_with(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> Result<()>,
+) -> Result<()> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or_else(|| Path::new("."));
+    let mut tmp_name = path.file_name().unwrap_or_default().to_os_string();
+    tmp_name.push(".tmp");
+    let tmp = dir.join(tmp_name);
+    let f = File::create(&tmp).map_err(|e| PartitionError::io(&tmp, e))?;
+    let mut w = BufWriter::with_capacity(super::CHUNK_BYTES, f);
+    let written = write(&mut w).and_then(|()| {
+        let f = w.into_inner().map_err(|e| PartitionError::io(&tmp, e.into_error()))?;
+        f.sync_all().map_err(|e| PartitionError::io(&tmp, e))
+    });
+    if let Err(e) = written {
+        fs::remove_file(&tmp).ok();
+        return Err(e);
+    }
     fs::rename(&tmp, path).map_err(|e| PartitionError::io(path, e))?;
     sync_dir(dir)
 }

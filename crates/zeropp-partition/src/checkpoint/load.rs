@@ -1,21 +1,23 @@
 //! Reading checkpoints: resolving `LATEST`, verifying and consolidating the
-//! shards, and cutting the state of any rank of any new plan out of them.
+//! shards, and cutting the state of any rank of any new plan out of them
+//! (the consolidating path; `stream.rs` reads without consolidating).
 
 use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::{Dtype, SafeTensors};
-use zeropp_comm::Topology;
 
-use super::format::{EXTRA_PREFIX, SHARD_FORMAT, bytes_f32, compare_extras, extra_tensor_name, tensor_name};
+use super::format::{
+    EXTRA_PREFIX, bytes_f32, check_shard_metadata, compare_extras, extra_tensor_name, tensor_name,
+};
 use super::fs::read_file;
 use super::manifest::Manifest;
 use super::state::{BucketShard, ShardState};
+use super::stream::CheckpointReader;
 use super::{LATEST_FILE, MANIFEST_FILE};
 use crate::error::{PartitionError, Result};
-use crate::layout::ParamRegistry;
-use crate::plan::{PartitionPlan, PlanConfig};
+use crate::plan::PartitionPlan;
 
 /// The checkpoint folder `load_checkpoint(dir)` would read: `dir` itself
 /// if it holds a manifest, else the folder named by `dir/LATEST`.
@@ -53,28 +55,21 @@ pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf> {
 }
 
 /// A loaded checkpoint, consolidated: full per-bucket state with padding
-/// stripped, the manifest, and every saved rank's extras.
+/// stripped and every saved rank's extras, beside the opened checkpoint
+/// ([`Checkpoint::reader`]: its folder, manifest, step and user config).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Checkpoint {
-    pub(super) dir: PathBuf,
-    pub(super) manifest: Manifest,
+    /// The checkpoint as opened: folder, verified manifest, saved plan.
+    pub(super) reader: CheckpointReader,
     pub(super) buckets: Vec<FullBucket>,
     /// Rank-local extras, one map per saved rank (empty maps when none).
     pub(super) extras: Vec<BTreeMap<String, Vec<f32>>>,
 }
 
-/// The consolidated state of one bucket: `numel` real elements each.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct FullBucket {
-    /// f32 master weights.
-    pub master: Vec<f32>,
-    /// AdamW first moment.
-    pub exp_avg: Vec<f32>,
-    /// AdamW second moment.
-    pub exp_avg_sq: Vec<f32>,
-    /// Optimizer step counter (identical on every rank, checked on load).
-    pub step: u64,
-}
+/// The consolidated state of one bucket: the fields of a [`BucketShard`],
+/// `numel` real elements each (padding stripped), and the step counter
+/// every rank saved (identical on every rank, checked on load).
+pub type FullBucket = BucketShard;
 
 /// Loads and verifies a checkpoint: `dir` is either a checkpoint folder
 /// or a parent folder whose `LATEST` names one (see [`save_checkpoint`](super::save_checkpoint)
@@ -86,12 +81,16 @@ pub struct FullBucket {
 /// lengths); any missing, truncated or corrupted file or tensor is an error
 /// naming the file. Checkpoints written before extras existed load with
 /// no extras.
+///
+/// This holds the whole model three times over (master weights and both
+/// moments, consolidated) plus one shard file's bytes: O(model) memory. To
+/// resume or re-shard a rank, or to export, use [`CheckpointReader`], which
+/// reads the same state shard by shard within one rank's share.
+///
+/// [`CheckpointReader`]: super::CheckpointReader
 pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
-    let step_dir = resolve_checkpoint_dir(dir)?;
-    let manifest_path = step_dir.join(MANIFEST_FILE);
-    let manifest = Manifest::from_file_bytes(&manifest_path, &read_file(&manifest_path)?)?;
-    let plan = manifest.validate(&manifest_path)?;
-
+    let reader = CheckpointReader::open(dir)?;
+    let (step_dir, manifest, plan) = (reader.dir(), reader.manifest(), reader.saved_plan());
     let mut buckets: Vec<FullBucket> = plan.buckets().iter().map(|_| FullBucket::default()).collect();
     let mut extras = vec![BTreeMap::new(); plan.world()];
     for rec in &manifest.shards {
@@ -108,7 +107,7 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
         if crc != rec.crc32c {
             return Err(PartitionError::ChecksumMismatch { path, expected: rec.crc32c, actual: crc });
         }
-        read_shard(&path, &bytes, &plan, &manifest, rec.rank, &mut buckets, &mut extras[rec.rank])?;
+        read_shard(&path, &bytes, plan, manifest, rec.rank, &mut buckets, &mut extras[rec.rank])?;
     }
     for (b, layout) in buckets.iter_mut().zip(plan.buckets()) {
         // Drop the padding (between parameters too): the parameters back to back.
@@ -116,7 +115,7 @@ pub fn load_checkpoint(dir: &Path) -> Result<Checkpoint> {
             *v = layout.compact(v)?;
         }
     }
-    Ok(Checkpoint { dir: step_dir, manifest, buckets, extras })
+    Ok(Checkpoint { reader, buckets, extras })
 }
 
 /// Checks one verified (size, crc32c) shard file and appends its primary
@@ -134,17 +133,7 @@ fn read_shard(
     let (_, meta) = SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
     let st = SafeTensors::deserialize(bytes).map_err(|e| bad(e.to_string()))?;
     let info = meta.metadata().clone().unwrap_or_default();
-    let expect = [
-        ("format", SHARD_FORMAT.to_string()),
-        ("rank", rank.to_string()),
-        ("world", plan.world().to_string()),
-        ("step", manifest.step.to_string()),
-    ];
-    for (k, v) in expect {
-        if info.get(k) != Some(&v) {
-            return Err(bad(format!("metadata {k} is {:?}, expected {v:?}", info.get(k))));
-        }
-    }
+    check_shard_metadata(&info, rank, plan.world(), manifest.step).map_err(bad)?;
     for (b, full) in buckets.iter_mut().enumerate() {
         let n = plan.shard_len(b)?;
         let get = |what: &str, dtype: Dtype, len: usize| -> Result<Vec<u8>> {
@@ -189,24 +178,11 @@ fn read_shard(
 }
 
 impl Checkpoint {
-    /// The checkpoint folder that was loaded.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The verified manifest.
-    pub fn manifest(&self) -> &Manifest {
-        &self.manifest
-    }
-
-    /// Training step.
-    pub fn step(&self) -> u64 {
-        self.manifest.step
-    }
-
-    /// The user config saved with the checkpoint.
-    pub fn user_config(&self) -> &serde_json::Value {
-        &self.manifest.user_config
+    /// The checkpoint as opened: its folder, verified manifest, step, user
+    /// config, registry and saved plan, and plans for new topologies
+    /// ([`CheckpointReader::plan_for`]).
+    pub fn reader(&self) -> &CheckpointReader {
+        &self.reader
     }
 
     /// Consolidated per-bucket state (padding stripped).
@@ -214,19 +190,9 @@ impl Checkpoint {
         &self.buckets
     }
 
-    /// The registry of the saved model.
-    pub fn registry(&self) -> Result<ParamRegistry> {
-        self.manifest.registry()
-    }
-
-    /// A plan for the saved model on a new topology and config.
-    pub fn plan_for(&self, topology: Topology, config: PlanConfig) -> Result<PartitionPlan> {
-        PartitionPlan::new(&self.registry()?, topology, config)
-    }
-
     /// f32 master weights of one parameter, by name.
     pub fn master_of(&self, name: &str) -> Option<&[f32]> {
-        self.manifest.buckets.iter().zip(&self.buckets).find_map(|(layout, full)| {
+        self.reader.manifest().buckets.iter().zip(&self.buckets).find_map(|(layout, full)| {
             let (_, r) = layout.compact_ranges().into_iter().find(|(p, _)| p.name == name)?;
             full.master.get(r)
         })
@@ -261,11 +227,7 @@ impl Checkpoint {
 
     /// Same world size, ranks per node and bucket layouts as at save time.
     fn same_partitioning(&self, plan: &PartitionPlan) -> bool {
-        let saved = &self.manifest.topology;
-        let topology = plan.topology();
-        topology.world() == saved.world
-            && topology.local_size() == saved.local_size
-            && plan.buckets() == self.manifest.buckets.as_slice()
+        self.reader.manifest().same_partitioning(plan)
     }
 
     /// The state of `rank` under `plan`, which may have any topology,
@@ -279,22 +241,7 @@ impl Checkpoint {
     /// without extras.
     pub fn shard_for(&self, plan: &PartitionPlan, rank: usize) -> Result<ShardState> {
         plan.check_rank(rank)?;
-        let saved = &self.manifest.buckets;
-        if plan.num_buckets() != saved.len() {
-            return Err(PartitionError::LayoutMismatch(format!(
-                "plan has {} buckets, checkpoint has {}",
-                plan.num_buckets(),
-                saved.len()
-            )));
-        }
-        for (p, s) in plan.buckets().iter().zip(saved) {
-            if p.spec() != s.spec() {
-                return Err(PartitionError::LayoutMismatch(format!(
-                    "bucket {:?} of the plan differs from bucket {:?} of the checkpoint",
-                    p.name, s.name
-                )));
-            }
-        }
+        self.reader.manifest().check_same_model(plan)?;
         let buckets = self
             .buckets
             .iter()

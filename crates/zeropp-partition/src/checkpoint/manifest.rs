@@ -173,19 +173,25 @@ impl Manifest {
         self.extras.get(rank).unwrap_or(&NO_EXTRAS)
     }
 
+    /// Checks that a list of `what` holds `len` entries, one per saved rank.
+    fn check_one_per_rank(&self, what: &str, len: usize) -> Result<()> {
+        let world = self.topology.world;
+        if len != world {
+            return Err(PartitionError::LengthMismatch {
+                what: format!("{what} (one per rank)"),
+                expected: world,
+                actual: len,
+            });
+        }
+        Ok(())
+    }
+
     /// Checks the extras listing: empty, or one map per rank with valid names.
     pub(super) fn check_extras(&self) -> Result<()> {
         if self.extras.is_empty() {
             return Ok(());
         }
-        let world = self.topology.world;
-        if self.extras.len() != world {
-            return Err(PartitionError::LengthMismatch {
-                what: "extras listings (one per rank)".into(),
-                expected: world,
-                actual: self.extras.len(),
-            });
-        }
+        self.check_one_per_rank("extras listings", self.extras.len())?;
         for (rank, listing) in self.extras.iter().enumerate() {
             for name in listing.keys() {
                 check_extra_name(name)
@@ -198,14 +204,8 @@ impl Manifest {
     /// Checks the shard records: one per rank, in rank order, with the
     /// expected file names.
     pub(super) fn check_shards(&self) -> Result<()> {
+        self.check_one_per_rank("shard records", self.shards.len())?;
         let world = self.topology.world;
-        if self.shards.len() != world {
-            return Err(PartitionError::LengthMismatch {
-                what: "shard records (one per rank)".into(),
-                expected: world,
-                actual: self.shards.len(),
-            });
-        }
         for (r, s) in self.shards.iter().enumerate() {
             let expected = shard_file_name(r, world);
             if s.rank != r || s.file != expected {
@@ -240,6 +240,44 @@ impl Manifest {
             self.topology()?,
             PlanConfig::new(self.align, self.hpz).with_param_align(self.param_align),
         )
+    }
+
+    /// Checks that `plan` describes the saved model: the same buckets with
+    /// the same parameter names, shapes and dtypes, in order (any topology,
+    /// alignment or hpZ size).
+    pub(super) fn check_same_model(&self, plan: &PartitionPlan) -> Result<()> {
+        let saved = &self.buckets;
+        if plan.num_buckets() != saved.len() {
+            return Err(PartitionError::LayoutMismatch(format!(
+                "plan has {} buckets, checkpoint has {}",
+                plan.num_buckets(),
+                saved.len()
+            )));
+        }
+        for (p, s) in plan.buckets().iter().zip(saved) {
+            if p.spec() != s.spec() {
+                return Err(PartitionError::LayoutMismatch(format!(
+                    "bucket {:?} of the plan differs from bucket {:?} of the checkpoint",
+                    p.name, s.name
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `plan` partitions like the saved plan: the same world size,
+    /// ranks per node and bucket layouts (the hpZ size may differ). Only
+    /// then do the saved ranks' extras carry over.
+    pub(super) fn same_partitioning(&self, plan: &PartitionPlan) -> bool {
+        let topology = plan.topology();
+        topology.world() == self.topology.world
+            && topology.local_size() == self.topology.local_size
+            && plan.buckets() == self.buckets.as_slice()
+    }
+
+    /// Whether any rank saved extras.
+    pub(super) fn lists_extras(&self) -> bool {
+        self.extras.iter().any(|e| !e.is_empty())
     }
 
     /// Total size in bytes of the shard files.

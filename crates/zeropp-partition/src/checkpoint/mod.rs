@@ -42,10 +42,29 @@
 //!
 //! # Re-sharding
 //!
-//! [`load_checkpoint`] consolidates the shards into full per-bucket buffers
-//! ([`Checkpoint`]), with padding stripped; [`Checkpoint::shard_for`] cuts the
-//! state of any rank of any new plan (other world size, local size, alignment
-//! or hpZ group size) out of them.
+//! [`CheckpointReader::shard_for`] reads the state of any rank of any new
+//! plan (other world size, local size, alignment, parameter alignment or hpZ
+//! group size) shard by shard: only the saved shard files whose shards
+//! overlap the new one are read, each once, front to back, through a running
+//! crc32c (the manifest records one checksum per file, so each file read is
+//! verified whole, header and metadata included), and only the overlapping
+//! ranges are kept. Peak memory is the rank's new share plus two
+//! [`CHUNK_BYTES`] buffers; [`CheckpointReader::shards_for`] does the same
+//! for several ranks of one process (the thread backend) in one pass over the
+//! files. [`CheckpointReader::export_safetensors`] verifies
+//! every file the same way, then writes the consolidated file's header and
+//! streams each tensor from the shard files holding it, [`CHUNK_BYTES`] at a
+//! time. The engine resumes with the reader.
+//!
+//! [`load_checkpoint`] instead consolidates the shards into full per-bucket
+//! buffers ([`Checkpoint`]), with padding stripped, and
+//! [`Checkpoint::shard_for`] cuts any rank's state out of them: simpler,
+//! O(model) memory, and it verifies every file and every step counter up
+//! front. It stays as the reference the streaming paths are tested against
+//! (bit for bit), and for inspection. A streaming read checks the step
+//! counters of the files it reads, and a rank never reads a file it does
+//! not overlap (a file holding only padding for it), so corruption there
+//! does not fail that rank; [`CheckpointReader::verify`] checks every file.
 //!
 //! # Rank-local extras
 //!
@@ -57,7 +76,8 @@
 //! filled by [`Manifest::with_extras`]); a missing, unlisted, mistyped or
 //! truncated extra is an error naming the file, at commit and at load.
 //!
-//! Extras cannot be re-sharded: [`Checkpoint::shard_for`] returns them only
+//! Extras cannot be re-sharded: [`Checkpoint::shard_for`] (and
+//! [`CheckpointReader::shard_for`]) returns them only
 //! under a plan that partitions like the saved one (same world size, ranks
 //! per node and bucket layouts) and an empty map otherwise;
 //! [`Checkpoint::extras_dropped`] tells the caller when to warn.
@@ -79,8 +99,12 @@
 //! * `fs.rs`: atomic writes (temporary file, fsync, rename, fsync folder).
 //! * `save.rs`: [`write_shard`], [`commit_checkpoint`], [`save_checkpoint`].
 //! * `load.rs`: [`resolve_checkpoint_dir`], [`load_checkpoint`],
-//!   [`Checkpoint`] and re-sharding with [`Checkpoint::shard_for`].
-//! * `export.rs`: [`Checkpoint::export_safetensors`].
+//!   [`Checkpoint`] (the consolidated state beside the [`CheckpointReader`]
+//!   it was opened with, [`Checkpoint::reader`]) and re-sharding with
+//!   [`Checkpoint::shard_for`].
+//! * `stream.rs`: [`CheckpointReader`]: streaming, verified re-sharding.
+//! * `export.rs`: [`Checkpoint::export_safetensors`] and the streamed
+//!   [`CheckpointReader::export_safetensors`].
 
 mod export;
 mod format;
@@ -89,12 +113,14 @@ mod load;
 mod manifest;
 mod save;
 mod state;
+mod stream;
 
 pub use format::{shard_file_name, step_dir_name};
 pub use load::{Checkpoint, FullBucket, load_checkpoint, resolve_checkpoint_dir};
 pub use manifest::{Manifest, ShardRecord, TopologyInfo};
 pub use save::{commit_checkpoint, save_checkpoint, write_shard};
 pub use state::{BucketShard, ShardState};
+pub use stream::{CHUNK_BYTES, CheckpointReader};
 
 /// Version of the checkpoint format written by this crate.
 pub const FORMAT_VERSION: u32 = 1;

@@ -136,9 +136,9 @@ pub fn commit_checkpoint(dir: &Path, manifest: &Manifest) -> Result<PathBuf> {
 ///
 /// // … load into 3 ranks.
 /// let ckpt = load_checkpoint(&dir)?;
-/// assert_eq!(ckpt.step(), 7);
+/// assert_eq!(ckpt.reader().step(), 7);
 /// assert_eq!(ckpt.master_of("w"), Some(&weights[..]));
-/// let plan3 = ckpt.plan_for(Topology::ranks(3).per_node(3)?, PlanConfig::default())?;
+/// let plan3 = ckpt.reader().plan_for(Topology::ranks(3).per_node(3)?, PlanConfig::default())?;
 /// let s1 = ckpt.shard_for(&plan3, 1)?;
 /// assert_eq!(s1.buckets[0].master, weights[5..10]);
 /// # std::fs::remove_dir_all(&dir).ok();

@@ -7,8 +7,10 @@ use super::format::check_extra_name;
 use crate::error::{PartitionError, Result};
 use crate::plan::PartitionPlan;
 
-/// One rank's saved state for one bucket: its primary shard
-/// (`plan.shard_len(bucket)` elements, padding included).
+/// The optimizer state of one bucket. In a [`ShardState`], one rank's saved
+/// primary shard (`plan.shard_len(bucket)` elements, padding included); as a
+/// [`FullBucket`](super::FullBucket), the whole bucket consolidated from
+/// every rank's shard (`numel` elements, padding stripped).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BucketShard {
     /// f32 master weights of the primary shard.

@@ -10,8 +10,8 @@ use safetensors::SafeTensors;
 use zeropp_comm::Topology;
 use zeropp_partition::checkpoint::{LATEST_FILE, MANIFEST_FILE, shard_file_name, step_dir_name};
 use zeropp_partition::{
-    BucketShard, DType, Manifest, ParamRegistry, ParamSpec, PartitionError, PartitionPlan, PlanConfig,
-    ShardState, commit_checkpoint, load_checkpoint, save_checkpoint, write_shard,
+    BucketShard, Checkpoint, DType, Manifest, ParamRegistry, ParamSpec, PartitionError, PartitionPlan,
+    PlanConfig, ShardState, commit_checkpoint, load_checkpoint, save_checkpoint, write_shard,
 };
 
 pub(super) fn registry() -> ParamRegistry {
@@ -75,6 +75,14 @@ fn save(dir: &Path, plan: &PartitionPlan, step: u64, seed: f32) -> (PathBuf, Vec
     (path, shards)
 }
 
+/// Saves `plan`'s state at `step` (see [`save`]) in a fresh directory and loads it back.
+fn saved_and_loaded(plan: &PartitionPlan, step: u64, seed: f32) -> (tempfile::TempDir, Checkpoint) {
+    let tmp = tempfile::tempdir().unwrap();
+    save(tmp.path(), plan, step, seed);
+    let ck = load_checkpoint(tmp.path()).unwrap();
+    (tmp, ck)
+}
+
 #[test]
 fn round_trip_same_topology() {
     let tmp = tempfile::tempdir().unwrap();
@@ -83,11 +91,11 @@ fn round_trip_same_topology() {
     assert_eq!(path, tmp.path().join("step-00000123"));
     assert_eq!(fs::read_to_string(tmp.path().join(LATEST_FILE)).unwrap().trim(), "step-00000123");
     let ck = load_checkpoint(tmp.path()).unwrap();
-    assert_eq!(ck.step(), 123);
-    assert_eq!(ck.dir(), path);
-    assert_eq!(ck.user_config()["model"], "tiny");
-    assert_eq!(ck.user_config()["lr"], 0.001);
-    let m = ck.manifest();
+    assert_eq!(ck.reader().step(), 123);
+    assert_eq!(ck.reader().dir(), path);
+    assert_eq!(ck.reader().user_config()["model"], "tiny");
+    assert_eq!(ck.reader().user_config()["lr"], 0.001);
+    let m = ck.reader().manifest();
     assert_eq!((m.topology.world, m.topology.local_size, m.topology.nodes), (4, 2, 2));
     assert_eq!((m.align, m.hpz), (4, 2));
     assert_eq!(m.shards.len(), 4);
@@ -117,12 +125,12 @@ fn round_trip_same_topology() {
 }
 
 fn reshard(from: (usize, usize, usize, usize), to: (usize, usize, usize, usize)) {
-    let tmp = tempfile::tempdir().unwrap();
     let src = plan(from.0, from.1, from.2, from.3);
-    save(tmp.path(), &src, 7, 3.0);
-    let ck = load_checkpoint(tmp.path()).unwrap();
-    let dst =
-        ck.plan_for(Topology::ranks(to.0).per_node(to.1).unwrap(), PlanConfig::new(to.2, to.3)).unwrap();
+    let (_tmp, ck) = saved_and_loaded(&src, 7, 3.0);
+    let dst = ck
+        .reader()
+        .plan_for(Topology::ranks(to.0).per_node(to.1).unwrap(), PlanConfig::new(to.2, to.3))
+        .unwrap();
     let expected = shards_of(&dst, &full_state(&dst, 3.0));
     assert_eq!(expected.len(), to.0);
     for (r, want) in expected.iter().enumerate() {
@@ -135,36 +143,25 @@ fn reshard(from: (usize, usize, usize, usize), to: (usize, usize, usize, usize))
     assert_eq!(ck2.buckets(), ck.buckets());
 }
 
+/// (world, local, align, hpz) before and after: fewer, more, one and many
+/// ranks, and a change of node size and alignment.
 #[test]
-fn reshard_8_to_4() {
-    reshard((8, 4, 4, 4), (4, 2, 4, 2));
-}
-
-#[test]
-fn reshard_4_to_6() {
-    reshard((4, 2, 2, 2), (6, 3, 2, 3));
-}
-
-#[test]
-fn reshard_8_to_1() {
-    reshard((8, 8, 8, 8), (1, 1, 1, 1));
-}
-
-#[test]
-fn reshard_1_to_8() {
-    reshard((1, 1, 1, 1), (8, 2, 16, 2));
-}
-
-#[test]
-fn reshard_6_to_4_changes_local_size_and_align() {
-    reshard((6, 2, 3, 1), (4, 4, 5, 4));
+fn reshard_between_topologies() {
+    for (from, to) in [
+        ((8, 4, 4, 4), (4, 2, 4, 2)),
+        ((4, 2, 2, 2), (6, 3, 2, 3)),
+        ((8, 8, 8, 8), (1, 1, 1, 1)),
+        ((1, 1, 1, 1), (8, 2, 16, 2)),
+        ((6, 2, 3, 1), (4, 4, 5, 4)),
+    ] {
+        eprintln!("reshard {from:?} -> {to:?}");
+        reshard(from, to);
+    }
 }
 
 #[test]
 fn shard_for_rejects_a_different_model() {
-    let tmp = tempfile::tempdir().unwrap();
-    save(tmp.path(), &plan(2, 2, 1, 1), 1, 0.0);
-    let ck = load_checkpoint(tmp.path()).unwrap();
+    let (_tmp, ck) = saved_and_loaded(&plan(2, 2, 1, 1), 1, 0.0);
     let mut other = ParamRegistry::new();
     other.push_bucket("embed", vec![ParamSpec::new("embed.w", [13, 6], DType::BF16)]).unwrap();
     let bad =
@@ -188,8 +185,8 @@ fn two_phase_api_with_records_in_any_order() {
     let manifest = Manifest::new(&p, 9, serde_json::json!({"x": 1}), records.clone()).unwrap();
     let dir = commit_checkpoint(tmp.path(), &manifest).unwrap();
     let ck = load_checkpoint(tmp.path()).unwrap();
-    assert_eq!(ck.dir(), dir);
-    assert_eq!(ck.manifest(), &manifest);
+    assert_eq!(ck.reader().dir(), dir);
+    assert_eq!(ck.reader().manifest(), &manifest);
     assert_eq!(ck.shard_for(&p, 2).unwrap(), shards[2]);
     // Missing or duplicated records are refused.
     assert!(Manifest::new(&p, 9, serde_json::Value::Null, records[..3].to_vec()).is_err());
@@ -238,37 +235,39 @@ fn err_text(dir: &Path) -> (PartitionError, String) {
     (e, s)
 }
 
-#[test]
-fn flipped_byte_in_a_shard_is_detected() {
-    let (tmp, path) = saved_pair();
-    let file = path.join(shard_file_name(2, 4));
-    let mut bytes = fs::read(&file).unwrap();
-    let n = bytes.len();
-    bytes[n - 3] ^= 0x40;
-    fs::write(&file, bytes).unwrap();
-    let (e, s) = err_text(tmp.path());
-    assert!(matches!(e, PartitionError::ChecksumMismatch { .. }), "{e:?}");
-    assert!(s.contains("rank-00002-of-00004.safetensors"), "{s}");
+/// Rewrites `file` with `f` applied to its bytes.
+pub(super) fn edit_file(file: &Path, f: impl FnOnce(&mut Vec<u8>)) {
+    let mut bytes = fs::read(file).unwrap();
+    f(&mut bytes);
+    fs::write(file, bytes).unwrap();
 }
 
+/// A flipped byte (the checksum), a cut file (the recorded size) and a missing
+/// file: each is its own error, naming the shard.
 #[test]
-fn truncated_shard_is_detected() {
-    let (tmp, path) = saved_pair();
-    let file = path.join(shard_file_name(1, 4));
-    let bytes = fs::read(&file).unwrap();
-    fs::write(&file, &bytes[..bytes.len() - 10]).unwrap();
-    let (e, s) = err_text(tmp.path());
-    assert!(matches!(e, PartitionError::SizeMismatch { .. }), "{e:?}");
-    assert!(s.contains("rank-00001-of-00004.safetensors"), "{s}");
-}
-
-#[test]
-fn deleted_shard_is_detected() {
-    let (tmp, path) = saved_pair();
-    fs::remove_file(path.join(shard_file_name(3, 4))).unwrap();
-    let (e, s) = err_text(tmp.path());
-    assert!(matches!(e, PartitionError::MissingFile { .. }), "{e:?}");
-    assert!(s.contains("rank-00003-of-00004.safetensors"), "{s}");
+fn flipped_truncated_or_deleted_shards_are_detected() {
+    for (rank, damage) in
+        ["flip", "truncate", "delete"].into_iter().enumerate().map(|(i, d)| ([2, 1, 3][i], d))
+    {
+        let (tmp, path) = saved_pair();
+        let file = path.join(shard_file_name(rank, 4));
+        match damage {
+            "flip" => edit_file(&file, |b| {
+                let n = b.len();
+                b[n - 3] ^= 0x40;
+            }),
+            "truncate" => edit_file(&file, |b| b.truncate(b.len() - 10)),
+            _ => fs::remove_file(&file).unwrap(),
+        }
+        let (e, s) = err_text(tmp.path());
+        let expected = match damage {
+            "flip" => matches!(e, PartitionError::ChecksumMismatch { .. }),
+            "truncate" => matches!(e, PartitionError::SizeMismatch { .. }),
+            _ => matches!(e, PartitionError::MissingFile { .. }),
+        };
+        assert!(expected, "{damage}: {e:?}");
+        assert!(s.contains(&format!("rank-{rank:05}-of-00004.safetensors")), "{damage}: {s}");
+    }
 }
 
 #[test]
@@ -334,10 +333,8 @@ fn corrupted_latest_pointer_is_detected() {
 
 #[test]
 fn save_failing_midway_leaves_previous_checkpoint() {
-    let tmp = tempfile::tempdir().unwrap();
     let p = plan(4, 2, 2, 2);
-    save(tmp.path(), &p, 100, 1.0);
-    let before = load_checkpoint(tmp.path()).unwrap();
+    let (tmp, before) = saved_and_loaded(&p, 100, 1.0);
 
     // Crash after two of four ranks wrote their shards (no commit).
     let shards = shards_of(&p, &full_state(&p, 2.0));
@@ -371,7 +368,7 @@ fn save_failing_midway_leaves_previous_checkpoint() {
     let path = save_checkpoint(tmp.path(), &p, 200, &shards, serde_json::Value::Null).unwrap();
     assert_eq!(path, step200);
     let after = load_checkpoint(tmp.path()).unwrap();
-    assert_eq!(after.step(), 200);
+    assert_eq!(after.reader().step(), 200);
     assert_eq!(after.shard_for(&p, 3).unwrap(), shards[3]);
     assert!(!step200.join(format!("{}.tmp", shard_file_name(0, 4))).exists());
     // The old checkpoint is untouched and still loadable by folder.
@@ -387,8 +384,8 @@ fn crash_between_manifest_and_latest() {
     save(tmp.path(), &p, 2, 2.0);
     // Simulate the crash: LATEST still names step 1.
     fs::write(tmp.path().join(LATEST_FILE), latest).unwrap();
-    assert_eq!(load_checkpoint(tmp.path()).unwrap().step(), 1);
-    assert_eq!(load_checkpoint(&tmp.path().join(step_dir_name(2))).unwrap().step(), 2);
+    assert_eq!(load_checkpoint(tmp.path()).unwrap().reader().step(), 1);
+    assert_eq!(load_checkpoint(&tmp.path().join(step_dir_name(2))).unwrap().reader().step(), 2);
 }
 
 #[test]
@@ -413,10 +410,8 @@ fn committed_checkpoints_are_never_overwritten() {
 
 #[test]
 fn export_consolidated_safetensors() {
-    let tmp = tempfile::tempdir().unwrap();
     let p = plan(4, 2, 4, 1);
-    save(tmp.path(), &p, 11, 0.0);
-    let ck = load_checkpoint(tmp.path()).unwrap();
+    let (tmp, ck) = saved_and_loaded(&p, 11, 0.0);
     let out = tmp.path().join("model.safetensors");
     let size = ck.export_safetensors(&out).unwrap();
     let bytes = fs::read(&out).unwrap();
@@ -429,26 +424,18 @@ fn export_consolidated_safetensors() {
             let t = st.tensor(&slot.name).unwrap();
             assert_eq!(t.shape(), slot.shape.as_slice());
             let want = &full[b][0][slot.range()];
-            let got: Vec<f32> = match slot.dtype {
-                DType::F32 => {
-                    assert_eq!(t.dtype(), safetensors::Dtype::F32);
-                    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
-                }
+            // Each slot keeps its own dtype; 16-bit values widen exactly.
+            let (dtype, width, widen): (_, _, fn(&[u8]) -> f32) = match slot.dtype {
+                DType::F32 => (safetensors::Dtype::F32, 4, |c| f32::from_le_bytes(c.try_into().unwrap())),
                 DType::BF16 => {
-                    assert_eq!(t.dtype(), safetensors::Dtype::BF16);
-                    t.data()
-                        .chunks_exact(2)
-                        .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-                        .collect()
+                    (safetensors::Dtype::BF16, 2, |c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 }
                 DType::F16 => {
-                    assert_eq!(t.dtype(), safetensors::Dtype::F16);
-                    t.data()
-                        .chunks_exact(2)
-                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                        .collect()
+                    (safetensors::Dtype::F16, 2, |c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
                 }
             };
+            assert_eq!(t.dtype(), dtype);
+            let got: Vec<f32> = t.data().chunks_exact(width).map(widen).collect();
             assert_eq!(got.len(), want.len());
             for (g, w) in got.iter().zip(want) {
                 let tol = if slot.dtype == DType::F32 { 0.0 } else { w.abs() / 128.0 };

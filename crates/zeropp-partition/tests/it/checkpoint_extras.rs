@@ -14,8 +14,8 @@ use zeropp_partition::checkpoint::{
     FORMAT_VERSION, LATEST_FILE, MANIFEST_FILE, shard_file_name, step_dir_name,
 };
 use zeropp_partition::{
-    BucketLayout, Manifest, PartitionError, PartitionPlan, PlanConfig, ShardState, commit_checkpoint,
-    load_checkpoint, save_checkpoint, write_shard,
+    BucketLayout, Checkpoint, Manifest, PartitionError, PartitionPlan, PlanConfig, ShardState,
+    commit_checkpoint, load_checkpoint, save_checkpoint, write_shard,
 };
 
 use super::checkpoint::{full_state, plan, shards_of};
@@ -73,6 +73,17 @@ fn save_with_extras(dir: &Path, p: &PartitionPlan, step: u64) -> (PathBuf, Vec<S
     let shards = shards_with_extras(p);
     let path = save_checkpoint(dir, p, step, &shards, serde_json::json!({"qgz": true})).unwrap();
     (path, shards)
+}
+
+/// [`save_with_extras`] into a fresh directory, and the checkpoint loaded back.
+fn saved_with_extras_and_loaded(
+    p: &PartitionPlan,
+    step: u64,
+) -> (tempfile::TempDir, (PathBuf, Vec<ShardState>), Checkpoint) {
+    let tmp = tempfile::tempdir().unwrap();
+    let saved = save_with_extras(tmp.path(), p, step);
+    let ck = load_checkpoint(tmp.path()).unwrap();
+    (tmp, saved, ck)
 }
 
 fn load_err(dir: &Path) -> (PartitionError, String) {
@@ -138,18 +149,16 @@ fn rewrite_shard(step_dir: &Path, rank: usize, world: usize, edit: impl FnOnce(&
 
 #[test]
 fn extras_round_trip_bitwise() {
-    let tmp = tempfile::tempdir().unwrap();
     let p = plan(4, 2, 4, 2);
-    let (path, shards) = save_with_extras(tmp.path(), &p, 77);
-    let ck = load_checkpoint(tmp.path()).unwrap();
+    let (tmp, (path, shards), ck) = saved_with_extras_and_loaded(&p, 77);
 
     // Listed in the manifest: names and lengths per rank.
     let listed: Vec<_> = shards.iter().map(ShardState::extra_lens).collect();
-    assert_eq!(ck.manifest().extras, listed);
-    assert_eq!(ck.manifest().extras_of(0)["qgz.residual.1"], p.shard_len(1).unwrap());
-    assert_eq!(ck.manifest().extras_of(0)["empty"], 0);
-    assert!(ck.manifest().extras_of(3).is_empty());
-    assert!(ck.manifest().extras_of(4).is_empty());
+    assert_eq!(ck.reader().manifest().extras, listed);
+    assert_eq!(ck.reader().manifest().extras_of(0)["qgz.residual.1"], p.shard_len(1).unwrap());
+    assert_eq!(ck.reader().manifest().extras_of(0)["empty"], 0);
+    assert!(ck.reader().manifest().extras_of(3).is_empty());
+    assert!(ck.reader().manifest().extras_of(4).is_empty());
     assert!(ck.has_extras());
     assert!(!ck.extras_dropped(&p));
 
@@ -373,7 +382,7 @@ fn commit_refuses_a_manifest_that_does_not_list_the_extras() {
     let good = new().with_extras(listings).unwrap();
     assert_eq!(commit_checkpoint(tmp.path(), &good).unwrap(), step_dir);
     let ck = load_checkpoint(tmp.path()).unwrap();
-    assert_eq!(ck.manifest(), &good);
+    assert_eq!(ck.reader().manifest(), &good);
     for (r, want) in shards.iter().enumerate() {
         assert_eq!(bits(&ck.shard_for(&p, r).unwrap().extra), bits(&want.extra));
     }
@@ -383,10 +392,8 @@ fn commit_refuses_a_manifest_that_does_not_list_the_extras() {
 
 #[test]
 fn resharding_drops_extras_and_says_so() {
-    let tmp = tempfile::tempdir().unwrap();
     let p = plan(4, 2, 4, 2);
-    let (_, shards) = save_with_extras(tmp.path(), &p, 9);
-    let ck = load_checkpoint(tmp.path()).unwrap();
+    let (_tmp, (_, shards), ck) = saved_with_extras_and_loaded(&p, 9);
 
     // (world, local_size, align, hpz) -> extras dropped?
     let cases = [
@@ -397,10 +404,14 @@ fn resharding_drops_extras_and_says_so() {
         ((4, 4, 4, 2), true),  // same world, other ranks per node
         ((4, 2, 1, 2), true),  // same topology, alignment changes the padding
     ];
-    let aligned = ck.plan_for(Topology::ranks(4).per_node(2).unwrap(), PlanConfig::new(1, 2)).unwrap();
+    let aligned =
+        ck.reader().plan_for(Topology::ranks(4).per_node(2).unwrap(), PlanConfig::new(1, 2)).unwrap();
     assert_ne!(aligned.buckets(), p.buckets(), "the alignment case must change the layouts");
     for ((w, l, align, hpz), dropped) in cases {
-        let dst = ck.plan_for(Topology::ranks(w).per_node(l).unwrap(), PlanConfig::new(align, hpz)).unwrap();
+        let dst = ck
+            .reader()
+            .plan_for(Topology::ranks(w).per_node(l).unwrap(), PlanConfig::new(align, hpz))
+            .unwrap();
         assert_eq!(ck.extras_dropped(&dst), dropped, "{w}x{l} align {align} hpz {hpz}");
         let expected = shards_of(&dst, &full_state(&dst, 1.0));
         for (r, want) in expected.iter().enumerate() {
@@ -422,7 +433,8 @@ fn resharding_drops_extras_and_says_so() {
         .unwrap();
     let plain = load_checkpoint(tmp2.path()).unwrap();
     assert!(!plain.has_extras());
-    let other = plain.plan_for(Topology::ranks(2).per_node(2).unwrap(), PlanConfig::default()).unwrap();
+    let other =
+        plain.reader().plan_for(Topology::ranks(2).per_node(2).unwrap(), PlanConfig::default()).unwrap();
     assert!(!plain.extras_dropped(&other));
 }
 
@@ -476,17 +488,16 @@ fn write_v1_checkpoint(dir: &Path, p: &PartitionPlan, step: u64, shards: &[Shard
             tensors
                 .insert(format!("bucket.{b:05}.step"), (Dtype::U64, vec![1], bs.step.to_le_bytes().to_vec()));
         }
-        let metadata = [
-            ("format", "zeropp-shard".to_string()),
-            ("format_version", "1".to_string()),
-            ("rank", r.to_string()),
-            ("world", world.to_string()),
-            ("step", step.to_string()),
-            ("buckets", s.buckets.len().to_string()),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+        // The v1 shard metadata, spelled as it stands in the file's header.
+        let metadata = serde_json::from_value(serde_json::json!({
+            "format": "zeropp-shard",
+            "format_version": "1",
+            "rank": r.to_string(),
+            "world": world.to_string(),
+            "step": step.to_string(),
+            "buckets": s.buckets.len().to_string(),
+        }))
+        .unwrap();
         let bytes = serialize(&tensors, metadata);
         let file = shard_file_name(r, world);
         fs::write(step_dir.join(&file), &bytes).unwrap();
@@ -527,15 +538,15 @@ fn checkpoints_written_before_extras_still_load() {
     write_v1_checkpoint(tmp.path(), &p, 31, &shards);
 
     let ck = load_checkpoint(tmp.path()).unwrap();
-    assert_eq!(ck.step(), 31);
-    assert_eq!(ck.manifest().format_version, FORMAT_VERSION);
-    assert!(ck.manifest().extras.is_empty());
+    assert_eq!(ck.reader().step(), 31);
+    assert_eq!(ck.reader().manifest().format_version, FORMAT_VERSION);
+    assert!(ck.reader().manifest().extras.is_empty());
     assert!(!ck.has_extras());
     for (r, want) in shards.iter().enumerate() {
         assert_eq!(&ck.shard_for(&p, r).unwrap(), want);
         assert_eq!(ck.rank_extra(r), Some(&BTreeMap::new()));
     }
-    let other = ck.plan_for(Topology::ranks(2).per_node(2).unwrap(), PlanConfig::default()).unwrap();
+    let other = ck.reader().plan_for(Topology::ranks(2).per_node(2).unwrap(), PlanConfig::default()).unwrap();
     assert!(!ck.extras_dropped(&other));
 
     // Today's writer, given no extras, writes that same format: the same

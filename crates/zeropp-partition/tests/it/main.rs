@@ -5,7 +5,9 @@
 //! (`tests/it/<module>.proptest-regressions`); commit them when they appear.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test helpers may panic
 
+mod alloc_count;
 mod checkpoint;
 mod checkpoint_extras;
+mod checkpoint_stream;
 mod plan;
 mod proptest_plan;

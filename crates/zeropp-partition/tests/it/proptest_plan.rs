@@ -92,8 +92,7 @@ proptest! {
     #[test]
     fn secondary_shards_consistent_with_primaries(s in scenario()) {
         let plan = build(&s);
-        let t = plan.topology();
-        let hpz = plan.config().hpz;
+        let (t, hpz) = (plan.topology(), plan.config().hpz);
         for b in 0..plan.num_buckets() {
             let full = full_bucket(&plan, b);
             let gathered = plan.gather(b, &plan.partition(b, &full).unwrap()).unwrap();

@@ -1,58 +1,31 @@
 //! AVX2 kernels (x86-64). Each function mirrors its [`super::scalar`]
 //! counterpart operation for operation (no FMA), so results are bit-identical.
 //! Vector loops handle whole chunks; remainders go through the scalar code.
-//! The rounding kernels are the shared x86 bodies (`super::x86`) over the
-//! 8-lane vocabulary in [`lanes`].
+//! The reductions, rounding and dequantization are the shared bodies
+//! (`super::vector`, `super::x86`) over the 8-lane vocabulary in [`lanes`].
 
 use super::scalar;
 use std::arch::x86_64::*;
 
-x86_rounding!("avx2");
-
-/// The lane vocabulary of the shared x86 rounding bodies, on 8 lanes.
-mod lanes {
-    pub(super) use super::{load8 as load, store32 as store};
-    use std::arch::x86_64::*;
-    pub(super) use std::arch::x86_64::{
-        __m256 as F, __m256i as I, _mm256_add_epi32 as add_i, _mm256_cvtepi32_ps as i_to_f,
-        _mm256_max_ps as max_f, _mm256_min_ps as min_f, _mm256_mul_ps as mul_f,
-        _mm256_mullo_epi32 as mullo_i, _mm256_set1_epi32 as splat_i, _mm256_set1_ps as splat_f,
-        _mm256_srli_epi32 as shr_i, _mm256_sub_ps as sub_f, _mm256_xor_si256 as xor_i,
-    };
-
-    /// Lanes in a vector.
-    pub(super) const WIDTH: usize = 8;
-    /// Vectors [`store`] takes at once (32 bytes).
-    pub(super) const PER_STORE: usize = 4;
-
-    /// Lane indices 0..8 as i32.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub(super) fn lane_ids() -> I {
-        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
-    }
-
-    /// Round to nearest, ties to even (as `f32::round_ties_even`).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub(super) fn round_f(y: F) -> F {
-        _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y)
-    }
-
-    /// Round toward negative infinity (as `f32::floor`).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub(super) fn floor_f(y: F) -> F {
-        _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y)
-    }
-
-    /// `f + 1` in the lanes where `u < frac`, `f + 0` elsewhere (which only
-    /// changes -0 to +0, the same integer).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub(super) fn add_one_if_lt(f: F, u: F, frac: F, one: F) -> F {
-        _mm256_add_ps(f, _mm256_and_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(u, frac), one))
-    }
+x86_kernels! {
+    feature: "avx2", width: 8, per_store: 4,
+    load_store: [_mm256_loadu_ps, _mm256_storeu_ps],
+    types: [__m256, __m256i],
+    ops: [_mm256_add_epi32, _mm256_mullo_epi32, _mm256_set1_epi32, _mm256_srli_epi32, _mm256_xor_si256, _mm256_cvtepi32_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_mul_ps, _mm256_min_ps, _mm256_max_ps, _mm256_set1_ps],
+    lane_ids: _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    round_f(y): _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y),
+    floor_f(y): _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(y),
+    // Adds `1.0 & mask`: +0 in the other lanes (which only changes -0 to +0).
+    add_one_if_lt(f, u, frac, one): _mm256_add_ps(f, _mm256_and_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(u, frac), one)),
+    mask: [__m256, _mm256_castsi256_ps(_mm256_set1_epi32(-1))],
+    abs_f(v): _mm256_andnot_ps(_mm256_set1_ps(-0.0), v),
+    le_f(a, b): _mm256_cmp_ps::<_CMP_LE_OQ>(a, b),
+    and_m(a, b): _mm256_and_ps(a, b),
+    all_set(ok): _mm256_movemask_ps(ok) == 0xFF,
+    horizontal: [super::hmax, super::hmin],
+    accumulators: [4, 2],
+    store: store32,
+    deq: [_mm_loadl_epi64, _mm256_cvtepi8_epi32],
 }
 
 /// Defines a horizontal reduction of 8 lanes with one 4-lane op and its
@@ -78,65 +51,6 @@ horizontal! {
     hmin: _mm_min_ps, _mm_min_ss;
 }
 
-/// Loads 8 floats from `c[at..at + 8]`.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn load8(c: &[f32], at: usize) -> __m256 {
-    assert!(at + 8 <= c.len());
-    // SAFETY: the assert above keeps the 8-float unaligned load in bounds.
-    unsafe { _mm256_loadu_ps(c.as_ptr().add(at)) }
-}
-
-#[target_feature(enable = "avx2")]
-pub(super) fn abs_max(x: &[f32]) -> Option<f32> {
-    let sign = _mm256_set1_ps(-0.0);
-    let fmax = _mm256_set1_ps(f32::MAX);
-    let mut m = [_mm256_setzero_ps(); 4];
-    let mut ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    let chunks = x.chunks_exact(32);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for (j, mj) in m.iter_mut().enumerate() {
-            let a = _mm256_andnot_ps(sign, load8(c, 8 * j));
-            ok = _mm256_and_ps(ok, _mm256_cmp_ps::<_CMP_LE_OQ>(a, fmax));
-            *mj = _mm256_max_ps(*mj, a);
-        }
-    }
-    if _mm256_movemask_ps(ok) != 0xFF {
-        return None;
-    }
-    let v = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
-    let t = scalar::abs_max(rem)?;
-    Some(hmax(v).max(t))
-}
-
-#[target_feature(enable = "avx2")]
-pub(super) fn min_max(x: &[f32]) -> Option<(f32, f32)> {
-    let sign = _mm256_set1_ps(-0.0);
-    let fmax = _mm256_set1_ps(f32::MAX);
-    let mut lo = [_mm256_set1_ps(f32::INFINITY); 2];
-    let mut hi = [_mm256_set1_ps(f32::NEG_INFINITY); 2];
-    let mut ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    let chunks = x.chunks_exact(16);
-    let rem = chunks.remainder();
-    for c in chunks {
-        for j in 0..2 {
-            let v = load8(c, 8 * j);
-            let a = _mm256_andnot_ps(sign, v);
-            ok = _mm256_and_ps(ok, _mm256_cmp_ps::<_CMP_LE_OQ>(a, fmax));
-            lo[j] = _mm256_min_ps(lo[j], v);
-            hi[j] = _mm256_max_ps(hi[j], v);
-        }
-    }
-    if _mm256_movemask_ps(ok) != 0xFF {
-        return None;
-    }
-    let (tl, th) = scalar::min_max(rem)?;
-    let l = hmin(_mm256_min_ps(lo[0], lo[1])).min(tl);
-    let h = hmax(_mm256_max_ps(hi[0], hi[1])).max(th);
-    Some((l, h))
-}
-
 /// Packs four vectors of 8 clamped integral floats into 32 i8 at `out[at..]`.
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -154,40 +68,6 @@ fn store32(r: [__m256; 4], out: &mut [u8], at: usize) {
     unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(at).cast::<__m256i>(), p) }
 }
 
-/// Converts `q[at..at + 8]` to f32 and applies `* scale + offset`.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn deq8(q: &[u8], at: usize, vs: __m256, vo: __m256) -> __m256 {
-    assert!(at + 8 <= q.len());
-    // SAFETY: the assert keeps the 8-byte unaligned load in bounds.
-    let b = unsafe { _mm_loadl_epi64(q.as_ptr().add(at).cast::<__m128i>()) };
-    let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    _mm256_add_ps(_mm256_mul_ps(f, vs), vo)
-}
-
-/// Dequantizes `q` into `dst` (`ADD`: adds into it) — the one loop behind
-/// [`dequant`] and [`dequant_add`]; the remainder goes through the scalar kernel.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn dequant_into<const ADD: bool>(q: &[u8], scale: f32, offset: f32, dst: &mut [f32]) {
-    let n = q.len().min(dst.len());
-    let body = n - n % 8;
-    let vs = _mm256_set1_ps(scale);
-    let vo = _mm256_set1_ps(offset);
-    let mut i = 0;
-    while i < body {
-        let v = deq8(q, i, vs, vo);
-        let r = if ADD { _mm256_add_ps(load8(dst, i), v) } else { v };
-        assert!(i + 8 <= dst.len());
-        // SAFETY: the assert keeps the 8-float unaligned store in bounds.
-        unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(i), r) };
-        i += 8;
-    }
-    scalar::dequant_into::<ADD>(&q[body..n], scale, offset, &mut dst[body..n]);
-}
-
-dequant_entry_points!("avx2");
-
 /// Packs 32 bytes (16 pairs) of `q[at..]` into 16 nibble pairs (in 16-bit
 /// lanes, one result byte per lane low byte): `(q[2k] << 4) | (q[2k+1] & 0xF)`.
 #[inline]
@@ -202,51 +82,39 @@ fn pack_pairs(q: &[u8], at: usize) -> __m256i {
     _mm256_or_si256(hi, lo)
 }
 
-/// INT4 packing: `out[k] = (q[2k] << 4) | (q[2k+1] & 0xF)` for every `k`
-/// of `out` (`q` holds at least `2 * out.len()` bytes).
+int4_entry_points!("avx2", pack: 32, unpack: 16);
+
+/// Packs the 32 pairs of `q[2i..2i + 64]` into `out[i..i + 32]`.
+#[inline]
 #[target_feature(enable = "avx2")]
-pub(super) fn pack4(q: &[u8], out: &mut [u8]) {
-    let n = out.len().min(q.len() / 2);
-    let body = n - n % 32;
-    let mut i = 0;
-    while i < body {
-        let a = pack_pairs(q, 2 * i);
-        let b = pack_pairs(q, 2 * i + 32);
-        // Every lane is <= 0xFF, so the saturating pack is exact; it
-        // interleaves 128-bit halves (a.lo, b.lo, a.hi, b.hi), undone by the
-        // 64-bit permute.
-        let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(a, b));
-        assert!(i + 32 <= out.len());
-        // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
-        unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(i).cast::<__m256i>(), p) };
-        i += 32;
-    }
-    scalar::pack4(&q[2 * body..2 * n], &mut out[body..n]);
+fn pack_block(q: &[u8], out: &mut [u8], i: usize) {
+    let a = pack_pairs(q, 2 * i);
+    let b = pack_pairs(q, 2 * i + 32);
+    // Every lane is <= 0xFF, so the saturating pack is exact; it
+    // interleaves 128-bit halves (a.lo, b.lo, a.hi, b.hi), undone by the
+    // 64-bit permute.
+    let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi16(a, b));
+    assert!(i + 32 <= out.len());
+    // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(i).cast::<__m256i>(), p) };
 }
 
-/// INT4 unpacking: `out[2k]` and `out[2k+1]` are the sign-extended high and
-/// low nibbles of `data[k]` (`out` holds at least `2 * data.len()` bytes).
+/// Unpacks `data[i..i + 16]` into `out[2i..2i + 32]`.
+#[inline]
 #[target_feature(enable = "avx2")]
-pub(super) fn unpack4(data: &[u8], out: &mut [u8]) {
-    let n = data.len().min(out.len() / 2);
-    let body = n - n % 16;
-    let low_byte = _mm256_set1_epi16(0x00FF);
-    let mut i = 0;
-    while i < body {
-        assert!(i + 16 <= data.len());
-        // SAFETY: the assert keeps the 16-byte unaligned load in bounds.
-        let b = unsafe { _mm_loadu_si128(data.as_ptr().add(i).cast::<__m128i>()) };
-        // One packed byte per 16-bit lane.
-        let w = _mm256_cvtepu8_epi16(b);
-        // Low nibble, sign-extended, into the lane's high byte (odd element).
-        let odd = _mm256_srai_epi16::<4>(_mm256_slli_epi16::<12>(w));
-        // High nibble, sign-extended, into the lane's low byte (even element).
-        let even = _mm256_and_si256(_mm256_srai_epi16::<12>(_mm256_slli_epi16::<8>(w)), low_byte);
-        let r = _mm256_or_si256(odd, even);
-        assert!(2 * i + 32 <= out.len());
-        // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
-        unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(2 * i).cast::<__m256i>(), r) };
-        i += 16;
-    }
-    scalar::unpack4(&data[body..n], &mut out[2 * body..2 * n]);
+fn unpack_block(data: &[u8], out: &mut [u8], i: usize) {
+    assert!(i + 16 <= data.len());
+    // SAFETY: the assert keeps the 16-byte unaligned load in bounds.
+    let b = unsafe { _mm_loadu_si128(data.as_ptr().add(i).cast::<__m128i>()) };
+    // One packed byte per 16-bit lane.
+    let w = _mm256_cvtepu8_epi16(b);
+    // Low nibble, sign-extended, into the lane's high byte (odd element).
+    let odd = _mm256_srai_epi16::<4>(_mm256_slli_epi16::<12>(w));
+    // High nibble, sign-extended, into the lane's low byte (even element).
+    let even =
+        _mm256_and_si256(_mm256_srai_epi16::<12>(_mm256_slli_epi16::<8>(w)), _mm256_set1_epi16(0x00FF));
+    let r = _mm256_or_si256(odd, even);
+    assert!(2 * i + 32 <= out.len());
+    // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(2 * i).cast::<__m256i>(), r) };
 }

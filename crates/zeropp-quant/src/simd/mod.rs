@@ -11,8 +11,9 @@
 //! Every kernel module has the same functions with the same signatures
 //! (`abs_max`, `min_max`, `round_nearest`, `round_stochastic`, `dequant`,
 //! `dequant_add`, `pack4`, `unpack4`), so [`Dispatch`] forwards each call
-//! with one macro. AVX2 and AVX-512 share their rounding bodies, nearest
-//! and stochastic (the `x86` module); each supplies only its lane operations.
+//! with one macro. The vector ISAs share their reduction and rounding
+//! bodies (the `vector` module), AVX2 and AVX-512 also their dequantization
+//! loop (the `x86` module); each supplies only its lane operations.
 
 pub(crate) mod scalar;
 
@@ -34,6 +35,79 @@ macro_rules! dequant_entry_points {
     };
 }
 
+/// Runs `$block` (an expression in `$i`) for `$i = 0, $step, 2·$step, …`
+/// below `$n - $n % $step`, and evaluates to that bound (the elements the
+/// blocks covered).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! whole_blocks {
+    ($n:expr, $step:expr, |$i:ident| $block:expr) => {{
+        let body = $n - $n % $step;
+        let mut $i = 0;
+        while $i < body {
+            $block;
+            $i += $step;
+        }
+        body
+    }};
+}
+
+/// Defines `pack4` and `unpack4` in a vector kernel module from its block
+/// kernels: `pack_block(q, out, i)` packs the `$pack` pairs of
+/// `q[2i..2i + 2·$pack]` into `out[i..i + $pack]`, `unpack_block(data, out,
+/// i)` unpacks `data[i..i + $unpack]` into `out[2i..2i + 2·$unpack]`; whole
+/// blocks go through them, the rest through the scalar kernels.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! int4_entry_points {
+    ($feature:literal, pack: $pack:literal, unpack: $unpack:literal) => {
+        /// INT4 packing: `out[k] = (q[2k] << 4) | (q[2k+1] & 0xF)` for every `k`
+        /// of `out` (`q` holds at least `2 * out.len()` bytes).
+        #[target_feature(enable = $feature)]
+        pub(super) fn pack4(q: &[u8], out: &mut [u8]) {
+            let n = out.len().min(q.len() / 2);
+            let body = whole_blocks!(n, $pack, |i| pack_block(q, out, i));
+            scalar::pack4(&q[2 * body..2 * n], &mut out[body..n]);
+        }
+
+        /// INT4 unpacking: `out[2k]` and `out[2k+1]` are the sign-extended high and
+        /// low nibbles of `data[k]` (`out` holds at least `2 * data.len()` bytes).
+        #[target_feature(enable = $feature)]
+        pub(super) fn unpack4(data: &[u8], out: &mut [u8]) {
+            let n = data.len().min(out.len() / 2);
+            let body = whole_blocks!(n, $unpack, |i| unpack_block(data, out, i));
+            scalar::unpack4(&data[body..n], &mut out[2 * body..2 * n]);
+        }
+    };
+}
+
+/// Defines `$load(c, at)` and `$store(c, at, v)`: one vector of `$lanes`
+/// floats from or to `c[at..at + $lanes]`, the unaligned access behind an
+/// assert that keeps it in bounds (`$feature` is the module's target feature).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! float_load_store {
+    ($feature:literal, $v:ty, $lanes:literal, $load:ident: $ld:path, $store:ident: $st:path) => {
+        #[doc = concat!("Loads ", $lanes, " floats from `c[at..at + ", $lanes, "]`.")]
+        #[inline]
+        #[target_feature(enable = $feature)]
+        fn $load(c: &[f32], at: usize) -> $v {
+            assert!(at + $lanes <= c.len());
+            // SAFETY: the assert above keeps the unaligned load in bounds.
+            unsafe { $ld(c.as_ptr().add(at)) }
+        }
+
+        #[doc = concat!("Stores ", $lanes, " floats to `c[at..at + ", $lanes, "]`.")]
+        #[inline]
+        #[target_feature(enable = $feature)]
+        fn $store(c: &mut [f32], at: usize, v: $v) {
+            assert!(at + $lanes <= c.len());
+            // SAFETY: the assert above keeps the unaligned store in bounds.
+            unsafe { $st(c.as_mut_ptr().add(at), v) }
+        }
+    };
+}
+
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[macro_use]
+mod vector;
 #[cfg(target_arch = "x86_64")]
 #[macro_use]
 mod x86;
@@ -121,16 +195,6 @@ pub fn available_kernels() -> Vec<Kernel> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dispatch(Kernel);
 
-/// Stochastic-rounding parameters for one block: keys and the low 32 bits
-/// of the first element's global index (the block never crosses a multiple
-/// of 2^32, so the high bits are folded into the keys).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Stoch {
-    pub(crate) k1: u32,
-    pub(crate) k2: u32,
-    pub(crate) lo: u32,
-}
-
 /// How one block of f32 values becomes integers:
 /// `q = clamp(round((x - offset) * s), qmin, qmax)`, where `round` is
 /// round-to-nearest-even, or stochastic rounding when `stochastic` is set.
@@ -146,6 +210,16 @@ pub(crate) struct RoundParams {
     pub(crate) qmax: f32,
     /// Stochastic rounding with these keys; nearest-even when `None`.
     pub(crate) stochastic: Option<Stoch>,
+}
+
+/// Stochastic-rounding parameters for one block: keys and the low 32 bits
+/// of the first element's global index (the block never crosses a multiple
+/// of 2^32, so the high bits are folded into the keys).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Stoch {
+    pub(crate) k1: u32,
+    pub(crate) k2: u32,
+    pub(crate) lo: u32,
 }
 
 /// Calls kernel function `$f` of the module that `$d` (a [`Dispatch`])

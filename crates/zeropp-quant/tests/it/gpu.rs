@@ -13,11 +13,12 @@ use proptest::prelude::*;
 use zeropp_quant::cuda::{Gpu, GpuElement, GpuQuantized};
 use zeropp_quant::half::{bf16, f16};
 use zeropp_quant::{
-    Bits, Kernel, Options, QuantError, QuantSpec, Quantized, QuantizedRef, Rounding, Scheme,
-    dequant_reduce_quant, dequantize, dequantize_add, encoded_len, quantize, quantize_to_wire,
+    Bits, Options, QuantError, QuantSpec, QuantizedRef, Rounding, Scheme, dequant_reduce_quant, dequantize,
+    dequantize_add, encoded_len, quantize, quantize_to_wire,
 };
 
-use crate::common::{config, group_size, vector};
+use crate::common::{config, vector};
+use crate::gpu_cases::{cpu, reduce_inputs, rounding_strategy, spec_strategy};
 
 /// Environment variable that makes a missing device a failure.
 const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_GPU";
@@ -70,23 +71,6 @@ fn suite() {
 }
 
 /// The CPU reference options: the scalar kernel, one thread.
-fn cpu(rounding: Rounding) -> Options {
-    Options::default().with_kernel(Kernel::Scalar).single_thread().with_rounding(rounding)
-}
-
-fn spec_strategy() -> impl Strategy<Value = QuantSpec> {
-    (
-        prop_oneof![Just(Bits::Int4), Just(Bits::Int8)],
-        prop_oneof![Just(Scheme::Symmetric), Just(Scheme::Asymmetric)],
-        group_size(),
-    )
-        .prop_map(|(b, s, g)| QuantSpec::new(b, s, g).unwrap())
-}
-
-fn rounding_strategy() -> impl Strategy<Value = Rounding> {
-    prop_oneof![Just(Rounding::NearestEven), any::<u64>().prop_map(|seed| Rounding::Stochastic { seed })]
-}
-
 /// Quantizes `x` as `T` on both sides; the results (wire bytes, or the error)
 /// must be identical.
 fn same_quantize<T: GpuElement>(gpu: &Gpu, x: &[T], spec: QuantSpec, r: Rounding) {
@@ -196,18 +180,7 @@ fn reduce_matches_cpu(gpu: &Gpu) {
     let inputs = (1usize..=8, prop::collection::vec(spec_strategy(), 8), 0usize..2500, any::<u64>());
     proptest!(config(96), |((k, specs, len, seed) in inputs, out_spec in spec_strategy(), r in rounding_strategy())| {
         let o = cpu(r);
-        let qs: Vec<Quantized> = (0..k)
-            .map(|j| {
-                let mut st = seed ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                let x: Vec<f32> = (0..len)
-                    .map(|_| {
-                        st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                        ((st >> 40) as f32 / 16_777_216.0 - 0.5) * (1 << (j % 5)) as f32
-                    })
-                    .collect();
-                quantize(&x, specs[j], &cpu(Rounding::NearestEven)).unwrap()
-            })
-            .collect();
+        let qs = reduce_inputs(k, &specs, len, seed);
         let want = dequant_reduce_quant(&qs, out_spec, &o).unwrap();
         let gqs: Vec<GpuQuantized> = qs.iter().map(|q| gpu.upload_quantized(q).unwrap()).collect();
         let refs: Vec<&GpuQuantized> = gqs.iter().collect();

@@ -14,11 +14,12 @@ use std::process::{Command, Stdio};
 use proptest::prelude::*;
 use zeropp_quant::half::{bf16, f16};
 use zeropp_quant::{
-    Bits, Kernel, Options, QuantError, QuantSpec, Quantized, Rounding, Scheme, dequant_reduce_quant,
-    dequantize, dequantize_add, encoded_len, quantize, quantize_to_wire, wire,
+    Bits, QuantError, QuantSpec, Quantized, Rounding, Scheme, dequant_reduce_quant, dequantize,
+    dequantize_add, encoded_len, quantize, quantize_to_wire, wire,
 };
 
-use crate::common::{config, group_size, vector};
+use crate::common::{config, vector};
+use crate::gpu_cases::{cpu, reduce_inputs, rounding_strategy, spec_strategy};
 
 const ENV: &str = "ZEROPP_CUDA_EMULATOR";
 
@@ -69,25 +70,8 @@ fn reply(spec: QuantSpec, len: usize, out: &[u8]) -> Result<Vec<u8>, usize> {
     Ok(w)
 }
 
-fn cpu(r: Rounding) -> Options {
-    Options::default().with_kernel(Kernel::Scalar).single_thread().with_rounding(r)
-}
-
 fn payload(q: &Quantized) -> Vec<u8> {
     q.to_bytes()[wire::HEADER_LEN..].to_vec()
-}
-
-fn spec_strategy() -> impl Strategy<Value = QuantSpec> {
-    (
-        prop_oneof![Just(Bits::Int4), Just(Bits::Int8)],
-        prop_oneof![Just(Scheme::Symmetric), Just(Scheme::Asymmetric)],
-        group_size(),
-    )
-        .prop_map(|(b, s, g)| QuantSpec::new(b, s, g).unwrap())
-}
-
-fn rounding_strategy() -> impl Strategy<Value = Rounding> {
-    prop_oneof![Just(Rounding::NearestEven), any::<u64>().prop_map(|seed| Rounding::Stochastic { seed })]
 }
 
 /// Quantizes `x` (as dtype 0 f32, 1 bf16, 2 f16) in the emulator and on the CPU.
@@ -258,18 +242,7 @@ fn dequant_matches_cpu(exe: &str) {
 fn reduce_matches_cpu(exe: &str) {
     let inputs = (1usize..=8, prop::collection::vec(spec_strategy(), 8), 0usize..1500, any::<u64>());
     proptest!(config(48), |((k, specs, len, seed) in inputs, out_spec in spec_strategy(), r in rounding_strategy())| {
-        let qs: Vec<Quantized> = (0..k)
-            .map(|j| {
-                let mut st = seed ^ (j as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-                let x: Vec<f32> = (0..len)
-                    .map(|_| {
-                        st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                        ((st >> 40) as f32 / 16_777_216.0 - 0.5) * (1 << (j % 5)) as f32
-                    })
-                    .collect();
-                quantize(&x, specs[j], &cpu(Rounding::NearestEven)).unwrap()
-            })
-            .collect();
+        let qs = reduce_inputs(k, &specs, len, seed);
         let want = dequant_reduce_quant(&qs, out_spec, &cpu(r)).unwrap();
         let mut req = Req(Vec::new()).u32(2).u32(k as u32).u64(len as u64);
         for q in &qs {

@@ -14,6 +14,8 @@ mod api;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
+mod gpu_cases;
+#[cfg(feature = "cuda")]
 mod gpu_emu;
 mod int4;
 mod properties;

@@ -23,12 +23,16 @@ fn scratch(name: &str) -> PathBuf {
 /// Saves a small 2-bucket model on 4 ranks (2 nodes × 2) at step 42.
 fn write_checkpoint(dir: &Path) {
     let mut reg = ParamRegistry::new();
-    reg.push_bucket("embed", vec![ParamSpec::new("embed.w", [6, 4], DType::BF16)]).unwrap();
-    reg.push_bucket(
-        "layer0",
-        vec![ParamSpec::new("layer0.w", [4, 4], DType::F32), ParamSpec::new("layer0.b", [4], DType::F16)],
-    )
-    .unwrap();
+    let buckets = [
+        ("embed", vec![ParamSpec::new("embed.w", [6, 4], DType::BF16)]),
+        (
+            "layer0",
+            vec![ParamSpec::new("layer0.w", [4, 4], DType::F32), ParamSpec::new("layer0.b", [4], DType::F16)],
+        ),
+    ];
+    for (name, params) in buckets {
+        reg.push_bucket(name, params).unwrap();
+    }
     let plan =
         PartitionPlan::new(&reg, Topology::ranks(4).per_node(2).unwrap(), PlanConfig::new(2, 2)).unwrap();
     let full: Vec<Vec<f32>> =

@@ -1,0 +1,175 @@
+//! Memory, measured: the peak heap of a thread-backend run against the memory
+//! model (`engine::memory::predict`), on a mid-size GPT at W = 2, 4, 8.
+//!
+//! All ranks run in this process, so the measure is the process's peak of live
+//! heap bytes (a counting global allocator), divided by W (the ranks are
+//! symmetric), against the model's per-rank prediction. This binary holds one
+//! test, so no other test allocates meanwhile.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap: a panic is a test failure
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+use zeropp_comm::Topology;
+use zeropp_engine::config::{EngineConfig, ZeroConfig};
+use zeropp_engine::engine::{build_plan, memory::predict};
+use zeropp_engine::model::{Gpt, GptConfig};
+use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
+
+/// The system allocator, counting live bytes, their peak and the largest block.
+struct Counting;
+
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+static PEAK: AtomicUsize = AtomicUsize::new(0);
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+fn grew(by: usize) {
+    let now = LIVE.fetch_add(by, Relaxed) + by;
+    PEAK.fetch_max(now, Relaxed);
+}
+
+// SAFETY: every method forwards to `System` with the caller's arguments
+// unchanged, so `System`'s guarantees hold; the counters are plain atomics.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded as is (the caller upholds `alloc`'s contract).
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+            LARGEST.fetch_max(layout.size(), Relaxed);
+        }
+        p
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded as is.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        if !p.is_null() {
+            grew(layout.size());
+            LARGEST.fetch_max(layout.size(), Relaxed);
+        }
+        p
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: forwarded as is: `ptr` came from this allocator with `layout`.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE.fetch_sub(layout.size(), Relaxed);
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: forwarded as is.
+        let p = unsafe { System.realloc(ptr, layout, new_size) };
+        if !p.is_null() {
+            if new_size >= layout.size() {
+                grew(new_size - layout.size());
+            } else {
+                LIVE.fetch_sub(layout.size() - new_size, Relaxed);
+            }
+            LARGEST.fetch_max(new_size, Relaxed);
+        }
+        p
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// A mid-size GPT: 8 blocks of width 192 (3.6M parameters), short sequences so
+/// the sharded states, not the activations, dominate.
+fn shape() -> GptConfig {
+    GptConfig { vocab: 256, seq_len: 32, d_model: 192, n_head: 4, n_layer: 8, mlp_ratio: 4 }
+}
+
+struct Measured {
+    world: usize,
+    per_rank: f64,
+    predicted: f64,
+    states: f64,
+    loco: f64,
+    largest_alloc: usize,
+    largest_layer: usize,
+    full_f32: usize,
+}
+
+fn measure(world: usize, zero: fn(usize) -> ZeroConfig) -> Measured {
+    let local = world.min(4);
+    let data = DataChoice::Markov { seed: 3, chars: 20_000 };
+    let engine =
+        EngineConfig { zero: zero(local), global_batch: 8, grad_accum: 1, ..EngineConfig::default() };
+    let cfg = TrainConfig {
+        model: ModelChoice::Gpt(shape()),
+        data: data.clone(),
+        world,
+        local_size: local,
+        engine: engine.clone(),
+        steps: 2,
+        eval_batches: 0,
+        ..TrainConfig::default()
+    };
+    // The model as training builds it (the data's vocabulary).
+    let vocab = load_data(&data).unwrap().0.vocab_size();
+    let model = Gpt::new(shape().with_vocab(vocab)).unwrap();
+    let plan = build_plan(&model, &engine, Topology::ranks(world).per_node(local).unwrap()).unwrap();
+    let p = predict(&model, &plan, &engine, engine.micro_batch(world).unwrap()).unwrap();
+
+    let before = LIVE.load(Relaxed);
+    PEAK.store(before, Relaxed);
+    LARGEST.store(0, Relaxed);
+    let report = train(&cfg).unwrap();
+    assert!(report.summary.final_loss.is_finite());
+    let peak = PEAK.load(Relaxed) - before;
+    Measured {
+        world,
+        per_rank: peak as f64 / world as f64,
+        predicted: p.total() as f64,
+        states: p.states as f64,
+        loco: p.error_feedback as f64,
+        largest_alloc: LARGEST.load(Relaxed),
+        largest_layer: 4 * plan.buckets().iter().map(|b| b.padded_len).max().unwrap_or(0),
+        full_f32: p.full_f32_model,
+    }
+}
+
+#[test]
+fn measured_peak_per_rank_is_within_the_memory_model() {
+    // ZeRO++ as configured by default (LoCo on) and the paper's plain ZeRO++.
+    for zero in [ZeroConfig::zeropp as fn(usize) -> ZeroConfig, ZeroConfig::zeropp_plain] {
+        check(&[2, 4, 8].into_iter().map(|w| measure(w, zero)).collect::<Vec<_>>());
+    }
+}
+
+fn check(runs: &[Measured]) {
+    for m in runs {
+        eprintln!(
+            "W={}: measured {:.1} MB/rank, predicted {:.1} MB/rank (states {:.1} MB, LoCo {:.1} MB), ratio {:.3}; \
+             largest allocation {:.1} MB (largest f32 layer {:.1} MB, full f32 model {:.1} MB)",
+            m.world,
+            m.per_rank / 1e6,
+            m.predicted / 1e6,
+            m.states / 1e6,
+            m.loco / 1e6,
+            m.per_rank / m.predicted,
+            m.largest_alloc as f64 / 1e6,
+            m.largest_layer as f64 / 1e6,
+            m.full_f32 as f64 / 1e6
+        );
+        assert!(m.per_rank <= 1.15 * m.predicted, "W={}: {} > 1.15 x {}", m.world, m.per_rank, m.predicted);
+        // No buffer the size of the full f32 model (let alone the full optimizer
+        // state) is ever allocated: the largest is one gathered layer.
+        assert!(m.largest_alloc <= m.largest_layer + 4096, "W={}: {} B", m.world, m.largest_alloc);
+        assert!(m.largest_alloc < m.full_f32 / 4);
+    }
+    // The peak per rank falls with W, as the model says.
+    for pair in runs.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        assert!(b.per_rank < a.per_rank, "W={} -> W={}", a.world, b.world);
+        let (measured, predicted) = (b.per_rank / a.per_rank, b.predicted / a.predicted);
+        assert!(
+            (measured / predicted - 1.0).abs() <= 0.25,
+            "W={} -> W={}: measured ratio {measured:.3}, predicted {predicted:.3}",
+            a.world,
+            b.world
+        );
+    }
+}
