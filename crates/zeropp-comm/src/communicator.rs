@@ -172,37 +172,66 @@ impl RawCall<'_> {
     /// Counts the traffic of this (successful) call by member `index` of `group`:
     /// the table of the checked methods' docs.
     fn record(&self, traffic: &mut TrafficCounter, group: &Group, index: usize) {
-        let each = |traffic: &mut TrafficCounter, bytes: usize| {
-            for &peer in group.ranks() {
-                traffic.record_send(peer, bytes);
-                traffic.record_recv(peer, bytes);
+        let shape = match self {
+            RawCall::AllGather { send, recv } | RawCall::AllToAll { send, recv } => {
+                check::Shape::buffers(send.len(), recv.len())
             }
-        };
-        match self {
-            RawCall::AllGather { send, .. } => each(traffic, send.len()),
-            RawCall::AllToAll { send, .. } => each(traffic, send.len() / group.size()),
-            RawCall::AllToAllV { send_counts, recv_counts, .. } => {
-                for ((&peer, &s), &r) in group.ranks().iter().zip(*send_counts).zip(*recv_counts) {
-                    traffic.record_send(peer, s);
-                    traffic.record_recv(peer, r);
-                }
+            RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
+                check::Shape { send_counts, recv_counts, ..check::Shape::buffers(send.len(), recv.len()) }
             }
-            RawCall::ReduceScatter { recv, .. } => each(traffic, 4 * recv.len()),
-            RawCall::AllReduce { buf } => {
-                let k = buf.len().div_ceil(group.size());
-                each(traffic, 4 * k);
-                each(traffic, 4 * k);
-            }
-            RawCall::Broadcast { root, buf } if *root == index => {
-                group.ranks().iter().for_each(|&peer| traffic.record_send(peer, buf.len()));
-            }
+            RawCall::ReduceScatter { send, recv } => check::Shape::buffers(send.len(), recv.len()),
+            RawCall::AllReduce { buf } => check::Shape::buffers(buf.len(), 0),
             RawCall::Broadcast { root, buf } => {
-                if let Some(r) = group.rank_at(*root) {
-                    traffic.record_recv(r, buf.len());
-                }
+                check::Shape { root: *root, ..check::Shape::buffers(buf.len(), 0) }
             }
-            RawCall::Barrier => each(traffic, 0),
+            RawCall::Barrier => check::Shape::buffers(0, 0),
+        };
+        record_of(traffic, group, index, self.primitive(), &shape);
+    }
+}
+
+/// Counts the traffic of a successful call of `p` by member `index` of `group`
+/// with lengths `shape` (bytes; elements for the f32 primitives; the broadcast
+/// buffer and the all-reduce vector in `send`): the table of the checked
+/// methods' docs. Host calls and device calls (`device::DeviceCommunicator`)
+/// both count through it.
+pub(crate) fn record_of(
+    traffic: &mut TrafficCounter,
+    group: &Group,
+    index: usize,
+    p: Primitive,
+    shape: &check::Shape<'_>,
+) {
+    let each = |traffic: &mut TrafficCounter, bytes: usize| {
+        for &peer in group.ranks() {
+            traffic.record_send(peer, bytes);
+            traffic.record_recv(peer, bytes);
         }
+    };
+    match p {
+        Primitive::AllGather => each(traffic, shape.send),
+        Primitive::AllToAll => each(traffic, shape.send / group.size()),
+        Primitive::AllToAllV => {
+            for ((&peer, &s), &r) in group.ranks().iter().zip(shape.send_counts).zip(shape.recv_counts) {
+                traffic.record_send(peer, s);
+                traffic.record_recv(peer, r);
+            }
+        }
+        Primitive::ReduceScatter => each(traffic, 4 * shape.recv),
+        Primitive::AllReduce => {
+            let k = shape.send.div_ceil(group.size());
+            each(traffic, 4 * k);
+            each(traffic, 4 * k);
+        }
+        Primitive::Broadcast if shape.root == index => {
+            group.ranks().iter().for_each(|&peer| traffic.record_send(peer, shape.send));
+        }
+        Primitive::Broadcast => {
+            if let Some(r) = group.rank_at(shape.root) {
+                traffic.record_recv(r, shape.send);
+            }
+        }
+        Primitive::Barrier => each(traffic, 0),
     }
 }
 

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::{Device, View};
+use crate::communicator::record_of;
 use crate::{CommError, Group, Primitive, Topology, TrafficCounter, check};
 
 /// One validated primitive call, handed to [`DeviceCommunicator::raw`].
@@ -92,49 +93,6 @@ fn floats(p: Primitive, bytes: usize) -> Result<usize, CommError> {
     Ok(bytes / 4)
 }
 
-/// Counts one message of `bytes` to and from every other member of `group`.
-fn exchange(traffic: &mut TrafficCounter, group: &Group, bytes: usize) {
-    for &peer in group.ranks() {
-        traffic.record_send(peer, bytes);
-        traffic.record_recv(peer, bytes);
-    }
-}
-
-/// Records a successful call's traffic: the table of [`crate::threads`], the
-/// same figures [`Communicator`](crate::Communicator)'s provided methods count.
-pub(crate) fn record<D: Device>(
-    traffic: &mut TrafficCounter,
-    group: &Group,
-    index: usize,
-    call: &DeviceCall<'_, D>,
-) {
-    let g = group.size().max(1);
-    match call {
-        DeviceCall::AllGather { send, .. } => exchange(traffic, group, send.len()),
-        DeviceCall::AllToAll { send, .. } => exchange(traffic, group, send.len() / g),
-        DeviceCall::AllToAllV { send_counts, recv_counts, .. } => {
-            for ((&peer, &s), &r) in group.ranks().iter().zip(send_counts.iter()).zip(recv_counts.iter()) {
-                traffic.record_send(peer, s);
-                traffic.record_recv(peer, r);
-            }
-        }
-        DeviceCall::ReduceScatterF32 { recv, .. } => exchange(traffic, group, recv.len()),
-        DeviceCall::AllReduceF32 { buf } => {
-            let k = (buf.len() / 4).div_ceil(g);
-            exchange(traffic, group, 4 * k);
-            exchange(traffic, group, 4 * k);
-        }
-        DeviceCall::Broadcast { root, buf } => {
-            if index == *root {
-                group.ranks().iter().for_each(|&peer| traffic.record_send(peer, buf.len()));
-            } else if let Some(r) = group.rank_at(*root) {
-                traffic.record_recv(r, buf.len());
-            }
-        }
-        DeviceCall::Barrier => exchange(traffic, group, 0),
-    }
-}
-
 /// Accumulated time of quantization kernels (quantize, dequantize, fused
 /// dequantize-sum-requantize), each timed to completion; see
 /// [`DeviceCommunicator::quant_timer`]. Shared by reference count between ranks.
@@ -171,7 +129,7 @@ impl QuantTimer {
 /// The provided methods check arguments exactly as the host trait does (same
 /// [`CommError`] variants and messages, from the shared `check` module; f32
 /// primitives also need windows of whole floats) and count the same traffic
-/// (the table in [`crate::threads`]); a backend implements
+/// through the same function as the host trait (the table in [`crate::threads`]); a backend implements
 /// [`DeviceCommunicator::raw`] only.
 ///
 /// ```
@@ -242,12 +200,14 @@ pub trait DeviceCommunicator: Send {
                 check::Shape::buffers(floats(p, send.len())?, floats(p, recv.len())?)
             }
             DeviceCall::AllReduceF32 { buf } => check::Shape::buffers(floats(p, buf.len())?, 0),
-            DeviceCall::Broadcast { root, .. } => check::Shape { root: *root, ..check::Shape::buffers(0, 0) },
+            DeviceCall::Broadcast { root, buf } => {
+                check::Shape { root: *root, ..check::Shape::buffers(buf.len(), 0) }
+            }
             DeviceCall::Barrier => check::Shape::buffers(0, 0),
         };
         check::arguments_of(group, me, p, &shape)?;
         self.raw(group, me, call)?;
-        record(self.traffic_mut(), group, me, &call);
+        record_of(self.traffic_mut(), group, me, p, &shape);
         Ok(())
     }
 
