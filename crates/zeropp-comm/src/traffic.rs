@@ -250,6 +250,9 @@ pub struct TrafficCounter {
     /// One entry per tag seen since the last reset; `current` indexes the active one.
     ops: Vec<(String, OpTraffic)>,
     current: usize,
+    /// Time the collectives spent in quantization kernels on this communicator's
+    /// thread (not traffic: kept out of snapshots, which backends compare bitwise).
+    quant_time: std::time::Duration,
 }
 
 /// The tag traffic is counted under until [`TrafficCounter::set_op`] is called.
@@ -258,7 +261,13 @@ pub const DEFAULT_OP: &str = "other";
 impl TrafficCounter {
     /// Fresh counters for `rank`, tagged [`DEFAULT_OP`].
     pub fn new(topology: Topology, rank: usize) -> Self {
-        Self { topology, rank, ops: vec![(DEFAULT_OP.to_string(), OpTraffic::default())], current: 0 }
+        Self {
+            topology,
+            rank,
+            ops: vec![(DEFAULT_OP.to_string(), OpTraffic::default())],
+            current: 0,
+            quant_time: std::time::Duration::ZERO,
+        }
     }
 
     /// The rank these counters belong to.
@@ -319,6 +328,28 @@ impl TrafficCounter {
             .map(|(t, op)| (t.clone(), *op))
             .collect();
         TrafficSnapshot { by_op }
+    }
+
+    /// Adds `dt` to the time spent quantizing and dequantizing (the collectives
+    /// call this around their quantization kernels).
+    pub fn add_quant_time(&mut self, dt: std::time::Duration) {
+        self.quant_time += dt;
+    }
+
+    /// The time the collectives on this communicator have spent in quantization
+    /// kernels (quantize, dequantize, the fused reduce) since it was made; a
+    /// caller timing a step takes the difference. [`reset`](Self::reset) keeps it.
+    ///
+    /// ```
+    /// use zeropp_comm::{Topology, TrafficCounter};
+    /// use std::time::Duration;
+    /// let mut c = TrafficCounter::new(Topology::ranks(2).per_node(2)?, 0);
+    /// c.add_quant_time(Duration::from_millis(3));
+    /// assert_eq!(c.quant_time(), Duration::from_millis(3));
+    /// # Ok::<(), zeropp_comm::CommError>(())
+    /// ```
+    pub fn quant_time(&self) -> std::time::Duration {
+        self.quant_time
     }
 
     /// Zeroes every counter (the current tag is kept).

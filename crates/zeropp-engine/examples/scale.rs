@@ -107,7 +107,7 @@ fn main() {
         && r.steps.iter().all(|rec| rec.bytes_by_op == s.model_bytes_by_op);
     println!(
         "{{\"model\":\"{name}\",\"params\":{params},\"seq\":{},\"world\":{world},\"local\":{local},\"mode\":\"{}\",\
-         \"steps\":{steps},\"step_s\":{:.4},\"tokens_per_s\":{:.1},\"compute_s\":{:.4},\"comm_s\":{:.4},\"optim_s\":{:.4},\
+         \"steps\":{steps},\"step_s\":{:.4},\"tokens_per_s\":{:.1},\"compute_s\":{:.4},\"comm_s\":{:.4},\"quant_s\":{:.4},\"optim_s\":{:.4},\
          \"inter_bytes\":{:.0},\"intra_bytes\":{:.0},\"model_inter_bytes\":{:.0},\"bytes_exact\":{exact},\
          \"predicted_rank_bytes\":{},\"predicted_states_bytes\":{},\"peak_rss_bytes\":{},\"wall_s\":{wall:.2},\"final_loss\":{:.4}}}",
         g.seq_len,
@@ -116,6 +116,7 @@ fn main() {
         mean(&|r| r.tokens_per_s),
         mean(&|r| r.times.compute_s),
         mean(&|r| r.times.comm_s),
+        mean(&|r| r.times.quant_s),
         mean(&|r| r.times.optim_s),
         s.bytes_per_step.inter,
         s.bytes_per_step.intra,

@@ -27,7 +27,7 @@ use zeropp_quant::{
 };
 
 use super::{
-    DenseWire, QwzOptions, Reduce, Routing, all_gather_f32, all_gather_f32_via_bf16, check_shard,
+    DenseWire, QuantClock, QwzOptions, Reduce, Routing, all_gather_f32, all_gather_f32_via_bf16, check_shard,
     dense_reduce_scatter, finish_shard, group_all_gather_bytes, group_qwz_bytes, group_reduce_scatter_bytes,
     shard_len, with_part,
 };
@@ -410,7 +410,9 @@ pub fn world_qwz_gather_encoded<C: Communicator + ?Sized>(
         .filter(|_| e != usize::MAX)
         .ok_or(CommError::Quant(QuantError::TooLarge(shard.len() as u64)))?;
     let mut mine = vec![0u8; e];
+    let clock = QuantClock::start();
     quantize_to_wire(shard, opts.spec, &opts.quant, &mut mine)?;
+    clock.stop(comm);
     let mut out = vec![0u8; total];
     match routing {
         Routing::Flat => comm.all_gather_bytes(&Group::world(&topo), &mine, &mut out)?,
@@ -461,7 +463,10 @@ pub fn world_qwz_all_gather<C: Communicator + ?Sized>(
         )));
     }
     let encodings = world_qwz_gather_encoded(comm, routing, shard, opts)?;
-    dequantize_encodings(&encodings, c, full, &opts.quant)
+    let clock = QuantClock::start();
+    dequantize_encodings(&encodings, c, full, &opts.quant)?;
+    clock.stop(comm);
+    Ok(())
 }
 
 /// Bytes one rank sends in [`world_qwz_all_gather`] / [`world_qwz_gather_encoded`]

@@ -239,6 +239,23 @@ pub fn shard_range(n: usize, parts: usize, index: usize) -> Range<usize> {
     lo..hi
 }
 
+/// A stopwatch around a collective's quantization work (quantize, dequantize,
+/// the fused reduce): [`QuantClock::stop`] adds the time since
+/// [`QuantClock::start`] to the communicator's [`quant_time`](crate::TrafficCounter::quant_time).
+pub(crate) struct QuantClock(std::time::Instant);
+
+impl QuantClock {
+    /// Starts timing.
+    pub(crate) fn start() -> Self {
+        Self(std::time::Instant::now())
+    }
+
+    /// Adds the time since [`start`](Self::start) to `comm`'s quantization clock.
+    pub(crate) fn stop<C: Communicator + ?Sized>(self, comm: &mut C) {
+        comm.traffic_mut().add_quant_time(self.0.elapsed());
+    }
+}
+
 /// The calling rank's index in `group`, or an error.
 pub(crate) fn my_index<C: Communicator + ?Sized>(comm: &C, group: &Group) -> Result<usize, CommError> {
     group.index_of(comm.rank()).ok_or_else(|| {

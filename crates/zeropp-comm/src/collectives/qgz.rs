@@ -51,7 +51,7 @@ use zeropp_quant::{
     dequantize_into, encoded_len, quantize_to_wire,
 };
 
-use super::{Reduce, check_shard, finish_shard, with_part};
+use super::{QuantClock, Reduce, check_shard, finish_shard, with_part};
 use crate::{CommError, Communicator, Group, LinkBytes, Topology};
 
 /// Options of [`qgz_reduce_scatter`].
@@ -366,6 +366,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
         let el = encoded_len(opts.local_spec, s);
         let mut send = vec![0u8; nodes * ea * local];
         let mut own = vec![0u8; el * nodes];
+        let clock = QuantClock::start();
         for (j, chunk) in send.chunks_exact_mut(nodes * ea).enumerate() {
             for m in 0..nodes {
                 let part = topo.rank_of(m, j);
@@ -379,6 +380,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
                 encode_part(grad, s, part, spec, &kq, out, hop1.as_deref_mut(), beta)?;
             }
         }
+        clock.stop(comm);
         let mut recv = vec![0u8; nodes * ea * local];
         comm.all_to_all_bytes(&Group::intra_node(&topo, rank), &send, &mut recv)?;
         drop(send);
@@ -386,6 +388,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
         // (in local-rank order); requantize for the rail peers, except the own
         // node's partial, which stays in f32.
         let chunks: Vec<&[u8]> = recv.chunks_exact(nodes * ea).collect();
+        let clock = QuantClock::start();
         for m in 0..nodes {
             let inputs = (0..local)
                 .map(|j| {
@@ -431,9 +434,11 @@ fn qgz_impl<C: Communicator + ?Sized>(
                 }
             }
         }
+        clock.stop(comm);
     } else {
         // One rank per node: quantize the shards straight for the rail peers; the
         // own shard is added exactly.
+        let clock = QuantClock::start();
         for m in 0..nodes {
             let part = topo.rank_of(m, me_local);
             if m == me_node {
@@ -450,6 +455,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
                 encode_part(grad, s, part, opts.inter_spec, &kq, out, hop1.as_deref_mut(), beta)?;
             }
         }
+        clock.stop(comm);
     }
 
     if nodes > 1 {
@@ -458,6 +464,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
         let mut recv = vec![0u8; ei * nodes];
         comm.all_to_all_bytes(&Group::rail(&topo, rank), &inter_send, &mut recv)?;
         drop(inter_send);
+        let clock = QuantClock::start();
         for (m, bytes) in recv.chunks_exact(ei).enumerate().filter(|&(m, _)| m != me_node) {
             let x = QuantizedRef::from_bytes(bytes)?;
             if x.len() != s {
@@ -468,6 +475,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
             }
             dequantize_add(&x, shard, q)?;
         }
+        clock.stop(comm);
     }
     finish_shard(shard, n, w, rank, opts.reduce, w);
     Ok(())

@@ -4,7 +4,7 @@ use zeropp_quant::{
     Element, Options, QuantSpec, QuantizedRef, dequantize_into, encoded_len, quantize_to_wire,
 };
 
-use super::my_index;
+use super::{QuantClock, my_index};
 use crate::{CommError, Communicator, Group, LinkBytes, Topology, slices};
 
 /// Bytes `rank` sends in a [`qwz_all_gather`] on `group` of a shard of
@@ -108,10 +108,13 @@ where
     my_index(comm, group)?;
     let e = encoded_len(opts.spec, c);
     let mut send = vec![0u8; e];
+    let clock = QuantClock::start();
     quantize_to_wire(shard, opts.spec, &opts.quant, &mut send)?;
+    clock.stop(comm);
     let mut gathered = vec![0u8; e * g];
     comm.all_gather_bytes(group, &send, &mut gathered)?;
     drop(send);
+    let clock = QuantClock::start();
     for j in 0..g {
         let q =
             QuantizedRef::from_bytes(slices::chunk(&gathered, j, e, "qwz_all_gather: gathered encodings")?)?;
@@ -124,5 +127,6 @@ where
         let out = slices::window_mut(full, j * c, c, "qwz_all_gather: output")?;
         dequantize_into(&q, out, &opts.quant)?;
     }
+    clock.stop(comm);
     Ok(())
 }

@@ -4,7 +4,7 @@
 
 use zeropp_quant::{Options, QuantSpec, QuantizedRef, dequantize_into, encoded_len, quantize_to_wire};
 
-use super::{Reduce, check_shard, finish_shard, my_index, with_part};
+use super::{QuantClock, Reduce, check_shard, finish_shard, my_index, with_part};
 use crate::{CommError, Communicator, Group};
 
 /// Options of [`ring_quantized_reduce_scatter`].
@@ -57,13 +57,17 @@ pub fn ring_quantized_reduce_scatter<C: Communicator + ?Sized>(
     let mut send = vec![0u8; e];
     let mut recv = vec![0u8; e];
     for t in 0..g - 1 {
+        let clock = QuantClock::start();
         quantize_to_wire(&acc, opts.spec, &opts.quant, &mut send)?;
+        clock.stop(comm);
         comm.all_to_all_v_bytes(group, &send, &send_counts, &mut recv, &recv_counts)?;
         let got = QuantizedRef::from_bytes(&recv)?;
         if got.len() != s {
             return Err(CommError::Mismatch(format!("ring: received {} elements, expected {s}", got.len())));
         }
+        let clock = QuantClock::start();
         dequantize_into(&got, &mut acc, &opts.quant)?;
+        clock.stop(comm);
         let part = (me + 2 * g - t - 2) % g;
         with_part(full, s, part, |x| acc.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
     }

@@ -346,3 +346,33 @@ fn snapshots_of_two_communicators_merge() {
         assert_eq!(LinkBytes { intra: tt.intra.bytes_sent, inter: tt.inter.bytes_sent }, predicted);
     }
 }
+
+/// The quantization clock runs only inside quantizing collectives: a dense
+/// all-gather leaves it at zero; qwZ and qgZ advance it on every rank, and
+/// `reset` (of the byte counters) keeps it.
+#[test]
+fn the_quantization_clock_moves_only_for_quantized_collectives() {
+    let topo = Topology::ranks(4).per_node(2).unwrap();
+    let n = 1 << 16;
+    let times = ThreadCluster::new(topo, ThreadOptions::default())
+        .run(|comm| {
+            let shard: Vec<f32> = (0..n / 4).map(|i| ((comm.rank() * n + i) as f32).sin()).collect();
+            let mut full = vec![0.0f32; n];
+            world_all_gather(comm, Routing::Hierarchical, DenseWire::Bf16, &shard, &mut full)?;
+            let dense = comm.traffic().quant_time();
+            qwz_all_gather(comm, &Group::world(&topo), &shard, &mut full, &QwzOptions::default())?;
+            let qwz = comm.traffic().quant_time();
+            let mut out = vec![0.0f32; n / 4];
+            qgz_reduce_scatter(comm, &full, &mut out, &QgzOptions::default())?;
+            let qgz = comm.traffic().quant_time();
+            comm.traffic_mut().reset();
+            Ok::<_, zeropp_comm::CommError>((dense, qwz, qgz, comm.traffic().quant_time()))
+        })
+        .unwrap();
+    for (rank, (dense, qwz, qgz, after_reset)) in times.into_iter().enumerate() {
+        assert!(dense.is_zero(), "rank {rank}: a dense gather counted {dense:?} of quantization");
+        assert!(qwz > dense, "rank {rank}: qwZ did not advance the clock");
+        assert!(qgz > qwz, "rank {rank}: qgZ did not advance the clock");
+        assert_eq!(after_reset, qgz, "rank {rank}: reset must keep the clock");
+    }
+}

@@ -12,6 +12,7 @@
 //! | gradient reduce-scatter | `world_reduce_scatter` (dense, with the config's routing) or qgZ (`qgz_reduce_scatter[_with_feedback]`), plus an all-to-all-v of the 1-D parameters when they are excluded from qgZ |
 
 use std::ops::Range;
+use std::time::Instant;
 
 use zeropp_comm::collectives::{
     self, DenseWire, ErrorFeedback, QgzOptions, QwzOptions, Reduce, Routing, qgz_reduce_scatter,
@@ -89,10 +90,12 @@ fn gather_world<C: Communicator + ?Sized>(
         WeightGather::Qwz { spec, round_bf16: round } => {
             let opts = QwzOptions { spec, quant: options(g.stochastic) };
             let enc = collectives::world_qwz_gather_encoded(comm, g.routing, shard, &opts)?;
+            let t = Instant::now();
             collectives::dequantize_encodings(&enc, s, &mut full, &opts.quant)?;
             if round {
                 round_bf16(&mut full);
             }
+            comm.traffic_mut().add_quant_time(t.elapsed());
             if g.hpz_int8
                 && let Some(r) = &keep
                 && s > 0
@@ -144,10 +147,12 @@ fn gather_secondary<C: Communicator + ?Sized>(
             comm.all_gather_bytes(group, bytes, &mut gathered)?;
             let count = comm.topology().world();
             let mut out = vec![0.0f32; shard_len * count];
+            let t = Instant::now();
             collectives::dequantize_encodings(&gathered, *shard_len, &mut out, &Options::default())?;
             if *round {
                 round_bf16(&mut out);
             }
+            comm.traffic_mut().add_quant_time(t.elapsed());
             Ok(out)
         }
     }

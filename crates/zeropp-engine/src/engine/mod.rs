@@ -70,14 +70,22 @@ pub enum Inject {
     NanGradient,
 }
 
-/// Where one step's wall time went on this rank, in seconds. Quantization
-/// happens inside the collectives, so it is part of `comm_s`.
+/// Where one step's wall time went on this rank, in seconds. The four parts are
+/// disjoint: `quant_s` is the quantization work the collectives did on this
+/// rank's thread (comm's [`quant_time`](zeropp_comm::TrafficCounter::quant_time)),
+/// taken out of the communication time it happened in. Gathers prefetched on the
+/// worker thread overlap compute and are not counted here.
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct StepTimes {
     /// The model's forward and backward passes (with the layout copies around them).
     pub compute_s: f64,
-    /// Gathers, reduces and the norm exchange, and waits for prefetched gathers.
+    /// Gathers, reduces and the norm exchange, and waits for prefetched gathers,
+    /// without their quantization (`quant_s`).
     pub comm_s: f64,
+    /// Quantizing, dequantizing and the fused qgZ reduce inside the collectives
+    /// (qwZ, hpZ INT8, qgZ); zero for ZeRO-3.
+    #[serde(default)]
+    pub quant_s: f64,
     /// The optimizer update (clipping and AdamW on the shards).
     pub optim_s: f64,
 }
@@ -681,6 +689,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         let n = self.num_layers();
         self.comms.start_step(self.steps, true);
         self.times = StepTimes::default();
+        let quant_before = comm.traffic().quant_time();
         let prefetched_before = self.prefetched;
         let mut loss_sum = 0.0f32;
         // Set when this rank's local gradient (before any reduce) held a NaN or an
@@ -813,7 +822,9 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         self.invalidate_secondary();
         self.persist_full = None;
         self.steps += 1;
-        let times = std::mem::take(&mut self.times);
+        let mut times = std::mem::take(&mut self.times);
+        times.quant_s = comm.traffic().quant_time().saturating_sub(quant_before).as_secs_f64();
+        times.comm_s = (times.comm_s - times.quant_s).max(0.0);
         let prefetched = self.prefetched - prefetched_before;
         Ok(StepOutcome { loss: loss_sum / accum, grad_norm: norm, skipped, times, prefetched })
     }

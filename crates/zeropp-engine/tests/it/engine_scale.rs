@@ -41,3 +41,21 @@ fn counters_equal_the_model_at_a_million_parameters() {
     // reduce (1/4): (1/2 + 0 + 1/4) / 3 = 1/4, plus scales and headers.
     assert!(ratio > 0.25 && ratio < 0.27, "{ratio}");
 }
+
+/// The step's time split: ZeRO-3 quantizes nothing; ZeRO++ reports its
+/// quantization apart from communication; the four parts never exceed the step.
+#[test]
+fn the_time_split_separates_quantization() {
+    let z3 = bytes(ZeroConfig::zero3());
+    let zpp = bytes(ZeroConfig::zeropp(4));
+    for rec in &z3.steps {
+        assert_eq!(rec.times.quant_s, 0.0, "zero3 step {} counted quantization", rec.step);
+    }
+    for rec in &zpp.steps {
+        let t = rec.times;
+        assert!(t.quant_s > 0.0, "zeropp step {}: no quantization time", rec.step);
+        assert!(t.comm_s >= 0.0 && t.compute_s > 0.0 && t.optim_s >= 0.0, "{t:?}");
+        let parts = t.compute_s + t.comm_s + t.quant_s + t.optim_s;
+        assert!(parts <= rec.step_time_s * 1.01 + 1e-3, "parts {parts} > step {} ({t:?})", rec.step_time_s);
+    }
+}
