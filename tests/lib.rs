@@ -7,6 +7,9 @@
 //! - [`data`]: finding the shared data files under `../shared/data` (relative
 //!   to the workspace root), failing loudly when CI needs them and they are
 //!   absent, and saying so in one counted line when a local run skips.
+//! - [`gpu`]: the GPU suites' one `#[test]` each (quant's kernels, comm's
+//!   device collectives and NCCL): every check on the device, or one counted
+//!   skip line without one, a failure under `ZEROPP_REQUIRE_GPU=1`.
 
 pub mod data {
     //! The shared data files (`<workspace>/../shared/data/<name>`).
@@ -147,6 +150,69 @@ pub mod data {
             let p = path(TINYSHAKESPEARE);
             assert!(p.ends_with("shared/data/tinyshakespeare.txt"), "{}", p.display());
             assert_eq!(find("no-such-file.txt"), None);
+        }
+    }
+}
+
+pub mod gpu {
+    //! The GPU test suites: one `#[test]` runs every check of a suite, so a run
+    //! without a device prints exactly one counted line
+    //! (`gpu: N tests skipped: ...`), and [`REQUIRE_ENV`]`=1` makes a missing
+    //! device a failure instead.
+    //!
+    //! ```
+    //! use zeropp_tests::gpu;
+    //! // No device here: one counted skip line (a panic under ZEROPP_REQUIRE_GPU=1).
+    //! if !gpu::required(gpu::REQUIRE_ENV) {
+    //!     let checks: gpu::Checks<u32> = &[("never runs", |_| unreachable!())];
+    //!     gpu::suite(Err::<u32, _>("no device"), |_| String::new(), checks);
+    //! }
+    //! ```
+
+    use std::fmt::Display;
+    use std::io::Write;
+
+    /// Environment variable that makes a missing device a failure (`1` or `true`).
+    pub const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_GPU";
+
+    /// A suite's checks: each one's name and the check, run on the device `G`.
+    pub type Checks<'a, G> = &'a [(&'a str, fn(&G))];
+
+    /// Whether the environment variable `env` is `1` or `true`.
+    pub fn required(env: &str) -> bool {
+        std::env::var(env).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"))
+    }
+
+    /// Skips a suite of `checks` tests for `why`: one counted line on stderr.
+    ///
+    /// # Panics
+    ///
+    /// When [`required`]`(env)`: then a missing device (or library) is a failure.
+    pub fn skip(checks: usize, why: &str, env: &str) {
+        assert!(!required(env), "{env}=1 but {why}");
+        // Straight to stderr: the harness captures `eprintln!` of passing tests.
+        let _ = writeln!(
+            std::io::stderr(),
+            "gpu: {checks} tests skipped: {why} (set {env}=1 to make this a failure)"
+        );
+    }
+
+    /// Runs every named check on the device `device` opened, after a line
+    /// `gpu: {banner(device)}`, each check's name on a line before it; or, when
+    /// the device could not be opened, [`skip`]s them all (env [`REQUIRE_ENV`]).
+    pub fn suite<G, E: Display>(
+        device: Result<G, E>,
+        banner: impl FnOnce(&G) -> String,
+        checks: Checks<'_, G>,
+    ) {
+        let device = match device {
+            Ok(d) => d,
+            Err(e) => return skip(checks.len(), &format!("no CUDA device ({e})"), REQUIRE_ENV),
+        };
+        let _ = writeln!(std::io::stderr(), "gpu: {}", banner(&device));
+        for (name, check) in checks {
+            let _ = writeln!(std::io::stderr(), "gpu: {name}");
+            check(&device);
         }
     }
 }

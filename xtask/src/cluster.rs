@@ -506,6 +506,20 @@ fn train_args(shape: &Shape, mode_args: &[&str], common: &[&str], metrics: &Path
     v
 }
 
+/// Trains with `mode_args` and `common` on `shape` (the `zeropp` binary under
+/// MPI, launched with `opts`) into `out`; returns the outcome and the metrics file.
+fn train(
+    shape: &Shape,
+    out: &Path,
+    (mode_args, common): (&[&str], &[&str]),
+    opts: &Launch,
+    zeropp: &Path,
+) -> Result<(Outcome, PathBuf), String> {
+    let metrics = out.join("metrics.jsonl");
+    let targs = train_args(shape, mode_args, common, &metrics);
+    Ok((launch(shape, out, opts, zeropp, &targs, false)?, metrics))
+}
+
 /// `cargo xtask test-cluster [--full] [--faults]`.
 pub(crate) fn test(args: &[String]) -> Result<(), String> {
     let full = args.iter().any(|a| a == "--full");
@@ -541,16 +555,8 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         {
             let tag = format!("{}x{} {mode}", shape.nodes, shape.local_size);
             let out = base.join(format!("{}x{}-{mode}", shape.nodes, shape.local_size));
-            let metrics = out.join("metrics.jsonl");
-            let targs = train_args(shape, mode_args, &common, &metrics);
-            let o = launch(
-                shape,
-                &out,
-                &Launch { time_limit_s: 300, ..Launch::default() },
-                &zeropp,
-                &targs,
-                false,
-            )?;
+            let opts = Launch { time_limit_s: 300, ..Launch::default() };
+            let (o, metrics) = train(shape, &out, (mode_args, &common), &opts, &zeropp)?;
             if !o.success {
                 t.check(
                     &format!("{tag}: cluster run"),
@@ -594,21 +600,10 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     // Which transport each pair used: vader within a node, tcp across.
     let shape = Shape::new(2, 2, "1gbit");
     let out = base.join("transport");
-    let metrics = out.join("metrics.jsonl");
-    let targs = train_args(
-        &shape,
-        &["--mode", "zeropp"],
-        &["--model", "gpt-tiny", "--steps", "1", "--eval-batches", "0"],
-        &metrics,
-    );
-    let o = launch(
-        &shape,
-        &out,
-        &Launch { time_limit_s: 120, btl_verbose: true, ..Launch::default() },
-        &zeropp,
-        &targs,
-        false,
-    )?;
+    let args =
+        (&["--mode", "zeropp"][..], &["--model", "gpt-tiny", "--steps", "1", "--eval-batches", "0"][..]);
+    let opts = Launch { time_limit_s: 120, btl_verbose: true, ..Launch::default() };
+    let (o, _) = train(&shape, &out, args, &opts, &zeropp)?;
     t.check(
         "transport per pair (btl_base_verbose)",
         if o.success { transports(&o.log) } else { Err(tail(&o.log, 20)) },
@@ -870,16 +865,8 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
             let mut shape = shape0.clone();
             shape.rate = rate.clone();
             let out = base.join(rate).join(name.replace('+', "p"));
-            let metrics = out.join("metrics.jsonl");
-            let targs = train_args(&shape, margs, &common, &metrics);
-            let o = launch(
-                &shape,
-                &out,
-                &Launch { time_limit_s: 600, ..Launch::default() },
-                &zeropp,
-                &targs,
-                false,
-            )?;
+            let opts = Launch { time_limit_s: 600, ..Launch::default() };
+            let (o, metrics) = train(&shape, &out, (margs, &common), &opts, &zeropp)?;
             if !o.success {
                 return Err(format!("bench cluster: {name} at {rate} failed:\n{}", tail(&o.log, 20)));
             }

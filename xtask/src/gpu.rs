@@ -124,12 +124,16 @@ pub(crate) fn ci() -> Result<(), String> {
 /// the same input bytes, measured in the same run). Without a device it says so
 /// and writes nothing; with `ZEROPP_REQUIRE_GPU=1` that is a failure.
 pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
-    let out = report_dir.join("gpu.md");
-    let _ = std::fs::remove_file(&out);
+    cuda_bench(&report_dir.join("gpu.md"), "zeropp-quant", "gpu", "ZEROPP_GPU_BENCH_OUT")
+}
+
+/// Runs bench `bench` of `package` with feature `cuda`, which writes its report
+/// to `out` (named in the environment variable `out_env`) when it has something to say.
+fn cuda_bench(out: &Path, package: &str, bench: &str, out_env: &str) -> Result<(), String> {
+    let _ = std::fs::remove_file(out);
     let mut c = cuda_cargo()?;
-    c.args(["bench", "--locked", "-p", "zeropp-quant", "--features", "cuda", "--bench", "gpu"])
-        .env("ZEROPP_GPU_BENCH_OUT", &out);
-    run("bench gpu", c)?;
+    c.args(["bench", "--locked", "-p", package, "--features", "cuda", "--bench", bench]).env(out_env, out);
+    run(&format!("bench {}", bench.replace('_', "-")), c)?;
     if out.exists() {
         eprintln!("==> wrote {}", out.display());
     }
@@ -143,16 +147,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
 /// `ZEROPP_REQUIRE_GPU=1` makes that a failure). Writes
 /// `target/bench-report/gpu-comm.md`.
 pub(crate) fn bench_comm(report_dir: &Path) -> Result<(), String> {
-    let out = report_dir.join("gpu-comm.md");
-    let _ = std::fs::remove_file(&out);
-    let mut c = cuda_cargo()?;
-    c.args(["bench", "--locked", "-p", "zeropp-comm", "--features", "cuda", "--bench", "gpu_comm"])
-        .env("ZEROPP_GPU_COMM_BENCH_OUT", &out);
-    run("bench gpu-comm", c)?;
-    if out.exists() {
-        eprintln!("==> wrote {}", out.display());
-    }
-    Ok(())
+    cuda_bench(&report_dir.join("gpu-comm.md"), "zeropp-comm", "gpu_comm", "ZEROPP_GPU_COMM_BENCH_OUT")
 }
 
 /// GPUs the driver shows (`nvidia-smi -L`, one line per GPU); 0 without it.

@@ -187,24 +187,18 @@ fn bench(args: &[String]) -> Result<(), String> {
     let report_dir = root().join("target/bench-report");
     std::fs::create_dir_all(&report_dir).map_err(|e| format!("{}: {e}", report_dir.display()))?;
     for name in names {
-        if name == "fidelity" {
-            fidelity(&report_dir)?;
-            continue;
-        }
-        if name == "gpu" {
-            gpu::bench(&report_dir)?;
-            continue;
-        }
-        if name == "gpu-comm" {
-            gpu::bench_comm(&report_dir)?;
-            continue;
-        }
-        if name == "scale" {
-            scale::scale(&report_dir)?;
-            continue;
-        }
-        if name == "cluster" {
-            cluster::bench(&report_dir)?;
+        // The benches with their own runner; the rest are criterion benches (BENCHES).
+        type Runner = fn(&Path) -> Result<(), String>;
+        let own: Option<Runner> = match name {
+            "fidelity" => Some(fidelity),
+            "gpu" => Some(gpu::bench),
+            "gpu-comm" => Some(gpu::bench_comm),
+            "scale" => Some(scale::scale),
+            "cluster" => Some(cluster::bench),
+            _ => None,
+        };
+        if let Some(bench) = own {
+            bench(&report_dir)?;
             continue;
         }
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {

@@ -28,18 +28,8 @@ pub(crate) fn member(
 
 /// The arguments of `call` by member `index` of `group`, after [`member`].
 pub(crate) fn arguments(group: &Group, index: usize, call: &RawCall<'_>) -> Result<(), CommError> {
-    let shape = match call {
-        RawCall::AllGather { send, recv } | RawCall::AllToAll { send, recv } => {
-            Shape::buffers(send.len(), recv.len())
-        }
-        RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
-            Shape { send_counts, recv_counts, ..Shape::buffers(send.len(), recv.len()) }
-        }
-        RawCall::ReduceScatter { send, recv } => Shape::buffers(send.len(), recv.len()),
-        RawCall::Broadcast { root, .. } => Shape { root: *root, ..Shape::buffers(0, 0) },
-        RawCall::AllReduce { .. } | RawCall::Barrier => Shape::buffers(0, 0),
-    };
-    arguments_of(group, index, call.primitive(), &shape)
+    let (p, shape) = call.shape();
+    arguments_of(group, index, p, &shape)
 }
 
 /// The lengths [`arguments_of`] checks: bytes (elements for the f32 primitives),

@@ -140,18 +140,40 @@ pub enum RawCall<'a> {
     Barrier,
 }
 
+/// The primitive and the [`check::Shape`] (lengths, counts, root) of a call enum
+/// whose variants are the seven primitives': the host [`RawCall`] and
+/// `device::DeviceCall` both reduce to them here, so they are checked and counted
+/// alike. `$rs` and `$ar` name the enum's reduce-scatter and all-reduce variants.
+macro_rules! call_shape {
+    ($call:expr, $E:ident, $rs:ident, $ar:ident) => {{
+        use $crate::Primitive as P;
+        use $crate::check::Shape;
+        match $call {
+            $E::AllGather { send, recv } => (P::AllGather, Shape::buffers(send.len(), recv.len())),
+            $E::AllToAll { send, recv } => (P::AllToAll, Shape::buffers(send.len(), recv.len())),
+            $E::AllToAllV { send, send_counts, recv, recv_counts } => {
+                (P::AllToAllV, Shape { send_counts, recv_counts, ..Shape::buffers(send.len(), recv.len()) })
+            }
+            $E::$rs { send, recv } => (P::ReduceScatter, Shape::buffers(send.len(), recv.len())),
+            $E::$ar { buf } => (P::AllReduce, Shape::buffers(buf.len(), 0)),
+            $E::Broadcast { root, buf } => {
+                (P::Broadcast, Shape { root: *root, ..Shape::buffers(buf.len(), 0) })
+            }
+            $E::Barrier => (P::Barrier, Shape::buffers(0, 0)),
+        }
+    }};
+}
+pub(crate) use call_shape;
+
 impl RawCall<'_> {
     /// The primitive these are the arguments of.
     pub fn primitive(&self) -> Primitive {
-        match self {
-            RawCall::AllGather { .. } => Primitive::AllGather,
-            RawCall::AllToAll { .. } => Primitive::AllToAll,
-            RawCall::AllToAllV { .. } => Primitive::AllToAllV,
-            RawCall::ReduceScatter { .. } => Primitive::ReduceScatter,
-            RawCall::AllReduce { .. } => Primitive::AllReduce,
-            RawCall::Broadcast { .. } => Primitive::Broadcast,
-            RawCall::Barrier => Primitive::Barrier,
-        }
+        self.shape().0
+    }
+
+    /// The primitive and the lengths (bytes; elements for the f32 primitives).
+    pub(crate) fn shape(&self) -> (Primitive, check::Shape<'_>) {
+        call_shape!(self, RawCall, ReduceScatter, AllReduce)
     }
 
     /// The same call on reborrowed buffers (to keep the lengths after the hook).
@@ -172,21 +194,8 @@ impl RawCall<'_> {
     /// Counts the traffic of this (successful) call by member `index` of `group`:
     /// the table of the checked methods' docs.
     fn record(&self, traffic: &mut TrafficCounter, group: &Group, index: usize) {
-        let shape = match self {
-            RawCall::AllGather { send, recv } | RawCall::AllToAll { send, recv } => {
-                check::Shape::buffers(send.len(), recv.len())
-            }
-            RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
-                check::Shape { send_counts, recv_counts, ..check::Shape::buffers(send.len(), recv.len()) }
-            }
-            RawCall::ReduceScatter { send, recv } => check::Shape::buffers(send.len(), recv.len()),
-            RawCall::AllReduce { buf } => check::Shape::buffers(buf.len(), 0),
-            RawCall::Broadcast { root, buf } => {
-                check::Shape { root: *root, ..check::Shape::buffers(buf.len(), 0) }
-            }
-            RawCall::Barrier => check::Shape::buffers(0, 0),
-        };
-        record_of(traffic, group, index, self.primitive(), &shape);
+        let (p, shape) = self.shape();
+        record_of(traffic, group, index, p, &shape);
     }
 }
 

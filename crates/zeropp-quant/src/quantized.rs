@@ -196,8 +196,8 @@ fn validate(
     Ok(())
 }
 
-/// The accessors [`QuantizedRef`] and [`Quantized`] share: both hold a
-/// `spec` and a `len`.
+/// The accessors [`QuantizedRef`], [`Quantized`] and the CUDA module's
+/// `GpuQuantized` share: each holds a `spec` and a `len`.
 macro_rules! shape_accessors {
     () => {
         /// The format.
@@ -221,6 +221,8 @@ macro_rules! shape_accessors {
         }
     };
 }
+#[cfg_attr(not(feature = "cuda"), allow(unused_imports))]
+pub(crate) use shape_accessors;
 
 impl<'a> QuantizedRef<'a> {
     /// Parses and validates a wire encoding without copying it.

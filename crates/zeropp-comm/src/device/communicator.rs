@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::{Device, View};
-use crate::communicator::record_of;
+use crate::communicator::{call_shape, record_of};
 use crate::{CommError, Group, Primitive, Topology, TrafficCounter, check};
 
 /// One validated primitive call, handed to [`DeviceCommunicator::raw`].
@@ -71,15 +71,12 @@ impl<D: Device> Copy for DeviceCall<'_, D> {}
 impl<D: Device> DeviceCall<'_, D> {
     /// The primitive this call is.
     pub fn primitive(&self) -> Primitive {
-        match self {
-            DeviceCall::AllGather { .. } => Primitive::AllGather,
-            DeviceCall::AllToAll { .. } => Primitive::AllToAll,
-            DeviceCall::AllToAllV { .. } => Primitive::AllToAllV,
-            DeviceCall::ReduceScatterF32 { .. } => Primitive::ReduceScatter,
-            DeviceCall::AllReduceF32 { .. } => Primitive::AllReduce,
-            DeviceCall::Broadcast { .. } => Primitive::Broadcast,
-            DeviceCall::Barrier => Primitive::Barrier,
-        }
+        self.shape().0
+    }
+
+    /// The primitive and the lengths in bytes, as the host's [`RawCall`](crate::RawCall).
+    fn shape(&self) -> (Primitive, check::Shape<'_>) {
+        call_shape!(self, DeviceCall, ReduceScatterF32, AllReduceF32)
     }
 }
 
@@ -187,24 +184,13 @@ pub trait DeviceCommunicator: Send {
 
     /// Checks `call` (membership, then its arguments), runs it, counts it.
     fn call(&mut self, group: &Group, call: DeviceCall<'_, Self::Device>) -> Result<(), CommError> {
-        let p = call.primitive();
+        let (p, mut shape) = call.shape();
         let me = check::member(self.topology(), self.rank(), group, p)?;
-        let shape = match &call {
-            DeviceCall::AllGather { send, recv } | DeviceCall::AllToAll { send, recv } => {
-                check::Shape::buffers(send.len(), recv.len())
-            }
-            DeviceCall::AllToAllV { send, send_counts, recv, recv_counts } => {
-                check::Shape { send_counts, recv_counts, ..check::Shape::buffers(send.len(), recv.len()) }
-            }
-            DeviceCall::ReduceScatterF32 { send, recv } => {
-                check::Shape::buffers(floats(p, send.len())?, floats(p, recv.len())?)
-            }
-            DeviceCall::AllReduceF32 { buf } => check::Shape::buffers(floats(p, buf.len())?, 0),
-            DeviceCall::Broadcast { root, buf } => {
-                check::Shape { root: *root, ..check::Shape::buffers(buf.len(), 0) }
-            }
-            DeviceCall::Barrier => check::Shape::buffers(0, 0),
-        };
+        if matches!(p, Primitive::ReduceScatter | Primitive::AllReduce) {
+            // The f32 primitives check lengths in elements, as on the host.
+            shape.send = floats(p, shape.send)?;
+            shape.recv = floats(p, shape.recv)?;
+        }
         check::arguments_of(group, me, p, &shape)?;
         self.raw(group, me, call)?;
         record_of(self.traffic_mut(), group, me, p, &shape);

@@ -97,6 +97,27 @@ fn addr(v: View<'_, CudaDevice>) -> u64 {
     v.mem().0.as_device_ptr().as_raw() + v.offset() as u64
 }
 
+/// Before a synchronous copy of `host` bytes to or from a device window of
+/// `window` bytes: the lengths agree (else a [`CommError::Mismatch`] saying
+/// `why()`), and unless empty (`false`: nothing to copy) the stream's context
+/// is current and its earlier work done.
+fn host_copy(
+    s: &CudaStream,
+    host: usize,
+    window: usize,
+    why: impl FnOnce() -> String,
+) -> Result<bool, CommError> {
+    if host != window {
+        return Err(CommError::Mismatch(why()));
+    }
+    if host == 0 {
+        return Ok(false);
+    }
+    s.0.make_current()?;
+    s.0.stream().synchronize().map_err(QuantError::from)?;
+    Ok(true)
+}
+
 fn stream_of(s: &CudaStream) -> sys::CUstream {
     s.0.stream().as_inner()
 }
@@ -195,18 +216,10 @@ impl Device for CudaDevice {
     }
 
     fn upload(&self, s: &CudaStream, src: &[u8], dst: View<'_, Self>) -> Result<(), CommError> {
-        if src.len() != dst.len() {
-            return Err(CommError::Mismatch(format!(
-                "upload: {} bytes into a window of {}",
-                src.len(),
-                dst.len()
-            )));
-        }
-        if src.is_empty() {
+        let why = || format!("upload: {} bytes into a window of {}", src.len(), dst.len());
+        if !host_copy(s, src.len(), dst.len(), why)? {
             return Ok(());
         }
-        s.0.make_current()?;
-        s.0.stream().synchronize().map_err(QuantError::from)?;
         // SAFETY: `dst` is a live window of `src.len()` bytes; the slice does not own it.
         let mut d =
             unsafe { DeviceSlice::from_raw_parts_mut(DevicePointer::<u8>::from_raw(addr(dst)), dst.len()) };
@@ -215,18 +228,10 @@ impl Device for CudaDevice {
     }
 
     fn download(&self, s: &CudaStream, src: View<'_, Self>, dst: &mut [u8]) -> Result<(), CommError> {
-        if src.len() != dst.len() {
-            return Err(CommError::Mismatch(format!(
-                "download: window of {} bytes into {}",
-                src.len(),
-                dst.len()
-            )));
-        }
-        if dst.is_empty() {
+        let why = || format!("download: window of {} bytes into {}", src.len(), dst.len());
+        if !host_copy(s, dst.len(), src.len(), why)? {
             return Ok(());
         }
-        s.0.make_current()?;
-        s.0.stream().synchronize().map_err(QuantError::from)?;
         // SAFETY: `src` is a live window of `dst.len()` bytes; the slice does not own it.
         let d = unsafe { DeviceSlice::from_raw_parts(DevicePointer::<u8>::from_raw(addr(src)), src.len()) };
         d.copy_to(dst).map_err(QuantError::from)?;

@@ -15,7 +15,8 @@ use std::sync::{PoisonError, RwLock};
 
 use half::bf16;
 use zeropp_quant::{
-    QuantizedRef, dequant_reduce_quant_to_wire, dequantize_add, dequantize_into, quantize_to_wire,
+    Element, Options, QuantizedRef, dequant_reduce_quant_to_wire, dequantize_add, dequantize_into,
+    quantize_to_wire,
 };
 
 use super::{Device, Elem, Kernel, View};
@@ -160,22 +161,19 @@ impl Device for HostDevice {
         match kernel {
             Kernel::Quantize { src, elem, spec, opts, dst } => {
                 let bytes = read(src)?;
-                write(dst, |out| {
-                    match elem {
-                        Elem::F32 => quantize_to_wire(
-                            &bytemuck::pod_collect_to_vec::<u8, f32>(&bytes),
-                            spec,
-                            &opts,
-                            out,
-                        )?,
-                        Elem::Bf16 => quantize_to_wire(
-                            &bytemuck::pod_collect_to_vec::<u8, bf16>(&bytes),
-                            spec,
-                            &opts,
-                            out,
-                        )?,
-                    };
+                // The input's bytes as `T` values, quantized into `out`.
+                fn encode<T: Element + bytemuck::Pod>(
+                    bytes: &[u8],
+                    spec: QuantSpec,
+                    opts: &Options,
+                    out: &mut [u8],
+                ) -> Result<(), CommError> {
+                    quantize_to_wire(&bytemuck::pod_collect_to_vec::<u8, T>(bytes), spec, opts, out)?;
                     Ok(())
+                }
+                write(dst, |out| match elem {
+                    Elem::F32 => encode::<f32>(&bytes, spec, &opts, out),
+                    Elem::Bf16 => encode::<bf16>(&bytes, spec, &opts, out),
                 })
             }
             Kernel::Dequantize { src, spec, len, dst, add } => {

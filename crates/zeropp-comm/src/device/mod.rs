@@ -36,6 +36,36 @@
 //! - `NcclComm` (feature `nccl`): the same trait on NCCL, loaded at run time,
 //!   bootstrapped over any host communicator (MPI under `mpirun`).
 
+/// The [`DeviceCommunicator`] getters of a backend struct with the fields
+/// `rank`, `topology`, `traffic`, `device` and `stream` (inside its `impl`).
+macro_rules! device_getters {
+    () => {
+        fn rank(&self) -> usize {
+            self.rank
+        }
+
+        fn topology(&self) -> &$crate::Topology {
+            &self.topology
+        }
+
+        fn traffic(&self) -> &$crate::TrafficCounter {
+            &self.traffic
+        }
+
+        fn traffic_mut(&mut self) -> &mut $crate::TrafficCounter {
+            &mut self.traffic
+        }
+
+        fn device(&self) -> &Self::Device {
+            &self.device
+        }
+
+        fn stream(&self) -> &<Self::Device as $crate::device::Device>::Stream {
+            &self.stream
+        }
+    };
+}
+
 pub mod collectives;
 mod communicator;
 #[cfg(feature = "cuda")]

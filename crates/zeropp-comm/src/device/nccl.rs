@@ -276,32 +276,24 @@ impl NcclComm {
     }
 }
 
+/// Each peer `(group index j, rank)` with chunk `j` of `c` bytes of `v`.
+fn chunks<'v>(
+    peers: &[(usize, usize)],
+    v: View<'v, CudaDevice>,
+    c: usize,
+) -> Result<Vec<(usize, View<'v, CudaDevice>)>, CommError> {
+    peers.iter().map(|&(j, p)| Ok((p, v.chunk(j, c)?))).collect()
+}
+
+/// Each peer `(group index, rank)` with all of `v`.
+fn whole<'v>(peers: &[(usize, usize)], v: View<'v, CudaDevice>) -> Vec<(usize, View<'v, CudaDevice>)> {
+    peers.iter().map(|&(_, p)| (p, v)).collect()
+}
+
 impl DeviceCommunicator for NcclComm {
     type Device = CudaDevice;
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn topology(&self) -> &Topology {
-        &self.topology
-    }
-
-    fn traffic(&self) -> &TrafficCounter {
-        &self.traffic
-    }
-
-    fn traffic_mut(&mut self) -> &mut TrafficCounter {
-        &mut self.traffic
-    }
-
-    fn device(&self) -> &CudaDevice {
-        &self.device
-    }
-
-    fn stream(&self) -> &CudaStream {
-        &self.stream
-    }
+    device_getters!();
 
     /// A new NCCL communicator on the same ranks, bootstrapped over this one
     /// (rank 0's unique id broadcast through NCCL itself).
@@ -350,25 +342,12 @@ impl DeviceCommunicator for NcclComm {
         match call {
             DeviceCall::AllGather { send, recv } => {
                 dev.copy(s, send, recv.chunk(index, send.len())?)?;
-                let sends: Vec<_> = peers.iter().map(|&(_, p)| (p, send)).collect();
-                let recvs = peers
-                    .iter()
-                    .map(|&(j, p)| Ok((p, recv.chunk(j, send.len())?)))
-                    .collect::<Result<Vec<_>, CommError>>()?;
-                self.exchange(&sends, &recvs)
+                self.exchange(&whole(&peers, send), &chunks(&peers, recv, send.len())?)
             }
             DeviceCall::AllToAll { send, recv } => {
                 let c = send.len() / g.max(1);
                 dev.copy(s, send.chunk(index, c)?, recv.chunk(index, c)?)?;
-                let sends = peers
-                    .iter()
-                    .map(|&(j, p)| Ok((p, send.chunk(j, c)?)))
-                    .collect::<Result<Vec<_>, CommError>>()?;
-                let recvs = peers
-                    .iter()
-                    .map(|&(j, p)| Ok((p, recv.chunk(j, c)?)))
-                    .collect::<Result<Vec<_>, CommError>>()?;
-                self.exchange(&sends, &recvs)
+                self.exchange(&chunks(&peers, send, c)?, &chunks(&peers, recv, c)?)
             }
             DeviceCall::AllToAllV { send, send_counts, recv, recv_counts } => {
                 let at = |counts: &[usize], j: usize| counts.iter().take(j).sum::<usize>();
@@ -388,37 +367,21 @@ impl DeviceCommunicator for NcclComm {
                 let c = recv.len();
                 let parts = DeviceBuf::zeroed(&dev, c * g)?;
                 dev.copy(s, send.chunk(index, c)?, parts.view().chunk(index, c)?)?;
-                let sends = peers
-                    .iter()
-                    .map(|&(j, p)| Ok((p, send.chunk(j, c)?)))
-                    .collect::<Result<Vec<_>, CommError>>()?;
-                let recvs = peers.iter().map(|&(j, p)| Ok((p, parts.view().chunk(j, c)?))).collect::<Result<
-                    Vec<_>,
-                    CommError,
-                >>(
-                )?;
-                self.exchange(&sends, &recvs)?;
+                self.exchange(&chunks(&peers, send, c)?, &chunks(&peers, parts.view(), c)?)?;
                 self.sum_parts(&parts, g, recv)
             }
             DeviceCall::AllReduceF32 { buf } => {
                 let c = buf.len();
                 let parts = DeviceBuf::zeroed(&dev, c * g)?;
                 dev.copy(s, buf, parts.view().chunk(index, c)?)?;
-                let sends: Vec<_> = peers.iter().map(|&(_, p)| (p, buf)).collect();
-                let recvs = peers.iter().map(|&(j, p)| Ok((p, parts.view().chunk(j, c)?))).collect::<Result<
-                    Vec<_>,
-                    CommError,
-                >>(
-                )?;
-                self.exchange(&sends, &recvs)?;
+                self.exchange(&whole(&peers, buf), &chunks(&peers, parts.view(), c)?)?;
                 self.sum_parts(&parts, g, buf)
             }
             DeviceCall::Broadcast { root, buf } => {
                 let root_rank =
                     group.rank_at(root).ok_or_else(|| CommError::InvalidGroup(format!("root {root}")))?;
                 if index == root {
-                    let sends: Vec<_> = peers.iter().map(|&(_, p)| (p, buf)).collect();
-                    self.exchange(&sends, &[])
+                    self.exchange(&whole(&peers, buf), &[])
                 } else {
                     self.exchange(&[], &[(root_rank, buf)])
                 }
@@ -427,13 +390,7 @@ impl DeviceCommunicator for NcclComm {
                 // One byte to and from every other member, then wait for the stream.
                 let token = DeviceBuf::zeroed(&dev, g.max(1))?;
                 let one = token.view().chunk(index, 1)?;
-                let sends: Vec<_> = peers.iter().map(|&(_, p)| (p, one)).collect();
-                let recvs = peers.iter().map(|&(j, p)| Ok((p, token.view().chunk(j, 1)?))).collect::<Result<
-                    Vec<_>,
-                    CommError,
-                >>(
-                )?;
-                self.exchange(&sends, &recvs)?;
+                self.exchange(&whole(&peers, one), &chunks(&peers, token.view(), 1)?)?;
                 dev.synchronize(s)
             }
         }

@@ -100,15 +100,10 @@ impl<D: Device> Rendezvous<D> {
         }
     }
 
-    /// Phase 1: posts member `index`'s post and returns every member's, in group order.
-    pub(super) fn post(
-        &self,
-        key: &Key,
-        index: usize,
-        post: Post<D>,
-    ) -> Result<Vec<Arc<Post<D>>>, CommError> {
+    /// Runs `put` on the slot of `key` (made empty for its group if new), then
+    /// wakes every waiter.
+    fn deposit(&self, key: &Key, put: impl FnOnce(&mut Slot<D>)) {
         let g = key.1.len();
-        let op = post.kind;
         {
             let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
             let slot = st.slots.entry(key.clone()).or_insert_with(|| Slot {
@@ -116,11 +111,24 @@ impl<D: Device> Rendezvous<D> {
                 done: vec![None; g],
                 released: 0,
             });
+            put(slot);
+        }
+        self.cv.notify_all();
+    }
+
+    /// Phase 1: posts member `index`'s post and returns every member's, in group order.
+    pub(super) fn post(
+        &self,
+        key: &Key,
+        index: usize,
+        post: Post<D>,
+    ) -> Result<Vec<Arc<Post<D>>>, CommError> {
+        let op = post.kind;
+        self.deposit(key, |slot| {
             if let Some(p) = slot.posts.get_mut(index) {
                 *p = Some(Arc::new(post));
             }
-        }
-        self.cv.notify_all();
+        });
         let st = self.wait_for(key, op, |s| s.posts.iter().position(Option::is_none))?;
         let posts =
             st.slots.get(key).map(|s| s.posts.iter().flatten().cloned().collect()).unwrap_or_default();
@@ -136,19 +144,11 @@ impl<D: Device> Rendezvous<D> {
         op: Primitive,
         done: Option<D::Event>,
     ) -> Result<Vec<Arc<D::Event>>, CommError> {
-        let g = key.1.len();
-        {
-            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-            let slot = st.slots.entry(key.clone()).or_insert_with(|| Slot {
-                posts: vec![None; g],
-                done: vec![None; g],
-                released: 0,
-            });
+        self.deposit(key, |slot| {
             if let Some(d) = slot.done.get_mut(index) {
                 *d = Some(done.map(Arc::new));
             }
-        }
-        self.cv.notify_all();
+        });
         // On failure (a lost peer) the slot stays: the cluster's run is ending.
         let mut st = self.wait_for(key, op, |s| s.done.iter().position(Option::is_none))?;
         let events = st
@@ -158,7 +158,7 @@ impl<D: Device> Rendezvous<D> {
             .unwrap_or_default();
         if let Some(slot) = st.slots.get_mut(key) {
             slot.released += 1;
-            if slot.released >= g {
+            if slot.released >= key.1.len() {
                 st.slots.remove(key);
             }
         }

@@ -1,12 +1,12 @@
 //! The one-device simulated cluster: [`DeviceCluster`] and its [`DeviceComm`].
 
 use std::collections::HashMap;
-use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::rendezvous::{Key, Post, Rendezvous};
 use super::{Device, DeviceBuf, DeviceCall, DeviceCommunicator, Elem, Kernel, QuantTimer, View};
+use crate::threads::{first_failure, run_ranks};
 use crate::{CommError, Group, LinkClass, LinkModel, RunError, ThreadOptions, Topology, TrafficCounter};
 
 /// A simulated cluster of `topology.world()` ranks on one [`Device`]: one host
@@ -63,21 +63,7 @@ impl<D: Device> DeviceCluster<D> {
         T: Send,
         E: Send,
     {
-        let mut values = Vec::new();
-        let mut first: Option<RunError<E>> = None;
-        for r in self.run_each(f) {
-            match r {
-                Ok(v) => values.push(v),
-                Err(e) => {
-                    let panicked = matches!(e, RunError::Panicked { .. });
-                    let have_panic = matches!(first, Some(RunError::Panicked { .. }));
-                    if first.is_none() || (panicked && !have_panic) {
-                        first = Some(e);
-                    }
-                }
-            }
-        }
-        first.map_or(Ok(values), Err)
+        first_failure(self.run_each(f))
     }
 
     /// Runs `f` on every rank and returns each rank's outcome, in rank order.
@@ -89,75 +75,17 @@ impl<D: Device> DeviceCluster<D> {
     {
         let world = self.topology.world();
         let rdv = Arc::new(Rendezvous::new(world, self.options.timeout));
-        let f = &f;
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..world)
-                .map(|rank| {
-                    let rdv_rank = Arc::clone(&rdv);
-                    let body = move || -> Result<T, RunError<E>> {
-                        let rdv = rdv_rank;
-                        let mut comm = match DeviceComm::new(
-                            rank,
-                            self.topology,
-                            self.device.clone(),
-                            Arc::clone(&rdv),
-                            self.options.link_model,
-                        ) {
-                            Ok(c) => c,
-                            Err(e) => {
-                                rdv.mark_lost(rank, &format!("rank {rank} could not start: {e}"));
-                                return Err(RunError::Setup(e));
-                            }
-                        };
-                        let out = catch_unwind(AssertUnwindSafe(|| f(&mut comm)));
-                        drop(comm);
-                        let (reason, res) = match out {
-                            Ok(Ok(v)) => (format!("rank {rank} finished"), Ok(v)),
-                            Ok(Err(error)) => (
-                                format!("rank {rank} returned an error"),
-                                Err(RunError::Failed { rank, error }),
-                            ),
-                            Err(p) => {
-                                let message = panic_text(p.as_ref());
-                                (
-                                    format!("rank {rank} panicked: {message}"),
-                                    Err(RunError::Panicked { rank, message }),
-                                )
-                            }
-                        };
-                        rdv.mark_lost(rank, &reason);
-                        res
-                    };
-                    let h = std::thread::Builder::new()
-                        .name(format!("zeropp-device-rank-{rank}"))
-                        .spawn_scoped(scope, body);
-                    if h.is_err() {
-                        rdv.mark_lost(rank, "its thread could not be spawned");
-                    }
-                    h
-                })
-                .collect();
-            handles
-                .into_iter()
-                .enumerate()
-                .map(|(rank, h)| match h {
-                    Ok(h) => h.join().unwrap_or_else(|p| {
-                        Err(RunError::Panicked { rank, message: panic_text(p.as_ref()) })
-                    }),
-                    Err(e) => Err(RunError::Setup(CommError::InvalidConfig(format!(
-                        "cannot spawn rank {rank}: {e}"
-                    )))),
-                })
-                .collect()
-        })
+        run_ranks(
+            world,
+            "zeropp-device-rank",
+            |rank| {
+                let device = self.device.clone();
+                DeviceComm::new(rank, self.topology, device, Arc::clone(&rdv), self.options.link_model)
+            },
+            |rank, reason| rdv.mark_lost(rank, reason),
+            &f,
+        )
     }
-}
-
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| (*s).to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".into())
 }
 
 /// One rank of a [`DeviceCluster`]: a [`DeviceCommunicator`] on its own stream,
@@ -414,29 +342,7 @@ impl<D: Device> DeviceComm<D> {
 impl<D: Device> DeviceCommunicator for DeviceComm<D> {
     type Device = D;
 
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn topology(&self) -> &Topology {
-        &self.topology
-    }
-
-    fn traffic(&self) -> &TrafficCounter {
-        &self.traffic
-    }
-
-    fn traffic_mut(&mut self) -> &mut TrafficCounter {
-        &mut self.traffic
-    }
-
-    fn device(&self) -> &D {
-        &self.device
-    }
-
-    fn stream(&self) -> &D::Stream {
-        &self.stream
-    }
+    device_getters!();
 
     fn duplicate(&mut self) -> Result<Self, CommError> {
         self.dup()

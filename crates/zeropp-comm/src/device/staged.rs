@@ -5,64 +5,78 @@
 //! counting are the host trait's provided methods.
 //!
 
-use super::{Device, DeviceBuf, DeviceCall, DeviceComm, DeviceCommunicator};
+use super::{Device, DeviceBuf, DeviceCall, DeviceComm, DeviceCommunicator, View};
 use crate::{CommError, Communicator, Group, RawCall, Topology, TrafficCounter};
 
 impl<D: Device> DeviceComm<D> {
     fn staged(&mut self, group: &Group, index: usize, call: RawCall<'_>) -> Result<(), CommError> {
-        let dev = self.device().clone();
-        let up = |c: &Self, b: &[u8]| DeviceBuf::from_bytes(&dev, c.stream(), b);
-        let zero = |n: usize| DeviceBuf::<D>::zeroed(&dev, n);
-        let down = |c: &Self, d: &DeviceBuf<D>, out: &mut [u8]| dev.download(c.stream(), d.view(), out);
         match call {
             RawCall::AllGather { send, recv } => {
-                let (s, r) = (up(self, send)?, zero(recv.len())?);
-                DeviceCommunicator::raw(
-                    self,
-                    group,
-                    index,
-                    DeviceCall::AllGather { send: s.view(), recv: r.view() },
-                )?;
-                down(self, &r, recv)
+                self.staged_pair(group, index, send, recv, |send, recv| DeviceCall::AllGather { send, recv })
             }
             RawCall::AllToAll { send, recv } => {
-                let (s, r) = (up(self, send)?, zero(recv.len())?);
-                DeviceCommunicator::raw(
-                    self,
-                    group,
-                    index,
-                    DeviceCall::AllToAll { send: s.view(), recv: r.view() },
-                )?;
-                down(self, &r, recv)
+                self.staged_pair(group, index, send, recv, |send, recv| DeviceCall::AllToAll { send, recv })
             }
             RawCall::AllToAllV { send, send_counts, recv, recv_counts } => {
-                let (s, r) = (up(self, send)?, zero(recv.len())?);
+                let (s, r) = (self.upload(send)?, DeviceBuf::zeroed(self.device(), recv.len())?);
                 let call = DeviceCall::AllToAllV { send: s.view(), send_counts, recv: r.view(), recv_counts };
                 DeviceCommunicator::raw(self, group, index, call)?;
-                down(self, &r, recv)
+                self.download(&r, recv)
             }
-            RawCall::ReduceScatter { send, recv } => {
-                let (s, r) = (up(self, bytemuck::cast_slice(send))?, zero(4 * recv.len())?);
-                DeviceCommunicator::raw(
-                    self,
-                    group,
-                    index,
-                    DeviceCall::ReduceScatterF32 { send: s.view(), recv: r.view() },
-                )?;
-                down(self, &r, bytemuck::cast_slice_mut(recv))
-            }
+            RawCall::ReduceScatter { send, recv } => self.staged_pair(
+                group,
+                index,
+                bytemuck::cast_slice(send),
+                bytemuck::cast_slice_mut(recv),
+                |send, recv| DeviceCall::ReduceScatterF32 { send, recv },
+            ),
             RawCall::AllReduce { buf } => {
-                let b = up(self, bytemuck::cast_slice(buf))?;
-                DeviceCommunicator::raw(self, group, index, DeviceCall::AllReduceF32 { buf: b.view() })?;
-                down(self, &b, bytemuck::cast_slice_mut(buf))
+                self.staged_in_place(group, index, bytemuck::cast_slice_mut(buf), |buf| {
+                    DeviceCall::AllReduceF32 { buf }
+                })
             }
             RawCall::Broadcast { root, buf } => {
-                let b = up(self, buf)?;
-                DeviceCommunicator::raw(self, group, index, DeviceCall::Broadcast { root, buf: b.view() })?;
-                down(self, &b, buf)
+                self.staged_in_place(group, index, buf, |buf| DeviceCall::Broadcast { root, buf })
             }
             RawCall::Barrier => DeviceCommunicator::raw(self, group, index, DeviceCall::Barrier),
         }
+    }
+
+    /// `bytes` in a new device buffer, uploaded on this rank's stream.
+    fn upload(&self, bytes: &[u8]) -> Result<DeviceBuf<D>, CommError> {
+        DeviceBuf::from_bytes(self.device(), self.stream(), bytes)
+    }
+
+    /// Downloads `buf` into `out`.
+    fn download(&self, buf: &DeviceBuf<D>, out: &mut [u8]) -> Result<(), CommError> {
+        self.device().download(self.stream(), buf.view(), out)
+    }
+
+    /// A call on a send and a receive buffer (`make(send, recv)`), staged.
+    fn staged_pair(
+        &mut self,
+        group: &Group,
+        index: usize,
+        send: &[u8],
+        recv: &mut [u8],
+        make: impl for<'v> FnOnce(View<'v, D>, View<'v, D>) -> DeviceCall<'v, D>,
+    ) -> Result<(), CommError> {
+        let (s, r) = (self.upload(send)?, DeviceBuf::zeroed(self.device(), recv.len())?);
+        DeviceCommunicator::raw(self, group, index, make(s.view(), r.view()))?;
+        self.download(&r, recv)
+    }
+
+    /// A call on one buffer, in place (`make(buf)`), staged.
+    fn staged_in_place(
+        &mut self,
+        group: &Group,
+        index: usize,
+        buf: &mut [u8],
+        make: impl for<'v> FnOnce(View<'v, D>) -> DeviceCall<'v, D>,
+    ) -> Result<(), CommError> {
+        let b = self.upload(buf)?;
+        DeviceCommunicator::raw(self, group, index, make(b.view()))?;
+        self.download(&b, buf)
     }
 }
 

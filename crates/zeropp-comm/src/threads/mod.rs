@@ -197,29 +197,7 @@ impl ThreadCluster {
         T: Send,
         E: Send,
     {
-        let results = self.run_each(f);
-        let mut values = Vec::with_capacity(results.len());
-        let mut first_err: Option<RunError<E>> = None;
-        for r in results {
-            match r {
-                Ok(v) => values.push(v),
-                Err(e) => {
-                    let better = match (&first_err, &e) {
-                        (None, _) => true,
-                        (Some(RunError::Panicked { .. }), _) => false,
-                        (Some(_), RunError::Panicked { .. }) => true,
-                        _ => false,
-                    };
-                    if better {
-                        first_err = Some(e);
-                    }
-                }
-            }
-        }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(values),
-        }
+        first_failure(self.run_each(f))
     }
 
     /// Runs `f` on every rank and returns each rank's own outcome, in rank order
@@ -230,66 +208,117 @@ impl ThreadCluster {
         T: Send,
         E: Send,
     {
-        let world = self.topology.world();
         let fabric = Arc::new(Fabric::new(self.topology, self.options.link_model));
         // Create the root channel set before any rank starts.
         let _ = fabric.channel_set(ROOT_SET);
         let timeout = self.options.timeout;
-        let f = &f;
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = (0..world)
-                .map(|rank| {
-                    let fabric_rank = Arc::clone(&fabric);
-                    let body = move || -> Result<T, RunError<E>> {
-                        let fabric = fabric_rank;
-                        let mut comm = match ThreadComm::new(rank, Arc::clone(&fabric), ROOT_SET, timeout) {
-                            Ok(c) => c,
-                            Err(e) => {
-                                fabric.mark_lost(rank, &format!("rank {rank} could not start: {e}"));
-                                return Err(RunError::Setup(e));
-                            }
-                        };
-                        let out = catch_unwind(AssertUnwindSafe(|| f(&mut comm)));
-                        drop(comm);
-                        let (reason, res) = match out {
-                            Ok(Ok(v)) => (format!("rank {rank} finished"), Ok(v)),
-                            Ok(Err(error)) => (
-                                format!("rank {rank} returned an error"),
-                                Err(RunError::Failed { rank, error }),
-                            ),
-                            Err(p) => {
-                                let message = panic_message(p.as_ref());
-                                (
-                                    format!("rank {rank} panicked: {message}"),
-                                    Err(RunError::Panicked { rank, message }),
-                                )
-                            }
-                        };
-                        fabric.mark_lost(rank, &reason);
-                        res
-                    };
-                    let spawned = std::thread::Builder::new()
-                        .name(format!("zeropp-rank-{rank}"))
-                        .stack_size(RANK_STACK)
-                        .spawn_scoped(scope, body);
-                    if spawned.is_err() {
-                        fabric.mark_lost(rank, "its thread could not be spawned");
-                    }
-                    spawned
-                })
-                .collect();
-            handles
-                .into_iter()
-                .enumerate()
-                .map(|(rank, h)| match h {
-                    Ok(h) => h.join().unwrap_or_else(|p| {
-                        Err(RunError::Panicked { rank, message: panic_message(p.as_ref()) })
-                    }),
-                    Err(e) => Err(RunError::Setup(CommError::InvalidConfig(format!(
-                        "cannot spawn rank {rank}: {e}"
-                    )))),
-                })
-                .collect()
-        })
+        run_ranks(
+            self.topology.world(),
+            "zeropp-rank",
+            |rank| ThreadComm::new(rank, Arc::clone(&fabric), ROOT_SET, timeout),
+            |rank, reason| fabric.mark_lost(rank, reason),
+            &f,
+        )
     }
+}
+
+/// Every rank's value in rank order, or the first failure: a panic (lowest rank)
+/// if any rank panicked, else the lowest rank's error. The `run` of both
+/// [`ThreadCluster`] and the device cluster.
+pub(crate) fn first_failure<T, E>(results: Vec<Result<T, RunError<E>>>) -> Result<Vec<T>, RunError<E>> {
+    let mut values = Vec::with_capacity(results.len());
+    let mut first_err: Option<RunError<E>> = None;
+    for r in results {
+        match r {
+            Ok(v) => values.push(v),
+            Err(e) => {
+                let better = match (&first_err, &e) {
+                    (None, _) => true,
+                    (Some(RunError::Panicked { .. }), _) => false,
+                    (Some(_), RunError::Panicked { .. }) => true,
+                    _ => false,
+                };
+                if better {
+                    first_err = Some(e);
+                }
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(values),
+    }
+}
+
+/// The rank threads of a simulated cluster, written once for [`ThreadCluster`] and
+/// the device cluster: one scoped thread `{name}-{rank}` per rank of `world`, which
+/// makes its communicator with `start(rank)`, runs `f` on it (catching a panic),
+/// drops it and announces its end with `lost(rank, reason)` (so peers fail with
+/// [`CommError::PeerLost`] instead of hanging); a rank that cannot start or be
+/// spawned is announced too. Returns each rank's outcome, in rank order.
+pub(crate) fn run_ranks<C, T, E, F>(
+    world: usize,
+    name: &str,
+    start: impl Fn(usize) -> Result<C, CommError> + Sync,
+    lost: impl Fn(usize, &str) + Sync,
+    f: &F,
+) -> Vec<Result<T, RunError<E>>>
+where
+    F: Fn(&mut C) -> Result<T, E> + Sync,
+    T: Send,
+    E: Send,
+{
+    let (start, lost) = (&start, &lost);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let body = move || -> Result<T, RunError<E>> {
+                    let mut comm = match start(rank) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            lost(rank, &format!("rank {rank} could not start: {e}"));
+                            return Err(RunError::Setup(e));
+                        }
+                    };
+                    let out = catch_unwind(AssertUnwindSafe(|| f(&mut comm)));
+                    drop(comm);
+                    let (reason, res) = match out {
+                        Ok(Ok(v)) => (format!("rank {rank} finished"), Ok(v)),
+                        Ok(Err(error)) => {
+                            (format!("rank {rank} returned an error"), Err(RunError::Failed { rank, error }))
+                        }
+                        Err(p) => {
+                            let message = panic_message(p.as_ref());
+                            (
+                                format!("rank {rank} panicked: {message}"),
+                                Err(RunError::Panicked { rank, message }),
+                            )
+                        }
+                    };
+                    lost(rank, &reason);
+                    res
+                };
+                let spawned = std::thread::Builder::new()
+                    .name(format!("{name}-{rank}"))
+                    .stack_size(RANK_STACK)
+                    .spawn_scoped(scope, body);
+                if spawned.is_err() {
+                    lost(rank, "its thread could not be spawned");
+                }
+                spawned
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Ok(h) => h
+                    .join()
+                    .unwrap_or_else(|p| Err(RunError::Panicked { rank, message: panic_message(p.as_ref()) })),
+                Err(e) => {
+                    Err(RunError::Setup(CommError::InvalidConfig(format!("cannot spawn rank {rank}: {e}"))))
+                }
+            })
+            .collect()
+    })
 }

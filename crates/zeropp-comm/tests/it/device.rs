@@ -27,6 +27,11 @@ fn device_cluster(w: usize, l: usize) -> DeviceCluster<HostDevice> {
     DeviceCluster::new(Topology::ranks(w).per_node(l).unwrap(), HostDevice, opts())
 }
 
+/// A rank's device and its world group.
+fn device_and_world(comm: &DeviceComm<HostDevice>) -> (HostDevice, Group) {
+    (*comm.device(), Group::world(comm.topology()))
+}
+
 pub(crate) fn thread_cluster(w: usize, l: usize) -> ThreadCluster {
     ThreadCluster::new(Topology::ranks(w).per_node(l).unwrap(), opts())
 }
@@ -216,8 +221,7 @@ fn device_primitives_give_the_host_errors() {
     // The same bad calls on both traits, the same errors (the shared checks).
     let errs = device_cluster(2, 2)
         .run(|comm| {
-            let d = *comm.device();
-            let world = Group::world(comm.topology());
+            let (d, world) = device_and_world(comm);
             let a = DeviceBuf::zeroed(&d, 2)?;
             let b = DeviceBuf::zeroed(&d, 3)?;
             let dev_err = comm.all_gather(&world, a.view(), b.view()).unwrap_err();
@@ -244,8 +248,7 @@ fn device_primitives_give_the_host_errors() {
 #[test]
 fn disagreeing_members_get_a_mismatch_and_nobody_hangs() {
     let out = device_cluster(2, 2).run_each(|comm| {
-        let d = *comm.device();
-        let world = Group::world(comm.topology());
+        let (d, world) = device_and_world(comm);
         let len = 4 + comm.rank();
         let a = DeviceBuf::zeroed(&d, len)?;
         let b = DeviceBuf::zeroed(&d, 2 * len)?;
@@ -285,8 +288,7 @@ fn a_lost_rank_fails_its_peers_with_peer_lost() {
 fn duplicates_are_independent_streams_of_collectives() {
     let out = device_cluster(4, 2)
         .run(|comm| {
-            let d = *comm.device();
-            let world = Group::world(comm.topology());
+            let (d, world) = device_and_world(comm);
             let mut dup = DeviceCommunicator::duplicate(comm)?;
             let x = DeviceBuf::from_f32(&d, comm.stream(), &[comm.rank() as f32])?;
             let y = DeviceBuf::from_f32(&d, comm.stream(), &[1.0])?;

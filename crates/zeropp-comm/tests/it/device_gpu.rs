@@ -8,7 +8,6 @@
 //! `ZEROPP_REQUIRE_GPU=1` a missing device is a failure. Run it with
 //! `cargo xtask gpu test` (it sets up the driver stub for linking).
 
-use std::io::Write as _;
 use std::time::Duration;
 
 use zeropp_comm::conformance::{Case, run_all};
@@ -19,8 +18,6 @@ use super::device::{
     SHAPES, device_feedback_steps, feedback_options, host_feedback_steps, on_device, on_threads,
     thread_cluster,
 };
-
-const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_GPU";
 
 type Check = fn(&CudaDevice);
 
@@ -72,28 +69,8 @@ fn feedback(dev: &CudaDevice) {
 
 #[test]
 fn device_gpu_suite() {
-    let dev = match CudaDevice::new() {
-        Ok(d) => d,
-        Err(e) => {
-            let required = std::env::var(REQUIRE_ENV)
-                .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"));
-            assert!(!required, "{REQUIRE_ENV}=1 but no usable CUDA device: {e}");
-            let _ = writeln!(
-                std::io::stderr(),
-                "gpu: {} tests skipped: no CUDA device ({e}; set {REQUIRE_ENV}=1 to make this a failure)",
-                CHECKS.len()
-            );
-            return;
-        }
+    let banner = |dev: &CudaDevice| {
+        format!("one-GPU cluster on {} ({})", dev.gpu().device_name().unwrap_or_default(), dev.gpu().image())
     };
-    let _ = writeln!(
-        std::io::stderr(),
-        "gpu: one-GPU cluster on {} ({})",
-        dev.gpu().device_name().unwrap_or_default(),
-        dev.gpu().image()
-    );
-    for (name, check) in CHECKS {
-        let _ = writeln!(std::io::stderr(), "gpu: {name}");
-        check(&dev);
-    }
+    zeropp_tests::gpu::suite(CudaDevice::new(), banner, CHECKS);
 }

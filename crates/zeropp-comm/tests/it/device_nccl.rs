@@ -14,19 +14,9 @@ use zeropp_comm::collectives::{QgzOptions, QwzOptions};
 use zeropp_comm::conformance::rank_data;
 use zeropp_comm::device::{CudaDevice, DeviceBuf, DeviceCommunicator, Elem, NcclComm, collectives as dev};
 use zeropp_comm::{CommError, Group, ThreadCluster, ThreadOptions, Topology};
+use zeropp_tests::gpu::{REQUIRE_ENV, skip};
 
-const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_GPU";
 const CHECKS: usize = 4;
-
-fn skip(why: &str, env: &str) {
-    let required =
-        std::env::var(env).is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"));
-    assert!(!required, "{env}=1 but {why}");
-    let _ = writeln!(
-        std::io::stderr(),
-        "gpu: {CHECKS} tests skipped: {why} (set {env}=1 to make this a failure)"
-    );
-}
 
 fn f32s(c: &NcclComm, b: &DeviceBuf<CudaDevice>) -> Vec<f32> {
     b.to_f32(c.device(), c.stream()).unwrap()
@@ -100,7 +90,7 @@ fn traffic(c: &mut NcclComm) {
 fn device_nccl_suite() {
     let device = match CudaDevice::new() {
         Ok(d) => d,
-        Err(e) => return skip(&format!("no CUDA device ({e})"), REQUIRE_ENV),
+        Err(e) => return skip(CHECKS, &format!("no CUDA device ({e})"), REQUIRE_ENV),
     };
     let t = Topology::ranks(1).per_node(1).unwrap();
     let comm = ThreadCluster::new(t, ThreadOptions::default())
@@ -112,7 +102,7 @@ fn device_nccl_suite() {
         })
         .unwrap()
         .remove(0);
-    let Some(mut c) = comm else { return skip("libnccl.so.2 not found", "ZEROPP_REQUIRE_NCCL") };
+    let Some(mut c) = comm else { return skip(CHECKS, "libnccl.so.2 not found", "ZEROPP_REQUIRE_NCCL") };
     let _ = writeln!(
         std::io::stderr(),
         "gpu: NCCL {} on {}",

@@ -98,23 +98,22 @@ impl GpuElement for f32 {
     }
 }
 
-impl GpuElement for bf16 {
-    type Raw = u16;
-    const QUANTIZE: &'static str = "zq_quantize_bf16";
-    const VALUE: &'static str = "zq_value_bf16";
-    fn raw(self) -> u16 {
-        self.to_bits()
-    }
+/// [`GpuElement`] for the 16-bit `half` types: their bits, and the kernels named
+/// after the type.
+macro_rules! half_element {
+    ($($t:ident),*) => {$(
+        impl GpuElement for $t {
+            type Raw = u16;
+            const QUANTIZE: &'static str = concat!("zq_quantize_", stringify!($t));
+            const VALUE: &'static str = concat!("zq_value_", stringify!($t));
+            fn raw(self) -> u16 {
+                self.to_bits()
+            }
+        }
+    )*};
 }
 
-impl GpuElement for f16 {
-    type Raw = u16;
-    const QUANTIZE: &'static str = "zq_quantize_f16";
-    const VALUE: &'static str = "zq_value_f16";
-    fn raw(self) -> u16 {
-        self.to_bits()
-    }
-}
+half_element!(bf16, f16);
 
 /// A vector of `T` in device memory (input of [`Gpu::quantize`]).
 #[derive(Debug)]
@@ -171,20 +170,7 @@ struct InDesc {
 unsafe impl DeviceCopy for InDesc {}
 
 impl GpuQuantized {
-    /// The format.
-    pub fn spec(&self) -> QuantSpec {
-        self.spec
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether there are no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
+    crate::quantized::shape_accessors!();
 
     /// Size of the wire encoding (the device buffer's size).
     pub fn encoded_len(&self) -> usize {
@@ -212,10 +198,6 @@ impl GpuQuantized {
     /// [`Quantized::from_bytes`]).
     pub fn to_quantized(&self) -> Result<Quantized> {
         Quantized::from_bytes(&self.to_bytes()?)
-    }
-
-    fn desc(&self) -> InDesc {
-        desc_at(self.buf.as_device_ptr().as_raw(), &self.spec, self.len)
     }
 }
 
@@ -397,9 +379,20 @@ impl Gpu {
             });
         }
         self.current()?;
-        let src = x.buf.as_device_ptr().as_raw();
+        // SAFETY: `x` holds `out.len` live values of `T` (checked above) and `out`
+        // a live encoding of its spec and length, both made on this context.
+        unsafe { self.launch_quantize::<T>(x.buf.as_device_ptr().as_raw(), opts, out.at()) }
+    }
+
+    /// The quantize kernel of [`Gpu::quantize_into`] and [`Gpu::quantize_at`]
+    /// (the header is the callers'), synchronized.
+    ///
+    /// # Safety
+    ///
+    /// As [`Gpu::quantize_at`]; the context is current.
+    unsafe fn launch_quantize<T: GpuElement>(&self, src: u64, opts: &Options, out: WireAt) -> Result<()> {
         self.run_quantize(
-            out.at(),
+            out,
             opts,
             |bad| self.value(T::VALUE, src, None, bad),
             |m, a| {
@@ -409,7 +402,7 @@ impl Gpu {
                 // SAFETY: the argument list matches `zq_quantize_*`'s parameters in
                 // order and type (device addresses as u64); every address points
                 // into a live buffer of the sizes the kernel indexes (`len` inputs,
-                // the output's wire layout, one u64).
+                // the output's wire layout, one u64) by this function's contract.
                 unsafe {
                     launch!(f<<<grid, block, 0, stream>>>(
                         src, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
@@ -455,11 +448,24 @@ impl Gpu {
             }
         }
         self.current()?;
-        let descs: Vec<InDesc> = inputs.iter().map(|q| q.desc()).collect();
+        let inputs: Vec<WireAt> = inputs.iter().map(|q| q.at()).collect();
+        // SAFETY: every input and `out` is a live encoding of its spec and length
+        // (all `len`, checked above), made on this context.
+        unsafe { self.launch_reduce_quantize(&inputs, opts, out.at()) }
+    }
+
+    /// The fused kernel of [`Gpu::dequant_reduce_quant_into`] and
+    /// [`Gpu::dequant_reduce_quant_at`] (the header is the callers'), synchronized.
+    ///
+    /// # Safety
+    ///
+    /// As [`Gpu::dequant_reduce_quant_at`]; the context is current.
+    unsafe fn launch_reduce_quantize(&self, inputs: &[WireAt], opts: &Options, out: WireAt) -> Result<()> {
+        let descs: Vec<InDesc> = inputs.iter().map(|q| desc_at(q.addr, &q.spec, q.len)).collect();
         let descs = DeviceBuffer::from_slice(&descs)?;
         let (din, k) = (descs.as_device_ptr().as_raw(), inputs.len() as u32);
         self.run_quantize(
-            out.at(),
+            out,
             opts,
             |bad| self.value("zq_value_sum", din, Some(k), bad),
             |m, a| {
@@ -467,8 +473,8 @@ impl Gpu {
                 let stream = &self.stream;
                 let (grid, block) = (a.grid, BLOCK);
                 // SAFETY: the arguments match `zq_reduce_quantize`'s parameters;
-                // `din` holds `k` descriptors of live device buffers of length `len`
-                // (checked above), and the output addresses are as in `quantize_into`.
+                // `din` holds `k` descriptors of live encodings of length `len`, and
+                // the output addresses are live, by this function's contract.
                 unsafe {
                     launch!(f<<<grid, block, 0, stream>>>(
                         din, k, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
@@ -595,16 +601,9 @@ impl Gpu {
         if q.len == 0 {
             return Ok(());
         }
-        let d = q.desc();
-        let grid = q.spec.num_groups(q.len).min(MAX_BLOCKS) as u32;
-        let (len, o, add) = (q.len as u64, out.as_device_ptr().as_raw(), u32::from(add));
-        let f = self.module.get_function("zq_dequant")?;
-        let stream = &self.stream;
-        // SAFETY: the arguments match `zq_dequant`'s parameters; `d` describes
-        // `q`'s live wire buffer and `out` holds `len` f32 (checked above).
-        unsafe {
-            launch!(f<<<grid, BLOCK, 0, stream>>>(d.data, d.scales, d.offsets, d.group_size, d.bits, len, o, add))?;
-        }
+        // SAFETY: `q` is a live encoding on this context and `out` holds `q.len`
+        // live f32 (checked above).
+        unsafe { self.dequantize_at(q.at(), out.as_device_ptr().as_raw(), add)? };
         self.stream.synchronize()?;
         Ok(())
     }
@@ -694,25 +693,8 @@ impl Gpu {
         self.current()?;
         let mut header = [0u8; wire::HEADER_LEN];
         self.write_header_at(out, &mut header)?;
-        self.run_quantize(
-            out,
-            opts,
-            |bad| self.value(T::VALUE, src, None, bad),
-            |m, a| {
-                let f = m.get_function(T::QUANTIZE)?;
-                let stream = &self.stream;
-                let (grid, block) = (a.grid, BLOCK);
-                // SAFETY: as in `quantize_into`; the addresses are live by this
-                // function's contract.
-                unsafe {
-                    launch!(f<<<grid, block, 0, stream>>>(
-                        src, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
-                        a.scales, a.offsets, a.data, a.bad
-                    ))?;
-                }
-                Ok(())
-            },
-        )
+        // SAFETY: this function's contract.
+        unsafe { self.launch_quantize::<T>(src, opts, out) }
     }
 
     /// [`Gpu::dequant_reduce_quant_into`] on addresses (header written too);
@@ -741,28 +723,8 @@ impl Gpu {
         self.current()?;
         let mut header = [0u8; wire::HEADER_LEN];
         self.write_header_at(out, &mut header)?;
-        let descs: Vec<InDesc> = inputs.iter().map(|q| desc_at(q.addr, &q.spec, q.len)).collect();
-        let descs = DeviceBuffer::from_slice(&descs)?;
-        let (din, k) = (descs.as_device_ptr().as_raw(), inputs.len() as u32);
-        self.run_quantize(
-            out,
-            opts,
-            |bad| self.value("zq_value_sum", din, Some(k), bad),
-            |m, a| {
-                let f = m.get_function("zq_reduce_quantize")?;
-                let stream = &self.stream;
-                let (grid, block) = (a.grid, BLOCK);
-                // SAFETY: as in `dequant_reduce_quant_into`; `din` holds `k`
-                // descriptors of live encodings by this function's contract.
-                unsafe {
-                    launch!(f<<<grid, block, 0, stream>>>(
-                        din, k, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
-                        a.scales, a.offsets, a.data, a.bad
-                    ))?;
-                }
-                Ok(())
-            },
-        )
+        // SAFETY: this function's contract.
+        unsafe { self.launch_reduce_quantize(inputs, opts, out) }
     }
 
     /// Dequantizes the encoding `q` into the `q.len` f32 at `out` (or adds to

@@ -7,8 +7,6 @@
 //! exactly one counted line (`gpu: N tests skipped: no CUDA device ...`).
 //! With `ZEROPP_REQUIRE_GPU=1` a missing device is a failure instead.
 
-use std::io::Write as _;
-
 use proptest::prelude::*;
 use zeropp_quant::cuda::{Gpu, GpuElement, GpuQuantized};
 use zeropp_quant::half::{bf16, f16};
@@ -19,9 +17,6 @@ use zeropp_quant::{
 
 use crate::common::{config, vector};
 use crate::gpu_cases::{cpu, reduce_inputs, rounding_strategy, spec_strategy};
-
-/// Environment variable that makes a missing device a failure.
-const REQUIRE_ENV: &str = "ZEROPP_REQUIRE_GPU";
 
 type Check = fn(&Gpu);
 
@@ -42,32 +37,15 @@ const CHECKS: &[(&str, Check)] = &[
 
 #[test]
 fn suite() {
-    let gpu = match Gpu::new() {
-        Ok(g) => g,
-        Err(e) => {
-            let required = std::env::var(REQUIRE_ENV)
-                .is_ok_and(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true"));
-            assert!(!required, "{REQUIRE_ENV}=1 but no usable CUDA device: {e}");
-            // Straight to stderr: the harness captures `eprintln!` of passing tests.
-            let _ = writeln!(
-                std::io::stderr(),
-                "gpu: {} tests skipped: no CUDA device ({e}; set {REQUIRE_ENV}=1 to make this a failure)",
-                CHECKS.len()
-            );
-            return;
-        }
+    let banner = |gpu: &Gpu| {
+        format!(
+            "{} on driver {} ({})",
+            gpu.device_name().unwrap_or_default(),
+            gpu.driver_version().unwrap_or_default(),
+            gpu.image()
+        )
     };
-    let _ = writeln!(
-        std::io::stderr(),
-        "gpu: {} on driver {} ({})",
-        gpu.device_name().unwrap_or_default(),
-        gpu.driver_version().unwrap_or_default(),
-        gpu.image()
-    );
-    for (name, check) in CHECKS {
-        let _ = writeln!(std::io::stderr(), "gpu: {name}");
-        check(&gpu);
-    }
+    zeropp_tests::gpu::suite(Gpu::new(), banner, CHECKS);
 }
 
 /// The CPU reference options: the scalar kernel, one thread.
