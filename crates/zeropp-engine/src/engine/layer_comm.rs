@@ -33,6 +33,26 @@ fn options(stochastic: Option<u64>) -> Options {
     }
 }
 
+/// Dequantizes a gathered layer's encodings (`shard_len` elements each) into
+/// `out`, rounded to bf16 values when `round`; the time counts as `comm`'s
+/// quantization time, like the collectives' own kernels.
+fn dequantize_layer<C: Communicator + ?Sized>(
+    comm: &mut C,
+    encodings: &[u8],
+    shard_len: usize,
+    out: &mut [f32],
+    opts: &Options,
+    round: bool,
+) -> Result<(), CommError> {
+    let t = Instant::now();
+    collectives::dequantize_encodings(encodings, shard_len, out, opts)?;
+    if round {
+        round_bf16(out);
+    }
+    comm.traffic_mut().add_quant_time(t.elapsed());
+    Ok(())
+}
+
 /// Rounds every value to the nearest bfloat16 (ties to even), in place.
 fn round_bf16(xs: &mut [f32]) {
     xs.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
@@ -90,12 +110,7 @@ fn gather_world<C: Communicator + ?Sized>(
         WeightGather::Qwz { spec, round_bf16: round } => {
             let opts = QwzOptions { spec, quant: options(g.stochastic) };
             let enc = collectives::world_qwz_gather_encoded(comm, g.routing, shard, &opts)?;
-            let t = Instant::now();
-            collectives::dequantize_encodings(&enc, s, &mut full, &opts.quant)?;
-            if round {
-                round_bf16(&mut full);
-            }
-            comm.traffic_mut().add_quant_time(t.elapsed());
+            dequantize_layer(comm, &enc, s, &mut full, &opts.quant, round)?;
             if g.hpz_int8
                 && let Some(r) = &keep
                 && s > 0
@@ -147,12 +162,7 @@ fn gather_secondary<C: Communicator + ?Sized>(
             comm.all_gather_bytes(group, bytes, &mut gathered)?;
             let count = comm.topology().world();
             let mut out = vec![0.0f32; shard_len * count];
-            let t = Instant::now();
-            collectives::dequantize_encodings(&gathered, *shard_len, &mut out, &Options::default())?;
-            if *round {
-                round_bf16(&mut out);
-            }
-            comm.traffic_mut().add_quant_time(t.elapsed());
+            dequantize_layer(comm, &gathered, *shard_len, &mut out, &Options::default(), *round)?;
             Ok(out)
         }
     }
