@@ -1,21 +1,29 @@
-//! The fidelity bench (`cargo xtask bench fidelity`): validation loss of every
-//! ZeRO++ variant relative to ZeRO-3 (bf16, hierarchical) over several seeds and
-//! two corpora, because one seed proves nothing at this scale.
+//! The fidelity bench (`cargo xtask bench fidelity`): validation loss of ZeRO++
+//! variants relative to ZeRO-3 (bf16, hierarchical), paired per seed, over
+//! several corpora, learning rates and seeds, because one seed proves nothing at
+//! this scale.
 //!
-//! For each corpus, variant and seed it trains the default GPT on 8 ranks (2
-//! nodes × 4) with the thread backend and records the final validation loss. It
-//! reports per variant: the mean over seeds of `val_loss(variant) / val_loss(ZeRO-3)`
-//! for the same seed, its standard error, the paired sign count (seeds on which
-//! the variant is worse), and, for ZeRO-3 itself, the seed-to-seed spread of its
-//! validation loss (the scale of the chaos the ratios have to beat).
+//! For each corpus, learning rate, variant and seed it trains the default GPT on
+//! 8 ranks (2 nodes × 4) with the thread backend, as `zeropp train` does, and
+//! records the final validation loss. For every variant it reports the per-seed
+//! ratio `val_loss(variant) / val_loss(ZeRO-3)` for the same seed, and over the
+//! seeds: the mean, its standard error, the median, the worst seed, and whether
+//! the variant meets the **acceptance rule** for a default: mean ≤ 1.01 and no
+//! seed above 1.05. ZeRO-3's own seed-to-seed spread is given too: it is the
+//! scale of the chaos the ratios have to beat.
 //!
 //! ```text
 //! cargo run --release -p zeropp-engine --example fidelity -- \
-//!     [--seeds 5] [--steps 1000] [--variants core|all|NAME,NAME] [--data generated|shakespeare|both] [--out FILE.md]
+//!     [--seeds 8] [--steps 1500] [--lrs 1e-2,3e-3] [--variants core|all|NAME,NAME] \
+//!     [--data generated,shakespeare,FILE,...] [--eval-batches 16] [--out FILE.md]
 //! ```
 //!
-//! tinyshakespeare is read from `../shared/data/tinyshakespeare.txt` (relative to
-//! the workspace root); without it that corpus is skipped with a message.
+//! `--data` takes `generated` (the default corpus of `zeropp train`),
+//! `shakespeare` (`../shared/data/tinyshakespeare.txt` relative to the workspace
+//! root; skipped with a message when absent) and text files by path. `cargo
+//! xtask bench fidelity` adds a third English corpus: the first 120,000
+//! characters of the Python language reference that ships with CPython
+//! (`pydoc_data.topics`).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench driver: failures abort
 
@@ -31,6 +39,11 @@ use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
 
 const LOCAL: usize = 4;
 const WORLD: usize = 8;
+
+/// The acceptance rule for a default: mean ratio at most this...
+const RULE_MEAN: f64 = 1.01;
+/// ...and no seed above this.
+const RULE_WORST: f64 = 1.05;
 
 /// The symmetric spec of `bits` with `group` elements per scale (the fixed,
 /// valid sizes below).
@@ -51,8 +64,13 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
         Some(q)
     };
     vec![
-        ("zero3-f32", "ZeRO-3, f32 communication (exact)", ZeroConfig { comm_dtype: CommDtype::F32, ..z3 }),
+        ("zero3-f32", "ZeRO-3, f32 communication (exact; the control)", ZeroConfig { comm_dtype: CommDtype::F32, ..z3 }),
         ("zero3", "ZeRO-3, bf16 (the baseline)", z3),
+        (
+            "default",
+            "ZeRO++ as `zeropp train` runs it (ZeroConfig::zeropp: 1-D exclusion, stochastic rounding in qgZ, no feedback)",
+            ZeroConfig::zeropp(LOCAL),
+        ),
         ("qwz", "qwZ alone (INT8 weights, groups of 256)", z3.with_qwz(ZeroConfig::default_qwz_spec())),
         ("hpz", "hpZ alone", z3.with_hpz(LOCAL)),
         ("qgz", "qgZ alone (INT4 gradients)", z3.with_qgz(QgzConfig::default())),
@@ -67,11 +85,9 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
             "ZeRO++ + 1-D params at bf16 under qgZ",
             ZeroConfig { qgz: qgz(|q| q.exclude_1d = true), ..zpp },
         ),
-        ("zeropp-hpz8", "ZeRO++ with the INT8 hpZ wire", ZeroConfig { hpz_wire: HpzWire::Int8, ..zpp }),
-        ("zeropp-sr", "ZeRO++ + stochastic rounding", ZeroConfig { stochastic_rounding: true, ..zpp }),
         (
             "zeropp-loco-1d",
-            "ZeRO++ + LoCo + 1-D exclusion (the default since this bench)",
+            "ZeRO++ + LoCo + 1-D exclusion (the default before issue 18)",
             ZeroConfig {
                 qgz: qgz(|q| {
                     q.error_feedback = Some(LocoConfig::default());
@@ -80,6 +96,47 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
                 ..zpp
             },
         ),
+        (
+            "zeropp-ef-1d",
+            "ZeRO++ + plain error feedback (β 0) + 1-D exclusion",
+            ZeroConfig {
+                qgz: qgz(|q| {
+                    q.error_feedback = Some(LocoConfig { err_beta: 0.0, ..LocoConfig::default() });
+                    q.exclude_1d = true;
+                }),
+                ..zpp
+            },
+        ),
+        (
+            "zeropp-sr-1d",
+            "ZeRO++ + stochastic rounding in qwZ and qgZ + 1-D exclusion, no feedback",
+            ZeroConfig { stochastic_rounding: true, qgz: qgz(|q| q.exclude_1d = true), ..zpp },
+        ),
+        (
+            "zeropp-loco-1d-f32",
+            "ZeRO++ + LoCo with f32 residuals + 1-D exclusion",
+            ZeroConfig {
+                qgz: qgz(|q| {
+                    q.error_feedback = Some(LocoConfig { residual_dtype: CommDtype::F32, ..LocoConfig::default() });
+                    q.exclude_1d = true;
+                }),
+                ..zpp
+            },
+        ),
+        (
+            "zeropp-sr-loco-1d",
+            "ZeRO++ + stochastic rounding + LoCo + 1-D exclusion",
+            ZeroConfig {
+                stochastic_rounding: true,
+                qgz: qgz(|q| {
+                    q.error_feedback = Some(LocoConfig::default());
+                    q.exclude_1d = true;
+                }),
+                ..zpp
+            },
+        ),
+        ("zeropp-hpz8", "ZeRO++ with the INT8 hpZ wire", ZeroConfig { hpz_wire: HpzWire::Int8, ..zpp }),
+        ("zeropp-sr", "ZeRO++ + stochastic rounding", ZeroConfig { stochastic_rounding: true, ..zpp }),
         (
             "zeropp-packed",
             "ZeRO++, groups straddling tensors (the old layout)",
@@ -90,33 +147,30 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
     ]
 }
 
-const CORE: &[&str] = &[
-    "zero3-f32",
-    "zero3",
-    "qwz",
-    "hpz",
-    "qgz",
-    "zeropp",
-    "zeropp-loco",
-    "zeropp-1d",
-    "zeropp-hpz8",
-    "zeropp-loco-1d",
-];
-
-fn shakespeare() -> Option<PathBuf> {
-    zeropp_tests::data::find(zeropp_tests::data::TINYSHAKESPEARE)
-}
+/// The variants `--variants core` runs: the defaults, old and new, and the
+/// candidates for a default.
+const CORE: &[&str] = &["zero3", "default", "zeropp-loco-1d", "zeropp-1d", "zeropp-sr-1d"];
 
 struct Args {
     seeds: usize,
     steps: usize,
+    lrs: Vec<f32>,
     variants: Vec<String>,
-    data: String,
+    data: Vec<String>,
+    eval_batches: usize,
     out: Option<PathBuf>,
 }
 
 fn parse_args() -> Args {
-    let mut a = Args { seeds: 5, steps: 1000, variants: Vec::new(), data: "both".into(), out: None };
+    let mut a = Args {
+        seeds: 8,
+        steps: 1500,
+        lrs: vec![1e-2, 3e-3],
+        variants: Vec::new(),
+        data: vec!["generated".into(), "shakespeare".into()],
+        eval_batches: 16,
+        out: None,
+    };
     let mut sel = "core".to_string();
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -124,8 +178,10 @@ fn parse_args() -> Args {
         match k.as_str() {
             "--seeds" => a.seeds = v().parse().expect("--seeds N"),
             "--steps" => a.steps = v().parse().expect("--steps N"),
+            "--lrs" => a.lrs = v().split(',').map(|x| x.parse().expect("--lrs X,Y")).collect(),
             "--variants" => sel = v(),
-            "--data" => a.data = v(),
+            "--data" => a.data = v().split(',').map(str::to_string).collect(),
+            "--eval-batches" => a.eval_batches = v().parse().expect("--eval-batches N"),
             "--out" => a.out = Some(PathBuf::from(v())),
             "--bench" => {} // passed by `cargo bench`-style drivers; ignored
             other => panic!("unknown argument {other}; see the example's docs"),
@@ -149,108 +205,139 @@ fn parse_args() -> Args {
     a
 }
 
-fn mean_se(xs: &[f64]) -> (f64, f64) {
+/// Mean, standard error of the mean, median and maximum of `xs`.
+fn stats(xs: &[f64]) -> (f64, f64, f64, f64) {
     let n = xs.len() as f64;
     let m = xs.iter().sum::<f64>() / n;
-    if xs.len() < 2 {
-        return (m, f64::NAN);
+    let se = if xs.len() < 2 {
+        f64::NAN
+    } else {
+        (xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0) / n).sqrt()
+    };
+    let mut s = xs.to_vec();
+    s.sort_by(f64::total_cmp);
+    let med = if s.len() % 2 == 1 { s[s.len() / 2] } else { (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0 };
+    (m, se, med, s.last().copied().unwrap_or(f64::NAN))
+}
+
+/// The corpora named by `--data`, with their labels.
+fn corpora(names: &[String]) -> Vec<(String, DataChoice)> {
+    let mut out = Vec::new();
+    for name in names {
+        match name.as_str() {
+            "generated" => out.push((
+                "generated Markov text (`zeropp train`'s default corpus)".to_string(),
+                DataChoice::Markov { seed: 0, chars: 200_000 },
+            )),
+            "shakespeare" => match zeropp_tests::data::find(zeropp_tests::data::TINYSHAKESPEARE) {
+                Some(p) => out.push(("tinyshakespeare".to_string(), DataChoice::File(p))),
+                None => eprintln!(
+                    "fidelity: skipping tinyshakespeare: ../shared/data/tinyshakespeare.txt is absent"
+                ),
+            },
+            path => {
+                let p = PathBuf::from(path);
+                assert!(p.is_file(), "fidelity: --data {path}: no such file");
+                let label = p.file_name().map_or(path.to_string(), |f| f.to_string_lossy().into_owned());
+                out.push((label, DataChoice::File(p)));
+            }
+        }
     }
-    let var = xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0);
-    (m, (var / n).sqrt())
+    out
 }
 
 fn main() {
     let args = parse_args();
-    let mut corpora: Vec<(&str, DataChoice)> = Vec::new();
-    if args.data == "generated" || args.data == "both" {
-        corpora.push(("generated Markov text (200k chars)", DataChoice::Markov { seed: 0, chars: 200_000 }));
-    }
-    if args.data == "shakespeare" || args.data == "both" {
-        match shakespeare() {
-            Some(p) => corpora.push(("tinyshakespeare", DataChoice::File(p))),
-            None => {
-                eprintln!("fidelity: skipping tinyshakespeare: ../shared/data/tinyshakespeare.txt is absent")
-            }
-        }
-    }
     let table = variants();
     let mut report = String::new();
     let _ = writeln!(
         report,
         "# Fidelity: validation loss relative to ZeRO-3 (bf16, hierarchical)\n\n\
-         Default GPT ({} params), {WORLD} ranks as {} nodes x {LOCAL}, {} steps, lr 1e-2, global batch 16, \
-         seeds 1..={}, 16 validation batches. Ratio = val_loss(variant) / val_loss(ZeRO-3) for the same seed; \
-         mean over seeds, standard error of that mean, and the paired sign count (seeds on which the variant \
-         is worse than ZeRO-3).\n",
+         Default GPT ({} params at a 64-character vocabulary), {WORLD} ranks as {} nodes x {LOCAL}, \
+         {} steps, global batch 16, seeds 1..={}, {} validation batches. Ratio = val_loss(variant) / \
+         val_loss(ZeRO-3) for the same seed. Per variant: mean over seeds, its standard error, median, \
+         worst seed, seeds on which it is worse than ZeRO-3, and the acceptance rule for a default \
+         (mean ≤ {RULE_MEAN}, no seed above {RULE_WORST}).\n",
         zeropp_engine::model::Gpt::new(GptConfig::default_small()).map(|g| g.num_params()).unwrap_or(0),
         WORLD / LOCAL,
         args.steps,
-        args.seeds
+        args.seeds,
+        args.eval_batches,
     );
-    for (corpus, data) in &corpora {
-        let started = Instant::now();
-        let mut losses: Vec<(String, Vec<f64>)> = Vec::new();
-        for name in &args.variants {
-            let (_, _, zero) = table.iter().find(|v| v.0 == name).copied().expect("known variant");
-            let mut per_seed = Vec::new();
-            for seed in 1..=args.seeds as u64 {
-                let cfg = TrainConfig {
-                    model: ModelChoice::Gpt(GptConfig::default_small()),
-                    data: data.clone(),
-                    world: WORLD,
-                    local_size: LOCAL,
-                    engine: EngineConfig {
-                        zero,
-                        global_batch: 16,
-                        optim: AdamWConfig { lr: 1e-2, ..AdamWConfig::default() },
-                        seed,
-                        ..EngineConfig::default()
-                    },
-                    steps: args.steps,
-                    eval_batches: 16,
-                    ..TrainConfig::default()
-                };
-                let r = train(&cfg).unwrap_or_else(|e| panic!("{corpus} {name} seed {seed}: {e}"));
-                let v = f64::from(r.summary.val_loss.expect("validation ran"));
-                eprintln!("fidelity: {corpus} {name:>15} seed {seed}: val loss {v:.4}");
-                per_seed.push(v);
+    for (corpus, data) in &corpora(&args.data) {
+        for &lr in &args.lrs {
+            let started = Instant::now();
+            let mut losses: Vec<(String, Vec<f64>)> = Vec::new();
+            for name in &args.variants {
+                let (_, _, zero) = table.iter().find(|v| v.0 == name).copied().expect("known variant");
+                let mut per_seed = Vec::new();
+                for seed in 1..=args.seeds as u64 {
+                    let cfg = TrainConfig {
+                        model: ModelChoice::Gpt(GptConfig::default_small()),
+                        data: data.clone(),
+                        world: WORLD,
+                        local_size: LOCAL,
+                        engine: EngineConfig {
+                            zero,
+                            global_batch: 16,
+                            optim: AdamWConfig { lr, ..AdamWConfig::default() },
+                            seed,
+                            ..EngineConfig::default()
+                        },
+                        steps: args.steps,
+                        eval_batches: args.eval_batches,
+                        ..TrainConfig::default()
+                    };
+                    let r = train(&cfg).unwrap_or_else(|e| panic!("{corpus} lr {lr} {name} seed {seed}: {e}"));
+                    let v = f64::from(r.summary.val_loss.expect("validation ran"));
+                    eprintln!("fidelity: {corpus} lr {lr} {name:>18} seed {seed}: val loss {v:.4}");
+                    per_seed.push(v);
+                }
+                losses.push((name.clone(), per_seed));
             }
-            losses.push((name.clone(), per_seed));
-        }
-        let base = losses.iter().find(|(n, _)| n == "zero3").map(|(_, v)| v.clone()).expect("zero3 ran");
-        let (bm, _) = mean_se(&base);
-        let spread =
-            base.iter().cloned().fold(f64::MIN, f64::max) / base.iter().cloned().fold(f64::MAX, f64::min);
-        let sd = (base.iter().map(|x| (x - bm).powi(2)).sum::<f64>() / (base.len().max(2) - 1) as f64).sqrt();
-        let _ = writeln!(
-            report,
-            "## {corpus}\n\nZeRO-3's own val loss over the seeds: mean {bm:.4}, sd {sd:.4} ({:.2}% of the mean), \
-             max/min {spread:.4}. ({:.0} s)\n\n\
-             | variant | what | mean ratio | std. error | worse on | per seed |\n|---|---|---|---|---|---|",
-            100.0 * sd / bm,
-            started.elapsed().as_secs_f64()
-        );
-        for (name, v) in &losses {
-            let what = table.iter().find(|x| x.0 == name).map_or("", |x| x.1);
-            let ratios: Vec<f64> = v.iter().zip(&base).map(|(a, b)| a / b).collect();
-            let (m, se) = mean_se(&ratios);
-            let worse = ratios.iter().filter(|&&r| r > 1.0).count();
-            let per: Vec<String> = ratios.iter().map(|r| format!("{r:.4}")).collect();
+            let base = losses.iter().find(|(n, _)| n == "zero3").map(|(_, v)| v.clone()).expect("zero3 ran");
+            let (bm, bse, _, _) = stats(&base);
+            let sd = bse * (base.len() as f64).sqrt();
+            let spread =
+                base.iter().cloned().fold(f64::MIN, f64::max) / base.iter().cloned().fold(f64::MAX, f64::min);
             let _ = writeln!(
                 report,
-                "| {name} | {what} | {m:.4} | {se:.4} | {worse}/{} | {} |",
-                ratios.len(),
-                per.join(" ")
+                "## {corpus}, lr {lr}\n\nZeRO-3's own val loss over the seeds: mean {bm:.4}, sd {sd:.4} \
+                 ({:.1}% of the mean), max/min {spread:.3}. ({:.0} s)\n\n\
+                 | variant | what | mean ratio | std. error | median | worst seed | worse on | rule | per seed |\n\
+                 |---|---|---|---|---|---|---|---|---|",
+                100.0 * sd / bm,
+                started.elapsed().as_secs_f64()
             );
+            for (name, v) in &losses {
+                if name == "zero3" {
+                    continue;
+                }
+                let what = table.iter().find(|x| x.0 == name).map_or("", |x| x.1);
+                let ratios: Vec<f64> = v.iter().zip(&base).map(|(a, b)| a / b).collect();
+                let (m, se, med, worst) = stats(&ratios);
+                let worse = ratios.iter().filter(|&&r| r > 1.0).count();
+                let pass = if m <= RULE_MEAN && worst <= RULE_WORST { "meets" } else { "fails" };
+                let per: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
+                let _ = writeln!(
+                    report,
+                    "| {name} | {what} | {m:.4} | {se:.4} | {med:.4} | {worst:.4} | {worse}/{} | {pass} | {} |",
+                    ratios.len(),
+                    per.join(" ")
+                );
+            }
+            report.push('\n');
+            // Progress: the report so far, in case a long run is interrupted.
+            if let Some(out) = &args.out {
+                if let Some(dir) = out.parent() {
+                    std::fs::create_dir_all(dir).expect("create the report folder");
+                }
+                std::fs::write(out, &report).expect("write the report");
+            }
         }
-        report.push('\n');
     }
     print!("{report}");
     if let Some(out) = &args.out {
-        if let Some(dir) = out.parent() {
-            std::fs::create_dir_all(dir).expect("create the report folder");
-        }
-        std::fs::write(out, &report).expect("write the report");
         eprintln!("fidelity: report written to {}", out.display());
     }
 }

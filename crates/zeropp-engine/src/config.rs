@@ -123,12 +123,26 @@ pub struct LocoConfig {
     /// 0 = never). DeepSpeed counts this in calls of its reduce (one per parameter
     /// per step); here it counts optimizer steps.
     pub reset_t: usize,
+    /// How the residuals are stored: bf16 (the default; half the memory, as
+    /// DeepSpeed keeps its error buffers in the 16-bit dtype) or f32.
+    #[serde(default)]
+    pub residual_dtype: CommDtype,
+}
+
+impl LocoConfig {
+    /// The comm crate's storage precision for [`LocoConfig::residual_dtype`].
+    pub fn residual_precision(&self) -> zeropp_comm::collectives::ResidualPrecision {
+        match self.residual_dtype {
+            CommDtype::Bf16 => zeropp_comm::collectives::ResidualPrecision::Bf16,
+            CommDtype::F32 => zeropp_comm::collectives::ResidualPrecision::F32,
+        }
+    }
 }
 
 impl Default for LocoConfig {
-    /// DeepSpeed's defaults: `err_beta` 0.8, `reset_T` 1024.
+    /// DeepSpeed's defaults: `err_beta` 0.8, `reset_T` 1024; residuals in bf16.
     fn default() -> Self {
-        Self { err_beta: 0.8, reset_t: 1024 }
+        Self { err_beta: 0.8, reset_t: 1024, residual_dtype: CommDtype::Bf16 }
     }
 }
 
@@ -245,19 +259,36 @@ pub struct QgzConfig {
     /// (with zeros where the 1-D parameters are).
     #[serde(default)]
     pub exclude_1d: bool,
+    /// Stochastic rounding in qgZ's quantizers (both hops), seeded and
+    /// deterministic: every gradient value rounds up or down with the
+    /// probability that makes the rounding unbiased, so small gradient
+    /// components survive INT4 in expectation instead of rounding to zero.
+    /// ([`ZeroConfig::stochastic_rounding`] turns it on for every quantizer,
+    /// qwZ's too.)
+    #[serde(default)]
+    pub stochastic: bool,
 }
 
 impl QgzConfig {
     /// qgZ as the ZeRO++ paper describes it: `spec` alone, no error feedback,
-    /// the 1-D parameters quantized like the matrices.
+    /// the 1-D parameters quantized like the matrices, round to nearest.
     pub fn plain(spec: QuantSpec) -> Self {
-        Self { spec, error_feedback: None, exclude_1d: false }
+        Self { spec, error_feedback: None, exclude_1d: false, stochastic: false }
     }
 
-    /// qgZ with DeepSpeed's options: LoCo error feedback (its defaults) and the
-    /// 1-D parameters at the baseline precision.
+    /// qgZ with the default options of [`ZeroConfig::zeropp`]: the 1-D
+    /// parameters at the baseline precision and stochastic rounding, no error
+    /// feedback (the variant that met the fidelity rule on every corpus
+    /// measured; docs/PERFORMANCE.md, "Fidelity").
     pub fn with_options(spec: QuantSpec) -> Self {
-        Self { spec, error_feedback: Some(LocoConfig::default()), exclude_1d: true }
+        Self { spec, error_feedback: None, exclude_1d: true, stochastic: true }
+    }
+
+    /// qgZ as DeepSpeed's LoCo-ZeRO++ configures it: LoCo error feedback (its
+    /// defaults), the 1-D parameters at the baseline precision, round to nearest
+    /// (this crate's default before the fidelity study; opt-in now).
+    pub fn loco(spec: QuantSpec) -> Self {
+        Self { spec, error_feedback: Some(LocoConfig::default()), exclude_1d: true, stochastic: false }
     }
 }
 
@@ -426,6 +457,12 @@ impl ZeroConfig {
     /// True when qgZ is on and reduces the 1-D parameters at the baseline precision.
     pub fn exclude_1d(&self) -> bool {
         self.qgz.is_some_and(|q| q.exclude_1d)
+    }
+
+    /// True when qgZ is on and rounds stochastically (its own option or
+    /// [`ZeroConfig::stochastic_rounding`]).
+    pub fn qgz_stochastic(&self) -> bool {
+        self.qgz.is_some_and(|q| q.stochastic || self.stochastic_rounding)
     }
 
     /// The group sizes the shards are aligned to: qwZ's and qgZ's, or

@@ -498,7 +498,7 @@ mod tests {
         let imp = from_json_str(j, 4, &EngineConfig::default()).unwrap();
         assert_eq!(
             imp.config.zero.error_feedback(),
-            Some(crate::config::LocoConfig { err_beta: 0.6, reset_t: 512 })
+            Some(crate::config::LocoConfig { err_beta: 0.6, reset_t: 512, ..Default::default() })
         );
         assert!(imp.warnings.is_empty(), "{:?}", imp.warnings);
         let bad = r#"{"zero_optimization": {"zeropp_loco_param": {"err_beta": "high"}}}"#;

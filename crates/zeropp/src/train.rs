@@ -120,7 +120,9 @@ pub(crate) struct TrainArgs {
     /// qgZ bits (4 or 8).
     #[arg(long = "qgz-bits")]
     pub qgz_bits: Option<u8>,
-    /// qgZ error feedback on both hops, LoCo style (err_beta 0.8, reset every 1024 steps).
+    /// qgZ error feedback on both hops, LoCo style (err_beta 0.8, reset every 1024 steps, bf16
+    /// residuals). Off by default: it trained worse than no feedback on held-out text
+    /// (docs/PERFORMANCE.md, "Fidelity").
     #[arg(long = "error-feedback")]
     pub error_feedback: bool,
     /// LoCo moving-average factor err_beta in [0, 1) (implies --error-feedback).
@@ -129,6 +131,15 @@ pub(crate) struct TrainArgs {
     /// Reset the LoCo residuals every N optimizer steps (0 = never; implies --error-feedback).
     #[arg(long = "loco-reset")]
     pub loco_reset: Option<usize>,
+    /// How the LoCo residuals are stored: bf16 (default, half the memory) or f32 (implies --error-feedback).
+    #[arg(long = "loco-residuals", value_name = "bf16|f32")]
+    pub loco_residuals: Option<String>,
+    /// qgZ rounds stochastically (unbiased; the default in zeropp mode).
+    #[arg(long = "qgz-stochastic", overrides_with = "qgz_nearest")]
+    pub qgz_stochastic: bool,
+    /// qgZ rounds to nearest (the ZeRO++ paper's and DeepSpeed's rounding).
+    #[arg(long = "qgz-nearest")]
+    pub qgz_nearest: bool,
     /// Routing of the world collectives: hierarchical (rail then node, as NCCL/HSDP; default) or flat.
     #[arg(long, value_name = "hierarchical|flat")]
     pub baseline: Option<String>,
@@ -148,13 +159,13 @@ pub(crate) struct TrainArgs {
     /// Send the 1-D parameters through INT4 qgZ like the matrices.
     #[arg(long = "no-qgz-exclude-1d")]
     pub no_qgz_exclude_1d: bool,
-    /// No qgZ error feedback (LoCo is on by default in zeropp mode).
-    #[arg(long = "no-error-feedback", conflicts_with_all = ["error_feedback", "loco_beta", "loco_reset"])]
+    /// No qgZ error feedback (the default; kept for scripts that say so).
+    #[arg(long = "no-error-feedback", conflicts_with_all = ["error_feedback", "loco_beta", "loco_reset", "loco_residuals"])]
     pub no_error_feedback: bool,
     /// Let quantization groups straddle two tensors (the pre-0.2 layout; for comparisons).
     #[arg(long = "packed-groups")]
     pub packed_groups: bool,
-    /// Stochastic rounding in the quantizers.
+    /// Stochastic rounding in every quantizer (qwZ's too; qgZ's alone is --qgz-stochastic).
     #[arg(long = "stochastic-rounding")]
     pub stochastic_rounding: bool,
     /// Disable the prefetch of the next layer's gather.
@@ -340,12 +351,23 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
         let mut q = z.qgz.unwrap_or_default();
         let bits = a.qgz_bits.unwrap_or(q.spec.bits().bits() as u8);
         q.spec = quant_spec("qgZ", bits, a.qgz_group_size.unwrap_or(q.spec.group_size()))?;
-        if a.error_feedback || a.loco_beta.is_some() || a.loco_reset.is_some() {
-            let d = zeropp_engine::config::LocoConfig::default();
+        if a.error_feedback || a.loco_beta.is_some() || a.loco_reset.is_some() || a.loco_residuals.is_some() {
+            let d = q.error_feedback.unwrap_or_default();
+            let residual_dtype = match &a.loco_residuals {
+                Some(r) => r.parse().map_err(|e| format!("--loco-residuals: {e}"))?,
+                None => d.residual_dtype,
+            };
             q.error_feedback = Some(zeropp_engine::config::LocoConfig {
                 err_beta: a.loco_beta.unwrap_or(d.err_beta),
                 reset_t: a.loco_reset.unwrap_or(d.reset_t),
+                residual_dtype,
             });
+        }
+        if a.qgz_stochastic {
+            q.stochastic = true;
+        }
+        if a.qgz_nearest {
+            q.stochastic = false;
         }
         if a.qgz_exclude_1d {
             q.exclude_1d = true;
@@ -599,15 +621,25 @@ mod tests {
         // The default mode is ZeRO++ with its default options, routed hierarchically.
         let d = zero(&[])?;
         assert_eq!(d, ZeroConfig::zeropp(local));
-        assert!(d.error_feedback().is_some() && d.exclude_1d());
+        // No error feedback, the 1-D exclusion, stochastic rounding in qgZ only.
+        assert!(d.error_feedback().is_none() && d.exclude_1d() && d.qgz_stochastic());
+        assert!(!d.stochastic_rounding);
         assert_eq!(d.routing, zeropp_engine::config::Routing::Hierarchical);
+        // `--no-error-feedback` is the default, kept for scripts.
+        assert_eq!(zero(&["--no-error-feedback"])?, d);
         // The paper's plain variant.
-        assert_eq!(zero(&["--no-error-feedback", "--no-qgz-exclude-1d"])?, ZeroConfig::zeropp_plain(local));
+        assert_eq!(zero(&["--qgz-nearest", "--no-qgz-exclude-1d"])?, ZeroConfig::zeropp_plain(local));
+        // DeepSpeed's LoCo-ZeRO++, as the default was before.
+        let loco_qgz = zero(&["--error-feedback", "--qgz-nearest"])?;
+        assert_eq!(loco_qgz.qgz, Some(QgzConfig::loco(ZeroConfig::default_qgz_spec())));
+        assert_eq!(zero(&["--qgz-nearest", "--qgz-stochastic"])?, d);
         // Routing, the hpZ wire, LoCo's parameters.
         assert_eq!(zero(&["--baseline", "flat"])?.routing, zeropp_engine::config::Routing::Flat);
         assert_eq!(zero(&["--hpz-wire", "int8"])?.hpz_wire, zeropp_engine::config::HpzWire::Int8);
         let loco = zero(&["--loco-beta", "0.5", "--loco-reset", "10"])?.error_feedback();
-        assert_eq!(loco.map(|l| (l.err_beta, l.reset_t)), Some((0.5, 10)));
+        assert_eq!(loco.map(|l| (l.err_beta, l.reset_t, l.residual_dtype)), Some((0.5, 10, CommDtype::Bf16)));
+        let f32_res = zero(&["--loco-residuals", "f32"])?.error_feedback();
+        assert_eq!(f32_res.map(|l| l.residual_dtype), Some(CommDtype::F32));
         // ZeRO-3 has no qgZ, so no qgZ options.
         let z3 = zero(&["--mode", "zero3"])?;
         assert!(z3.qgz.is_none() && z3.qwz.is_none());
@@ -616,6 +648,7 @@ mod tests {
             (&["--baseline", "ring"][..], "--baseline"),
             (&["--hpz-wire", "int3"][..], "--hpz-wire"),
             (&["--no-error-feedback", "--loco-beta", "0.5"][..], "cannot be used with"),
+            (&["--loco-residuals", "f16"][..], "--loco-residuals"),
         ] {
             let err = zero(args).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(err.contains(says), "{args:?}: {err}");

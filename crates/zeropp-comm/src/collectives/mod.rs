@@ -98,7 +98,9 @@ pub use hierarchical::{
     dequantize_encodings, world_all_gather, world_all_gather_bytes, world_qwz_all_gather, world_qwz_bytes,
     world_qwz_gather_encoded, world_reduce_scatter, world_reduce_scatter_bytes,
 };
-pub use qgz::{ErrorFeedback, QgzOptions, qgz_bytes, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback};
+pub use qgz::{
+    ErrorFeedback, QgzOptions, ResidualPrecision, qgz_bytes, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
+};
 pub use qwz::{QwzOptions, group_qwz_bytes, qwz_all_gather};
 pub use ring::{RingOptions, ring_quantized_reduce_scatter};
 

@@ -45,6 +45,9 @@
 //! shard is added exactly; a world of one copies its own gradient (no
 //! communication, no quantization).
 
+use std::borrow::Cow;
+
+use zeropp_quant::half::bf16;
 use zeropp_quant::rng::stream_seed;
 use zeropp_quant::{
     Options, QuantSpec, QuantizedRef, Rounding, dequant_reduce_quant_to_wire, dequantize_add,
@@ -107,6 +110,137 @@ impl Default for QgzOptions {
     }
 }
 
+/// How [`ErrorFeedback`] stores its residuals.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ResidualPrecision {
+    /// f32: 4 bytes per residual element (the device collectives' format).
+    #[default]
+    F32,
+    /// bfloat16, rounded to nearest even after every update: 2 bytes per element,
+    /// as DeepSpeed keeps its LoCo error buffers in the 16-bit training dtype. The
+    /// arithmetic stays f32; only the stored residual is rounded.
+    Bf16,
+}
+
+impl ResidualPrecision {
+    /// Bytes per stored residual element.
+    pub fn bytes(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::Bf16 => 2,
+        }
+    }
+}
+
+/// One residual vector in its storage precision.
+#[derive(Debug, Clone, PartialEq)]
+enum Residual {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+}
+
+impl Default for Residual {
+    fn default() -> Self {
+        Self::F32(Vec::new())
+    }
+}
+
+impl Residual {
+    fn zeros(precision: ResidualPrecision, n: usize) -> Self {
+        match precision {
+            ResidualPrecision::F32 => Self::F32(vec![0.0; n]),
+            ResidualPrecision::Bf16 => Self::Bf16(vec![bf16::ZERO; n]),
+        }
+    }
+
+    fn from_f32(precision: ResidualPrecision, v: Vec<f32>) -> Self {
+        match precision {
+            ResidualPrecision::F32 => Self::F32(v),
+            ResidualPrecision::Bf16 => Self::Bf16(v.into_iter().map(bf16::from_f32).collect()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+        }
+    }
+
+    fn precision(&self) -> ResidualPrecision {
+        match self {
+            Self::F32(_) => ResidualPrecision::F32,
+            Self::Bf16(_) => ResidualPrecision::Bf16,
+        }
+    }
+
+    fn to_f32(&self) -> Cow<'_, [f32]> {
+        match self {
+            Self::F32(v) => Cow::Borrowed(v),
+            Self::Bf16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
+        }
+    }
+
+    fn clear(&mut self) {
+        match self {
+            Self::F32(v) => v.clear(),
+            Self::Bf16(v) => v.clear(),
+        }
+    }
+
+    /// Elements `range` as a mutable view, when in bounds.
+    fn slice_mut(&mut self, range: std::ops::Range<usize>) -> Option<ResidualMut<'_>> {
+        match self {
+            Self::F32(v) => v.get_mut(range).map(ResidualMut::F32),
+            Self::Bf16(v) => v.get_mut(range).map(ResidualMut::Bf16),
+        }
+    }
+}
+
+/// A mutable window of a [`Residual`].
+enum ResidualMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [bf16]),
+}
+
+impl ResidualMut<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+        }
+    }
+
+    fn get(&self, i: usize) -> f32 {
+        match self {
+            Self::F32(v) => v.get(i).copied().unwrap_or(0.0),
+            Self::Bf16(v) => v.get(i).map_or(0.0, |x| x.to_f32()),
+        }
+    }
+
+    fn set(&mut self, i: usize, x: f32) {
+        match self {
+            Self::F32(v) => {
+                if let Some(r) = v.get_mut(i) {
+                    *r = x;
+                }
+            }
+            Self::Bf16(v) => {
+                if let Some(r) = v.get_mut(i) {
+                    *r = bf16::from_f32(x);
+                }
+            }
+        }
+    }
+
+    fn fill_zero(&mut self) {
+        match self {
+            Self::F32(v) => v.fill(0.0),
+            Self::Bf16(v) => v.fill(bf16::ZERO),
+        }
+    }
+}
+
 /// Error feedback for qgZ, as LoCo (DeepSpeed's `zeropp_loco_param`) does it, on
 /// **both** quantizing hops. The caller keeps one per gradient buffer.
 ///
@@ -117,13 +251,26 @@ impl Default for QgzOptions {
 /// [`ErrorFeedback::new`]). Hop 1 keeps a residual for every shard of the rank's
 /// full gradient (`W·s` elements), hop 2 one for each node partial the rank
 /// requantizes (`N·s`; the own node's slot stays zero, that partial is never
-/// quantized). The residuals are exposed ([`ErrorFeedback::state`],
-/// [`ErrorFeedback::restore`]) so a checkpoint can resume bit for bit.
+/// quantized). The residuals are stored in f32 or, with
+/// [`ErrorFeedback::with_precision`], in bf16 (half the memory); they are exposed
+/// as f32 ([`ErrorFeedback::state`], [`ErrorFeedback::restore`]) so a checkpoint
+/// can resume bit for bit.
+///
+/// Error feedback is not on by default in the engine: with AdamW it made
+/// training worse on held-out text (docs/PERFORMANCE.md, "Fidelity").
+///
+/// ```
+/// use zeropp_comm::collectives::{ErrorFeedback, ResidualPrecision};
+/// let fb = ErrorFeedback::loco(0.8).with_precision(ResidualPrecision::Bf16);
+/// assert_eq!(fb.precision(), ResidualPrecision::Bf16);
+/// assert_eq!(fb.bytes(), 0); // allocated on first use
+/// ```
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ErrorFeedback {
-    residual: Vec<f32>,
-    inter: Vec<f32>,
+    residual: Residual,
+    inter: Residual,
     beta: f32,
+    precision: ResidualPrecision,
 }
 
 impl ErrorFeedback {
@@ -139,34 +286,53 @@ impl ErrorFeedback {
         Self { beta, ..Self::default() }
     }
 
+    /// This feedback with its residuals stored in `precision` (existing
+    /// residuals are converted: exact from bf16 to f32, rounded the other way).
+    pub fn with_precision(mut self, precision: ResidualPrecision) -> Self {
+        self.precision = precision;
+        let (h1, h2) = (self.residual.to_f32().into_owned(), self.inter.to_f32().into_owned());
+        self.restore(h1, h2);
+        self
+    }
+
     /// The moving-average factor β.
     pub fn beta(&self) -> f32 {
         self.beta
     }
 
-    /// The first hop's residual, in padded full-gradient order (`W·⌈n/W⌉`
+    /// How the residuals are stored.
+    pub fn precision(&self) -> ResidualPrecision {
+        self.precision
+    }
+
+    /// Bytes the stored residuals take now (both hops).
+    pub fn bytes(&self) -> usize {
+        (self.residual.len() + self.inter.len()) * self.precision.bytes()
+    }
+
+    /// The first hop's residual as f32, in padded full-gradient order (`W·⌈n/W⌉`
     /// elements; empty before first use).
-    pub fn residual(&self) -> &[f32] {
-        &self.residual
+    pub fn residual(&self) -> Cow<'_, [f32]> {
+        self.residual.to_f32()
     }
 
-    /// The second hop's residual: one `⌈n/W⌉` slot per node, in node order (`N·⌈n/W⌉`
-    /// elements; empty before first use or when there is one node).
-    pub fn inter_residual(&self) -> &[f32] {
-        &self.inter
+    /// The second hop's residual as f32: one `⌈n/W⌉` slot per node, in node order
+    /// (`N·⌈n/W⌉` elements; empty before first use or when there is one node).
+    pub fn inter_residual(&self) -> Cow<'_, [f32]> {
+        self.inter.to_f32()
     }
 
-    /// Both residuals `(hop 1, hop 2)`, for checkpoints.
-    pub fn state(&self) -> (&[f32], &[f32]) {
-        (&self.residual, &self.inter)
+    /// Both residuals `(hop 1, hop 2)` as f32, for checkpoints.
+    pub fn state(&self) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        (self.residual(), self.inter_residual())
     }
 
-    /// Replaces both residuals (from [`ErrorFeedback::state`] of a saved run). Their
-    /// lengths are checked on the next collective, which resets a residual whose
-    /// length does not fit the gradient.
+    /// Replaces both residuals (from [`ErrorFeedback::state`] of a saved run),
+    /// stored in this feedback's precision. Their lengths are checked on the next
+    /// collective, which resets a residual whose length does not fit the gradient.
     pub fn restore(&mut self, hop1: Vec<f32>, hop2: Vec<f32>) {
-        self.residual = hop1;
-        self.inter = hop2;
+        self.residual = Residual::from_f32(self.precision, hop1);
+        self.inter = Residual::from_f32(self.precision, hop2);
     }
 
     /// Forgets both residuals (LoCo's periodic reset, `reset_T`).
@@ -266,19 +432,20 @@ fn keyed(q: &Options, rank: usize, hop: u64, slot: usize) -> Options {
 }
 
 /// Quantizes `x` into `out`; with a residual `res` (same length as `x`), quantizes
-/// `c = x + res` instead and updates `res ← β·res + (1 − β)·(c − deq)`.
+/// `c = x + res` instead and updates `res ← β·res + (1 − β)·(c − deq)` (in f32,
+/// stored in the residual's precision).
 fn encode_with_feedback(
     x: &[f32],
     spec: QuantSpec,
     opts: &Options,
     out: &mut [u8],
-    feedback: Option<(&mut [f32], f32)>,
+    feedback: Option<(ResidualMut<'_>, f32)>,
 ) -> Result<(), CommError> {
     match feedback {
         None => {
             quantize_to_wire(x, spec, opts, out)?;
         }
-        Some((res, beta)) => {
+        Some((mut res, beta)) => {
             if res.len() != x.len() {
                 return Err(CommError::Mismatch(format!(
                     "qgz: error-feedback residual of {} elements for {} gradient elements",
@@ -286,12 +453,12 @@ fn encode_with_feedback(
                     x.len()
                 )));
             }
-            let comp: Vec<f32> = x.iter().zip(res.iter()).map(|(a, b)| a + b).collect();
+            let comp: Vec<f32> = x.iter().enumerate().map(|(i, a)| a + res.get(i)).collect();
             quantize_to_wire(&comp, spec, opts, out)?;
             let mut deq = vec![0.0f32; comp.len()];
             dequantize_into(&QuantizedRef::from_bytes(out)?, &mut deq, opts)?;
-            for ((r, c), d) in res.iter_mut().zip(&comp).zip(&deq) {
-                *r = beta * *r + (1.0 - beta) * (c - d);
+            for (i, (c, d)) in comp.iter().zip(&deq).enumerate() {
+                res.set(i, beta * res.get(i) + (1.0 - beta) * (c - d));
             }
         }
     }
@@ -308,11 +475,11 @@ fn encode_part(
     spec: QuantSpec,
     opts: &Options,
     out: &mut [u8],
-    residual: Option<&mut Vec<f32>>,
+    residual: Option<&mut Residual>,
     beta: f32,
 ) -> Result<(), CommError> {
     let res = match residual {
-        Some(r) => Some((r.get_mut(part * s..(part + 1) * s).ok_or_else(|| residual_oob(part, s))?, beta)),
+        Some(r) => Some((r.slice_mut(part * s..(part + 1) * s).ok_or_else(|| residual_oob(part, s))?, beta)),
         None => None,
     };
     with_part(grad, s, part, |x| encode_with_feedback(x, spec, opts, out, res))?
@@ -340,11 +507,11 @@ fn qgz_impl<C: Communicator + ?Sized>(
     }
     let (beta, mut hop1, mut hop2) = match feedback {
         Some(fb) => {
-            if fb.residual.len() != s * w {
-                fb.residual = vec![0.0; s * w];
+            if fb.residual.len() != s * w || fb.residual.precision() != fb.precision {
+                fb.residual = Residual::zeros(fb.precision, s * w);
             }
-            if fb.inter.len() != s * nodes {
-                fb.inter = vec![0.0; s * nodes];
+            if fb.inter.len() != s * nodes || fb.inter.precision() != fb.precision {
+                fb.inter = Residual::zeros(fb.precision, s * nodes);
             }
             (fb.beta, Some(&mut fb.residual), Some(&mut fb.inter))
         }
@@ -429,7 +596,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
                     for x in &inputs {
                         dequantize_add(x, &mut partial, q)?;
                     }
-                    let r = res.get_mut(m * s..(m + 1) * s).ok_or_else(|| residual_oob(m, s))?;
+                    let r = res.slice_mut(m * s..(m + 1) * s).ok_or_else(|| residual_oob(m, s))?;
                     encode_with_feedback(&partial, opts.inter_spec, &kq, out, Some((r, beta)))?;
                 }
             }
@@ -442,8 +609,8 @@ fn qgz_impl<C: Communicator + ?Sized>(
         for m in 0..nodes {
             let part = topo.rank_of(m, me_local);
             if m == me_node {
-                if let Some(res) = hop1.as_deref_mut().and_then(|r| r.get_mut(part * s..(part + 1) * s)) {
-                    res.fill(0.0);
+                if let Some(mut res) = hop1.as_deref_mut().and_then(|r| r.slice_mut(part * s..(part + 1) * s)) {
+                    res.fill_zero();
                 }
                 with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
             } else {

@@ -271,12 +271,13 @@ impl<D: Device> std::fmt::Debug for DeviceFeedback<D> {
 
 impl<D: Device> DeviceFeedback<D> {
     /// Uploads `fb`'s β and residuals (empty ones stay unallocated until first use).
+    /// The device keeps them in f32 whatever `fb`'s storage precision.
     pub fn upload(device: &D, stream: &D::Stream, fb: &ErrorFeedback) -> Result<Self, CommError> {
         let up = |v: &[f32]| -> Result<Option<DeviceBuf<D>>, CommError> {
             if v.is_empty() { Ok(None) } else { DeviceBuf::from_f32(device, stream, v).map(Some) }
         };
         let (h1, h2) = fb.state();
-        Ok(Self { hop1: up(h1)?, hop2: up(h2)?, beta: fb.beta() })
+        Ok(Self { hop1: up(&h1)?, hop2: up(&h2)?, beta: fb.beta() })
     }
 
     /// The residuals downloaded into an [`ErrorFeedback`] (for checkpoints and tests).

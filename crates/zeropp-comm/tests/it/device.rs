@@ -340,7 +340,7 @@ pub(crate) fn host_feedback_steps(
         .map(|step| {
             let grad = rank_data(step, comm.rank(), n);
             host::qgz_reduce_scatter_with_feedback(comm, &grad, &mut out, opts, &mut fb)?;
-            Ok((bits(&out), bits(fb.residual()), bits(fb.inter_residual())))
+            Ok((bits(&out), bits(&fb.residual()), bits(&fb.inter_residual())))
         })
         .collect()
 }
@@ -360,7 +360,7 @@ pub(crate) fn device_feedback_steps<D: Device>(
             let grad = DeviceBuf::from_f32(&d, comm.stream(), &rank_data(step, comm.rank(), n))?;
             dev::qgz_reduce_scatter_with_feedback(comm, grad.view(), out.view(), opts, &mut fb)?;
             let state = fb.download(&d, comm.stream())?;
-            Ok((bits(&out.to_f32(&d, comm.stream())?), bits(state.residual()), bits(state.inter_residual())))
+            Ok((bits(&out.to_f32(&d, comm.stream())?), bits(&state.residual()), bits(&state.inter_residual())))
         })
         .collect()
 }

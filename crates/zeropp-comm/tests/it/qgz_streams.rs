@@ -6,8 +6,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap
 
 use zeropp_comm::collectives::{
-    ErrorFeedback, QgzOptions, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
+    ErrorFeedback, QgzOptions, ResidualPrecision, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
 };
+use zeropp_quant::half::bf16;
 use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
 use zeropp_quant::rng::splitmix64;
 use zeropp_quant::{Options, QuantSpec};
@@ -121,12 +122,12 @@ fn loco_feedback_shrinks_the_time_averaged_error_on_both_hops() {
         })
         .collect();
     let exact: Vec<f64> = (0..n).map(|i| grads.iter().map(|g| f64::from(g[i])).sum::<f64>() / 4.0).collect();
-    let run = |fb: Option<f32>| -> f64 {
+    let run = |fb: Option<f32>, precision: ResidualPrecision| -> f64 {
         let outs = ThreadCluster::new(t, ThreadOptions::default())
             .run(|comm| {
                 let r = comm.rank();
                 let mut acc = vec![0.0f64; n / 4];
-                let mut feedback = fb.map(ErrorFeedback::loco);
+                let mut feedback = fb.map(|b| ErrorFeedback::loco(b).with_precision(precision));
                 for _ in 0..steps {
                     let mut shard = vec![0.0f32; n / 4];
                     match feedback.as_mut() {
@@ -142,10 +143,12 @@ fn loco_feedback_shrinks_the_time_averaged_error_on_both_hops() {
                     acc.iter_mut().zip(&shard).for_each(|(a, &x)| *a += f64::from(x));
                 }
                 if let Some(f) = &feedback {
-                    // Both hops kept a residual (2 nodes: hop 2 quantizes).
+                    // Both hops kept a residual (2 nodes: hop 2 quantizes), in the
+                    // precision asked for.
                     assert_eq!(f.residual().len(), n);
                     assert_eq!(f.inter_residual().len(), n / 4 * 2);
                     assert!(f.inter_residual().iter().any(|&x| x != 0.0), "hop-2 residual never used");
+                    assert_eq!(f.bytes(), (n + n / 4 * 2) * precision.bytes());
                 }
                 Ok::<_, zeropp_comm::CommError>(acc)
             })
@@ -153,12 +156,87 @@ fn loco_feedback_shrinks_the_time_averaged_error_on_both_hops() {
         let avg: Vec<f64> = outs.concat().iter().map(|a| a / steps as f64).collect();
         (avg.iter().zip(&exact).map(|(a, e)| (a - e).powi(2)).sum::<f64>() / n as f64).sqrt()
     };
-    let plain = run(None);
-    let ef = run(Some(0.0));
-    let loco = run(Some(0.8));
-    eprintln!("time-averaged RMS error: none {plain:.3e}, feedback {ef:.3e}, LoCo(0.8) {loco:.3e}");
-    assert!(ef < 0.25 * plain, "plain feedback: {ef} vs {plain}");
-    assert!(loco < 0.5 * plain, "LoCo: {loco} vs {plain}");
+    let plain = run(None, ResidualPrecision::F32);
+    for precision in [ResidualPrecision::F32, ResidualPrecision::Bf16] {
+        let ef = run(Some(0.0), precision);
+        let loco = run(Some(0.8), precision);
+        eprintln!(
+            "time-averaged RMS error ({precision:?} residuals): none {plain:.3e}, feedback {ef:.3e}, LoCo(0.8) {loco:.3e}"
+        );
+        assert!(ef < 0.25 * plain, "plain feedback, {precision:?}: {ef} vs {plain}");
+        assert!(loco < 0.5 * plain, "LoCo, {precision:?}: {loco} vs {plain}");
+    }
+}
+
+/// bf16 residuals are bf16 values (so they take half the bytes) and track the
+/// f32 ones: after four steps on the same gradients, the two runs' residuals and
+/// reduced shards stay close.
+#[test]
+fn bf16_residuals_are_bf16_values_close_to_f32_ones() {
+    let t = Topology::ranks(4).per_node(2).unwrap();
+    let n = 2048;
+    let g = |r: usize, k: usize| -> Vec<f32> {
+        (0..n).map(|i| ((splitmix64((k * 7919 + r * n + i) as u64) >> 40) as f32 / 1e7) - 0.8).collect()
+    };
+    let outs = ThreadCluster::new(t, ThreadOptions::default())
+        .run(|comm| {
+            let r = comm.rank();
+            let s = n / 4;
+            let mut a = ErrorFeedback::loco(0.8);
+            let mut b = ErrorFeedback::loco(0.8).with_precision(ResidualPrecision::Bf16);
+            let (mut sa, mut sb) = (vec![0.0f32; s], vec![0.0f32; s]);
+            for k in 0..4 {
+                qgz_reduce_scatter_with_feedback(comm, &g(r, k), &mut sa, &QgzOptions::default(), &mut a)?;
+                qgz_reduce_scatter_with_feedback(comm, &g(r, k), &mut sb, &QgzOptions::default(), &mut b)?;
+            }
+            Ok::<_, zeropp_comm::CommError>((a, b, sa, sb))
+        })
+        .unwrap();
+    for (a, b, sa, sb) in outs {
+        assert_eq!(b.precision(), ResidualPrecision::Bf16);
+        assert_eq!(b.bytes() * 2, a.bytes(), "bf16 residuals take half the bytes");
+        let (ra, rb) = (a.residual(), b.residual());
+        assert_eq!(ra.len(), rb.len());
+        let scale = ra.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let mut close = 0usize;
+        for (&x, &y) in ra.iter().zip(rb.iter()) {
+            assert_eq!(bf16::from_f32(y).to_f32(), y, "a stored residual is not a bf16 value");
+            // A few bf16 roundings apart; an element whose rounding decision
+            // flipped (a tiny difference crossing a quantization midpoint) jumps by
+            // a quantization step instead, which the count below allows for.
+            if (x - y).abs() <= x.abs() / 32.0 + scale / 1024.0 {
+                close += 1;
+            }
+        }
+        assert!(close * 10 >= ra.len() * 9, "bf16 residuals drifted: {close} of {} close", ra.len());
+        // The reduced shards agree to quantization accuracy.
+        let diff = sa.iter().zip(&sb).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        let amax = sa.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        assert!(diff <= 0.25 * amax, "bf16 vs f32 residuals: shards differ by {diff} (amax {amax})");
+    }
+}
+
+/// Restoring f32 residuals into bf16 storage rounds them to bf16 once;
+/// reading them back is exact, and a second round trip changes nothing.
+#[test]
+fn bf16_residual_state_round_trips_exactly() {
+    let mut fb = ErrorFeedback::loco(0.5).with_precision(ResidualPrecision::Bf16);
+    let h1: Vec<f32> = (0..100).map(|i| (i as f32 * 0.1234567).sin()).collect();
+    let h2: Vec<f32> = (0..50).map(|i| (i as f32 * 0.7654321).cos()).collect();
+    fb.restore(h1.clone(), h2.clone());
+    let (a1, a2) = fb.state();
+    for (x, y) in h1.iter().zip(a1.iter()) {
+        assert_eq!(*y, bf16::from_f32(*x).to_f32());
+    }
+    assert_eq!(a2.len(), h2.len());
+    let mut again = ErrorFeedback::loco(0.5).with_precision(ResidualPrecision::Bf16);
+    again.restore(a1.to_vec(), a2.to_vec());
+    assert_eq!(again, fb);
+    assert_eq!(fb.bytes(), 150 * 2);
+    // Converting the storage keeps the values (bf16 -> f32 is exact).
+    let f32_copy = fb.clone().with_precision(ResidualPrecision::F32);
+    assert_eq!(f32_copy.residual(), fb.residual());
+    assert_eq!(f32_copy.bytes(), 150 * 4);
 }
 
 /// The residuals can be saved and restored: two runs, one of which restores the
@@ -182,6 +260,7 @@ fn feedback_state_round_trips() {
             let (h1, h2) = a.state();
             let mut b = ErrorFeedback::loco(0.8);
             b.restore(h1.to_vec(), h2.to_vec());
+            drop((h1, h2));
             let mut sa = vec![0.0f32; s];
             let mut sb = vec![0.0f32; s];
             qgz_reduce_scatter_with_feedback(comm, &g(r, 3), &mut sa, &QgzOptions::default(), &mut a)?;

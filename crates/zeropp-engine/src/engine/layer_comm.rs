@@ -11,6 +11,7 @@
 //! | hpZ secondary gather (backward; forward of later micro-batches) | `all_gather_f32` / `all_gather_bf16` over the hpZ group, or the qwZ encodings by `all_gather_bytes` ([`HpzWire::Int8`]) |
 //! | gradient reduce-scatter | `world_reduce_scatter` (dense, with the config's routing) or qgZ (`qgz_reduce_scatter[_with_feedback]`), plus an all-to-all-v of the 1-D parameters when they are excluded from qgZ |
 
+use std::borrow::Cow;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -197,9 +198,11 @@ impl Streams {
 struct Qgz {
     opts: QgzOptions,
     loco: Option<LocoConfig>,
+    /// One residual pair per reduce call (empty without error feedback). No
+    /// copy is kept to undo a step: a skipped step resets them instead.
     feedback: Vec<ErrorFeedback>,
-    /// The residuals at the start of the step, restored when the step is skipped.
-    saved: Vec<ErrorFeedback>,
+    /// Whether qgZ's quantizers round stochastically.
+    stochastic: bool,
 }
 
 /// The elements of one layer that are reduced densely instead of by qgZ (the 1-D
@@ -290,6 +293,8 @@ pub(crate) struct LayerComm {
     /// (`dense_slices`, the qgZ residuals).
     first_call: Vec<usize>,
     streams: Streams,
+    /// Whether qwZ's quantizer rounds stochastically.
+    qwz_stochastic: bool,
 }
 
 impl LayerComm {
@@ -325,12 +330,12 @@ impl LayerComm {
             let local = QuantSpec::int8(wire.group_size()).map_err(EngineError::InvalidQuantSpec)?;
             let opts =
                 QgzOptions { intra_spec: wire, inter_spec: wire, local_spec: local, ..QgzOptions::default() };
-            let fb = |l: LocoConfig| ErrorFeedback::loco(l.err_beta);
+            let fb = |l: LocoConfig| ErrorFeedback::loco(l.err_beta).with_precision(l.residual_precision());
             let feedback: Vec<ErrorFeedback> = match q.error_feedback {
                 Some(l) => (0..layers).map(|_| fb(l)).collect(),
                 None => Vec::new(),
             };
-            Some(Qgz { opts, loco: q.error_feedback, saved: feedback.clone(), feedback })
+            Some(Qgz { opts, loco: q.error_feedback, feedback, stochastic: z.qgz_stochastic() })
         } else {
             None
         };
@@ -344,16 +349,17 @@ impl LayerComm {
             Vec::new()
         };
         let streams = Streams {
-            base: z.stochastic_rounding.then_some(cfg.seed ^ 0x9E37_79B9_7F4A_7C15),
+            base: (z.stochastic_rounding || z.qgz_stochastic()).then_some(cfg.seed ^ 0x9E37_79B9_7F4A_7C15),
             step: 0,
             call: 0,
         };
-        Ok(Self { rank, gather, qgz, dense_slices, chunks, first_call, streams })
+        let qwz_stochastic = z.stochastic_rounding;
+        Ok(Self { rank, gather, qgz, dense_slices, chunks, first_call, streams, qwz_stochastic })
     }
 
     /// Starts optimizer step `step` (also before an evaluation): restarts the
-    /// stochastic-rounding streams, saves the qgZ residuals so a skipped step can
-    /// restore them, and resets them every LoCo `reset_t` steps.
+    /// stochastic-rounding streams and resets the qgZ residuals every LoCo
+    /// `reset_t` steps.
     pub(crate) fn start_step(&mut self, step: usize, training: bool) {
         self.streams.step = step as u64;
         self.streams.call = 0;
@@ -368,15 +374,16 @@ impl LayerComm {
             {
                 q.feedback.iter_mut().for_each(ErrorFeedback::reset);
             }
-            q.saved.clone_from(&q.feedback);
         }
     }
 
-    /// Called when the step was skipped: the qgZ residuals go back to what they
-    /// were before it (the skipped gradient must leave no trace).
-    pub(crate) fn undo_step(&mut self) {
+    /// Called when the step was skipped: the qgZ residuals are reset to zero, so
+    /// the skipped gradient leaves no trace (without a second copy of the
+    /// residuals to restore: a skip costs the accumulated compensation, as a
+    /// LoCo `reset_t` does, and skips are rare).
+    pub(crate) fn skipped_step(&mut self) {
         if let Some(q) = &mut self.qgz {
-            q.feedback.clone_from(&q.saved);
+            q.feedback.iter_mut().for_each(ErrorFeedback::reset);
         }
     }
 
@@ -384,7 +391,9 @@ impl LayerComm {
     /// stream (keyed by this rank too: a rank quantizes only its own shard).
     fn next_gather(&mut self) -> GatherSpec {
         let mut g = self.gather;
-        if let WeightGather::Qwz { .. } = g.weights {
+        if let WeightGather::Qwz { .. } = g.weights
+            && self.qwz_stochastic
+        {
             g.stochastic = self
                 .streams
                 .next(Streams::QWZ)
@@ -503,7 +512,7 @@ impl LayerComm {
         out: &mut [f32],
     ) -> Result<(), EngineError> {
         let layer = call;
-        let seed = self.streams.next(Streams::QGZ);
+        let seed = self.streams.next(Streams::QGZ).filter(|_| self.qgz.as_ref().is_some_and(|q| q.stochastic));
         let dense = self.gather.dense;
         let Some(q) = &mut self.qgz else {
             collectives::world_reduce_scatter(comm, self.gather.routing, dense, full, out, Reduce::Mean)?;
@@ -538,7 +547,7 @@ impl LayerComm {
 
     /// The qgZ residuals of every layer, `(hop 1, hop 2)`, for checkpoints (empty
     /// without error feedback).
-    pub(crate) fn feedback_state(&self) -> Vec<(&[f32], &[f32])> {
+    pub(crate) fn feedback_state(&self) -> Vec<(Cow<'_, [f32]>, Cow<'_, [f32]>)> {
         self.qgz.as_ref().map(|q| q.feedback.iter().map(ErrorFeedback::state).collect()).unwrap_or_default()
     }
 
@@ -558,7 +567,6 @@ impl LayerComm {
         for (fb, (h1, h2)) in q.feedback.iter_mut().zip(state) {
             fb.restore(h1, h2);
         }
-        q.saved.clone_from(&q.feedback);
         Ok(())
     }
 }

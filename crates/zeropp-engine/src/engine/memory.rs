@@ -13,12 +13,12 @@
 //! | secondary `2·Ψ/hpz` | the hpZ secondary shards, bf16 (less with the INT8 hpZ wire) |
 //! | transient layers | at most [`GATHERED_COPIES`] f32 copies of the largest layer: the gathered layer, the prefetched next one, its gradient, the compact views, the wire buffers |
 //! | activations | [`Model::activation_bytes`] of one micro-batch |
-//! | (not in the report) LoCo residuals | with qgZ error feedback: per layer, the first hop's residual over the whole padded gradient (`4·Ψ` in all, every rank quantizes its full gradient) and the second hop's (`4·N·Ψ/W`), twice (the copy that restores them after a skipped step) |
+//! | (not in the report) LoCo residuals | only with qgZ error feedback (opt-in): per layer, the first hop's residual over the whole padded gradient (`b·Ψ` in all, every rank quantizes its full gradient) and the second hop's (`b·N·Ψ/W`), with `b` = 2 bytes (bf16 residuals, the default) or 4 (f32); one copy (a skipped step resets them instead of restoring a saved copy) |
 //!
 //! The LoCo residuals do not shrink with W: on the first hop every rank
 //! quantizes its whole local gradient, so its error is as large as the model
 //! (DeepSpeed's LoCo keeps such buffers too). Past a few ranks they are the
-//! largest term; `--no-error-feedback` removes them.
+//! largest term; error feedback is off by default.
 //!
 //! ```
 //! use zeropp_comm::Topology;
@@ -55,7 +55,7 @@ pub struct MemoryPrediction {
     pub transient_layers: usize,
     /// Activations of one micro-batch.
     pub activations: usize,
-    /// qgZ's LoCo residuals, both hops, with their saved copy (0 without error feedback).
+    /// qgZ's LoCo residuals, both hops (0 without error feedback).
     pub error_feedback: usize,
     /// Bytes of the full f32 model (`4·Ψ`): no rank may come near it.
     pub full_f32_model: usize,
@@ -79,12 +79,13 @@ pub fn predict<M: Model + ?Sized>(
     let report = plan.memory_report(0)?;
     let largest = plan.buckets().iter().map(|b| b.padded_len).max().unwrap_or(0);
     let nodes = plan.topology().nodes();
-    let error_feedback = if cfg.zero.error_feedback().is_some() {
-        let per_copy: usize =
-            plan.buckets().iter().map(|b| b.padded_len + nodes * (b.padded_len / plan.world())).sum();
-        2 * 4 * per_copy
-    } else {
-        0
+    let error_feedback = match cfg.zero.error_feedback() {
+        Some(loco) => {
+            let elements: usize =
+                plan.buckets().iter().map(|b| b.padded_len + nodes * (b.padded_len / plan.world())).sum();
+            loco.residual_precision().bytes() * elements
+        }
+        None => 0,
     };
     Ok(MemoryPrediction {
         states: report.total_bytes(),

@@ -492,7 +492,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
 
     /// The qgZ error-feedback residuals of every layer, `(hop 1, hop 2)` (empty
     /// without error feedback).
-    pub(crate) fn feedback_state(&self) -> Vec<(&[f32], &[f32])> {
+    pub(crate) fn feedback_state(&self) -> Vec<(std::borrow::Cow<'_, [f32]>, std::borrow::Cow<'_, [f32]>)> {
         self.comms.feedback_state()
     }
 
@@ -808,7 +808,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         let skipped = !norm.is_finite();
         if skipped {
             self.skipped += 1;
-            self.comms.undo_step();
+            self.comms.skipped_step();
         } else {
             let factor = clip_factor(norm, self.cfg.gradient_clipping);
             for ((p, g), opt) in self.master.iter_mut().zip(&self.grad_acc).zip(&mut self.optim) {

@@ -27,12 +27,16 @@ fn resume_reproduces_the_uninterrupted_run() {
         // The stochastic-rounding streams are keyed by the step, so a resume draws
         // exactly what the uninterrupted run drew.
         ZeroConfig { stochastic_rounding: true, ..ZeroConfig::zeropp(4) },
-        // The LoCo residuals are saved with the checkpoint.
+        // The LoCo residuals are saved with the checkpoint (bf16, the default
+        // storage, and f32).
+        ZeroConfig { qgz: Some(QgzConfig::loco(ZeroConfig::default_qgz_spec())), ..ZeroConfig::zeropp(4) },
         ZeroConfig {
             qgz: Some(QgzConfig {
-                error_feedback: Some(zeropp_engine::config::LocoConfig::default()),
-                exclude_1d: true,
-                spec: ZeroConfig::default_qgz_spec(),
+                error_feedback: Some(zeropp_engine::config::LocoConfig {
+                    residual_dtype: CommDtype::F32,
+                    ..Default::default()
+                }),
+                ..QgzConfig::loco(ZeroConfig::default_qgz_spec())
             }),
             ..ZeroConfig::zeropp(4)
         },

@@ -121,3 +121,38 @@ fn a_bad_deepspeed_config_is_an_error() {
     let e = zeropp_engine::deepspeed::from_json_str(bad, 4, &EngineConfig::default()).unwrap_err();
     assert!(e.to_string().contains("train_batch_size 10"), "{e}");
 }
+
+/// With LoCo error feedback (opt-in), a skipped step resets the residuals to
+/// zero instead of restoring a saved copy (there is none: it would double their
+/// memory): the checkpoint written right after the skipped step holds zero
+/// residuals, where the same run without the fault holds non-zero ones, and the
+/// parameters are those of the clean steps alone.
+#[test]
+fn a_skipped_step_resets_the_loco_residuals() {
+    use zeropp_engine::config::QgzConfig;
+    use zeropp_engine::engine::{build_plan, checkpoint};
+    let zero = ZeroConfig { qgz: Some(QgzConfig::loco(ZeroConfig::default_qgz_spec())), ..ZeroConfig::zeropp(4) };
+    let residuals = |faults: Faults| -> Vec<f32> {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = TrainConfig { faults, steps: 2, save: Some(dir.path().to_path_buf()), ..tiny(8, 4) };
+        cfg.engine.zero = zero;
+        let r = train(&cfg).unwrap();
+        assert_eq!(r.summary.skipped_steps, usize::from(faults.nan_gradient.is_some()));
+        let info = zeropp_engine::train::load_data(&cfg.data).unwrap().1;
+        let model = zeropp_engine::Gpt::new(GptConfig::tiny().with_vocab(info.vocab)).unwrap();
+        let topo = zeropp_comm::Topology::ranks(8).per_node(4).unwrap();
+        let plan = build_plan(&model, &cfg.engine, topo).unwrap();
+        let (step, states) = checkpoint::load(dir.path(), &plan, &cfg.engine).unwrap();
+        assert_eq!(step, 2);
+        states
+            .into_iter()
+            .flat_map(|s| s.feedback.expect("LoCo residuals saved"))
+            .flat_map(|(h1, h2)| h1.into_iter().chain(h2))
+            .collect()
+    };
+    let clean = residuals(Faults::default());
+    assert!(clean.iter().any(|&x| x != 0.0), "LoCo residuals stayed zero without a skip");
+    // Step 1 (the last) is skipped on every rank.
+    let skipped = residuals(Faults { nan_gradient: Some((3, 1)), ..Faults::default() });
+    assert!(skipped.iter().all(|&x| x == 0.0), "a skipped step left LoCo residuals behind");
+}
