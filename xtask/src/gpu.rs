@@ -12,7 +12,7 @@ use std::process::Command;
 use crate::{cargo, ptx, run};
 
 /// `cargo` with the link path for `-lcuda` set up.
-fn cuda_cargo() -> Result<Command, String> {
+pub(crate) fn cuda_cargo() -> Result<Command, String> {
     let stub = ptx::stub()?;
     let mut c = cargo();
     if !ptx::has_driver() {
@@ -36,7 +36,8 @@ pub(crate) fn gpu(args: &[String]) -> Result<(), String> {
         Some("clippy") => clippy(),
         Some("ci") => ci(),
         Some("nccl") => nccl_mpi(),
-        _ => Err("usage: cargo xtask gpu test | clippy | ci | nccl".into()),
+        Some("check") => crate::gpu_check::check(&args[1..]),
+        _ => Err("usage: cargo xtask gpu test | clippy | ci | nccl | check [--pack-only]".into()),
     }
 }
 
@@ -53,6 +54,9 @@ pub(crate) fn test() -> Result<(), String> {
     let mut c = cuda_cargo()?;
     c.args(["test", "--locked", "-p", "zeropp-comm", "--features", "nccl", "--test", "it", "--", "device_"]);
     run("GPU tests (zeropp-comm --features nccl: the one-GPU cluster, NCCL with one rank)", c)?;
+    let mut u = cuda_cargo()?;
+    u.args(["test", "--locked", "-p", "zeropp-comm", "--features", "nccl", "--lib", "--", "device::"]);
+    run("unit tests of the device backends (zeropp-comm --features nccl)", u)?;
     eprintln!(
         "==> device: {}",
         if ptx::has_driver() { "a CUDA driver is installed" } else { "no CUDA driver (stub libcuda)" }
@@ -151,7 +155,7 @@ pub(crate) fn bench_comm(report_dir: &Path) -> Result<(), String> {
 }
 
 /// GPUs the driver shows (`nvidia-smi -L`, one line per GPU); 0 without it.
-fn visible_gpus() -> usize {
+fn installed_gpus() -> usize {
     Command::new("nvidia-smi")
         .arg("-L")
         .output()
@@ -160,13 +164,24 @@ fn visible_gpus() -> usize {
         .map_or(0, |o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count())
 }
 
+/// The GPUs this job may use: those an inherited `CUDA_VISIBLE_DEVICES` lists
+/// (a scheduler's assignment; at most the installed ones), else all installed.
+fn visible_gpus(cuda_visible_devices: Option<&str>, installed: usize) -> usize {
+    match cuda_visible_devices.map(str::trim) {
+        Some(list) => list.split(',').filter(|d| !d.trim().is_empty()).count().min(installed),
+        None => installed,
+    }
+}
+
 /// `cargo xtask gpu nccl`: NCCL across GPUs under `mpirun`, the `nccl_mpi`
 /// example (zeropp-comm, features `nccl` + `mpi`), one process per visible GPU
-/// (at most 8), each pinned to its GPU with `CUDA_VISIBLE_DEVICES`. With fewer
-/// than two GPUs it prints one counted skip line; `ZEROPP_REQUIRE_MULTI_GPU=1`
-/// makes that a failure.
+/// (at most 8). The processes inherit `CUDA_VISIBLE_DEVICES` as it is (a
+/// scheduler's assignment stays in force) and each takes the visible device
+/// of its node-local rank. With fewer than two GPUs it prints one counted skip
+/// line; `ZEROPP_REQUIRE_MULTI_GPU=1` makes that a failure.
 pub(crate) fn nccl_mpi() -> Result<(), String> {
-    let gpus = visible_gpus();
+    let inherited = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let gpus = visible_gpus(inherited.as_deref(), installed_gpus());
     if gpus < 2 {
         let required = std::env::var("ZEROPP_REQUIRE_MULTI_GPU").is_ok_and(|v| v.trim() == "1");
         let line = format!("nccl-mpi: 1 test skipped: {gpus} GPU(s) visible, NCCL across processes needs 2");
@@ -192,9 +207,25 @@ pub(crate) fn nccl_mpi() -> Result<(), String> {
     let exe = crate::root().join("target/release/examples/nccl_mpi");
     let np = gpus.min(8).to_string();
     let mut m = Command::new("timeout");
-    m.args(["300", "mpirun", "-np", &np, "-x", "ZEROPP_REQUIRE_GPU=1", "bash", "-c"])
-        .arg(format!("CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec {}", exe.display()))
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
+    m.args(["300", "mpirun", "-np", &np, "-x", "ZEROPP_REQUIRE_GPU=1"]);
+    if inherited.is_some() {
+        m.args(["-x", "CUDA_VISIBLE_DEVICES"]);
+    }
+    m.arg(&exe).env("OMPI_ALLOW_RUN_AS_ROOT", "1").env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1");
     run(&format!("NCCL under mpirun on {np} GPUs"), m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::visible_gpus;
+
+    /// An inherited `CUDA_VISIBLE_DEVICES` decides how many GPUs the job uses.
+    #[test]
+    fn an_inherited_device_list_is_respected() {
+        assert_eq!(visible_gpus(None, 8), 8);
+        assert_eq!(visible_gpus(Some("2,5"), 8), 2);
+        assert_eq!(visible_gpus(Some(" 3 "), 8), 1);
+        assert_eq!(visible_gpus(Some(""), 8), 0);
+        assert_eq!(visible_gpus(Some("0,1,2,3"), 2), 2);
+    }
 }

@@ -12,6 +12,7 @@ use serde_json::Value;
 
 mod cluster;
 mod gpu;
+mod gpu_check;
 mod ptx;
 mod scale;
 
@@ -38,7 +39,10 @@ tasks:
                    fails instead), clippy, or all of ci's cuda steps;
                    `bench gpu` benchmarks the kernels against device memcpy;
                    `bench gpu-comm` the device collectives (qgZ/qwZ vs bf16; host-simulated + GPU);
-                   `gpu nccl`: NCCL across the visible GPUs under mpirun (skips below 2 GPUs)
+                   `gpu nccl`: NCCL across the visible GPUs under mpirun (skips below 2 GPUs);
+                   `gpu check [--pack-only]`: builds the GPU tests and benches into target/gpu-check
+                   (carry it to a GPU machine, run `bash target/gpu-check/run.sh` there: one
+                   markdown report, 8 minutes at most); without --pack-only it rehearses that run here
   cluster CMD      a real cluster on one machine: network namespaces, shaped links, OpenMPI over
                    TCP (`cluster run ... -- TRAIN_ARGS`, `cluster probe`; `cargo xtask cluster help`)
   test-cluster     the cluster tests (root, iproute2, OpenMPI; `--full`: 2x4 too, `--faults`:

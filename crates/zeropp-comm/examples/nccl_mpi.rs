@@ -6,9 +6,13 @@
 //!
 //! ```text
 //! cargo build --release -p zeropp-comm --features nccl,mpi --example nccl_mpi
-//! mpirun -np 2 -x ZEROPP_REQUIRE_GPU=1 bash -c \
-//!   'CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec target/release/examples/nccl_mpi'
+//! mpirun -np 2 -x ZEROPP_REQUIRE_GPU=1 target/release/examples/nccl_mpi
 //! ```
+//!
+//! Each process takes the visible GPU of its node-local rank
+//! (`CudaDevice::for_local_rank`), so an inherited `CUDA_VISIBLE_DEVICES` stays in
+//! force; the ranks agree over MPI that all have a device before the collective
+//! `NcclComm::new`, so nobody waits in it for a rank that skipped.
 //!
 //! (`ZEROPP_LOCAL_SIZE=L` simulates nodes of `L` ranks.) Rank 0 prints
 //! `nccl_mpi: N checks passed`; a failure aborts the job. Fewer than two
@@ -39,15 +43,38 @@ fn down(nc: &NcclComm, b: &DeviceBuf<CudaDevice>) -> Result<Vec<f32>, String> {
 fn run(mpi: &Mpi) -> Result<usize, String> {
     let mut host = mpi.communicator(MpiOptions::default()).map_err(e("mpi communicator"))?;
     let required = std::env::var("ZEROPP_REQUIRE_GPU").is_ok_and(|v| v.trim() == "1");
-    let device = match CudaDevice::new() {
-        Ok(d) => d,
-        Err(err) if !required => {
-            if host.rank() == 0 {
-                println!("nccl_mpi: skipped: no CUDA device ({err})");
+    let world_size = host.topology().world();
+    if world_size < 2 {
+        // NCCL across processes needs two; one process has nothing to check here
+        // (the one-GPU tests cover a single rank).
+        println!("nccl_mpi: skipped: {world_size} process, NCCL across processes needs 2");
+        return Ok(0);
+    }
+    // Each process takes the GPU of its node-local rank among those it sees
+    // (one each under `CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK`).
+    let local = host.topology().local_rank(host.rank());
+    let device = CudaDevice::for_local_rank(local);
+    // Agree before the communicator exists: NcclComm::new is collective, so a
+    // rank that skipped alone would leave the others waiting in it for ever.
+    let mine = [u64::from(device.is_ok())];
+    let mut all = vec![0u64; world_size];
+    host.all_gather(&Group::world(host.topology()), &mine, &mut all).map_err(e("agree on the devices"))?;
+    let missing: Vec<usize> = all.iter().enumerate().filter(|(_, ok)| **ok == 0).map(|(r, _)| r).collect();
+    let device = match device {
+        Ok(d) if missing.is_empty() => d,
+        result => {
+            let why = match &result {
+                Err(err) => format!("no CUDA device on this rank ({err})"),
+                Ok(_) => format!("no CUDA device on rank(s) {missing:?}"),
+            };
+            if required {
+                return Err(format!("ZEROPP_REQUIRE_GPU=1 but {why}"));
+            }
+            if host.rank() == 0 || result.is_err() {
+                println!("nccl_mpi: skipped on rank {}: {why}", host.rank());
             }
             return Ok(0);
         }
-        Err(err) => return Err(format!("ZEROPP_REQUIRE_GPU=1 but no CUDA device: {err}")),
     };
     let mut nc = NcclComm::new(&mut host, device).map_err(e("NcclComm::new"))?;
     let t = *nc.topology();

@@ -64,7 +64,11 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
         Some(q)
     };
     vec![
-        ("zero3-f32", "ZeRO-3, f32 communication (exact; the control)", ZeroConfig { comm_dtype: CommDtype::F32, ..z3 }),
+        (
+            "zero3-f32",
+            "ZeRO-3, f32 communication (exact; the control)",
+            ZeroConfig { comm_dtype: CommDtype::F32, ..z3 },
+        ),
         ("zero3", "ZeRO-3, bf16 (the baseline)", z3),
         (
             "default",
@@ -117,7 +121,8 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
             "ZeRO++ + LoCo with f32 residuals + 1-D exclusion",
             ZeroConfig {
                 qgz: qgz(|q| {
-                    q.error_feedback = Some(LocoConfig { residual_dtype: CommDtype::F32, ..LocoConfig::default() });
+                    q.error_feedback =
+                        Some(LocoConfig { residual_dtype: CommDtype::F32, ..LocoConfig::default() });
                     q.exclude_1d = true;
                 }),
                 ..zpp
@@ -288,7 +293,8 @@ fn main() {
                         eval_batches: args.eval_batches,
                         ..TrainConfig::default()
                     };
-                    let r = train(&cfg).unwrap_or_else(|e| panic!("{corpus} lr {lr} {name} seed {seed}: {e}"));
+                    let r =
+                        train(&cfg).unwrap_or_else(|e| panic!("{corpus} lr {lr} {name} seed {seed}: {e}"));
                     let v = f64::from(r.summary.val_loss.expect("validation ran"));
                     eprintln!("fidelity: {corpus} lr {lr} {name:>18} seed {seed}: val loss {v:.4}");
                     per_seed.push(v);

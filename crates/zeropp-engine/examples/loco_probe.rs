@@ -35,6 +35,7 @@
 //! ```
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench driver: failures abort
+#![allow(clippy::needless_range_loop)] // layer indices walk several per-layer vectors at once
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -202,8 +203,10 @@ fn main() {
                 .iter()
                 .map(|_| s.iter().map(|&n| [AdamW::new(optim, n), AdamW::new(long, n)]).collect())
                 .collect();
-            let mut feedback: Vec<Vec<Option<ErrorFeedback>>> =
-                VARIANTS.iter().map(|(_, b, _)| (0..layers).map(|_| b.map(ErrorFeedback::loco)).collect()).collect();
+            let mut feedback: Vec<Vec<Option<ErrorFeedback>>> = VARIANTS
+                .iter()
+                .map(|(_, b, _)| (0..layers).map(|_| b.map(ErrorFeedback::loco)).collect())
+                .collect();
             let fresh = |s: &[usize]| -> Acc {
                 Acc {
                     drift: s.iter().map(|&n| vec![0.0; n]).collect(),
@@ -213,7 +216,8 @@ fn main() {
                     ..Acc::default()
                 }
             };
-            let mut out: Vec<Vec<Acc>> = phases.iter().map(|_| VARIANTS.iter().map(|_| fresh(&s)).collect()).collect();
+            let mut out: Vec<Vec<Acc>> =
+                phases.iter().map(|_| VARIANTS.iter().map(|_| fresh(&s)).collect()).collect();
             for step in 0..args.steps {
                 let ph = phases.iter().position(|&(a, b)| (a..b).contains(&step)).unwrap();
                 if step > 0 && step.is_multiple_of(LOCO_RESET) {
@@ -234,7 +238,14 @@ fn main() {
                     let mut full = vec![0.0f32; b.padded_len];
                     b.expand_into(&grads[l], &mut full)?;
                     let mut g = vec![0.0f32; s[l]];
-                    world_reduce_scatter(comm, Routing::Hierarchical, DenseWire::F32, &full, &mut g, Reduce::Mean)?;
+                    world_reduce_scatter(
+                        comm,
+                        Routing::Hierarchical,
+                        DenseWire::F32,
+                        &full,
+                        &mut g,
+                        Reduce::Mean,
+                    )?;
                     // qgZ carries zeros at the 1-D positions (they go exact).
                     let mut masked = full.clone();
                     for p in b.params.iter().filter(|p| p.shape.len() == 1) {
@@ -262,7 +273,8 @@ fn main() {
                     g_exact.push(g);
                 }
                 // 2. Clipping factors from each reduction's global norm, as the engine clips.
-                let sq = |gs: &[Vec<f32>]| gs.iter().flatten().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+                let sq =
+                    |gs: &[Vec<f32>]| gs.iter().flatten().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
                 let mut local: Vec<f64> = vec![sq(&g_exact)];
                 local.extend(g_var.iter().map(|gv| sq(gv)));
                 let mut all = vec![0.0f64; local.len() * w];
@@ -409,8 +421,10 @@ fn main() {
             }
             let ratio = |x: f64, y: f64| (x / y).sqrt();
             if v == 0 {
-                let (l, n): (f64, f64) =
-                    per_rank.iter().map(|r| (r[pi][0].loss, r[pi][0].steps)).fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+                let (l, n): (f64, f64) = per_rank
+                    .iter()
+                    .map(|r| (r[pi][0].loss, r[pi][0].steps))
+                    .fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
                 eprintln!("steps {a}-{b}: mean training loss on the trajectory {:.4}", l / n);
             }
             writeln!(

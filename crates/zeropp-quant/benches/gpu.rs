@@ -6,7 +6,9 @@
 //! of f32 input (the fused kernel's eight INT4 inputs hold as many bytes as the
 //! f32 vector). Calls are timed as the API runs them: synchronous, with the
 //! non-finite check read back, into preallocated outputs (`*_into`; one row
-//! shows the allocating call); the memcpy is likewise synchronised each time.
+//! shows the allocating call); the memcpy is likewise synchronised each time,
+//! enqueued on the same stream as the kernels (`async_copy_to` on
+//! `Gpu::stream`), so the wait covers the copy itself, not only its launch.
 //! Launch overhead is the time of a whole call on 256 elements.
 //!
 //! Writes markdown to `$ZEROPP_GPU_BENCH_OUT` (or stdout only). Without a device
@@ -17,7 +19,7 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use zeropp_quant::cuda::cust::memory::{CopyDestination, DeviceBuffer};
+use zeropp_quant::cuda::cust::memory::{AsyncCopyDestination, DeviceBuffer, DeviceCopy};
 use zeropp_quant::cuda::{Gpu, GpuQuantized};
 use zeropp_quant::half::bf16;
 use zeropp_quant::{Options, QuantSpec};
@@ -36,6 +38,17 @@ fn time(mut f: impl FnMut()) -> f64 {
         n += 1;
     }
     start.elapsed().as_secs_f64() / f64::from(n)
+}
+
+/// A device-to-device copy of `src` into `dst` on the kernels' stream, waited
+/// for: the reference every kernel row is a ratio to. (A plain `copy_to` runs
+/// on the legacy stream and returns before the copy ends, and waiting on
+/// `gpu.stream()` then waits for nothing: it timed only the launch.)
+fn copy_on_stream<T: DeviceCopy>(gpu: &Gpu, src: &DeviceBuffer<T>, dst: &mut DeviceBuffer<T>) {
+    // SAFETY: both buffers are live and of equal length; the stream is
+    // synchronized before either can be touched again.
+    unsafe { src.async_copy_to(dst, gpu.stream()).unwrap() };
+    gpu.stream().synchronize().unwrap();
 }
 
 fn fmt_t(s: f64) -> String {
@@ -73,12 +86,9 @@ fn main() {
     let dt = gpu.upload(&tiny).unwrap();
     let mut ot = gpu.quantized_buffer(QuantSpec::int8(256).unwrap(), 256).unwrap();
     let t_call = time(|| gpu.quantize_into(&dt, &o, &mut ot).unwrap());
-    let small = DeviceBuffer::from_slice(&tiny).unwrap();
-    let mut small_dst = DeviceBuffer::from_slice(&tiny).unwrap();
-    let t_copy = time(|| {
-        small.copy_to(&mut small_dst).unwrap();
-        gpu.stream().synchronize().unwrap();
-    });
+    let small = gpu.zeros(tiny.len()).unwrap();
+    let mut small_dst = gpu.zeros(tiny.len()).unwrap();
+    let t_copy = time(|| copy_on_stream(&gpu, &small, &mut small_dst));
     let _ = writeln!(
         md,
         "Per-call overhead: quantize_into of 256 elements {} (flag reset, launch, sync, non-finite read-back); \
@@ -95,12 +105,9 @@ fn main() {
             (0..n).map(|i| ((i as u64 * 2_654_435_761 % 1_000_003) as f32 - 500_000.0) * 1e-5).collect();
         let dx = gpu.upload(&x).unwrap();
         let memcpy = |b: usize| {
-            let src = DeviceBuffer::<u8>::zeroed(b).unwrap();
-            let mut dst = DeviceBuffer::<u8>::zeroed(b).unwrap();
-            time(|| {
-                src.copy_to(&mut dst).unwrap();
-                gpu.stream().synchronize().unwrap();
-            })
+            let src = gpu.zeroed_bytes(b).unwrap();
+            let mut dst = gpu.zeroed_bytes(b).unwrap();
+            time(|| copy_on_stream(&gpu, &src, &mut dst))
         };
         let t_f32 = memcpy(4 * n);
         let mut row = |name: &str, in_bytes: usize, t_ref: f64, t: f64| {

@@ -3,11 +3,18 @@
 // CPU kernels (tests/it/gpu_emu.rs) on machines without a GPU, CI included.
 //
 // The .cu file is compiled unchanged as C++20 (one #ifdef: the f16 conversion)
-// with shims for the CUDA built-ins: one thread block of 32 fibers run
-// round-robin between barriers (__syncthreads, __shfl_xor_sync), a grid of one
-// block (the kernels loop over groups), atomics through std::atomic_ref, and the _rn intrinsics as plain IEEE operations with FMA
-// contraction off (-ffp-contract=off). What this cannot check: the real
-// hardware's instructions (ptxas's code), launches and memory transfers.
+// with shims for the CUDA built-ins: a thread block of EMU_BLOCK = 256 fibers
+// (8 warps, the launch size of the Rust side), scheduled so that a warp
+// shuffle is a rendezvous of its warp and __syncthreads one of the whole block
+// (so the cross-warp half of block_max runs as on hardware); a grid of
+// ZQ_EMU_GRID blocks (default 3), run one after another in reverse order, so
+// the grid-stride loops, the INT4 packing's atomicOr into words shared by
+// groups of different blocks, and the atomicMin of the first non-finite index
+// all run with several blocks, a later block's writes landing first; atomics
+// through std::atomic_ref, and the _rn intrinsics as plain IEEE operations with
+// FMA contraction off (-ffp-contract=off). What this cannot check: the real
+// hardware's instructions (ptxas's code), truly concurrent blocks, launches
+// and memory transfers.
 //
 // Protocol (stdin -> stdout, little-endian), one request per process:
 //   u32 op = 1 quantize: u32 dtype (0 f32, 1 bf16, 2 f16), u64 len, OUT, input bytes
@@ -31,6 +38,7 @@
 #include <functional>
 #include <memory>
 #include <csetjmp>
+#include <cstdlib>
 #include <ucontext.h>
 #include <vector>
 
@@ -45,38 +53,44 @@ struct dim3 {
     unsigned x;
 };
 
-// One warp: the kernels are valid for any multiple of 32 up to 1024 threads, and
-// with one warp every barrier (__syncthreads, the shuffles' rendezvous) is a
-// rendezvous of all threads, which the round-robin fibers below implement.
-constexpr unsigned EMU_BLOCK = 32;
+// 8 warps, as the Rust side launches (the kernels are valid for any multiple
+// of 32 up to 1024 threads).
+constexpr unsigned EMU_BLOCK = 256;
+constexpr unsigned EMU_WARPS = EMU_BLOCK / 32;
 dim3 threadIdx{0};
-const dim3 blockIdx{0};
+dim3 blockIdx{0};
 const dim3 blockDim{EMU_BLOCK};
-const dim3 gridDim{1};
+dim3 gridDim{1};
 
-// The block's threads are fibers (ucontext) on one OS thread, run round-robin:
-// each runs until its next barrier, so a round of the scheduler is one barrier
-// phase. Far cheaper than OS threads for the one-rendezvous-per-group pattern.
+// The block's threads are fibers (ucontext) on one OS thread. A fiber runs
+// until it reaches a barrier and records which: its warp's (a shuffle) or the
+// block's (__syncthreads). The scheduler releases a warp when all of its live
+// threads wait at a warp barrier, and the block when all of its live threads
+// wait at __syncthreads; a round with nothing to run and nothing to release is
+// a deadlock (a barrier not every thread reaches), reported as an error.
 // ucontext starts each fiber; switches are _setjmp/_longjmp (no signal-mask
 // system call per switch, which swapcontext makes).
+enum Wait : unsigned char { RUN, WARP, BLOCK };
 static ucontext_t g_sched_uc;
 static ucontext_t g_fiber_uc[EMU_BLOCK];
 static jmp_buf g_sched;
 static jmp_buf g_fiber[EMU_BLOCK];
 static float g_xchg[EMU_BLOCK];
+static Wait g_wait[EMU_BLOCK];
 
-static inline void barrier() {
+static inline void barrier(Wait kind) {
+    g_wait[threadIdx.x] = kind;
     if (!_setjmp(g_fiber[threadIdx.x])) _longjmp(g_sched, 1);
 }
 
-static inline void __syncthreads() { barrier(); }
+static inline void __syncthreads() { barrier(BLOCK); }
 
 static inline float __shfl_xor_sync(unsigned, float v, int o) {
     const unsigned t = threadIdx.x;
     g_xchg[t] = v;
-    barrier();
+    barrier(WARP);
     const float r = g_xchg[(t & ~31u) | ((t & 31) ^ (unsigned)o)];
-    barrier();
+    barrier(WARP);
     return r;
 }
 
@@ -123,6 +137,7 @@ static bool g_done[EMU_BLOCK];
 static bool g_started[EMU_BLOCK];
 static unsigned g_t;
 static bool g_running;
+static bool g_ran;
 
 static void fiber_main(int t) {
     g_kernel[0]();
@@ -130,14 +145,44 @@ static void fiber_main(int t) {
     _longjmp(g_sched, 1);  // never resumed
 }
 
-// Runs `kernel` as one block of EMU_BLOCK threads.
-static void launch(const std::function<void()>& kernel) {
-    constexpr size_t STACK = 256 * 1024;
+// Releases the warps (and then the block) whose live threads all wait at a
+// barrier of that kind; returns whether any thread was released.
+static bool release() {
+    bool any = false;
+    for (unsigned w = 0; w < EMU_WARPS; ++w) {
+        bool all = true, some = false;
+        for (unsigned t = 32 * w; t < 32 * (w + 1); ++t) {
+            if (g_done[t]) continue;
+            some = true;
+            all = all && g_wait[t] == WARP;
+        }
+        if (some && all) {
+            for (unsigned t = 32 * w; t < 32 * (w + 1); ++t) g_wait[t] = RUN;
+            any = true;
+        }
+    }
+    bool all = true, some = false;
+    for (unsigned t = 0; t < EMU_BLOCK; ++t) {
+        if (g_done[t]) continue;
+        some = true;
+        all = all && g_wait[t] == BLOCK;
+    }
+    if (some && all) {
+        for (unsigned t = 0; t < EMU_BLOCK; ++t) g_wait[t] = RUN;
+        any = true;
+    }
+    return any;
+}
+
+// Runs `kernel` as block `blockIdx.x` of EMU_BLOCK threads.
+static void launch_block(const std::function<void()>& kernel) {
+    constexpr size_t STACK = 64 * 1024;
     static std::vector<char> stacks(EMU_BLOCK * STACK);
     g_kernel = &kernel;
     for (unsigned t = 0; t < EMU_BLOCK; ++t) {
         g_done[t] = false;
         g_started[t] = false;
+        g_wait[t] = RUN;
         getcontext(&g_fiber_uc[t]);
         g_fiber_uc[t].uc_stack.ss_sp = stacks.data() + t * STACK;
         g_fiber_uc[t].uc_stack.ss_size = STACK;
@@ -146,17 +191,34 @@ static void launch(const std::function<void()>& kernel) {
     }
     // The loop state lives in globals: locals could be clobbered by _longjmp.
     for (g_running = true; g_running;) {
-        g_running = false;
+        g_ran = false;
         for (g_t = 0; g_t < EMU_BLOCK; ++g_t) {
-            if (g_done[g_t]) continue;
+            if (g_done[g_t] || g_wait[g_t] != RUN) continue;
+            g_ran = true;
             threadIdx.x = g_t;
             if (!_setjmp(g_sched)) {
                 if (g_started[g_t]) _longjmp(g_fiber[g_t], 1);
                 g_started[g_t] = true;
                 swapcontext(&g_sched_uc, &g_fiber_uc[g_t]);
             }
-            g_running = g_running || !g_done[g_t];
         }
+        g_running = false;
+        for (unsigned t = 0; t < EMU_BLOCK; ++t) g_running = g_running || !g_done[t];
+        if (g_running && !release() && !g_ran) {
+            std::fprintf(stderr, "zq-emulate: deadlock: a barrier that not every thread reaches\n");
+            std::exit(3);
+        }
+    }
+}
+
+// Runs `kernel` as a grid of ZQ_EMU_GRID blocks (default 3), the last first.
+static void launch(const std::function<void()>& kernel) {
+    const char* env = std::getenv("ZQ_EMU_GRID");
+    const long grid = env ? std::strtol(env, nullptr, 10) : 3;
+    gridDim.x = grid > 0 && grid <= 64 ? (unsigned)grid : 3;
+    for (unsigned b = gridDim.x; b-- > 0;) {
+        blockIdx.x = b;
+        launch_block(kernel);
     }
 }
 

@@ -609,7 +609,8 @@ fn qgz_impl<C: Communicator + ?Sized>(
         for m in 0..nodes {
             let part = topo.rank_of(m, me_local);
             if m == me_node {
-                if let Some(mut res) = hop1.as_deref_mut().and_then(|r| r.slice_mut(part * s..(part + 1) * s)) {
+                if let Some(mut res) = hop1.as_deref_mut().and_then(|r| r.slice_mut(part * s..(part + 1) * s))
+                {
                     res.fill_zero();
                 }
                 with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;

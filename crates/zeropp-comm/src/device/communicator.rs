@@ -187,9 +187,18 @@ pub trait DeviceCommunicator: Send {
         let (p, mut shape) = call.shape();
         let me = check::member(self.topology(), self.rank(), group, p)?;
         if matches!(p, Primitive::ReduceScatter | Primitive::AllReduce) {
-            // The f32 primitives check lengths in elements, as on the host.
+            // The f32 primitives check lengths in elements, as on the host, and
+            // views aligned to whole f32 (a GPU faults on a misaligned float).
             shape.send = floats(p, shape.send)?;
             shape.recv = floats(p, shape.recv)?;
+            match call {
+                DeviceCall::ReduceScatterF32 { send, recv } => {
+                    super::check_aligned(send, 4, &format!("{p} send"))?;
+                    super::check_aligned(recv, 4, &format!("{p} receive"))?;
+                }
+                DeviceCall::AllReduceF32 { buf } => super::check_aligned(buf, 4, &format!("{p} buffer"))?,
+                _ => {}
+            }
         }
         check::arguments_of(group, me, p, &shape)?;
         self.raw(group, me, call)?;

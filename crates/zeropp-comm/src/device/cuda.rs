@@ -2,31 +2,43 @@
 //! through `cust` and zeropp-quant's CUDA kernels (the `*_at` calls of
 //! [`Gpu`], on addresses inside this module's allocations).
 //!
-//! Each stream is a [`Gpu`] of its own (own CUDA stream, same primary context),
-//! so each rank of a [`DeviceCluster`](super::DeviceCluster) enqueues on its own
-//! stream; events are raw CUDA events (cust's are neither clonable nor waitable
-//! by reference), created without timing. Device-to-device copies and memsets are
-//! asynchronous; quantizing calls synchronize their stream (the non-finite check
-//! reads a flag back); uploads and downloads synchronize the stream first.
+//! Each stream is a [`Gpu`] handle of its own ([`Gpu::new_stream`]: own CUDA
+//! stream, same primary context, the kernels loaded once per context), so each
+//! rank of a [`DeviceCluster`](super::DeviceCluster) enqueues on its own stream;
+//! events are raw CUDA events (cust's are neither clonable nor waitable by
+//! reference), created without timing. Every copy and memset is ordered on a
+//! stream of this device, never on the legacy default stream (which would
+//! serialise every rank); quantizing calls synchronize their stream (the
+//! non-finite check reads a flag back); uploads and downloads synchronize it.
+//!
+//! Temporaries (realigned encodings) come from a per-stream scratch arena that
+//! grows and is reused, not from an allocation per call; a call that uses it
+//! synchronizes its stream before returning, and the arena is only replaced
+//! after a synchronize, so correctness never depends on `cuMemFree` waiting for
+//! queued work. Allocations are padded to whole 4-byte words (the INT4 packing's
+//! atomics write words); a 0-byte allocation allocates nothing; memory is freed
+//! with the device's context made current first, on whichever thread drops it.
 //!
 //! This is the only part of the device collectives that needs a GPU to run; CI
 //! compiles it (stub driver) and `tests/it/device_gpu.rs` runs it where a GPU is.
 
-use std::sync::Arc;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use zeropp_quant::cuda::cust::memory::{CopyDestination, DeviceBuffer, DevicePointer, DeviceSlice};
+use zeropp_quant::cuda::cust::memory::{AsyncCopyDestination, DeviceBuffer, DevicePointer, DeviceSlice};
 use zeropp_quant::cuda::cust::sys;
-use zeropp_quant::cuda::{Elementwise, Gpu, WireAt};
+use zeropp_quant::cuda::{Elementwise, Gpu, GpuContext, WireAt, padded_bytes};
 use zeropp_quant::half::bf16;
 use zeropp_quant::{QuantError, encoded_len};
 
 use super::{Device, Elem, Kernel, View};
 use crate::CommError;
 
-/// One NVIDIA GPU (device 0) as a [`Device`].
+/// One NVIDIA GPU as a [`Device`].
 #[derive(Debug, Clone)]
 pub struct CudaDevice {
-    /// Keeps the primary context retained for the device's lifetime.
+    /// Keeps the primary context retained for the device's lifetime; its stream
+    /// zeroes new allocations.
     gpu: Arc<Gpu>,
 }
 
@@ -37,31 +49,75 @@ impl CudaDevice {
         Ok(Self { gpu: Arc::new(Gpu::new()?) })
     }
 
+    /// Visible device `ordinal` (see [`Gpu::with_ordinal`]).
+    pub fn with_ordinal(ordinal: u32) -> Result<Self, CommError> {
+        Ok(Self { gpu: Arc::new(Gpu::with_ordinal(ordinal)?) })
+    }
+
+    /// The device of node-local rank `local_rank`: visible device
+    /// `local_rank mod (visible devices)` ([`Gpu::for_local_rank`]). Give each
+    /// rank of one process its own (NCCL needs one GPU per rank of a communicator).
+    pub fn for_local_rank(local_rank: usize) -> Result<Self, CommError> {
+        Ok(Self { gpu: Arc::new(Gpu::for_local_rank(local_rank)?) })
+    }
+
     /// The kernels' GPU handle (device name, driver version, loaded image).
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
     }
 }
 
-/// A [`CudaDevice`] allocation.
+/// A [`CudaDevice`] allocation (padded to whole words; freed with its context
+/// current, on any thread).
 #[derive(Debug)]
-pub struct CudaMem(DeviceBuffer<u8>);
+pub struct CudaMem {
+    buf: ManuallyDrop<DeviceBuffer<u8>>,
+    ctx: ManuallyDrop<GpuContext>,
+}
 
-impl CudaMem {
-    /// The allocation's device address.
-    pub fn device_addr(&self) -> u64 {
-        self.0.as_device_ptr().as_raw()
+impl Drop for CudaMem {
+    fn drop(&mut self) {
+        // The last holder of a buffer lent to other ranks may be another rank's
+        // thread: make the context current before the driver frees it.
+        let _ = self.ctx.make_current();
+        // SAFETY: both fields are dropped once, here, and never used again.
+        unsafe {
+            ManuallyDrop::drop(&mut self.buf);
+            ManuallyDrop::drop(&mut self.ctx);
+        }
     }
 }
 
-/// A [`CudaDevice`] stream: a [`Gpu`] with its own CUDA stream.
+impl CudaMem {
+    /// The allocation's device address (0 for an empty allocation).
+    pub fn device_addr(&self) -> u64 {
+        self.buf.as_device_ptr().as_raw()
+    }
+}
+
+/// A [`CudaDevice`] stream: a [`Gpu`] handle with its own CUDA stream, and the
+/// stream's scratch arena.
 #[derive(Debug)]
-pub struct CudaStream(Gpu);
+pub struct CudaStream {
+    gpu: Gpu,
+    scratch: Mutex<DeviceBuffer<u8>>,
+}
 
 impl CudaStream {
     /// The stream's kernel handle.
     pub fn gpu(&self) -> &Gpu {
-        &self.0
+        &self.gpu
+    }
+
+    /// The scratch arena, at least `bytes` long. Growing it first waits for the
+    /// stream, so no queued work still uses the memory that is freed.
+    fn scratch(&self, bytes: usize) -> Result<MutexGuard<'_, DeviceBuffer<u8>>, CommError> {
+        let mut guard = self.scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        if guard.len() < bytes {
+            self.gpu.synchronize()?;
+            *guard = self.gpu.zeroed_bytes(bytes.next_power_of_two())?;
+        }
+        Ok(guard)
     }
 }
 
@@ -94,7 +150,7 @@ fn check(status: sys::CUresult, what: &str) -> Result<(), CommError> {
 }
 
 fn addr(v: View<'_, CudaDevice>) -> u64 {
-    v.mem().0.as_device_ptr().as_raw() + v.offset() as u64
+    v.mem().device_addr() + v.offset() as u64
 }
 
 /// Before a synchronous copy of `host` bytes to or from a device window of
@@ -113,87 +169,91 @@ fn host_copy(
     if host == 0 {
         return Ok(false);
     }
-    s.0.make_current()?;
-    s.0.stream().synchronize().map_err(QuantError::from)?;
+    s.gpu.synchronize()?;
     Ok(true)
 }
 
 fn stream_of(s: &CudaStream) -> sys::CUstream {
-    s.0.stream().as_inner()
+    s.gpu.stream().as_inner()
 }
 
-impl CudaDevice {
-    /// Quantizing into `dst`: in place when the data region is word-aligned or
-    /// the INT4 packing needs no atomics, else through an aligned scratch buffer.
-    fn quantize_into(
-        &self,
-        s: &CudaStream,
-        dst: View<'_, Self>,
-        spec: zeropp_quant::QuantSpec,
+/// Encodings a kernel call reads and writes, each in place when its address is
+/// 4-byte aligned (the kernels read and write f32 scales, and INT4 with an odd
+/// group size ORs data words) and otherwise through a region of the stream's
+/// scratch arena: wire encodings sit back to back in the collectives' buffers,
+/// at offsets that need not be multiples of 4.
+struct Staged<'s> {
+    arena: Option<MutexGuard<'s, DeviceBuffer<u8>>>,
+    /// Per encoding: where the kernel sees it.
+    at: Vec<WireAt>,
+}
+
+impl<'s> Staged<'s> {
+    /// Lays out `views` (encodings of `len` elements in their specs); copies the
+    /// misaligned inputs (all but the last view when `output`) into the arena.
+    fn new(
+        s: &'s CudaStream,
+        views: &[(View<'_, CudaDevice>, zeropp_quant::QuantSpec)],
         len: usize,
-        run: impl FnOnce(WireAt) -> Result<(), QuantError>,
-    ) -> Result<(), CommError> {
-        if dst.len() != encoded_len(spec, len) {
-            return Err(CommError::Mismatch(format!(
-                "quantize: window of {} bytes for an encoding of {}",
-                dst.len(),
-                encoded_len(spec, len)
-            )));
+        output: bool,
+    ) -> Result<Self, CommError> {
+        let mut offsets = Vec::with_capacity(views.len());
+        let mut total = 0usize;
+        for (v, _) in views {
+            if addr(*v).is_multiple_of(4) {
+                offsets.push(None);
+            } else {
+                offsets.push(Some(total));
+                total += padded_bytes(v.len());
+            }
         }
-        // The kernels write scales (and offsets) as f32, and INT4 with an odd
-        // group size ORs data words: the encoding must start 4-byte aligned.
-        if addr(dst).is_multiple_of(4) {
-            return Ok(run(WireAt { addr: addr(dst), spec, len })?);
+        let arena = if total > 0 { Some(s.scratch(total)?) } else { None };
+        let base = arena.as_ref().map_or(0, |a| a.as_device_ptr().as_raw());
+        let inputs = views.len() - usize::from(output);
+        let mut at = Vec::with_capacity(views.len());
+        for (i, ((v, spec), off)) in views.iter().zip(&offsets).enumerate() {
+            let a = match off {
+                None => addr(*v),
+                Some(o) => {
+                    let to = base + *o as u64;
+                    if i < inputs {
+                        // SAFETY: both ranges are live device memory of `v.len()`
+                        // bytes (the arena holds `total`); ordered on the stream.
+                        let status =
+                            unsafe { sys::cuMemcpyDtoDAsync_v2(to, addr(*v), v.len(), stream_of(s)) };
+                        check(status, "copy")?;
+                    }
+                    to
+                }
+            };
+            at.push(WireAt { addr: a, spec: *spec, len });
         }
-        let scratch = DeviceBuffer::<u8>::zeroed(dst.len()).map_err(QuantError::from)?;
-        run(WireAt { addr: scratch.as_device_ptr().as_raw(), spec, len })?;
-        let from = scratch.as_device_ptr().as_raw();
-        // SAFETY: both ranges are live device memory of `dst.len()` bytes; the
-        // copy is ordered on this stream before the scratch buffer's synchronous free.
-        let status = unsafe { sys::cuMemcpyDtoDAsync_v2(addr(dst), from, dst.len(), stream_of(s)) };
-        check(status, "copy")?;
-        s.0.stream().synchronize().map_err(QuantError::from)?;
+        Ok(Self { arena, at })
+    }
+
+    /// After the kernel: copies a staged output back to `dst`, then waits for
+    /// the stream before the arena is released.
+    fn finish(self, s: &CudaStream, dst: Option<View<'_, CudaDevice>>) -> Result<(), CommError> {
+        let Some(_arena) = self.arena else { return Ok(()) };
+        if let (Some(dst), Some(out)) = (dst, self.at.last())
+            && out.addr != addr(dst)
+        {
+            // SAFETY: both ranges are live device memory of `dst.len()` bytes;
+            // ordered on the stream after the kernel.
+            let status = unsafe { sys::cuMemcpyDtoDAsync_v2(addr(dst), out.addr, dst.len(), stream_of(s)) };
+            check(status, "copy")?;
+        }
+        s.gpu.synchronize()?;
         Ok(())
     }
 }
 
-/// Encodings the kernels read: in place when 4-byte aligned (f32 scales), else
-/// copied into an aligned scratch buffer first (wire encodings sit back to back
-/// in the collectives' buffers, at offsets that need not be multiples of 4).
-struct Aligned {
-    scratch: Vec<DeviceBuffer<u8>>,
-}
-
-impl Aligned {
-    fn new() -> Self {
-        Self { scratch: Vec::new() }
-    }
-
-    fn at(
-        &mut self,
-        s: &CudaStream,
-        v: View<'_, CudaDevice>,
-        spec: zeropp_quant::QuantSpec,
-        len: usize,
-    ) -> Result<WireAt, CommError> {
-        if addr(v).is_multiple_of(4) {
-            return Ok(WireAt { addr: addr(v), spec, len });
-        }
-        let b = DeviceBuffer::<u8>::zeroed(v.len()).map_err(QuantError::from)?;
-        let to = b.as_device_ptr().as_raw();
-        // SAFETY: both ranges are live device memory of `v.len()` bytes; ordered on the stream.
-        let status = unsafe { sys::cuMemcpyDtoDAsync_v2(to, addr(v), v.len(), stream_of(s)) };
-        check(status, "copy")?;
-        self.scratch.push(b);
-        Ok(WireAt { addr: to, spec, len })
-    }
-
-    /// Waits for the stream before the scratch buffers are freed.
-    fn finish(self, s: &CudaStream) -> Result<(), CommError> {
-        if !self.scratch.is_empty() {
-            s.0.stream().synchronize().map_err(QuantError::from)?;
-        }
+/// The window's length is `bytes`, else a [`CommError::Mismatch`] naming `what`.
+fn need(v: View<'_, CudaDevice>, bytes: usize, what: &str) -> Result<(), CommError> {
+    if v.len() == bytes {
         Ok(())
+    } else {
+        Err(CommError::Mismatch(format!("{what}: window of {} bytes, expected {bytes}", v.len())))
     }
 }
 
@@ -207,12 +267,19 @@ impl Device for CudaDevice {
     }
 
     fn alloc(&self, bytes: usize) -> Result<CudaMem, CommError> {
-        self.gpu.make_current()?;
-        Ok(CudaMem(DeviceBuffer::zeroed(bytes).map_err(QuantError::from)?))
+        // Zeroed on the device's own stream and waited for (not on the legacy
+        // stream); nothing is allocated or set for 0 bytes.
+        let buf = self.gpu.zeroed_bytes(bytes)?;
+        if bytes > 0 {
+            self.gpu.synchronize()?;
+        }
+        Ok(CudaMem { buf: ManuallyDrop::new(buf), ctx: ManuallyDrop::new(self.gpu.context().clone()) })
     }
 
     fn stream(&self) -> Result<CudaStream, CommError> {
-        Ok(CudaStream(Gpu::new()?))
+        let gpu = self.gpu.new_stream()?;
+        let scratch = Mutex::new(gpu.zeroed_bytes(0)?);
+        Ok(CudaStream { gpu, scratch })
     }
 
     fn upload(&self, s: &CudaStream, src: &[u8], dst: View<'_, Self>) -> Result<(), CommError> {
@@ -220,10 +287,13 @@ impl Device for CudaDevice {
         if !host_copy(s, src.len(), dst.len(), why)? {
             return Ok(());
         }
-        // SAFETY: `dst` is a live window of `src.len()` bytes; the slice does not own it.
-        let mut d =
-            unsafe { DeviceSlice::from_raw_parts_mut(DevicePointer::<u8>::from_raw(addr(dst)), dst.len()) };
-        d.copy_from(src).map_err(QuantError::from)?;
+        // SAFETY: `dst` is a live window of `src.len()` bytes; the slice does not
+        // own it; `src` outlives the copy (the stream is synchronized below).
+        unsafe {
+            let mut d = DeviceSlice::from_raw_parts_mut(DevicePointer::<u8>::from_raw(addr(dst)), dst.len());
+            d.async_copy_from(src, s.gpu.stream()).map_err(QuantError::from)?;
+        }
+        s.gpu.synchronize()?;
         Ok(())
     }
 
@@ -232,9 +302,13 @@ impl Device for CudaDevice {
         if !host_copy(s, dst.len(), src.len(), why)? {
             return Ok(());
         }
-        // SAFETY: `src` is a live window of `dst.len()` bytes; the slice does not own it.
-        let d = unsafe { DeviceSlice::from_raw_parts(DevicePointer::<u8>::from_raw(addr(src)), src.len()) };
-        d.copy_to(dst).map_err(QuantError::from)?;
+        // SAFETY: `src` is a live window of `dst.len()` bytes; the slice does not
+        // own it; `dst` outlives the copy (the stream is synchronized below).
+        unsafe {
+            let d = DeviceSlice::from_raw_parts(DevicePointer::<u8>::from_raw(addr(src)), src.len());
+            d.async_copy_to(dst, s.gpu.stream()).map_err(QuantError::from)?;
+        }
+        s.gpu.synchronize()?;
         Ok(())
     }
 
@@ -245,7 +319,7 @@ impl Device for CudaDevice {
         if src.is_empty() {
             return Ok(());
         }
-        s.0.make_current()?;
+        s.gpu.make_current()?;
         // SAFETY: both windows are live device memory of `src.len()` bytes (views
         // are checked against their buffers); ordering is the stream's.
         check(unsafe { sys::cuMemcpyDtoDAsync_v2(addr(dst), addr(src), src.len(), stream_of(s)) }, "copy")
@@ -255,59 +329,56 @@ impl Device for CudaDevice {
         if dst.is_empty() {
             return Ok(());
         }
-        s.0.make_current()?;
+        s.gpu.make_current()?;
         // SAFETY: `dst` is a live window of `dst.len()` bytes.
         check(unsafe { sys::cuMemsetD8Async(addr(dst), 0, dst.len(), stream_of(s)) }, "memset")
     }
 
     fn kernel(&self, s: &CudaStream, kernel: Kernel<'_, Self>) -> Result<(), CommError> {
-        let gpu = &s.0;
-        let need = |v: View<'_, Self>, bytes: usize, what: &str| -> Result<(), CommError> {
-            if v.len() == bytes {
-                Ok(())
-            } else {
-                Err(CommError::Mismatch(format!("{what}: window of {} bytes, expected {bytes}", v.len())))
-            }
-        };
+        // f32 and bf16 views must be element-aligned: a misaligned access would
+        // raise CUDA_ERROR_MISALIGNED_ADDRESS, which poisons the whole context.
+        kernel.check_alignment()?;
+        let gpu = &s.gpu;
         match kernel {
             Kernel::Quantize { src, elem, spec, opts, dst } => {
                 let len = src.len() / elem.size();
                 need(src, len * elem.size(), "quantize input")?;
+                need(dst, encoded_len(spec, len), "quantize output")?;
                 let from = addr(src);
-                self.quantize_into(s, dst, spec, len, |out| {
-                    // SAFETY: `from` addresses `len` live values of the element type
-                    // and `out` a live encoding (checked lengths).
-                    unsafe {
-                        match elem {
-                            Elem::F32 => gpu.quantize_at::<f32>(from, &opts, out),
-                            Elem::Bf16 => gpu.quantize_at::<bf16>(from, &opts, out),
-                        }
+                let staged = Staged::new(s, &[(dst, spec)], len, true)?;
+                let out = staged.at[0];
+                // SAFETY: `from` addresses `len` live values of the element type
+                // and `out` a live encoding (checked lengths, staged if misaligned).
+                unsafe {
+                    match elem {
+                        Elem::F32 => gpu.quantize_at::<f32>(from, &opts, out)?,
+                        Elem::Bf16 => gpu.quantize_at::<bf16>(from, &opts, out)?,
                     }
-                })
+                }
+                staged.finish(s, Some(dst))
             }
             Kernel::Dequantize { src, spec, len, dst, add } => {
                 need(src, encoded_len(spec, len), "dequantize input")?;
                 need(dst, 4 * len, "dequantize output")?;
-                let mut aligned = Aligned::new();
-                let q = aligned.at(s, src, spec, len)?;
-                // SAFETY: `q` is a live encoding of `len` elements and `dst` holds
-                // `len` f32 (checked).
-                unsafe { gpu.dequantize_at(q, addr(dst), add)? };
-                aligned.finish(s)
+                let staged = Staged::new(s, &[(src, spec)], len, false)?;
+                // SAFETY: the encoding is a live one of `len` elements and `dst`
+                // holds `len` f32 (checked).
+                unsafe { gpu.dequantize_at(staged.at[0], addr(dst), add)? };
+                staged.finish(s, None)
             }
             Kernel::DequantReduceQuant { inputs, len, spec, opts, dst } => {
-                let mut aligned = Aligned::new();
-                let mut ins = Vec::with_capacity(inputs.len());
                 for &(v, sp) in inputs {
                     need(v, encoded_len(sp, len), "dequant_reduce_quant input")?;
-                    ins.push(aligned.at(s, v, sp, len)?);
                 }
-                self.quantize_into(s, dst, spec, len, |out| {
-                    // SAFETY: every input is a live encoding of `len` elements
-                    // (checked) and `out` a live encoding (`quantize_into`).
-                    unsafe { gpu.dequant_reduce_quant_at(&ins, &opts, out) }
-                })?;
-                aligned.finish(s)
+                need(dst, encoded_len(spec, len), "dequant_reduce_quant output")?;
+                let mut views: Vec<_> = inputs.to_vec();
+                views.push((dst, spec));
+                let staged = Staged::new(s, &views, len, true)?;
+                let (ins, out) = staged.at.split_at(inputs.len());
+                // SAFETY: every input is a live encoding of `len` elements and the
+                // output a live encoding (checked, staged when misaligned).
+                unsafe { gpu.dequant_reduce_quant_at(ins, &opts, out[0])? };
+                staged.finish(s, Some(dst))
             }
             Kernel::Add { src, elem, dst } => {
                 let n = dst.len() / 4;
@@ -317,12 +388,12 @@ impl Device for CudaDevice {
                     Elem::F32 => Elementwise::AddF32 { src, acc },
                     Elem::Bf16 => Elementwise::AddBf16 { src, acc },
                 };
-                // SAFETY: `n` live elements at both addresses (checked).
+                // SAFETY: `n` live, aligned elements at both addresses (checked).
                 unsafe { gpu.elementwise_at(op, n)? };
                 Ok(())
             }
             Kernel::Div { buf, by } => {
-                // SAFETY: `buf` holds `len / 4` live f32.
+                // SAFETY: `buf` holds `len / 4` live, aligned f32.
                 unsafe { gpu.elementwise_at(Elementwise::DivF32 { x: addr(buf), by }, buf.len() / 4)? };
                 Ok(())
             }
@@ -331,14 +402,14 @@ impl Device for CudaDevice {
                 need(comp, 4 * n, "feedback")?;
                 need(deq, 4 * n, "feedback")?;
                 let op = Elementwise::Feedback { comp: addr(comp), deq: addr(deq), res: addr(res), beta };
-                // SAFETY: `n` live f32 at each address (checked).
+                // SAFETY: `n` live, aligned f32 at each address (checked).
                 unsafe { gpu.elementwise_at(op, n)? };
                 Ok(())
             }
             Kernel::ToBf16 { src, dst } => {
                 let n = src.len() / 4;
                 need(dst, 2 * n, "to_bf16")?;
-                // SAFETY: `n` live f32 and `n` live bf16 (checked).
+                // SAFETY: `n` live f32 and `n` live bf16, aligned (checked).
                 unsafe { gpu.elementwise_at(Elementwise::ToBf16 { src: addr(src), out: addr(dst) }, n)? };
                 Ok(())
             }
@@ -346,7 +417,7 @@ impl Device for CudaDevice {
     }
 
     fn record(&self, s: &CudaStream) -> Result<CudaEvent, CommError> {
-        s.0.make_current()?;
+        s.gpu.make_current()?;
         let mut ev: sys::CUevent = std::ptr::null_mut();
         // SAFETY: `ev` is a valid out-pointer; flag 2 = CU_EVENT_DISABLE_TIMING.
         check(unsafe { sys::cuEventCreate(&mut ev, 2) }, "event create")?;
@@ -357,13 +428,14 @@ impl Device for CudaDevice {
     }
 
     fn wait(&self, s: &CudaStream, event: &CudaEvent) -> Result<(), CommError> {
-        s.0.make_current()?;
+        s.gpu.make_current()?;
         // SAFETY: a live stream and a live, recorded event of the same context.
         check(unsafe { sys::cuStreamWaitEvent(stream_of(s), event.0, 0) }, "stream wait")
     }
 
     fn synchronize(&self, s: &CudaStream) -> Result<(), CommError> {
-        s.0.stream().synchronize().map_err(QuantError::from)?;
+        // On any thread: the context is made current first.
+        s.gpu.synchronize()?;
         Ok(())
     }
 }

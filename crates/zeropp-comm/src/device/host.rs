@@ -158,6 +158,8 @@ impl Device for HostDevice {
     }
 
     fn kernel(&self, _: &HostStream, kernel: Kernel<'_, Self>) -> Result<(), CommError> {
+        // Host memory needs no alignment, but a GPU does: fail as it would.
+        kernel.check_alignment()?;
         match kernel {
             Kernel::Quantize { src, elem, spec, opts, dst } => {
                 let bytes = read(src)?;

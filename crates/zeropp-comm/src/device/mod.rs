@@ -199,6 +199,51 @@ pub enum Kernel<'a, D: Device> {
     },
 }
 
+/// Checks that `v` starts at a multiple of `elem` bytes inside its allocation
+/// (allocations themselves are at least 256-byte aligned on a GPU), else a
+/// [`CommError::Mismatch`] naming `what` and the offset.
+pub(crate) fn check_aligned<D: Device>(v: View<'_, D>, elem: usize, what: &str) -> Result<(), CommError> {
+    if v.offset().is_multiple_of(elem) {
+        Ok(())
+    } else {
+        Err(CommError::Mismatch(format!(
+            "{what}: device window at byte offset {} is not aligned to its {elem}-byte elements",
+            v.offset()
+        )))
+    }
+}
+
+impl<D: Device> Kernel<'_, D> {
+    /// Checks that every f32 (bf16) view of the kernel starts at a multiple of
+    /// 4 (2) bytes, the one alignment check every [`Device`] runs before a
+    /// kernel, so a misaligned view fails alike in host memory and on a GPU
+    /// (where it would raise `CUDA_ERROR_MISALIGNED_ADDRESS`, an error that
+    /// poisons the context of every rank in the process). Wire encodings have
+    /// no alignment requirement: a device realigns them itself.
+    pub fn check_alignment(&self) -> Result<(), CommError> {
+        let f32s = |v: View<'_, D>, what: &str| check_aligned(v, 4, what);
+        match *self {
+            Kernel::Quantize { src, elem, .. } => check_aligned(src, elem.size(), "quantize input"),
+            Kernel::Dequantize { dst, .. } => f32s(dst, "dequantize output"),
+            Kernel::DequantReduceQuant { .. } => Ok(()),
+            Kernel::Add { src, elem, dst } => {
+                check_aligned(src, elem.size(), "add input")?;
+                f32s(dst, "add accumulator")
+            }
+            Kernel::Div { buf, .. } => f32s(buf, "divide"),
+            Kernel::Feedback { comp, deq, res, .. } => {
+                f32s(comp, "feedback")?;
+                f32s(deq, "feedback")?;
+                f32s(res, "feedback")
+            }
+            Kernel::ToBf16 { src, dst } => {
+                f32s(src, "to_bf16 input")?;
+                check_aligned(dst, 2, "to_bf16 output")
+            }
+        }
+    }
+}
+
 /// A device: memory, streams, events and the [`Kernel`]s of the ZeRO++
 /// collectives. Operations are enqueued on a stream and run in order on it;
 /// [`Device::record`] / [`Device::wait`] order work across streams.
@@ -229,7 +274,8 @@ pub trait Device: Clone + Send + Sync + fmt::Debug + 'static {
     fn copy(&self, stream: &Self::Stream, src: View<'_, Self>, dst: View<'_, Self>) -> Result<(), CommError>;
     /// Zeroes `dst`, in stream order.
     fn zero(&self, stream: &Self::Stream, dst: View<'_, Self>) -> Result<(), CommError>;
-    /// Runs a kernel, in stream order.
+    /// Runs a kernel, in stream order. Implementations start with
+    /// [`Kernel::check_alignment`].
     fn kernel(&self, stream: &Self::Stream, kernel: Kernel<'_, Self>) -> Result<(), CommError>;
     /// Records an event after the stream's work so far.
     fn record(&self, stream: &Self::Stream) -> Result<Self::Event, CommError>;

@@ -6,7 +6,9 @@
 //! `libnccl.so.2` is opened at run time with `libloading` (`dlopen`), so nothing
 //! NCCL is needed to build or link: the library comes from the system, from
 //! `LD_LIBRARY_PATH`, or from NVIDIA's `nvidia-nccl-cu12` wheel
-//! (`site-packages/nvidia/nccl/lib`), or from the path in `ZEROPP_NCCL_LIB`.
+//! (`site-packages/nvidia/nccl/lib`, or `dist-packages/…` where Debian's and
+//! Ubuntu's Python put a root `pip install`, as in most CUDA containers), or
+//! from the path in `ZEROPP_NCCL_LIB`.
 //! `libloading` over `cudarc`'s NCCL bindings: we call eight functions with
 //! plain C types; cudarc would bring a second CUDA binding next to `cust` (its
 //! own context and stream types), for no gain.
@@ -17,7 +19,9 @@
 //! rank 0 makes the NCCL unique id and broadcasts it on that communicator, and
 //! every rank calls `ncclCommInitRank`. Under `mpirun` that communicator is the
 //! MPI backend (feature `mpi`, [`crate::Mpi`]); in one process it can be a
-//! [`ThreadCluster`](crate::ThreadCluster) rank (one GPU per thread).
+//! [`ThreadCluster`](crate::ThreadCluster) rank, one GPU per thread: give each
+//! rank its own device with [`CudaDevice::for_local_rank`] (NCCL refuses two
+//! ranks of one communicator on the same GPU).
 //!
 //! # Collectives
 //!
@@ -71,7 +75,8 @@ fn load_error(what: String) -> CommError {
 }
 
 /// Where `libnccl.so.2` may be: `ZEROPP_NCCL_LIB`, the loader's own search, then
-/// the `nvidia-nccl-cu12` wheel of the Python environments on `PATH`.
+/// the `nvidia-nccl-cu12` wheel of the Python environments next to `PATH`'s
+/// directories and of the system Pythons ([`wheel_candidates`]).
 fn candidates() -> Vec<PathBuf> {
     let mut v = Vec::new();
     if let Some(p) = std::env::var_os("ZEROPP_NCCL_LIB") {
@@ -79,11 +84,32 @@ fn candidates() -> Vec<PathBuf> {
     }
     v.push(PathBuf::from("libnccl.so.2"));
     v.push(PathBuf::from("libnccl.so"));
-    for dir in std::env::var_os("PATH").iter().flat_map(std::env::split_paths) {
-        let lib = dir.join("../lib");
-        if let Ok(entries) = std::fs::read_dir(&lib) {
-            for e in entries.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("python3")) {
-                v.push(e.path().join("site-packages/nvidia/nccl/lib/libnccl.so.2"));
+    let mut prefixes: Vec<PathBuf> =
+        std::env::var_os("PATH").iter().flat_map(std::env::split_paths).map(|d| d.join("..")).collect();
+    prefixes.extend(["/usr/local", "/usr", "/opt/conda"].map(PathBuf::from));
+    v.extend(wheel_candidates(&prefixes));
+    v
+}
+
+/// The NCCL wheel's library under every `PREFIX/lib/python3*/{site,dist}-packages`
+/// of `prefixes` that exists (`site-packages` for venvs and pip's own Pythons,
+/// `dist-packages` for Debian's and Ubuntu's, where a root `pip install` lands).
+fn wheel_candidates(prefixes: &[PathBuf]) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for prefix in prefixes {
+        let Ok(entries) = std::fs::read_dir(prefix.join("lib")) else { continue };
+        let mut pythons: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+            .map(|e| e.path())
+            .collect();
+        pythons.sort();
+        for py in pythons {
+            for packages in ["site-packages", "dist-packages"] {
+                let lib = py.join(packages).join("nvidia/nccl/lib/libnccl.so.2");
+                if lib.exists() {
+                    v.push(lib);
+                }
             }
         }
     }
@@ -394,5 +420,30 @@ impl DeviceCommunicator for NcclComm {
                 dev.synchronize(s)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wheel_candidates;
+
+    /// The wheel is found under `site-packages` and under Debian's
+    /// `dist-packages`, and nothing is listed where no library exists.
+    #[test]
+    fn the_wheel_is_found_in_site_and_dist_packages() {
+        let root = std::env::temp_dir().join(format!("zeropp-nccl-{}", std::process::id()));
+        let mk = |p: &str| {
+            let lib = root.join(p).join("nvidia/nccl/lib");
+            std::fs::create_dir_all(&lib).map(|()| lib.join("libnccl.so.2"))
+        };
+        let site = mk("venv/lib/python3.11/site-packages").and_then(|f| std::fs::write(&f, b"").map(|()| f));
+        let dist = mk("usr/lib/python3.10/dist-packages").and_then(|f| std::fs::write(&f, b"").map(|()| f));
+        let empty = mk("usr/lib/python3.12/dist-packages");
+        let (Ok(site), Ok(dist), Ok(_)) = (site, dist, empty) else {
+            panic!("cannot create the test tree under {}", root.display());
+        };
+        let found = wheel_candidates(&[root.join("venv"), root.join("usr"), root.join("nowhere")]);
+        let _ = std::fs::remove_dir_all(&root);
+        assert_eq!(found, vec![site, dist]);
     }
 }

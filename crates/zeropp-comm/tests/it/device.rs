@@ -10,11 +10,12 @@ use half::bf16;
 use zeropp_comm::collectives::{self as host, QgzOptions, QwzOptions, Reduce, shard_len};
 use zeropp_comm::conformance::{Case, rank_data, run_all};
 use zeropp_comm::device::{
-    Device, DeviceBuf, DeviceCluster, DeviceComm, DeviceCommunicator, Elem, HostDevice, collectives as dev,
-    collectives::DeviceFeedback,
+    Device, DeviceBuf, DeviceCluster, DeviceComm, DeviceCommunicator, Elem, HostDevice, Kernel,
+    collectives as dev, collectives::DeviceFeedback,
 };
 use zeropp_comm::quant::{Options, QuantSpec, Rounding};
 use zeropp_comm::{CommError, Communicator, Group, ThreadCluster, ThreadOptions, Topology, TrafficSnapshot};
+use zeropp_quant::encoded_len;
 
 pub(crate) const SHAPES: [(usize, usize); 8] =
     [(1, 1), (2, 1), (2, 2), (4, 2), (6, 3), (8, 4), (8, 1), (4, 4)];
@@ -360,7 +361,11 @@ pub(crate) fn device_feedback_steps<D: Device>(
             let grad = DeviceBuf::from_f32(&d, comm.stream(), &rank_data(step, comm.rank(), n))?;
             dev::qgz_reduce_scatter_with_feedback(comm, grad.view(), out.view(), opts, &mut fb)?;
             let state = fb.download(&d, comm.stream())?;
-            Ok((bits(&out.to_f32(&d, comm.stream())?), bits(&state.residual()), bits(&state.inter_residual())))
+            Ok((
+                bits(&out.to_f32(&d, comm.stream())?),
+                bits(&state.residual()),
+                bits(&state.inter_residual()),
+            ))
         })
         .collect()
 }
@@ -382,4 +387,82 @@ fn device_qgz_feedback_is_bitwise_the_hosts() {
             }
         }
     }
+}
+
+/// What every device must do with views at offsets that are not multiples of
+/// their element size: f32 / bf16 views fail with the shared alignment error
+/// (a GPU would raise a sticky CUDA_ERROR_MISALIGNED_ADDRESS instead), and wire
+/// encodings at odd offsets (back to back in the collectives' buffers) give the
+/// host kernels' result. Returns the error messages of the refused calls and
+/// the dequantized values of an encoding at offset 1.
+pub(crate) fn misaligned_views<D: Device>(
+    comm: &mut DeviceComm<D>,
+) -> Result<(Vec<String>, Vec<f32>), CommError> {
+    let (d, world) = (comm.device().clone(), Group::world(comm.topology()));
+    let w = world.size();
+    let buf = DeviceBuf::zeroed(&d, 4 * 8 * w + 128)?;
+    let f32s_at = |off: usize, floats: usize| buf.slice(off, 4 * floats);
+    let mut errors = Vec::new();
+    let mut refuse = |what: &str, r: Result<(), CommError>| match r {
+        Err(e) => errors.push(format!("{what}: {e}")),
+        Ok(()) => errors.push(format!("{what}: accepted")),
+    };
+    let int8 = QuantSpec::int8(4)?;
+    {
+        let s = comm.stream();
+        let kernel = |k: Kernel<'_, D>| d.kernel(s, k);
+        refuse(
+            "add into a misaligned accumulator",
+            kernel(Kernel::Add { src: f32s_at(0, 4)?, elem: Elem::F32, dst: f32s_at(18, 4)? }),
+        );
+        refuse(
+            "quantize a misaligned f32 input",
+            kernel(Kernel::Quantize {
+                src: f32s_at(2, 4)?,
+                elem: Elem::F32,
+                spec: int8,
+                opts: Options::default(),
+                dst: buf.slice(64, encoded_len(int8, 4))?,
+            }),
+        );
+        refuse("divide a misaligned vector", kernel(Kernel::Div { buf: f32s_at(6, 2)?, by: 2.0 }));
+        refuse(
+            "bf16 output at an odd offset",
+            kernel(Kernel::ToBf16 { src: f32s_at(0, 2)?, dst: buf.slice(33, 4)? }),
+        );
+    }
+    refuse(
+        "reduce-scatter from a misaligned view",
+        DeviceCommunicator::reduce_scatter_f32(comm, &world, f32s_at(2, 2 * w)?, f32s_at(4 * 4 * w, 2)?),
+    );
+    // An encoding at offset 1 is fine: the device realigns it.
+    let s = comm.stream();
+    let x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+    let spec = QuantSpec::int4(5)?;
+    let enc = zeropp_quant::quantize(&x, spec, &Options::default())?.to_bytes();
+    let wire = DeviceBuf::zeroed(&d, enc.len() + 1)?;
+    d.upload(s, &enc, wire.slice(1, enc.len())?)?;
+    let out = DeviceBuf::zeroed(&d, 4 * x.len())?;
+    let src = wire.slice(1, enc.len())?;
+    d.kernel(s, Kernel::Dequantize { src, spec, len: x.len(), dst: out.view(), add: false })?;
+    Ok((errors, out.to_f32(&d, s)?))
+}
+
+/// The expected outcome of [`misaligned_views`] on any device.
+pub(crate) fn check_misaligned(results: Vec<(Vec<String>, Vec<f32>)>) {
+    let x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+    let q = zeropp_quant::quantize(&x, QuantSpec::int4(5).unwrap(), &Options::default()).unwrap();
+    let want = zeropp_quant::dequantize(&q, &Options::default()).unwrap();
+    for (errors, got) in results {
+        assert_eq!(errors.len(), 5);
+        for e in &errors {
+            assert!(e.contains("not aligned to its"), "{e}");
+        }
+        assert_eq!(bits(&got), bits(&want), "an encoding at offset 1 dequantized differently");
+    }
+}
+
+#[test]
+fn misaligned_element_views_are_refused_and_wire_views_realigned() {
+    check_misaligned(device_cluster(2, 2).run(misaligned_views).unwrap());
 }

@@ -15,8 +15,8 @@ use zeropp_comm::device::{CudaDevice, DeviceCluster};
 use zeropp_comm::{ThreadOptions, Topology};
 
 use super::device::{
-    SHAPES, device_feedback_steps, feedback_options, host_feedback_steps, on_device, on_threads,
-    thread_cluster,
+    SHAPES, check_misaligned, device_feedback_steps, feedback_options, host_feedback_steps, misaligned_views,
+    on_device, on_threads, thread_cluster,
 };
 
 type Check = fn(&CudaDevice);
@@ -27,6 +27,10 @@ const CHECKS: &[(&str, Check)] = &[
     (
         "qgZ with LoCo error feedback (residuals on the GPU), three steps, bitwise vs the thread backend",
         feedback,
+    ),
+    (
+        "views at misaligned offsets: f32/bf16 refused with the host's error, wire encodings realigned",
+        misaligned,
     ),
 ];
 
@@ -65,6 +69,10 @@ fn feedback(dev: &CudaDevice) {
             assert_eq!(host, got, "world {w} local {l}");
         }
     }
+}
+
+fn misaligned(dev: &CudaDevice) {
+    check_misaligned(cluster(dev, 2, 2).run(misaligned_views).unwrap());
 }
 
 #[test]

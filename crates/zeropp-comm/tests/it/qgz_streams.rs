@@ -8,8 +8,8 @@
 use zeropp_comm::collectives::{
     ErrorFeedback, QgzOptions, ResidualPrecision, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
 };
-use zeropp_quant::half::bf16;
 use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
+use zeropp_quant::half::bf16;
 use zeropp_quant::rng::splitmix64;
 use zeropp_quant::{Options, QuantSpec};
 

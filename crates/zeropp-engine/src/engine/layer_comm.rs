@@ -193,6 +193,9 @@ impl Streams {
     }
 }
 
+/// One reduce call's qgZ residuals `(hop 1, hop 2)` as f32 (copies when stored in bf16).
+pub(crate) type FeedbackState<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
+
 /// qgZ with its per-layer LoCo state.
 #[derive(Debug)]
 struct Qgz {
@@ -366,14 +369,13 @@ impl LayerComm {
         if !training {
             return;
         }
-        if let Some(q) = &mut self.qgz {
-            if let Some(l) = q.loco
-                && l.reset_t > 0
-                && step > 0
-                && step.is_multiple_of(l.reset_t)
-            {
-                q.feedback.iter_mut().for_each(ErrorFeedback::reset);
-            }
+        if let Some(q) = &mut self.qgz
+            && let Some(l) = q.loco
+            && l.reset_t > 0
+            && step > 0
+            && step.is_multiple_of(l.reset_t)
+        {
+            q.feedback.iter_mut().for_each(ErrorFeedback::reset);
         }
     }
 
@@ -512,7 +514,8 @@ impl LayerComm {
         out: &mut [f32],
     ) -> Result<(), EngineError> {
         let layer = call;
-        let seed = self.streams.next(Streams::QGZ).filter(|_| self.qgz.as_ref().is_some_and(|q| q.stochastic));
+        let seed =
+            self.streams.next(Streams::QGZ).filter(|_| self.qgz.as_ref().is_some_and(|q| q.stochastic));
         let dense = self.gather.dense;
         let Some(q) = &mut self.qgz else {
             collectives::world_reduce_scatter(comm, self.gather.routing, dense, full, out, Reduce::Mean)?;
@@ -547,7 +550,7 @@ impl LayerComm {
 
     /// The qgZ residuals of every layer, `(hop 1, hop 2)`, for checkpoints (empty
     /// without error feedback).
-    pub(crate) fn feedback_state(&self) -> Vec<(Cow<'_, [f32]>, Cow<'_, [f32]>)> {
+    pub(crate) fn feedback_state(&self) -> Vec<FeedbackState<'_>> {
         self.qgz.as_ref().map(|q| q.feedback.iter().map(ErrorFeedback::state).collect()).unwrap_or_default()
     }
 

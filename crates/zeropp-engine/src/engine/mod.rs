@@ -492,7 +492,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
 
     /// The qgZ error-feedback residuals of every layer, `(hop 1, hop 2)` (empty
     /// without error feedback).
-    pub(crate) fn feedback_state(&self) -> Vec<(std::borrow::Cow<'_, [f32]>, std::borrow::Cow<'_, [f32]>)> {
+    pub(crate) fn feedback_state(&self) -> Vec<layer_comm::FeedbackState<'_>> {
         self.comms.feedback_state()
     }
 

@@ -131,7 +131,8 @@ fn a_bad_deepspeed_config_is_an_error() {
 fn a_skipped_step_resets_the_loco_residuals() {
     use zeropp_engine::config::QgzConfig;
     use zeropp_engine::engine::{build_plan, checkpoint};
-    let zero = ZeroConfig { qgz: Some(QgzConfig::loco(ZeroConfig::default_qgz_spec())), ..ZeroConfig::zeropp(4) };
+    let zero =
+        ZeroConfig { qgz: Some(QgzConfig::loco(ZeroConfig::default_qgz_spec())), ..ZeroConfig::zeropp(4) };
     let residuals = |faults: Faults| -> Vec<f32> {
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = TrainConfig { faults, steps: 2, save: Some(dir.path().to_path_buf()), ..tiny(8, 4) };

@@ -20,9 +20,18 @@
 //! and PTX ISA 8.4 for `compute_70`, which the driver JIT-compiles for other GPUs
 //! (Volta and newer; needs an R550+ driver). No CUDA toolkit is needed to build.
 //!
-//! Every call is synchronous and uses device 0. A [`Gpu`] makes its context
-//! current on the calling thread at each call; drop device buffers before the
-//! [`Gpu`] that made them.
+//! Every call is synchronous (it waits for its own stream). [`Gpu::new`] takes
+//! device 0, [`Gpu::with_ordinal`] any visible device, and [`Gpu::for_local_rank`]
+//! maps a node-local rank onto the visible devices (`CUDA_VISIBLE_DEVICES`
+//! already renumbers them from 0). A [`Gpu`] makes its context current on the
+//! calling thread at each call, and [`GpuVec`] and [`GpuQuantized`] make it
+//! current before they free their memory, so they may be dropped on any thread.
+//! [`Gpu::new_stream`] gives another handle on the same device with its own
+//! stream, sharing the loaded kernels (one module per context, not one per
+//! stream). Memsets and copies of the calls are ordered on the handle's
+//! stream, never on the legacy default stream, so handles on several threads do
+//! not serialise each other; allocations are padded to whole 4-byte words (the
+//! INT4 packing's atomics write words) and a zero-length buffer allocates nothing.
 //!
 //! ```no_run
 //! use zeropp_quant::cuda::Gpu;
@@ -37,6 +46,8 @@
 //! ```
 
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use cust::context::{Context, CurrentContext};
 use cust::device::{Device, DeviceAttribute};
@@ -115,11 +126,54 @@ macro_rules! half_element {
 
 half_element!(bf16, f16);
 
+/// A handle on a GPU's (primary) context: [`GpuContext::make_current`] makes it
+/// the calling thread's current context. Device buffers of this module keep one,
+/// so they can be freed on any thread.
+#[derive(Debug, Clone)]
+pub struct GpuContext(Arc<Context>);
+
+impl GpuContext {
+    /// Makes this context current on the calling thread.
+    pub fn make_current(&self) -> Result<()> {
+        CurrentContext::set_current(&*self.0)?;
+        Ok(())
+    }
+}
+
+/// `bytes` rounded up to whole 4-byte words: the size of every device
+/// allocation of encodings (the INT4 packing's atomics OR whole words, so the
+/// last word of an odd-sized encoding must be inside the allocation).
+pub fn padded_bytes(bytes: usize) -> usize {
+    bytes.div_ceil(4).saturating_mul(4)
+}
+
+/// `len` uninitialised device elements; no allocation (and no driver call) when
+/// `len` is 0. The context must be current.
+fn alloc<T: DeviceCopy>(len: usize) -> Result<DeviceBuffer<T>> {
+    // SAFETY: `uninitialized(0)` makes a null buffer without calling the driver;
+    // otherwise the memory is written before it is read by every caller (a
+    // stream-ordered memset or copy, or a kernel that writes every element).
+    Ok(unsafe { DeviceBuffer::uninitialized(len)? })
+}
+
 /// A vector of `T` in device memory (input of [`Gpu::quantize`]).
 #[derive(Debug)]
 pub struct GpuVec<T: GpuElement> {
-    buf: DeviceBuffer<T::Raw>,
+    buf: ManuallyDrop<DeviceBuffer<T::Raw>>,
+    ctx: ManuallyDrop<GpuContext>,
     _t: PhantomData<T>,
+}
+
+impl<T: GpuElement> Drop for GpuVec<T> {
+    fn drop(&mut self) {
+        // Free on any thread: the buffer's context first.
+        let _ = self.ctx.make_current();
+        // SAFETY: both fields are dropped once, here, and never used again.
+        unsafe {
+            ManuallyDrop::drop(&mut self.buf);
+            ManuallyDrop::drop(&mut self.ctx);
+        }
+    }
 }
 
 impl<T: GpuElement> GpuVec<T> {
@@ -139,19 +193,41 @@ impl<T: GpuElement> GpuVec<T> {
     }
 
     /// The device buffer, by value (for example an f32 accumulator for
-    /// [`Gpu::dequantize_add`]).
+    /// [`Gpu::dequantize_add`]). Drop it where the GPU's context is current
+    /// (after any call of its [`Gpu`] on that thread, or [`Gpu::make_current`]).
     pub fn into_buffer(self) -> DeviceBuffer<T::Raw> {
-        self.buf
+        let mut me = ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped; each field is taken or dropped once.
+        unsafe {
+            ManuallyDrop::drop(&mut me.ctx);
+            ManuallyDrop::take(&mut me.buf)
+        }
     }
 }
 
 /// A quantized vector in device memory, in the [wire layout](crate::wire):
-/// header, scales, offsets (asymmetric), packed data.
+/// header, scales, offsets (asymmetric), packed data. The allocation is padded
+/// to whole 4-byte words ([`padded_bytes`]); the encoding is its first
+/// [`GpuQuantized::encoded_len`] bytes.
 #[derive(Debug)]
 pub struct GpuQuantized {
     spec: QuantSpec,
     len: usize,
-    buf: DeviceBuffer<u8>,
+    /// The encoding's bytes (the allocation may be up to 3 bytes longer).
+    bytes: usize,
+    buf: ManuallyDrop<DeviceBuffer<u8>>,
+    ctx: ManuallyDrop<GpuContext>,
+}
+
+impl Drop for GpuQuantized {
+    fn drop(&mut self) {
+        let _ = self.ctx.make_current();
+        // SAFETY: both fields are dropped once, here, and never used again.
+        unsafe {
+            ManuallyDrop::drop(&mut self.buf);
+            ManuallyDrop::drop(&mut self.ctx);
+        }
+    }
 }
 
 /// One quantized input as the kernels see it (`struct InDesc` in the `.cu` file).
@@ -172,14 +248,14 @@ unsafe impl DeviceCopy for InDesc {}
 impl GpuQuantized {
     crate::quantized::shape_accessors!();
 
-    /// Size of the wire encoding (the device buffer's size).
+    /// Size of the wire encoding.
     pub fn encoded_len(&self) -> usize {
-        self.buf.len()
+        self.bytes
     }
 
-    /// The device buffer holding the wire encoding (what a GPU rank sends).
-    pub fn buffer(&self) -> &DeviceBuffer<u8> {
-        &self.buf
+    /// The device bytes of the wire encoding (what a GPU rank sends).
+    pub fn buffer(&self) -> DeviceSlice<u8> {
+        self.buf.index(..self.bytes)
     }
 
     /// The encoding by address, for the `*_at` calls of [`Gpu`].
@@ -187,10 +263,12 @@ impl GpuQuantized {
         WireAt { addr: self.buf.as_device_ptr().as_raw(), spec: self.spec, len: self.len }
     }
 
-    /// Copies the wire encoding to the host.
+    /// Copies the wire encoding to the host (on any thread: the context is made
+    /// current first; the copy waits for the device).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let mut v = vec![0u8; self.buf.len()];
-        self.buf.copy_to(&mut v[..])?;
+        self.ctx.make_current()?;
+        let mut v = vec![0u8; self.bytes];
+        self.buffer().copy_to(&mut v[..])?;
         Ok(v)
     }
 
@@ -227,30 +305,48 @@ pub struct WireAt {
     pub len: usize,
 }
 
-/// The GPU (device 0) with the kernels loaded.
+/// One GPU with the kernels loaded, and a stream of its own.
 ///
 /// [`Gpu::new`] fails with [`QuantError::Cuda`] when there is no driver or no
 /// device (the stub `libcuda.so.1` that `cargo xtask` builds for linking
 /// answers `NoDevice`).
 #[derive(Debug)]
 pub struct Gpu {
-    // Declaration order is drop order: the module and stream before the context.
-    module: Module,
+    // Declaration order is drop order, and `Drop` makes the context current
+    // first: the stream and buffers, then the module, then the context.
     stream: Stream,
-    device: Device,
-    image: &'static str,
     /// The quantize kernels' first non-finite index (one u64, reused).
     bad: DeviceBuffer<u64>,
-    ctx: Context,
+    /// The fused kernel's input descriptors (grown as needed, reused).
+    descs: Mutex<DeviceBuffer<InDesc>>,
+    module: Arc<Module>,
+    device: Device,
+    ordinal: u32,
+    image: &'static str,
+    ctx: GpuContext,
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // The fields free device memory and destroy the stream next: on this
+        // handle's context, whichever thread drops it.
+        let _ = self.ctx.make_current();
+    }
 }
 
 impl Gpu {
     /// Initialises CUDA, retains device 0's primary context and loads the
     /// kernels: the cubin for the device's architecture, else the PTX.
     pub fn new() -> Result<Self> {
+        Self::with_ordinal(0)
+    }
+
+    /// [`Gpu::new`] on visible device `ordinal` (0-based among the devices
+    /// `CUDA_VISIBLE_DEVICES` leaves visible).
+    pub fn with_ordinal(ordinal: u32) -> Result<Self> {
         cust::init(cust::CudaFlags::empty())?;
-        let device = Device::get_device(0)?;
-        let ctx = Context::new(device)?;
+        let device = Device::get_device(ordinal)?;
+        let ctx = GpuContext(Arc::new(Context::new(device)?));
         let major = device.get_attribute(DeviceAttribute::ComputeCapabilityMajor)?;
         let cubin = match major {
             8 => Some(("sm_80 cubin", SM80)),
@@ -262,14 +358,55 @@ impl Gpu {
             Some(x) => x,
             None => ("PTX (JIT-compiled by the driver)", Module::from_ptx(PTX, &[])?),
         };
+        Self::on(ctx, device, ordinal, Arc::new(module), image)
+    }
+
+    /// The device for node-local rank `local_rank`: visible device
+    /// `local_rank mod (visible devices)`, so the ranks of a node spread over
+    /// its GPUs (with `CUDA_VISIBLE_DEVICES=a,b,…`, over those).
+    pub fn for_local_rank(local_rank: usize) -> Result<Self> {
+        cust::init(cust::CudaFlags::empty())?;
+        let count = Device::num_devices()?.max(1) as usize;
+        Self::with_ordinal((local_rank % count) as u32)
+    }
+
+    /// Number of devices the driver shows this process (0 without a driver).
+    pub fn device_count() -> usize {
+        cust::init(cust::CudaFlags::empty()).and_then(|()| Device::num_devices()).map_or(0, |n| n as usize)
+    }
+
+    /// Another handle on this device with a stream of its own, sharing the
+    /// context and the loaded kernels (no second module load).
+    pub fn new_stream(&self) -> Result<Self> {
+        self.current()?;
+        Self::on(self.ctx.clone(), self.device, self.ordinal, Arc::clone(&self.module), self.image)
+    }
+
+    /// A handle on `ctx` (current on this thread) with its own stream and buffers.
+    fn on(
+        ctx: GpuContext,
+        device: Device,
+        ordinal: u32,
+        module: Arc<Module>,
+        image: &'static str,
+    ) -> Result<Self> {
+        ctx.make_current()?;
+        // A blocking stream: should any work still land on the legacy default
+        // stream, it stays ordered with this one. This module puts none there.
         let stream = Stream::new(StreamFlags::DEFAULT, None)?;
-        let bad = DeviceBuffer::from_slice(&[u64::MAX])?;
-        Ok(Self { module, stream, device, image, bad, ctx })
+        let bad = alloc::<u64>(1)?;
+        let descs = Mutex::new(alloc::<InDesc>(0)?);
+        Ok(Self { stream, bad, descs, module, device, ordinal, image, ctx })
     }
 
     /// The device's name.
     pub fn device_name(&self) -> Result<String> {
         Ok(self.device.name()?)
+    }
+
+    /// The device's ordinal among the visible devices.
+    pub fn ordinal(&self) -> u32 {
+        self.ordinal
     }
 
     /// The driver's CUDA version, e.g. `12040` for 12.4.
@@ -287,9 +424,13 @@ impl Gpu {
         &self.stream
     }
 
+    /// This GPU's context, for device memory that must be freed on any thread.
+    pub fn context(&self) -> &GpuContext {
+        &self.ctx
+    }
+
     fn current(&self) -> Result<()> {
-        CurrentContext::set_current(&self.ctx)?;
-        Ok(())
+        self.ctx.make_current()
     }
 
     /// Makes this GPU's (primary) context current on the calling thread, for
@@ -298,40 +439,103 @@ impl Gpu {
         self.current()
     }
 
+    /// Waits for this handle's stream, with its context current.
+    pub fn synchronize(&self) -> Result<()> {
+        self.current()?;
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// `bytes` bytes of zeroed device memory padded to whole words
+    /// ([`padded_bytes`]), zeroed on this handle's stream (stream-ordered, not
+    /// on the legacy stream); nothing is allocated for 0 bytes. Later work on
+    /// this stream sees the zeros; other streams must wait for it.
+    pub fn zeroed_bytes(&self, bytes: usize) -> Result<DeviceBuffer<u8>> {
+        self.current()?;
+        let mut b = alloc::<u8>(padded_bytes(bytes))?;
+        if !b.is_empty() {
+            // SAFETY: `b` is a live allocation of this context; the memset is
+            // ordered on this stream before any use the callers make of it.
+            unsafe { b.set_zero_async(&self.stream)? };
+        }
+        Ok(b)
+    }
+
+    /// Copies `x` into new device memory on this stream and waits for it.
+    fn copy_to_device<T: DeviceCopy>(&self, x: &[T]) -> Result<DeviceBuffer<T>> {
+        let mut b = alloc::<T>(x.len())?;
+        if !x.is_empty() {
+            // SAFETY: `b` holds `x.len()` elements; the stream is synchronized
+            // before `x` can go away.
+            unsafe { b.async_copy_from(x, &self.stream)? };
+            self.stream.synchronize()?;
+        }
+        Ok(b)
+    }
+
     /// Copies `x` to the device.
     pub fn upload<T: GpuElement>(&self, x: &[T]) -> Result<GpuVec<T>> {
         self.current()?;
         let raw: Vec<T::Raw> = x.iter().map(|&v| v.raw()).collect();
-        Ok(GpuVec { buf: DeviceBuffer::from_slice(&raw)?, _t: PhantomData })
+        Ok(GpuVec {
+            buf: ManuallyDrop::new(self.copy_to_device(&raw)?),
+            ctx: ManuallyDrop::new(self.ctx.clone()),
+            _t: PhantomData,
+        })
     }
 
-    /// Copies a device f32 buffer to the host.
+    /// Copies a device f32 buffer to the host, after this stream's earlier work.
     pub fn download(&self, x: &DeviceSlice<f32>) -> Result<Vec<f32>> {
         self.current()?;
         let mut v = vec![0f32; x.len()];
-        x.copy_to(&mut v[..])?;
+        if !x.is_empty() {
+            // SAFETY: `v` holds `x.len()` floats and outlives the copy: the stream
+            // is synchronized before it is returned.
+            unsafe { x.async_copy_to(&mut v[..], &self.stream)? };
+            self.stream.synchronize()?;
+        }
         Ok(v)
     }
 
     /// Copies a quantized value (owned or a view of received wire bytes) to the device.
     pub fn upload_quantized<Q: AsQuantizedRef + ?Sized>(&self, q: &Q) -> Result<GpuQuantized> {
         let q = q.as_quantized_ref();
-        self.current()?;
-        let buf = DeviceBuffer::from_slice(&q.to_bytes())?;
-        Ok(GpuQuantized { spec: q.spec(), len: q.len(), buf })
+        self.wire_buffer(q.spec(), q.len(), &q.to_bytes())
     }
 
     /// Checks wire bytes (every check of [`QuantizedRef::from_bytes`]) and copies them to the device.
     pub fn upload_wire(&self, bytes: &[u8]) -> Result<GpuQuantized> {
         let q = QuantizedRef::from_bytes(bytes)?;
-        self.current()?;
-        Ok(GpuQuantized { spec: q.spec(), len: q.len(), buf: DeviceBuffer::from_slice(bytes)? })
+        self.wire_buffer(q.spec(), q.len(), bytes)
     }
 
-    /// A device buffer of `len` f32 zeros (a destination for dequantization).
+    /// A padded device copy of the encoding `bytes` (`len` elements in `spec`).
+    fn wire_buffer(&self, spec: QuantSpec, len: usize, bytes: &[u8]) -> Result<GpuQuantized> {
+        self.current()?;
+        let mut padded = bytes.to_vec();
+        padded.resize(padded_bytes(bytes.len()), 0);
+        Ok(GpuQuantized {
+            spec,
+            len,
+            bytes: bytes.len(),
+            buf: ManuallyDrop::new(self.copy_to_device(&padded)?),
+            ctx: ManuallyDrop::new(self.ctx.clone()),
+        })
+    }
+
+    /// A device buffer of `len` f32 zeros (a destination for dequantization),
+    /// zeroed on this stream; nothing is allocated when `len` is 0. Drop it where
+    /// this GPU's context is current (any call of this [`Gpu`] makes it current).
     pub fn zeros(&self, len: usize) -> Result<DeviceBuffer<f32>> {
         self.current()?;
-        Ok(DeviceBuffer::zeroed(len)?)
+        let mut b = alloc::<f32>(len)?;
+        if len > 0 {
+            // SAFETY: a live allocation of this context, zeroed in stream order
+            // and waited for before it is returned.
+            unsafe { b.set_zero_async(&self.stream)? };
+            self.stream.synchronize()?;
+        }
+        Ok(b)
     }
 
     /// A quantized destination of `len` elements in `spec` on the device: the
@@ -339,13 +543,11 @@ impl Gpu {
     /// `*_into` call fills it). For [`Gpu::quantize_into`] and
     /// [`Gpu::dequant_reduce_quant_into`], which reuse it without allocating.
     pub fn quantized_buffer(&self, spec: QuantSpec, len: usize) -> Result<GpuQuantized> {
-        self.current()?;
         let total = wire::checked_encoded_len(&spec, len).ok_or(QuantError::TooLarge(len as u64))?;
-        let mut header = [0u8; wire::HEADER_LEN];
-        wire::write_header(&mut header, &spec, len)?;
-        let buf = DeviceBuffer::<u8>::zeroed(total)?;
-        buf.index(..wire::HEADER_LEN).copy_from(&header[..])?;
-        Ok(GpuQuantized { spec, len, buf })
+        let mut bytes = vec![0u8; total];
+        let header = bytes.get_mut(..wire::HEADER_LEN).ok_or(QuantError::TooLarge(len as u64))?;
+        wire::write_header(header, &spec, len)?;
+        self.wire_buffer(spec, len, &bytes)
     }
 
     /// Quantizes `x` group by group, like [`crate::quantize`] (only
@@ -461,9 +663,20 @@ impl Gpu {
     ///
     /// As [`Gpu::dequant_reduce_quant_at`]; the context is current.
     unsafe fn launch_reduce_quantize(&self, inputs: &[WireAt], opts: &Options, out: WireAt) -> Result<()> {
-        let descs: Vec<InDesc> = inputs.iter().map(|q| desc_at(q.addr, &q.spec, q.len)).collect();
-        let descs = DeviceBuffer::from_slice(&descs)?;
-        let (din, k) = (descs.as_device_ptr().as_raw(), inputs.len() as u32);
+        let host: Vec<InDesc> = inputs.iter().map(|q| desc_at(q.addr, &q.spec, q.len)).collect();
+        // The descriptors go to a reused buffer on this stream (no allocation per
+        // call once it is large enough); `run_quantize` synchronizes the stream
+        // before `host` and the lock go away.
+        let mut descs = self.descs.lock().unwrap_or_else(PoisonError::into_inner);
+        if descs.len() < host.len() {
+            *descs = alloc::<InDesc>(host.len().next_power_of_two())?;
+        }
+        let mut window = descs.index(..host.len());
+        // SAFETY: `window` holds `host.len()` descriptors of a live allocation;
+        // the copy is ordered before the kernel on this stream, and the stream is
+        // synchronized before `host` is dropped.
+        unsafe { window.async_copy_from(&host[..], &self.stream)? };
+        let (din, k) = (window.as_device_ptr().as_raw(), inputs.len() as u32);
         self.run_quantize(
             out,
             opts,
@@ -509,14 +722,20 @@ impl Gpu {
             }
             // SAFETY: `d.data` addresses the output's data region of `⌈len/2⌉`
             // bytes in live device memory (the callers' contract); the slice
-            // does not own it (dropping it frees nothing).
-            let mut data = unsafe {
-                DeviceSlice::from_raw_parts_mut(DevicePointer::<u8>::from_raw(d.data), out.len.div_ceil(2))
-            };
-            data.set_zero()?;
+            // does not own it (dropping it frees nothing). The memset is ordered
+            // on this stream before the kernel.
+            unsafe {
+                let mut data = DeviceSlice::from_raw_parts_mut(
+                    DevicePointer::<u8>::from_raw(d.data),
+                    out.len.div_ceil(2),
+                );
+                data.set_zero_async(&self.stream)?;
+            }
         }
-        // All ones = u64::MAX: no non-finite element seen yet.
-        self.bad.index(..).set_8(0xFF)?;
+        // All ones = u64::MAX: no non-finite element seen yet. Ordered on this
+        // stream (the previous call's read-back finished before it returned).
+        // SAFETY: `bad` is a live allocation of this context.
+        unsafe { self.bad.index(..).set_8_async(0xFF, &self.stream)? };
         let (stochastic, seed) = match opts.rounding {
             Rounding::Stochastic { seed } => (1u32, seed),
             Rounding::NearestEven => (0u32, 0u64),
@@ -537,9 +756,10 @@ impl Gpu {
             bad: self.bad.as_device_ptr().as_raw(),
         };
         launch_fn(&self.module, &a)?;
-        self.stream.synchronize()?;
         let mut first = [0u64];
-        self.bad.copy_to(&mut first[..])?;
+        // SAFETY: `first` outlives the copy: the stream is synchronized next.
+        unsafe { self.bad.async_copy_to(&mut first[..], &self.stream)? };
+        self.stream.synchronize()?;
         let first_bad = first[0];
         if first_bad != u64::MAX {
             let value = value_at(first_bad)?;
@@ -550,6 +770,7 @@ impl Gpu {
 
     /// Element `i` of a quantize source as f32 (`k` inputs for the fused kernel).
     fn value(&self, kernel: &str, src: u64, k: Option<u32>, i: u64) -> Result<f32> {
+        // Only on the error path: a synchronous allocation is fine here.
         let out = DeviceBox::new(&0f32)?;
         let o = out.as_device_ptr().as_raw();
         let f = self.module.get_function(kernel)?;
@@ -568,11 +789,12 @@ impl Gpu {
         Ok(v)
     }
 
-    /// Dequantizes into a new device buffer, like [`crate::dequantize`].
+    /// Dequantizes into a new device buffer, like [`crate::dequantize`] (drop
+    /// it where this GPU's context is current).
     pub fn dequantize(&self, q: &GpuQuantized) -> Result<DeviceBuffer<f32>> {
         self.current()?;
-        // SAFETY: f32 has no invalid bit patterns and the kernel writes every element.
-        let mut out = unsafe { DeviceBuffer::uninitialized(q.len)? };
+        // The kernel writes every element.
+        let mut out = alloc::<f32>(q.len)?;
         self.dequant(q, &mut out, false)?;
         Ok(out)
     }

@@ -33,7 +33,66 @@ const CHECKS: &[(&str, Check)] = &[
     ("wire round trips CPU <-> GPU", wire_round_trips),
     ("non-finite input: the CPU's error, naming the same index", non_finite),
     ("reused output buffers (quantize_into, dequant_reduce_quant_into)", reuse_outputs),
+    ("zero-length buffers: no allocation, no memset on a null pointer", zero_lengths),
+    ("buffers read and dropped on a thread that never made the context current", other_threads),
+    ("stream handles (new_stream) share the module and give the same bytes", stream_handles),
 ];
+
+/// Allocations are padded to whole 4-byte words (the INT4 packing's atomics
+/// write words), and a zero-byte allocation stays zero bytes.
+#[test]
+fn gpu_allocations_are_padded_to_whole_words() {
+    use zeropp_quant::cuda::padded_bytes;
+    for (bytes, padded) in [(0, 0), (1, 4), (3, 4), (4, 4), (5, 8), (33, 36), (1 << 20, 1 << 20)] {
+        assert_eq!(padded_bytes(bytes), padded, "{bytes}");
+    }
+}
+
+fn zero_lengths(gpu: &Gpu) {
+    let z = gpu.zeros(0).unwrap();
+    assert!(z.is_empty());
+    assert_eq!(gpu.download(&z).unwrap(), Vec::<f32>::new());
+    let x = gpu.upload::<f32>(&[]).unwrap();
+    let q = gpu.quantize(&x, QuantSpec::int4(7).unwrap(), &Options::default()).unwrap();
+    assert_eq!(
+        q.to_bytes().unwrap(),
+        quantize(&[0f32; 0], QuantSpec::int4(7).unwrap(), &Options::default()).unwrap().to_bytes()
+    );
+}
+
+fn other_threads(gpu: &Gpu) {
+    let x: Vec<f32> = (0..1000).map(|i| (i as f32).cos()).collect();
+    let spec = QuantSpec::int4(9).unwrap();
+    let q = gpu.quantize(&gpu.upload(&x).unwrap(), spec, &Options::default()).unwrap();
+    let v = gpu.upload(&x).unwrap();
+    let want = quantize(&x, spec, &Options::default()).unwrap().to_bytes();
+    // A fresh thread has no current context: reading and dropping must set it.
+    let got = std::thread::spawn(move || {
+        let bytes = q.to_bytes();
+        drop(v);
+        drop(q);
+        bytes
+    })
+    .join()
+    .unwrap()
+    .unwrap();
+    assert_eq!(got, want);
+}
+
+fn stream_handles(gpu: &Gpu) {
+    let other = gpu.new_stream().unwrap();
+    assert_eq!(other.image(), gpu.image());
+    let x: Vec<f32> = (0..4097).map(|i| (i as f32 * 0.01).sin()).collect();
+    let spec = QuantSpec::int8(128).unwrap();
+    let a = gpu.quantize(&gpu.upload(&x).unwrap(), spec, &Options::default()).unwrap();
+    let b = std::thread::scope(|s| {
+        s.spawn(|| other.quantize(&other.upload(&x).unwrap(), spec, &Options::default()).unwrap().to_bytes())
+            .join()
+            .unwrap()
+            .unwrap()
+    });
+    assert_eq!(a.to_bytes().unwrap(), b);
+}
 
 #[test]
 fn suite() {
