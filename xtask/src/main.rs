@@ -25,8 +25,10 @@ tasks:
                    (and the MPI tests when `mpirun` is on PATH; `--no-mpi` skips them)
   test             only the test suite (cargo test --workspace)
   bench [NAME...]  criterion benches (quant, comm, e2e, mpi; default: quant comm e2e), `gpu`, and the
-                   fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds;
-                   ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 5 --steps 1500 --variants all`);
+                   fidelity bench (`fidelity`: ZeRO++ variants' validation loss over seeds, lrs and
+                   three corpora (generated, tinyshakespeare, the Python reference);
+                   ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 8 --lrs 1e-2 --variants all`),
+                   `loco-probe` (qgZ's error feedback along one exact trajectory, per corpus);
                    writes a markdown summary to target/bench-report/NAME.md; `cluster`: speedups
                    over ZeRO-3 on the namespace cluster against the link model (root, ~7 min);
                    `scale`: GPT sizes 1M..GPT-2 small on 2x4 threads (tokens/s, time split, memory,
@@ -195,6 +197,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         type Runner = fn(&Path) -> Result<(), String>;
         let own: Option<Runner> = match name {
             "fidelity" => Some(fidelity),
+            "loco-probe" => Some(loco_probe),
             "gpu" => Some(gpu::bench),
             "gpu-comm" => Some(gpu::bench_comm),
             "scale" => Some(scale::scale),
@@ -208,7 +211,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
             return Err(format!(
-                "unknown bench `{name}` (known: {}, fidelity, gpu, gpu-comm, scale, cluster)",
+                "unknown bench `{name}` (known: {}, fidelity, loco-probe, gpu, gpu-comm, scale, cluster)",
                 known.join(", ")
             ));
         };
@@ -236,17 +239,76 @@ fn bench(args: &[String]) -> Result<(), String> {
 }
 
 /// The fidelity bench: training runs, not criterion timings, so it is an example
-/// binary of zeropp-engine that writes its own markdown report.
+/// binary of zeropp-engine that writes its own markdown report. Its corpora are
+/// the generated text, tinyshakespeare (when `../shared/data` has it) and the
+/// Python language reference ([`python_reference`]); `ZEROPP_FIDELITY_ARGS`
+/// adds or overrides options (`--seeds`, `--lrs`, `--variants`, `--data`).
 fn fidelity(report_dir: &Path) -> Result<(), String> {
     let out = report_dir.join("fidelity.md");
     let mut c = cargo();
     c.args(["run", "--locked", "--release", "-p", "zeropp-engine", "--example", "fidelity", "--"]);
     let extra = std::env::var("ZEROPP_FIDELITY_ARGS").unwrap_or_default();
+    if !extra.contains("--data") {
+        c.arg("--data").arg(corpora()?);
+    }
     c.args(extra.split_whitespace());
     c.arg("--out").arg(&out);
     run("bench fidelity", c)?;
     eprintln!("==> wrote {}", out.display());
     Ok(())
+}
+
+/// The error-feedback probe (`loco_probe` example): qgZ with and without error
+/// feedback, nearest and stochastic rounding, along one exact trajectory, on
+/// each corpus of the fidelity bench; one report, `target/bench-report/loco-probe.md`.
+fn loco_probe(report_dir: &Path) -> Result<(), String> {
+    let out = report_dir.join("loco-probe.md");
+    let mut md = String::from(
+        "# bench `loco-probe`: what qgZ's error feedback does along one exact trajectory\n\n\
+         Columns: see the `loco_probe` example's docs. Per corpus, lr 1e-2 (the CLI's) and seed 1.\n\n",
+    );
+    for corpus in corpora()?.split(',') {
+        let part = report_dir.join("loco-probe-part.md");
+        let mut c = cargo();
+        c.args(["run", "--locked", "--release", "-p", "zeropp-engine", "--example", "loco_probe", "--"]);
+        c.args(["--data", corpus, "--lr", "1e-2", "--out"]).arg(&part);
+        run(&format!("bench loco-probe ({corpus})"), c)?;
+        md += &std::fs::read_to_string(&part).map_err(|e| format!("{}: {e}", part.display()))?;
+        md.push('\n');
+    }
+    std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
+    eprintln!("==> wrote {}", out.display());
+    Ok(())
+}
+
+/// The fidelity corpora, for `--data`: `generated`, `shakespeare` when
+/// `../shared/data/tinyshakespeare.txt` exists, and the Python reference text.
+fn corpora() -> Result<String, String> {
+    let mut v = vec!["generated".to_string()];
+    if root().join("../shared/data/tinyshakespeare.txt").is_file() {
+        v.push("shakespeare".into());
+    } else {
+        eprintln!("==> tinyshakespeare skipped: ../shared/data/tinyshakespeare.txt is absent");
+    }
+    v.push(python_reference()?.display().to_string());
+    Ok(v.join(","))
+}
+
+/// A third English corpus for the fidelity benches, made on the spot: the first
+/// 120,000 characters of the Python language reference that CPython ships
+/// (`pydoc_data.topics`, its topics in sorted order), about the size of the
+/// held-out text of issue 18. Written to `target/fidelity/python-reference.txt`.
+fn python_reference() -> Result<PathBuf, String> {
+    let dir = root().join("target/fidelity");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join("python-reference.txt");
+    let script = "import sys, pydoc_data.topics as t\n\
+                  text = '\\n'.join(t.topics[k] for k in sorted(t.topics))[:120000]\n\
+                  open(sys.argv[1], 'w', encoding='utf-8').write(text)\n";
+    let mut c = Command::new("python3");
+    c.args(["-c", script]).arg(&path);
+    run("the Python reference corpus (pydoc_data.topics)", c)?;
+    Ok(path)
 }
 
 /// One criterion measurement: mean time and (optional) bytes of throughput per iteration.

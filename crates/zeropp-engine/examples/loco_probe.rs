@@ -31,8 +31,12 @@
 //!
 //! ```text
 //! cargo run --release -p zeropp-engine --example loco_probe -- \
-//!     [--data FILE|generated] [--steps 1500] [--seed 1] [--lr 3e-3] [--out FILE.md]
+//!     [--data generated|shakespeare|FILE] [--steps 1500] [--seed 1] [--lr 3e-3] [--follow INDEX] [--out FILE.md]
 //! ```
+//!
+//! `--follow INDEX` drives the trajectory with variant INDEX's updates (0-4, in
+//! the table's order) instead of the exact ones, and prints the training loss
+//! per phase and the final validation loss of that trajectory.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench driver: failures abort
 #![allow(clippy::needless_range_loop)] // layer indices walk several per-layer vectors at once
@@ -143,6 +147,10 @@ fn main() {
     let args = parse_args();
     let choice = match args.data.as_str() {
         "generated" => DataChoice::Markov { seed: 0, chars: 200_000 },
+        "shakespeare" => DataChoice::File(
+            zeropp_tests::data::find(zeropp_tests::data::TINYSHAKESPEARE)
+                .expect("../shared/data/tinyshakespeare.txt is absent"),
+        ),
         path => DataChoice::File(PathBuf::from(path)),
     };
     let (data, info) = load_data(&choice).expect("training text");

@@ -276,3 +276,55 @@ fn feedback_state_round_trips() {
         assert!(same);
     }
 }
+
+/// Positions every rank sends as zero (the engine zeroes the 1-D parameters it
+/// reduces densely) keep a zero residual on both hops, step after step: error
+/// feedback adds nothing there for the dense exchange to fight with.
+#[test]
+fn zeroed_positions_keep_zero_residuals() {
+    let t = Topology::ranks(8).per_node(4).unwrap();
+    let n = 8 * 512;
+    // Elements [1000, 1300) and the whole of shard 5 are zero on every rank.
+    let zero = |i: usize| (1000..1300).contains(&i) || (5 * 512..6 * 512).contains(&i);
+    let outs = ThreadCluster::new(t, ThreadOptions::default())
+        .run(|comm| {
+            let r = comm.rank();
+            let mut fb = ErrorFeedback::loco(0.8);
+            let mut shard = vec![0.0f32; 512];
+            for k in 0..5u64 {
+                let g: Vec<f32> = (0..n)
+                    .map(|i| {
+                        if zero(i) {
+                            0.0
+                        } else {
+                            ((splitmix64(k * 1_000_003 + (r * n + i) as u64) >> 40) as f32 / 1e7) - 0.8
+                        }
+                    })
+                    .collect();
+                qgz_reduce_scatter_with_feedback(comm, &g, &mut shard, &QgzOptions::default(), &mut fb)?;
+            }
+            Ok::<_, zeropp_comm::CommError>((fb.residual().into_owned(), fb.inter_residual().into_owned(), r))
+        })
+        .unwrap();
+    for (hop1, hop2, r) in outs {
+        assert!(hop1.iter().any(|&x| x != 0.0), "rank {r}: no residual at all");
+        for (i, &e) in hop1.iter().enumerate().filter(|&(i, _)| zero(i)) {
+            assert_eq!(e, 0.0, "rank {r}: hop-1 residual {e} at zeroed position {i}");
+        }
+        // Hop 2 holds one 512-element slot per node for shard (node, local rank of r):
+        // rank r's own local rank l gives shards l and 4 + l; shard 5 is all zero.
+        let l = r % 4;
+        for (m, slot) in hop2.chunks(512).enumerate() {
+            let part = m * 4 + l;
+            for (k, &e) in slot.iter().enumerate() {
+                if zero(part * 512 + k) {
+                    assert_eq!(
+                        e, 0.0,
+                        "rank {r}: hop-2 residual {e} at zeroed element {} of shard {part}",
+                        k
+                    );
+                }
+            }
+        }
+    }
+}
