@@ -257,12 +257,15 @@ fn stationary_distribution(probs: &[f64], a: usize, states: usize) -> Vec<f64> {
     pi
 }
 
-/// A character-level dataset: distinct characters of the text, sorted, are
-/// the vocabulary (ids `0..vocab`); the last `val_fraction` of the tokens is
-/// the validation split.
+/// A token dataset with a train/validation split: character-level from text
+/// (the distinct characters, sorted, are the vocabulary, ids `0..vocab`), or
+/// token ids a user already made ([`TextDataset::from_tokens`]). The last
+/// `val_fraction` of the tokens is the validation split.
 #[derive(Debug, Clone)]
 pub struct TextDataset {
+    /// The characters of a character-level dataset (empty for token data).
     vocab: Vec<char>,
+    vocab_size: usize,
     train: Vec<u32>,
     val: Vec<u32>,
 }
@@ -296,7 +299,48 @@ impl TextDataset {
         let val = ids[split..].to_vec();
         let mut train = ids;
         train.truncate(split);
-        Ok(Self { vocab, train, val })
+        Ok(Self { vocab_size: vocab.len(), vocab, train, val })
+    }
+
+    /// A dataset of token ids a user already made (any tokenizer): ids must be
+    /// below `vocab_size`; the last `val_fraction` (in `[0, 1)`) of `tokens` is
+    /// the validation split. Training checks `vocab_size` against the model's:
+    /// a model with a smaller vocabulary is a clear error, never an
+    /// out-of-range embedding lookup.
+    ///
+    /// ```
+    /// use zeropp_engine::data::TextDataset;
+    /// let tokens: Vec<u32> = (0..1000).map(|i| (i * 7 % 50) as u32).collect();
+    /// let ds = TextDataset::from_tokens(50, tokens, 0.1)?;
+    /// assert_eq!((ds.vocab_size(), ds.train_tokens().len(), ds.val_tokens().len()), (50, 900, 100));
+    /// assert!(ds.vocab().is_empty()); // no characters: token data
+    /// let err = TextDataset::from_tokens(50, vec![3, 50, 4], 0.0).unwrap_err();
+    /// assert!(err.to_string().contains("token 50"), "{err}");
+    /// # Ok::<(), zeropp_engine::EngineError>(())
+    /// ```
+    pub fn from_tokens(vocab_size: usize, tokens: Vec<u32>, val_fraction: f64) -> Result<Self, EngineError> {
+        if !(0.0..1.0).contains(&val_fraction) {
+            return Err(EngineError::InvalidConfig(format!("val_fraction {val_fraction} not in [0, 1)")));
+        }
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyText);
+        }
+        if vocab_size == 0 || u32::try_from(vocab_size).is_err() {
+            return Err(EngineError::InvalidConfig(format!(
+                "vocabulary size {vocab_size} must be in 1..=2^32"
+            )));
+        }
+        if let Some((i, &t)) = tokens.iter().enumerate().find(|&(_, &t)| t as usize >= vocab_size) {
+            return Err(EngineError::InvalidConfig(format!(
+                "token {t} at position {i} is outside the vocabulary of {vocab_size} ids"
+            )));
+        }
+        let n_val = ((tokens.len() as f64) * val_fraction).round() as usize;
+        let split = tokens.len() - n_val.min(tokens.len());
+        let val = tokens[split..].to_vec();
+        let mut train = tokens;
+        train.truncate(split);
+        Ok(Self { vocab: Vec::new(), vocab_size, train, val })
     }
 
     /// A dataset from a file: UTF-8 text, or (if the bytes are not UTF-8)
@@ -318,12 +362,13 @@ impl TextDataset {
         Self::from_text(&source.generate(len, seed))
     }
 
-    /// Number of distinct characters (token ids are `0..vocab_size`).
+    /// Vocabulary size: token ids are `0..vocab_size`.
     pub fn vocab_size(&self) -> usize {
-        self.vocab.len()
+        self.vocab_size
     }
 
-    /// The characters of the vocabulary, sorted; index = token id.
+    /// The characters of the vocabulary, sorted; index = token id (empty for
+    /// token data, [`TextDataset::from_tokens`]).
     pub fn vocab(&self) -> &[char] {
         &self.vocab
     }

@@ -42,6 +42,38 @@ pub fn train_mpi(
     cfg: &TrainConfig,
     on_step: &mut dyn FnMut(&StepRecord),
 ) -> Result<Option<TrainReport>, EngineError> {
+    check_mpi_job(comm, cfg)?;
+    let (data, info) = load_data(&cfg.data)?;
+    match &cfg.model {
+        ModelChoice::Gpt(g) => {
+            let model = Gpt::new(g.with_vocab(data.vocab_size()))?;
+            run_model_mpi(comm, &model, &data, &info, cfg, on_step)
+        }
+        ModelChoice::Mlp(m) => {
+            let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
+            run_model_mpi(comm, &model, &data, &info, cfg, on_step)
+        }
+    }
+}
+
+/// [`train_mpi`] for a model and data of your own (see
+/// [`crate::train::train_model`]; `cfg.model` and `cfg.data` are not read):
+/// the same per-rank loop, so a model trains under `mpirun` exactly as on the
+/// thread backend. Collective over the MPI world; rank 0 returns the report.
+pub fn train_model_mpi<M: Model>(
+    comm: &mut MpiComm,
+    model: &M,
+    data: &TextDataset,
+    cfg: &TrainConfig,
+    on_step: &mut dyn FnMut(&StepRecord),
+) -> Result<Option<TrainReport>, EngineError> {
+    check_mpi_job(comm, cfg)?;
+    let info = DataInfo::of(data, crate::train::describe_tokens(data));
+    run_model_mpi(comm, model, data, &info, cfg, on_step)
+}
+
+/// `cfg` asks for the MPI backend and for this job's world and node size.
+fn check_mpi_job(comm: &MpiComm, cfg: &TrainConfig) -> Result<(), EngineError> {
     if cfg.backend != Backend::Mpi {
         return Err(EngineError::InvalidConfig("train_mpi needs backend = Backend::Mpi".into()));
     }
@@ -55,17 +87,7 @@ pub fn train_mpi(
             topo.local_size()
         )));
     }
-    let (data, info) = load_data(&cfg.data)?;
-    match &cfg.model {
-        ModelChoice::Gpt(g) => {
-            let model = Gpt::new(g.with_vocab(data.vocab_size()))?;
-            train_model_mpi(comm, &model, &data, &info, cfg, on_step)
-        }
-        ModelChoice::Mlp(m) => {
-            let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
-            train_model_mpi(comm, &model, &data, &info, cfg, on_step)
-        }
-    }
+    Ok(())
 }
 
 /// The per-rank records of one step, gathered from every rank on a side communicator.
@@ -187,7 +209,7 @@ fn decode(bytes: &[u8]) -> Result<RankStep, EngineError> {
 }
 
 /// Trains `model` on `data` with this process as one rank (see [`train_mpi`]).
-fn train_model_mpi<M: Model>(
+fn run_model_mpi<M: Model>(
     comm: &mut MpiComm,
     model: &M,
     data: &TextDataset,

@@ -39,7 +39,7 @@ use crate::optim::AdamW;
 pub use layer_comm::Prefetcher;
 use layer_comm::{LayerComm, Secondary};
 use plan::Placement;
-pub use plan::{PERSISTENT_BUCKET, build_plan, shard_align};
+pub use plan::{PERSISTENT_BUCKET, build_plan, check_layers, shard_align};
 
 /// Operation tags of the traffic counters.
 pub mod tags {

@@ -23,6 +23,7 @@ pub fn build_plan<M: Model + ?Sized>(
     cfg: &EngineConfig,
     topology: Topology,
 ) -> Result<PartitionPlan, EngineError> {
+    check_layers(model)?;
     let mut reg = ParamRegistry::new();
     let threshold = cfg.zero.buckets.param_persistence_threshold;
     let mut persistent = Vec::new();
@@ -49,6 +50,56 @@ pub fn build_plan<M: Model + ?Sized>(
         plan_cfg = plan_cfg.with_param_align(align);
     }
     Ok(PartitionPlan::new(&reg, topology, plan_cfg)?)
+}
+
+/// Checks a model's layer list before it becomes buckets, so a model of a
+/// user's own gets a clear error instead of a clash: at least one layer; layer
+/// names non-empty, unique, and not [`PERSISTENT_BUCKET`] (reserved for the
+/// bucket of DeepSpeed's persistent parameters); parameter names non-empty and
+/// unique within their layer; every parameter with at least one element.
+///
+/// ```
+/// use zeropp_engine::engine::check_layers;
+/// use zeropp_engine::model::{Gpt, GptConfig};
+/// check_layers(&Gpt::new(GptConfig::tiny())?)?;
+/// # Ok::<(), zeropp_engine::EngineError>(())
+/// ```
+pub fn check_layers<M: Model + ?Sized>(model: &M) -> Result<(), EngineError> {
+    let bad = |why: String| Err(EngineError::InvalidConfig(format!("model {:?}: {why}", model.name())));
+    let layers = model.layers();
+    if layers.is_empty() {
+        return bad("no layers".into());
+    }
+    let mut seen = std::collections::HashSet::new();
+    for l in layers {
+        if l.name.is_empty() {
+            return bad("a layer has an empty name".into());
+        }
+        if l.name == PERSISTENT_BUCKET {
+            return bad(format!(
+                "layer name `{PERSISTENT_BUCKET}` is reserved (the bucket of the persistent parameters); rename the layer"
+            ));
+        }
+        if !seen.insert(l.name.as_str()) {
+            return bad(format!("two layers are named `{}`", l.name));
+        }
+        let mut names = std::collections::HashSet::new();
+        for p in &l.params {
+            if p.name.is_empty() {
+                return bad(format!("layer `{}` has a parameter with an empty name", l.name));
+            }
+            if !names.insert(p.name.as_str()) {
+                return bad(format!("layer `{}` has two parameters named `{}`", l.name, p.name));
+            }
+            if p.numel() == 0 {
+                return bad(format!(
+                    "parameter `{}.{}` of shape {:?} has no elements",
+                    l.name, p.name, p.shape
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Shard alignment: a common multiple of the qwZ and qgZ group sizes, taking

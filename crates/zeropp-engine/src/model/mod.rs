@@ -13,12 +13,17 @@
 
 pub mod gemm;
 pub mod gpt;
+pub mod kit;
 pub mod mlp;
 pub mod ops;
 pub(crate) mod rng;
 mod stack;
 
 pub use gpt::{Gpt, GptConfig, GptTape};
+pub use kit::{
+    CallOrder, check_backward_order, check_forward_order, fill_normal, split_params, split_params_mut,
+    validate_batch,
+};
 pub use mlp::{Mlp, MlpConfig, MlpTape};
 
 use crate::EngineError;
@@ -108,9 +113,154 @@ impl Batch {
     }
 }
 
-/// A model with hand-written forward and backward passes, split into gather units.
+/// A model with its own forward and backward passes, split into gather units:
+/// the contract between a model and the engine.
 ///
 /// See the [module docs](self) for the call protocol.
+///
+/// # The contract, for authors of a model
+///
+/// - **Layers are gather units.** [`Model::layers`] lists them in forward order;
+///   the engine all-gathers a layer's parameters before each of its calls and
+///   frees them after, so only one or two layers are whole at a time. Names:
+///   layer names unique and not `persistent` (reserved for the bucket of
+///   DeepSpeed's persistent parameters), parameter names unique within their
+///   layer; `{layer}.{param}` is the tensor's name in checkpoints and exports.
+/// - **The weight layout is the model's own.** A layer's flat buffer is its
+///   [`TensorSpec`]s back to back, each row-major in the shape the model
+///   declares; the engine never looks inside (beyond quantizing groups that never
+///   straddle two tensors, and treating 1-D tensors as biases and norms for
+///   qgZ's 1-D exclusion). [`kit::split_params`] splits the buffer.
+/// - **Init is deterministic.** [`Model::init_layer`] must give the same values
+///   for the same seed on every rank and in every process
+///   ([`kit::fill_normal`] does).
+/// - **Calls come in order.** `start`, `forward(0..L)`, `loss`,
+///   `backward(L-1..=0)`; refuse anything else ([`kit::CallOrder`]).
+///   `backward` *overwrites* `grad` with d(mean loss)/d(params) and leaves the
+///   gradient of the layer's input in the tape for the layer below.
+/// - **The tape holds what a micro-batch needs between forward and backward**
+///   (activations), never the weights: keeping a gathered layer alive defeats
+///   ZeRO-3. [`Model::activation_bytes`] tells the memory model its size.
+///
+/// # Example: a model of your own, trained sharded
+///
+/// A bigram language model in two gather units, written against this trait
+/// and the [`kit`] helpers, then trained with ZeRO++ on 4 ranks:
+///
+/// ```
+/// use zeropp_engine::EngineError;
+/// use zeropp_engine::data::TextDataset;
+/// use zeropp_engine::model::kit::{CallOrder, fill_normal, split_params, split_params_mut, validate_batch};
+/// use zeropp_engine::model::{Batch, LayerSpec, Model, TensorSpec};
+/// use zeropp_engine::train::{TrainConfig, train_model};
+///
+/// /// Layer 0 looks up an embedding; layer 1 maps it to logits (softmax cross-entropy).
+/// struct Bigram { vocab: usize, dim: usize, seq: usize, layers: Vec<LayerSpec> }
+///
+/// struct Tape { order: CallOrder, inputs: Vec<u32>, targets: Vec<u32>, h: Vec<f32>, probs: Vec<f32>, loss: f32, dh: Vec<f32> }
+///
+/// impl Bigram {
+///     fn new(vocab: usize, dim: usize, seq: usize) -> Self {
+///         let layers = vec![
+///             LayerSpec { name: "embed".into(), params: vec![TensorSpec::new("weight", vec![vocab, dim])] },
+///             LayerSpec {
+///                 name: "head".into(),
+///                 params: vec![TensorSpec::new("weight", vec![dim, vocab]), TensorSpec::new("bias", vec![vocab])],
+///             },
+///         ];
+///         Self { vocab, dim, seq, layers }
+///     }
+/// }
+///
+/// impl Model for Bigram {
+///     type Tape = Tape;
+///     fn name(&self) -> &str { "bigram" }
+///     fn vocab_size(&self) -> usize { self.vocab }
+///     fn seq_len(&self) -> usize { self.seq }
+///     fn layers(&self) -> &[LayerSpec] { &self.layers }
+///
+///     fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError> {
+///         let spec = &self.layers[layer];
+///         for (i, p) in split_params_mut(spec, out)?.into_iter().enumerate() {
+///             if spec.params[i].shape.len() == 2 { fill_normal(p, 0.1, seed, layer, i) } else { p.fill(0.0) }
+///         }
+///         Ok(())
+///     }
+///
+///     fn start(&self, b: &Batch) -> Result<Tape, EngineError> {
+///         validate_batch(b, self.vocab, self.seq)?;
+///         Ok(Tape { order: CallOrder::new(2), inputs: b.inputs.clone(), targets: b.targets.clone(),
+///                   h: Vec::new(), probs: Vec::new(), loss: f32::NAN, dh: Vec::new() })
+///     }
+///
+///     fn forward(&self, layer: usize, params: &[f32], t: &mut Tape) -> Result<(), EngineError> {
+///         t.order.forward(layer)?;
+///         let p = split_params(&self.layers[layer], params)?;
+///         let (d, v) = (self.dim, self.vocab);
+///         if layer == 0 {
+///             t.h = t.inputs.iter().flat_map(|&tok| p[0][tok as usize * d..][..d].to_vec()).collect();
+///             return Ok(());
+///         }
+///         let n = t.inputs.len();
+///         t.probs = vec![0.0; n * v];
+///         let mut loss = 0.0f64;
+///         for i in 0..n {
+///             let row = &mut t.probs[i * v..][..v];
+///             for o in 0..v {
+///                 row[o] = p[1][o] + (0..d).map(|k| t.h[i * d + k] * p[0][k * v + o]).sum::<f32>();
+///             }
+///             let m = row.iter().cloned().fold(f32::MIN, f32::max);
+///             let z: f32 = row.iter_mut().map(|x| { *x = (*x - m).exp(); *x }).sum();
+///             row.iter_mut().for_each(|x| *x /= z);
+///             loss -= f64::from(row[t.targets[i] as usize].ln());
+///         }
+///         t.loss = (loss / n as f64) as f32;
+///         Ok(())
+///     }
+///
+///     fn loss(&self, t: &Tape) -> f32 { if t.order.finished_forward() { t.loss } else { f32::NAN } }
+///
+///     fn backward(&self, layer: usize, params: &[f32], t: &mut Tape, grad: &mut [f32]) -> Result<(), EngineError> {
+///         t.order.backward(layer)?;
+///         let spec = &self.layers[layer];
+///         let p = split_params(spec, params)?;
+///         let mut g = split_params_mut(spec, grad)?;
+///         g.iter_mut().for_each(|x| x.fill(0.0));
+///         let (d, v, n) = (self.dim, self.vocab, t.inputs.len());
+///         if layer == 1 {
+///             t.dh = vec![0.0; n * d];
+///             for i in 0..n {
+///                 for o in 0..v {
+///                     let y = if o == t.targets[i] as usize { 1.0 } else { 0.0 };
+///                     let dl = (t.probs[i * v + o] - y) / n as f32;
+///                     g[1][o] += dl;
+///                     for k in 0..d {
+///                         g[0][k * v + o] += t.h[i * d + k] * dl;
+///                         t.dh[i * d + k] += p[0][k * v + o] * dl;
+///                     }
+///                 }
+///             }
+///         } else {
+///             for (i, &tok) in t.inputs.iter().enumerate() {
+///                 for k in 0..d { g[0][tok as usize * d + k] += t.dh[i * d + k]; }
+///             }
+///         }
+///         Ok(())
+///     }
+/// }
+///
+/// // Token ids from any tokenizer; ZeRO++ on 2 simulated nodes x 2 ranks.
+/// let tokens: Vec<u32> = (0..8000u32).map(|i| (i * 7 + i / 3) % 16).collect();
+/// let data = TextDataset::from_tokens(16, tokens, 0.1)?;
+/// let model = Bigram::new(16, 8, 8);
+/// let cfg = TrainConfig { steps: 30, world: 4, local_size: 2, ..TrainConfig::tiny() };
+/// let report = train_model(&model, &data, &cfg)?;
+/// assert!(report.steps[29].loss < report.steps[0].loss, "it learns");
+/// assert_eq!(report.summary.bytes_per_step, report.summary.model_bytes_per_step);
+/// # Ok::<(), EngineError>(())
+/// ```
+///
+/// # The call protocol, on the built-in GPT
 ///
 /// ```
 /// use zeropp_engine::model::{Batch, Gpt, GptConfig, Model, full_forward_backward, init_params};
@@ -234,115 +384,6 @@ fn check_param_count<M: Model>(model: &M, params: &[Vec<f32>]) -> Result<(), Eng
             expected: model.layers().len(),
             got: params.len(),
         });
-    }
-    Ok(())
-}
-
-/// Checks a batch's shape and token ids against a model's vocabulary and maximum sequence length.
-pub(crate) fn validate_batch(batch: &Batch, vocab: usize, max_seq: usize) -> Result<(), EngineError> {
-    if batch.batch == 0 || batch.seq_len == 0 {
-        return Err(EngineError::InvalidBatch(format!(
-            "batch {} x seq_len {} is empty",
-            batch.batch, batch.seq_len
-        )));
-    }
-    if batch.seq_len > max_seq {
-        return Err(EngineError::InvalidBatch(format!(
-            "seq_len {} exceeds the model's maximum {max_seq}",
-            batch.seq_len
-        )));
-    }
-    batch.check_lengths()?;
-    if let Some(&token) = batch.inputs.iter().chain(&batch.targets).find(|&&t| t as usize >= vocab) {
-        return Err(EngineError::TokenOutOfRange { token, vocab });
-    }
-    Ok(())
-}
-
-/// Splits a layer's flat buffer into one slice per parameter, checking the total length.
-pub(crate) fn split_params<'a>(spec: &LayerSpec, flat: &'a [f32]) -> Result<Vec<&'a [f32]>, EngineError> {
-    if flat.len() != spec.numel() {
-        return Err(EngineError::LengthMismatch {
-            what: "layer parameters",
-            expected: spec.numel(),
-            got: flat.len(),
-        });
-    }
-    let mut rest = flat;
-    let mut out = Vec::with_capacity(spec.params.len());
-    for p in &spec.params {
-        let (head, tail) = rest.split_at(p.numel());
-        out.push(head);
-        rest = tail;
-    }
-    Ok(out)
-}
-
-/// Mutable version of [`split_params`].
-pub(crate) fn split_params_mut<'a>(
-    spec: &LayerSpec,
-    flat: &'a mut [f32],
-) -> Result<Vec<&'a mut [f32]>, EngineError> {
-    if flat.len() != spec.numel() {
-        return Err(EngineError::LengthMismatch {
-            what: "layer gradient",
-            expected: spec.numel(),
-            got: flat.len(),
-        });
-    }
-    let mut rest = flat;
-    let mut out = Vec::with_capacity(spec.params.len());
-    for p in &spec.params {
-        let (head, tail) = rest.split_at_mut(p.numel());
-        out.push(head);
-        rest = tail;
-    }
-    Ok(out)
-}
-
-/// Fills `out` with `N(0, std^2)` samples from a stream keyed by (seed, layer, param).
-pub(crate) fn fill_normal(out: &mut [f32], std: f64, seed: u64, layer: usize, param: usize) {
-    let mut rng = rng::SplitMix64::from_keys(&[seed, 0x1417, layer as u64, param as u64]);
-    for v in out {
-        *v = (rng.normal() * std) as f32;
-    }
-}
-
-/// Checks the call order of a forward: `layer` must be the next one.
-pub(crate) fn check_forward_order(layer: usize, next_fwd: usize, layers: usize) -> Result<(), EngineError> {
-    if layer >= layers {
-        return Err(EngineError::LayerOutOfRange { layer, layers });
-    }
-    if layer != next_fwd {
-        return Err(EngineError::CallOrder(format!("forward({layer}) called, expected forward({next_fwd})")));
-    }
-    Ok(())
-}
-
-/// Checks the call order of a backward: all forwards done, `layer` is the next in reverse order.
-pub(crate) fn check_backward_order(
-    layer: usize,
-    next_fwd: usize,
-    remaining_bwd: usize,
-    layers: usize,
-) -> Result<(), EngineError> {
-    if layer >= layers {
-        return Err(EngineError::LayerOutOfRange { layer, layers });
-    }
-    if next_fwd != layers {
-        return Err(EngineError::CallOrder(format!(
-            "backward({layer}) called after only {next_fwd} of {layers} forwards"
-        )));
-    }
-    if remaining_bwd == 0 || layer != remaining_bwd - 1 {
-        return Err(EngineError::CallOrder(format!(
-            "backward({layer}) called, expected {}",
-            if remaining_bwd == 0 {
-                "no more backward calls".to_string()
-            } else {
-                format!("backward({})", remaining_bwd - 1)
-            }
-        )));
     }
     Ok(())
 }

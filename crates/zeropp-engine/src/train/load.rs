@@ -19,6 +19,20 @@ pub struct DataInfo {
     pub train_tokens: usize,
 }
 
+impl DataInfo {
+    /// The description of a dataset a caller built itself (for
+    /// [`train_model`](super::train_model)): `description`, its vocabulary and
+    /// training tokens, no known loss floor.
+    pub fn of(data: &TextDataset, description: impl Into<String>) -> Self {
+        Self {
+            description: description.into(),
+            entropy_rate: None,
+            vocab: data.vocab_size(),
+            train_tokens: data.train_tokens().len(),
+        }
+    }
+}
+
 /// Loads the data of `choice`.
 ///
 /// ```

@@ -25,9 +25,10 @@ use zeropp_comm::LinkModel;
 
 use crate::EngineError;
 use crate::config::{AdamWConfig, EngineConfig, ZeroConfig};
+use crate::data::TextDataset;
 use crate::engine::tags;
 use crate::metrics::{StepRecord, Summary};
-use crate::model::{Gpt, GptConfig, Mlp, MlpConfig};
+use crate::model::{Gpt, GptConfig, Mlp, MlpConfig, Model};
 
 pub(crate) mod aggregate;
 mod failure;
@@ -223,6 +224,78 @@ pub fn train_with(
             threads::train_model(&model, &data, &info, cfg, on_step)
         }
     }
+}
+
+/// Trains a model of your own (any [`Model`]) on data of your own with ZeRO-3 or
+/// ZeRO++ on the thread backend: everything [`train`] gives the built-in
+/// models (prefetch, hpZ, qwZ, qgZ, checkpoints with resume, metrics, the
+/// summary with bytes against the analytic model). `cfg.model` and `cfg.data`
+/// are not read; the rest of `cfg` is (world, node size, the engine's ZeRO++
+/// switches, batch and optimizer, steps, checkpoints). Under `mpirun`, the same
+/// call is [`crate::train_mpi::train_model_mpi`] (feature `mpi`).
+///
+/// The data's vocabulary must not exceed the model's (a clear error otherwise),
+/// and the model's layer names must be unique and not `persistent`
+/// ([`crate::engine::check_layers`]). See [`Model`] for an example model.
+///
+/// ```
+/// use zeropp_engine::data::TextDataset;
+/// use zeropp_engine::train::{TrainConfig, train_model};
+/// use zeropp_engine::{Gpt, GptConfig};
+/// // Any Model; here the built-in GPT on token ids from a tokenizer of your own.
+/// let model = Gpt::new(GptConfig::tiny().with_vocab(32))?;
+/// let tokens: Vec<u32> = (0..5000u32).map(|i| (i * i + 3 * i) % 32).collect();
+/// let data = TextDataset::from_tokens(32, tokens, 0.1)?;
+/// let report = train_model(&model, &data, &TrainConfig { steps: 3, ..TrainConfig::tiny() })?;
+/// assert_eq!(report.steps.len(), 3);
+/// assert_eq!(report.summary.bytes_per_step, report.summary.model_bytes_per_step);
+/// // A model with a smaller vocabulary than the data is refused.
+/// let small = Gpt::new(GptConfig::tiny().with_vocab(16))?;
+/// let err = train_model(&small, &data, &TrainConfig::tiny()).unwrap_err();
+/// assert!(err.to_string().contains("exceeds model"), "{err}");
+/// # Ok::<(), zeropp_engine::EngineError>(())
+/// ```
+pub fn train_model<M: Model>(
+    model: &M,
+    data: &TextDataset,
+    cfg: &TrainConfig,
+) -> Result<TrainReport, EngineError> {
+    train_model_with(model, data, cfg, &mut |_| {})
+}
+
+/// [`train_model`] with a per-step callback (as [`train_with`]).
+pub fn train_model_with<M: Model>(
+    model: &M,
+    data: &TextDataset,
+    cfg: &TrainConfig,
+    on_step: &mut dyn FnMut(&StepRecord),
+) -> Result<TrainReport, EngineError> {
+    let info = DataInfo::of(data, describe_tokens(data));
+    threads::train_model(model, data, &info, cfg, on_step)
+}
+
+/// The one-line description of a dataset given as tokens.
+pub(crate) fn describe_tokens(data: &TextDataset) -> String {
+    format!(
+        "{} training and {} validation tokens, vocabulary {}",
+        data.train_tokens().len(),
+        data.val_tokens().len(),
+        data.vocab_size()
+    )
+}
+
+/// The memory model's per-rank prediction for training `model` as `cfg` says
+/// (`cfg.model` and `cfg.data` not read; see [`crate::engine::memory`]).
+pub fn memory_prediction_for<M: Model>(
+    model: &M,
+    cfg: &TrainConfig,
+) -> Result<crate::engine::memory::MemoryPrediction, EngineError> {
+    use crate::engine::{build_plan, memory::predict};
+    let topo = zeropp_comm::Topology::ranks(cfg.world)
+        .per_node(cfg.local_size)
+        .map_err(EngineError::InvalidTopology)?;
+    let micro = cfg.engine.micro_batch(cfg.world)?;
+    predict(model, &build_plan(model, &cfg.engine, topo)?, &cfg.engine, micro)
 }
 
 /// The memory model's per-rank prediction for the run `cfg` describes (the model

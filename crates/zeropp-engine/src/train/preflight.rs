@@ -17,6 +17,16 @@ pub(crate) fn check_run<M: Model>(
     cfg: &TrainConfig,
 ) -> Result<(usize, usize), EngineError> {
     cfg.engine.validate(cfg.world, cfg.local_size)?;
+    if data.vocab_size() > model.vocab_size() {
+        return Err(EngineError::InvalidConfig(format!(
+            "the data's vocabulary ({} ids) exceeds model {:?}'s ({} ids): token ids up to {} would \
+             index past its embedding",
+            data.vocab_size(),
+            model.name(),
+            model.vocab_size(),
+            data.vocab_size() - 1
+        )));
+    }
     let seq_len = model.seq_len();
     data.check_seq_len(seq_len)?;
     let micro = cfg.engine.micro_batch(cfg.world)?;

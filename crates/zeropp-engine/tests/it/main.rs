@@ -2,6 +2,7 @@
 //! instead of one per file): a module per area.
 //!
 //! - models and data: `models` (gradients, determinism, kernels), `model_data`;
+//! - the public API for a model of your own: `engine_api`;
 //! - the training engine: `engine_equivalence`, `engine_bytes`,
 //!   `engine_checkpoint`, `engine_faults`, `engine_zeropp_options` (INT8 hpZ
 //!   wire, 1-D exclusion, routing), `engine_fidelity` (needs
@@ -12,6 +13,7 @@
 //! Timings are benches (`benches/model_timing.rs`), not tests.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap: a panic is a test failure
 
+mod engine_api;
 mod engine_bytes;
 mod engine_checkpoint;
 mod engine_equivalence;
