@@ -122,6 +122,19 @@ pub enum EngineError {
     /// Training cannot continue (e.g. every step is non-finite).
     #[error("training failed: {0}")]
     Training(String),
+    /// A model's own computation failed in one of its layers (a model written
+    /// with another framework, such as `zeropp-candle`'s, reports its errors
+    /// this way): the model, the layer, and the model's error as the source.
+    #[error("model {model:?}, layer {layer:?}: {source}")]
+    Model {
+        /// The model's name.
+        model: String,
+        /// The layer (gather unit) that failed.
+        layer: String,
+        /// The model's own error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// Shorthand for `Result<T, EngineError>`.

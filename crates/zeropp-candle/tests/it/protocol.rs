@@ -1,0 +1,83 @@
+//! The stage-by-stage forward and backward (recomputing, or keeping the graph)
+//! equal one whole-graph `loss.backward()`, and finite differences.
+
+use candle_nn::Module;
+use zeropp_candle::{CandleModel, LlamaConfig};
+use zeropp_engine::model::{Model, full_forward, full_forward_backward, init_params};
+
+use crate::{batch, tiny_llama};
+
+/// Worst relative difference (against the larger magnitude, floored at `floor`).
+fn worst_rel(a: &[f32], b: &[f32], floor: f32) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / x.abs().max(y.abs()).max(floor)).fold(0.0, f32::max)
+}
+
+#[test]
+fn stage_by_stage_equals_one_graph() {
+    for keep in [false, true] {
+        let model =
+            LlamaConfig::shape(24, 16, 2, 4, 2, 8).builder().unwrap().keep_graph(keep).build().unwrap();
+        let params = init_params(&model, 5).unwrap();
+        let b = batch(24, 3, 8, 1);
+        let (loss, grads) = full_forward_backward(&model, &params, &b).unwrap();
+        let (ref_loss, ref_grads) = model.reference_gradients(&params, &b).unwrap();
+        assert_eq!(loss.to_bits(), ref_loss.to_bits(), "keep_graph {keep}: the loss");
+        for (l, (g, r)) in grads.iter().zip(&ref_grads).enumerate() {
+            let w = worst_rel(g, r, 1e-6);
+            assert!(w <= 1e-6, "keep_graph {keep}, stage {l}: relative difference {w}");
+        }
+    }
+}
+
+/// Central differences of the stage-by-stage loss against the backward's
+/// gradient, on a tiny model, at the largest gradients of every stage.
+#[test]
+fn gradients_match_finite_differences() {
+    let (vocab, d) = (12, 6);
+    let model = CandleModel::builder("fd", vocab, 5)
+        .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
+        .stage("block", move |vb, x| {
+            let h = candle_nn::linear(d, 2 * d, vb.pp("up"))?.forward(x)?.tanh()?;
+            x + candle_nn::linear(2 * d, d, vb.pp("down"))?.forward(&h)?
+        })
+        .stage("norm", move |vb, x| zeropp_candle::llama::rms_norm(x, &vb.get(d, "weight")?.exp()?, 1e-5))
+        .stage("head", move |vb, x| candle_nn::linear(d, vocab, vb)?.forward(x))
+        .build()
+        .unwrap();
+    let mut params = init_params(&model, 3).unwrap();
+    let b = batch(vocab, 2, 5, 9);
+    let (_, grads) = full_forward_backward(&model, &params, &b).unwrap();
+    let eps = 1e-2f32;
+    for l in 0..params.len() {
+        // The three largest gradient entries of the stage.
+        let mut idx: Vec<usize> = (0..grads[l].len()).collect();
+        idx.sort_by(|&i, &j| grads[l][j].abs().total_cmp(&grads[l][i].abs()));
+        for &i in idx.iter().take(3) {
+            let x0 = params[l][i];
+            params[l][i] = x0 + eps;
+            let up = full_forward(&model, &params, &b).unwrap().0;
+            params[l][i] = x0 - eps;
+            let down = full_forward(&model, &params, &b).unwrap().0;
+            params[l][i] = x0;
+            let fd = (up - down) / (2.0 * eps);
+            let g = grads[l][i];
+            assert!(
+                (fd - g).abs() <= 0.03 * g.abs() + 2e-4,
+                "stage {l} [{i}]: backward {g}, differences {fd}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_tape_keeps_no_weights_and_calls_come_in_order() {
+    let model = tiny_llama(20);
+    let params = init_params(&model, 1).unwrap();
+    let b = batch(20, 2, 8, 3);
+    let mut tape = model.start(&b).unwrap();
+    assert!(model.backward(0, &params[0], &mut tape, &mut vec![0.0; params[0].len()]).is_err());
+    model.forward(0, &params[0], &mut tape).unwrap();
+    assert!(model.forward(2, &params[2], &mut tape).is_err(), "layer 1 is next");
+    assert!(model.loss(&tape).is_nan(), "no loss before the last forward");
+}
