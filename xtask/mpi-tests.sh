@@ -167,6 +167,19 @@ for mode in zeropp zero3; do
   fi
 done
 
+echo "==> end to end: the candle Llama (zeropp-candle) under mpi equals threads"
+LLAMA_ARGS=(--model llama:d=32,layers=2,heads=4,kv_heads=2,seq=16 --steps 8 --seed 2 --eval-batches 1)
+a="$E2E_DIR/mpi-llama.jsonl" b="$E2E_DIR/threads-llama.jsonl"
+run "train np4 2x2 llama (mpi)" ok "metrics written" -- -np 4 "$zeropp" train --backend mpi \
+  --local-size 2 "${LLAMA_ARGS[@]}" --metrics "$a"
+if timeout -k 10 "$TIMEOUT" "$zeropp" train --backend threads --world 4 --local-size 2 \
+  "${LLAMA_ARGS[@]}" --metrics "$b" >"$E2E_DIR/threads-llama.log" 2>&1; then
+  same_jsonl "train llama: mpi == threads (losses, bytes)" "$a" "$b"
+else
+  tail -20 "$E2E_DIR/threads-llama.log"
+  fail "train llama (threads reference run)"
+fi
+
 echo "==> end to end: --world must match mpirun -np"
 run "train: --world differs from the MPI world" fail "does not match the MPI world" -- \
   -np 4 "$zeropp" train --backend mpi --world 8 --local-size 2 "${TRAIN_ARGS[@]}"

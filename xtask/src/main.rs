@@ -29,6 +29,8 @@ tasks:
                    three corpora (generated, tinyshakespeare, the Python reference);
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 8 --lrs 1e-2 --variants all`),
                    `loco-probe` (qgZ's error feedback along one exact trajectory, per corpus);
+                   `candle`: the candle adapter's step time vs the native GPT, matmul threads,
+                   ZeRO++/ZeRO-3 fidelity of the candle Llama over seeds;
                    writes a markdown summary to target/bench-report/NAME.md; `cluster`: speedups
                    over ZeRO-3 on the namespace cluster against the link model (root, ~7 min);
                    `scale`: GPT sizes 1M..GPT-2 small on 2x4 threads (tokens/s, time split, memory,
@@ -58,6 +60,7 @@ const BENCHES: &[(&str, &str, &str, &str)] = &[
     ("comm", "zeropp-comm", "comm", ""),
     ("e2e", "zeropp-engine", "e2e", ""),
     ("mpi", "zeropp-comm", "mpi", "mpi"),
+    ("candle", "zeropp-candle", "candle", ""),
 ];
 
 fn main() -> ExitCode {

@@ -217,12 +217,15 @@ impl CandleModelBuilder {
         self
     }
 
-    /// Threads for candle's CPU matmuls on each rank (default 1). The thread
-    /// backend runs one OS thread per rank, so more than
+    /// Threads for candle's CPU matmuls on each rank (default 1): each rank
+    /// runs its stages on a rayon pool of its own of this many threads. The
+    /// thread backend runs one OS thread per rank, so more than
     /// `cores / ranks in the process` oversubscribes the cores; under MPI (one
-    /// rank per process) a rank may use its share of the node's cores.
+    /// rank per process) a rank may use its share of the node's cores. 0 means
+    /// no pool of ours: candle's own threading (every rank's matmuls split over
+    /// all cores), which oversubscribes as soon as ranks run side by side.
     pub fn matmul_threads(mut self, threads: usize) -> Self {
-        self.threads = threads.max(1);
+        self.threads = threads;
         self
     }
 
@@ -336,8 +339,11 @@ thread_local! {
 }
 
 /// Runs `f` on this thread's pool of `threads` threads (candle's gemm splits
-/// its work over the current rayon pool).
+/// its work over the current rayon pool); with 0 threads, on this thread.
 fn on_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> std::result::Result<T, EngineError> {
+    if threads == 0 {
+        return Ok(f());
+    }
     let pool = POOL.with(|p| -> std::result::Result<Arc<rayon::ThreadPool>, EngineError> {
         let mut p = p.borrow_mut();
         if let Some((n, pool)) = p.as_ref()
@@ -354,6 +360,27 @@ fn on_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> std::result
         Ok(pool)
     })?;
     Ok(pool.install(f))
+}
+
+/// One core's L2 cache in bytes (Linux sysfs, `cpu0`), else 2 MiB.
+fn l2_cache_bytes() -> usize {
+    let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+    (0..8)
+        .map(|i| dir.join(format!("index{i}")))
+        .find(|d| read(d.join("level")).as_deref() == Some("2"))
+        .and_then(|d| read(d.join("size")))
+        .and_then(|s| {
+            let (num, mult) = match s.strip_suffix('K') {
+                Some(n) => (n, 1 << 10),
+                None => match s.strip_suffix('M') {
+                    Some(n) => (n, 1 << 20),
+                    None => (s.as_str(), 1),
+                },
+            };
+            num.parse::<usize>().ok().map(|n| n * mult)
+        })
+        .unwrap_or(2 << 20)
 }
 
 /// The mean softmax cross-entropy of `logits` (`[b, t, v]`) against `targets` (`[b·t]`).
@@ -475,6 +502,14 @@ impl CandleModel {
         let inputs: usize = self.stages.iter().rev().skip(1).map(|s| s.width).sum();
         4 * tokens * (inputs + 3 * self.vocab)
     }
+
+    /// The memory candle's CPU matmuls hold on each of a rank's matmul
+    /// threads: the `gemm` crate keeps one packing slab the size of a core's L2
+    /// cache per thread that has run a matmul (read from Linux's sysfs; 2 MiB
+    /// where it cannot be read). With candle's own threading (0), one slab.
+    pub fn matmul_workspace_bytes(&self) -> usize {
+        self.threads.max(1) * l2_cache_bytes()
+    }
 }
 
 impl Model for CandleModel {
@@ -556,10 +591,14 @@ impl Model for CandleModel {
             .map_err(|e| to_engine(&self.name, name, e))
     }
 
+    /// The tape's stage inputs and a stage's recompute (the builder's
+    /// `activation_bytes`, else the stage inputs and the logits), plus candle's
+    /// matmul workspace ([`CandleModel::matmul_workspace_bytes`]).
     fn activation_bytes(&self, batch: usize, seq: usize) -> usize {
-        match &self.activation {
+        let own = match &self.activation {
             Some(f) => f(batch, seq),
             None => self.boundary_bytes(batch, seq),
-        }
+        };
+        own + self.matmul_workspace_bytes()
     }
 }

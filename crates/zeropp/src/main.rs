@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 mod checkpoint;
 mod compare;
+mod llama;
 mod quant;
 mod summary;
 mod train;

@@ -9,7 +9,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use zeropp_engine::config::{CommDtype, QgzConfig, ZeroConfig, quant_spec};
 use zeropp_engine::metrics::StepRecord;
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_engine::train::{Backend, DataChoice, ModelChoice, TrainConfig, train_with};
+use zeropp_engine::train::{
+    Backend, DataChoice, ModelChoice, TrainConfig, train_model_described, train_with,
+};
 
 use crate::CliError;
 use crate::summary::{print_data, print_plan, print_report, print_warnings};
@@ -275,6 +277,7 @@ pub(crate) fn model_help() -> String {
             g.with_vocab(256).num_params() as f64 / 1e6
         );
     }
+    s += &crate::llama::help();
     s += "  mlp, mlp-tiny  context-window MLP language models\n\
           gpt2-small is GPT-2 small's shape; GPT-2's 124M counts a tied 50257-token embedding (38.6M).";
     s
@@ -284,7 +287,12 @@ pub(crate) fn model_help() -> String {
 /// start from `zero`, then the DeepSpeed config, then the explicit flags).
 pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<(TrainConfig, Vec<String>), CliError> {
     let mut cfg = TrainConfig {
-        model: model_choice(&run.model)?,
+        // The Llama is built from the data by `run` (its vocabulary is the data's);
+        // the native choice here is then unused.
+        model: match crate::llama::parse(&run.model)? {
+            Some(_) => TrainConfig::default().model,
+            None => model_choice(&run.model)?,
+        },
         data: match &run.data {
             Some(p) => DataChoice::File(p.clone()),
             None => TrainConfig::default().data,
@@ -417,21 +425,41 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
     cfg.engine.validate(cfg.world, cfg.local_size)?;
     print_data(&cfg.data)?;
     print_plan(&args.run.model, &cfg, cfg.world / cfg.local_size.max(1), None);
+    let llama = match crate::llama::parse(&args.run.model)? {
+        Some(shape) => {
+            let (data, info) = zeropp_engine::train::load_data(&cfg.data)?;
+            Some((shape.build(data.vocab_size())?, data, info))
+        }
+        None => None,
+    };
     let pb = progress_bar(cfg.steps, "train");
-    let report = train_with(&cfg, &mut |r| show_step(&pb, r));
+    let report = match &llama {
+        Some((model, data, info)) => {
+            train_model_described(model, data, info, &cfg, &mut |r| show_step(&pb, r))
+        }
+        None => train_with(&cfg, &mut |r| show_step(&pb, r)),
+    };
     pb.finish();
     let report = report?;
     print_report(&report.summary, cfg.metrics.as_deref());
-    print_memory(&cfg, cfg.world, None);
+    print_memory(&cfg, llama.as_ref().map(|(m, _, _)| m), cfg.world, None);
     Ok(())
 }
 
 /// One line: this process's peak RSS against the memory model's prediction for
-/// the `ranks` ranks it ran (all of them with threads; one, `rank`, under MPI).
-pub(crate) fn print_memory(cfg: &TrainConfig, ranks: usize, rank: Option<usize>) {
-    let (Some(peak), Ok(p)) =
-        (zeropp_engine::engine::memory::peak_rss(), zeropp_engine::train::memory_prediction(cfg))
-    else {
+/// the `ranks` ranks it ran (all of them with threads; one, `rank`, under MPI),
+/// for the native model of `cfg` or the candle model `candle`.
+pub(crate) fn print_memory(
+    cfg: &TrainConfig,
+    candle: Option<&zeropp_candle::CandleModel>,
+    ranks: usize,
+    rank: Option<usize>,
+) {
+    let predicted = match candle {
+        Some(m) => zeropp_engine::train::memory_prediction_for(m, cfg),
+        None => zeropp_engine::train::memory_prediction(cfg),
+    };
+    let (Some(peak), Ok(p)) = (zeropp_engine::engine::memory::peak_rss(), predicted) else {
         return;
     };
     let predicted = (p.total() * ranks) as f64;

@@ -66,7 +66,7 @@ fn flag_given(name: &str) -> bool {
 #[cfg(feature = "mpi")]
 fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     use zeropp_comm::Communicator as _;
-    use zeropp_engine::train_mpi::{MpiComm, MpiOptions, train_mpi};
+    use zeropp_engine::train_mpi::{MpiComm, MpiOptions, train_model_mpi, train_mpi};
 
     use crate::summary::{print_data, print_plan, print_report, print_warnings};
     use crate::train::{progress_bar, show_step, train_config};
@@ -100,16 +100,27 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
         print_data(&cfg.data)?;
         print_plan(&a.run.model, &cfg, topo.nodes(), Some(&comm.thread_level()));
     }
+    let llama = match crate::llama::parse(&a.run.model)? {
+        Some(shape) => {
+            let (data, _) = zeropp_engine::train::load_data(&cfg.data)?;
+            Some((shape.build(data.vocab_size())?, data))
+        }
+        None => None,
+    };
     let pb = lead.then(|| progress_bar(cfg.steps, "train"));
     let watchdog = lead.then(|| Watchdog::start(args.run.timeout_s.max(1)));
-    let report = train_mpi(&mut comm, &cfg, &mut |r| {
+    let mut on_step = |r: &zeropp_engine::metrics::StepRecord| {
         if let Some(w) = &watchdog {
             w.progress();
         }
         if let Some(pb) = &pb {
             show_step(pb, r);
         }
-    });
+    };
+    let report = match &llama {
+        Some((model, data)) => train_model_mpi(&mut comm, model, data, &cfg, &mut on_step),
+        None => train_mpi(&mut comm, &cfg, &mut on_step),
+    };
     if let Some(w) = &watchdog {
         w.stop();
     }
@@ -121,7 +132,7 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
         print_report(&report.summary, cfg.metrics.as_deref());
     }
     // Every rank is a process: each reports its own peak.
-    crate::train::print_memory(&cfg, 1, Some(rank));
+    crate::train::print_memory(&cfg, llama.as_ref().map(|(m, _)| m), 1, Some(rank));
     drop(comm);
     Ok(())
 }

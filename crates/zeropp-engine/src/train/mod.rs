@@ -271,7 +271,19 @@ pub fn train_model_with<M: Model>(
     on_step: &mut dyn FnMut(&StepRecord),
 ) -> Result<TrainReport, EngineError> {
     let info = DataInfo::of(data, describe_tokens(data));
-    threads::train_model(model, data, &info, cfg, on_step)
+    train_model_described(model, data, &info, cfg, on_step)
+}
+
+/// [`train_model_with`] with the data's description (as [`load_data`] returns
+/// it: the summary then carries its loss floor, when known).
+pub fn train_model_described<M: Model>(
+    model: &M,
+    data: &TextDataset,
+    info: &DataInfo,
+    cfg: &TrainConfig,
+    on_step: &mut dyn FnMut(&StepRecord),
+) -> Result<TrainReport, EngineError> {
+    threads::train_model(model, data, info, cfg, on_step)
 }
 
 /// The one-line description of a dataset given as tokens.
