@@ -99,7 +99,7 @@ pub use hierarchical::{
     world_qwz_gather_encoded, world_reduce_scatter, world_reduce_scatter_bytes,
 };
 pub use qgz::{
-    ErrorFeedback, QgzOptions, ResidualPrecision, qgz_bytes, qgz_reduce_scatter,
+    ErrorFeedback, QgzOptions, QgzStages, ResidualPrecision, qgz_bytes, qgz_reduce_scatter,
     qgz_reduce_scatter_with_feedback,
 };
 pub use qwz::{QwzOptions, group_qwz_bytes, qwz_all_gather};

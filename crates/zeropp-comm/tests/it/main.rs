@@ -18,6 +18,7 @@ mod device_nccl;
 mod faults;
 mod hierarchical;
 mod link_model;
+mod qgz_stages;
 mod qgz_streams;
 mod reduce_mean;
 mod traffic;

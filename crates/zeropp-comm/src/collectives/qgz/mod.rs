@@ -48,14 +48,15 @@
 use std::borrow::Cow;
 
 use zeropp_quant::half::bf16;
-use zeropp_quant::rng::stream_seed;
-use zeropp_quant::{
-    Options, QuantSpec, QuantizedRef, Rounding, dequant_reduce_quant_to_wire, dequantize_add,
-    dequantize_into, encoded_len, quantize_to_wire,
-};
+use zeropp_quant::{Options, QuantSpec, encoded_len};
 
-use super::{QuantClock, Reduce, check_shard, finish_shard, with_part};
+use super::{QuantClock, Reduce, check_shard};
 use crate::{CommError, Communicator, Group, LinkBytes, Topology};
+
+mod stages;
+
+use stages::Feedback;
+pub use stages::QgzStages;
 
 /// Options of [`qgz_reduce_scatter`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -418,77 +419,6 @@ pub fn qgz_bytes(topology: &Topology, opts: &QgzOptions, n: usize) -> LinkBytes 
     }
 }
 
-/// The kernel options of one quantization inside qgZ: with stochastic rounding,
-/// the stream is keyed by `(seed, rank, hop, slot)`, so the contributions of
-/// different ranks to one element round with independent draws (their errors
-/// add in variance, `∝ L`, instead of in amplitude, `∝ L²`).
-fn keyed(q: &Options, rank: usize, hop: u64, slot: usize) -> Options {
-    match q.rounding {
-        Rounding::Stochastic { seed } => q.with_rounding(Rounding::Stochastic {
-            seed: stream_seed(seed, &[rank as u64, hop, slot as u64]),
-        }),
-        _ => *q,
-    }
-}
-
-/// Quantizes `x` into `out`; with a residual `res` (same length as `x`), quantizes
-/// `c = x + res` instead and updates `res ← β·res + (1 − β)·(c − deq)` (in f32,
-/// stored in the residual's precision).
-fn encode_with_feedback(
-    x: &[f32],
-    spec: QuantSpec,
-    opts: &Options,
-    out: &mut [u8],
-    feedback: Option<(ResidualMut<'_>, f32)>,
-) -> Result<(), CommError> {
-    match feedback {
-        None => {
-            quantize_to_wire(x, spec, opts, out)?;
-        }
-        Some((mut res, beta)) => {
-            if res.len() != x.len() {
-                return Err(CommError::Mismatch(format!(
-                    "qgz: error-feedback residual of {} elements for {} gradient elements",
-                    res.len(),
-                    x.len()
-                )));
-            }
-            let comp: Vec<f32> = x.iter().enumerate().map(|(i, a)| a + res.get(i)).collect();
-            quantize_to_wire(&comp, spec, opts, out)?;
-            let mut deq = vec![0.0f32; comp.len()];
-            dequantize_into(&QuantizedRef::from_bytes(out)?, &mut deq, opts)?;
-            for (i, (c, d)) in comp.iter().zip(&deq).enumerate() {
-                res.set(i, beta * res.get(i) + (1.0 - beta) * (c - d));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Quantizes shard `part` of `grad` (padded to `s`) into `out`, with the hop-1
-/// residual of that shard when there is one.
-#[allow(clippy::too_many_arguments)] // one call site; the arguments are the hop's state
-fn encode_part(
-    grad: &[f32],
-    s: usize,
-    part: usize,
-    spec: QuantSpec,
-    opts: &Options,
-    out: &mut [u8],
-    residual: Option<&mut Residual>,
-    beta: f32,
-) -> Result<(), CommError> {
-    let res = match residual {
-        Some(r) => Some((r.slice_mut(part * s..(part + 1) * s).ok_or_else(|| residual_oob(part, s))?, beta)),
-        None => None,
-    };
-    with_part(grad, s, part, |x| encode_with_feedback(x, spec, opts, out, res))?
-}
-
-fn residual_oob(part: usize, s: usize) -> CommError {
-    CommError::Mismatch(format!("qgz: error-feedback residual has no shard {part} of {s} elements"))
-}
-
 fn qgz_impl<C: Communicator + ?Sized>(
     comm: &mut C,
     grad: &[f32],
@@ -501,150 +431,45 @@ fn qgz_impl<C: Communicator + ?Sized>(
     let rank = comm.rank();
     let n = grad.len();
     let s = check_shard("qgz_reduce_scatter", n, w, shard.len())?;
+    let stages = QgzStages::new(&topo, rank, n, opts)?;
     if w == 1 {
         shard.copy_from_slice(grad);
         return Ok(());
     }
-    let (beta, mut hop1, mut hop2) = match feedback {
-        Some(fb) => {
-            if fb.residual.len() != s * w || fb.residual.precision() != fb.precision {
-                fb.residual = Residual::zeros(fb.precision, s * w);
-            }
-            if fb.inter.len() != s * nodes || fb.inter.precision() != fb.precision {
-                fb.inter = Residual::zeros(fb.precision, s * nodes);
-            }
-            (fb.beta, Some(&mut fb.residual), Some(&mut fb.inter))
+    let mut fb = feedback.map(|fb| {
+        if fb.residual.len() != s * w || fb.residual.precision() != fb.precision {
+            fb.residual = Residual::zeros(fb.precision, s * w);
         }
-        None => (0.0, None, None),
-    };
-    let (me_node, me_local) = (topo.node_of(rank), topo.local_rank(rank));
-    let q = &opts.quant;
-    shard.fill(0.0);
+        if fb.inter.len() != s * nodes || fb.inter.precision() != fb.precision {
+            fb.inter = Residual::zeros(fb.precision, s * nodes);
+        }
+        Feedback { hop1: &mut fb.residual, hop2: &mut fb.inter, beta: fb.beta }
+    });
 
-    // What goes to the rail peers (one encoding per node), when there is an inter hop.
-    let ei = encoded_len(opts.inter_spec, s);
-    let mut inter_send = if nodes > 1 { vec![0u8; ei * nodes] } else { Vec::new() };
-
+    // Steps 1-2: reorder + quantize, intra-node all-to-all.
+    let mut inter_send = vec![0u8; nodes * stages.inter_chunk_len()];
+    let mut intra_send = vec![0u8; local * stages.intra_chunk_len()];
+    let mut own = vec![0u8; stages.own_len()];
+    let clock = QuantClock::start();
+    stages.pack_with(grad, &mut intra_send, &mut own, &mut inter_send, shard, fb.as_mut())?;
+    clock.stop(comm);
     if local > 1 {
-        // Steps 1-2: reorder + quantize, intra-node all-to-all. The chunk this rank
-        // keeps (local peer `me_local`) never travels: it is quantized with the
-        // finer `local_spec` into a separate buffer instead.
-        let ea = encoded_len(opts.intra_spec, s);
-        let el = encoded_len(opts.local_spec, s);
-        let mut send = vec![0u8; nodes * ea * local];
-        let mut own = vec![0u8; el * nodes];
+        let mut recv = vec![0u8; intra_send.len()];
+        comm.all_to_all_bytes(&Group::intra_node(&topo, rank), &intra_send, &mut recv)?;
+        drop(intra_send);
+        // Step 3: fused dequantize + sum + requantize for the rail peers.
         let clock = QuantClock::start();
-        for (j, chunk) in send.chunks_exact_mut(nodes * ea).enumerate() {
-            for m in 0..nodes {
-                let part = topo.rank_of(m, j);
-                let (spec, out) = if j == me_local {
-                    (opts.local_spec, own.chunks_exact_mut(el).nth(m))
-                } else {
-                    (opts.intra_spec, chunk.chunks_exact_mut(ea).nth(m))
-                };
-                let out = out.ok_or_else(|| CommError::Mismatch("qgz: send buffer too small".into()))?;
-                let kq = keyed(q, rank, 1, part);
-                encode_part(grad, s, part, spec, &kq, out, hop1.as_deref_mut(), beta)?;
-            }
-        }
-        clock.stop(comm);
-        let mut recv = vec![0u8; nodes * ea * local];
-        comm.all_to_all_bytes(&Group::intra_node(&topo, rank), &send, &mut recv)?;
-        drop(send);
-        // Step 3: per destination node m, sum the L encodings of shard (m, me_local)
-        // (in local-rank order); requantize for the rail peers, except the own
-        // node's partial, which stays in f32.
-        let chunks: Vec<&[u8]> = recv.chunks_exact(nodes * ea).collect();
-        let clock = QuantClock::start();
-        for m in 0..nodes {
-            let inputs = (0..local)
-                .map(|j| {
-                    let bytes = if j == me_local {
-                        own.chunks_exact(el).nth(m)
-                    } else {
-                        chunks.get(j).and_then(|c| c.chunks_exact(ea).nth(m))
-                    };
-                    let bytes =
-                        bytes.ok_or_else(|| CommError::Mismatch("qgz: receive buffer too small".into()))?;
-                    Ok(QuantizedRef::from_bytes(bytes)?)
-                })
-                .collect::<Result<Vec<_>, CommError>>()?;
-            if let Some(bad) = inputs.iter().find(|x| x.len() != s) {
-                return Err(CommError::Mismatch(format!(
-                    "qgz: a local peer sent a shard of {} elements, expected {s}",
-                    bad.len()
-                )));
-            }
-            if m == me_node {
-                for x in &inputs {
-                    dequantize_add(x, shard, q)?;
-                }
-                continue;
-            }
-            let out = inter_send
-                .chunks_exact_mut(ei)
-                .nth(m)
-                .ok_or_else(|| CommError::Mismatch("qgz: inter send buffer too small".into()))?;
-            let kq = keyed(q, rank, 2, m);
-            match hop2.as_deref_mut() {
-                // Without feedback: the fused kernel (dequantize, sum in f32, requantize).
-                None => {
-                    dequant_reduce_quant_to_wire(&inputs, opts.inter_spec, &kq, out)?;
-                }
-                Some(res) => {
-                    let mut partial = vec![0.0f32; s];
-                    for x in &inputs {
-                        dequantize_add(x, &mut partial, q)?;
-                    }
-                    let r = res.slice_mut(m * s..(m + 1) * s).ok_or_else(|| residual_oob(m, s))?;
-                    encode_with_feedback(&partial, opts.inter_spec, &kq, out, Some((r, beta)))?;
-                }
-            }
-        }
-        clock.stop(comm);
-    } else {
-        // One rank per node: quantize the shards straight for the rail peers; the
-        // own shard is added exactly.
-        let clock = QuantClock::start();
-        for m in 0..nodes {
-            let part = topo.rank_of(m, me_local);
-            if m == me_node {
-                if let Some(mut res) = hop1.as_deref_mut().and_then(|r| r.slice_mut(part * s..(part + 1) * s))
-                {
-                    res.fill_zero();
-                }
-                with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
-            } else {
-                let out = inter_send
-                    .chunks_exact_mut(ei)
-                    .nth(m)
-                    .ok_or_else(|| CommError::Mismatch("qgz: inter send buffer too small".into()))?;
-                let kq = keyed(q, rank, 1, part);
-                encode_part(grad, s, part, opts.inter_spec, &kq, out, hop1.as_deref_mut(), beta)?;
-            }
-        }
+        stages.reduce_intra_with(&recv, &own, &mut inter_send, shard, fb.as_mut())?;
         clock.stop(comm);
     }
-
+    // Steps 4-5: inter-node all-to-all over the rail, dequantize + sum, mean.
+    let mut recv = vec![0u8; inter_send.len()];
     if nodes > 1 {
-        // Steps 4-5: inter-node all-to-all over the rail, dequantize + sum (the own
-        // node's partial is already in `shard`).
-        let mut recv = vec![0u8; ei * nodes];
         comm.all_to_all_bytes(&Group::rail(&topo, rank), &inter_send, &mut recv)?;
-        drop(inter_send);
-        let clock = QuantClock::start();
-        for (m, bytes) in recv.chunks_exact(ei).enumerate().filter(|&(m, _)| m != me_node) {
-            let x = QuantizedRef::from_bytes(bytes)?;
-            if x.len() != s {
-                return Err(CommError::Mismatch(format!(
-                    "qgz: a rail peer (node {m}) sent a shard of {} elements, expected {s}",
-                    x.len()
-                )));
-            }
-            dequantize_add(&x, shard, q)?;
-        }
-        clock.stop(comm);
     }
-    finish_shard(shard, n, w, rank, opts.reduce, w);
+    drop(inter_send);
+    let clock = QuantClock::start();
+    stages.finish(&recv, shard)?;
+    clock.stop(comm);
     Ok(())
 }
