@@ -3,7 +3,8 @@
 # calls this script). Needs root, iproute2 (ip, tc) and OpenMPI.
 #
 #   cluster.sh --nodes N --local-size L --rate RATE --delay DELAY [--loss P] [--jitter J]
-#              [--out DIR] [--time-limit S] [--mpi-verbose] [--fault SPEC] -- PROGRAM ARGS...
+#              [--out DIR] [--time-limit S] [--mpi-verbose] [--fault SPEC]
+#              [--launcher mpirun|each-node] -- PROGRAM ARGS...
 #
 # - One network namespace per node (zpp-ID-nI) and one for the switch (zpp-ID-sw), which
 #   holds a bridge; each node's uplink is a veth pair created straight into the two
@@ -18,6 +19,11 @@
 # - mpirun runs inside node 0's namespace; its rsh agent (written into the run directory)
 #   starts OpenMPI's daemons on the other nodes through `ip netns exec`. BTLs are
 #   tcp,self,vader, TCP (and OpenMPI's out-of-band channel) restricted to the subnet.
+# - With --launcher each-node (for launchers with their own rendezvous, e.g. torchrun),
+#   PROGRAM runs once in every node's namespace instead, with CLUSTER_NODE (0..N-1),
+#   CLUSTER_NODES, CLUSTER_LOCAL_SIZE, CLUSTER_MASTER (node 0's address) and
+#   GLOO_SOCKET_IFNAME (the node's uplink) set; its output goes to OUT/nodeI.log and is
+#   printed when all nodes have ended; the exit status is the first non-zero one.
 # - Kernel interface counters of every node's uplink are read before and after the
 #   run into OUT/netdev.json.
 # - The namespaces are always deleted (trap), and any process left in them killed.
@@ -31,7 +37,7 @@
 set -uo pipefail
 
 nodes=2 local_size=1 rate=unshaped delay=0ms loss="" jitter="" out="" time_limit=600
-verbose=0 fault=""
+verbose=0 fault="" launcher=mpirun
 while [ $# -gt 0 ]; do
   case "$1" in
     --nodes) nodes="$2"; shift 2 ;;
@@ -44,6 +50,7 @@ while [ $# -gt 0 ]; do
     --time-limit) time_limit="$2"; shift 2 ;;
     --mpi-verbose) verbose=1; shift ;;
     --fault) fault="$2"; shift 2 ;;
+    --launcher) launcher="$2"; shift 2 ;;
     --) shift; break ;;
     *) echo "cluster.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -226,6 +233,25 @@ if [ -n "$fault" ]; then
 fi
 
 start=$(date +%s.%N)
+if [ "$launcher" = each-node ]; then
+  echo "cluster $id: each-node launch of $1" >&2
+  pids=()
+  for i in $(seq 0 $((nodes - 1))); do
+    cmd="$(printf '%q ' exec env CLUSTER_NODE="$i" CLUSTER_NODES="$nodes" CLUSTER_LOCAL_SIZE="$local_size" \
+      CLUSTER_MASTER="$(addr_of 0)" GLOO_SOCKET_IFNAME="$(if_node "$i")" "$@")"
+    timeout -k 10 "$time_limit" ip netns exec "$(ns_of "$i")" unshare --uts /bin/sh -c \
+      "hostname $(ns_of "$i") && $cmd" >"$out/node$i.log" 2>&1 &
+    pids+=($!)
+  done
+  rc=0
+  for p in "${pids[@]}"; do
+    wait "$p"; r=$?
+    [ "$rc" -eq 0 ] && rc=$r
+  done
+  for i in $(seq 0 $((nodes - 1))); do sed "s/^/[node $i] /" "$out/node$i.log"; done
+elif [ "$launcher" != mpirun ]; then
+  die "unknown --launcher $launcher (mpirun or each-node)"
+else
 # mpirun itself runs in node 0 (its namespace and host name), through the same agent.
 launch="$(printf '%q ' exec env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
   OMPI_MCA_rmaps_base_oversubscribe=1 mpirun --hostfile "$hostfile" -np $((nodes * local_size)) \
@@ -255,6 +281,7 @@ done < <(timeout -k 10 "$time_limit" "$agent" "$(addr_of 0)" "$launch" 2>&1; ech
 rc="$(cat "$out/.rc" 2>/dev/null || echo 1)"
 rm -f "$out/.rc"
 [ -n "$reaper" ] && kill "$reaper" 2>/dev/null
+fi
 if [ -n "$loss" ]; then
   for i in $(seq 0 $((nodes - 1))); do
     dropped="$(ip netns exec "$(ns_of "$i")" nft list table inet zpploss 2>/dev/null | grep -o 'packets [0-9]*' | head -1)"

@@ -15,6 +15,7 @@ mod gpu;
 mod gpu_check;
 mod ptx;
 mod scale;
+mod torch;
 
 const HELP: &str = "\
 cargo xtask <task>
@@ -34,7 +35,9 @@ tasks:
                    writes a markdown summary to target/bench-report/NAME.md; `cluster`: speedups
                    over ZeRO-3 on the namespace cluster against the link model (root, ~7 min);
                    `scale`: GPT sizes 1M..GPT-2 small on 2x4 threads (tokens/s, time split, memory,
-                   bytes, GEMM vs numpy/OpenBLAS; ZEROPP_SCALE_SIZES, ZEROPP_SCALE_SEQ)
+                   bytes, GEMM vs numpy/OpenBLAS; ZEROPP_SCALE_SIZES, ZEROPP_SCALE_SEQ);
+                   `torch`: FSDP2 with and without zeropp.torch (and zeropp's engine) on the
+                   namespace cluster, 2x2 at 10 and 50 Mbit/s (root; ZEROPP_TORCH_RATES)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
@@ -51,6 +54,11 @@ tasks:
                    TCP (`cluster run ... -- TRAIN_ARGS`, `cluster probe`; `cargo xtask cluster help`)
   test-cluster     the cluster tests (root, iproute2, OpenMPI; `--full`: 2x4 too, `--faults`:
                    network faults); run by `ci`, which fails instead of skipping under CI=true
+  test-torch       the `zeropp` Python package (python/, crates/zeropp-py) with the pinned torch, in a
+                   venv under ~/.cache/zeropp (ZEROPP_TORCH_VENV): kernels == Rust, zeropp.torch's
+                   collectives under torchrun (2 nodes x 2, gloo), FSDP2 training parity over seeds
+                   (ZEROPP_TORCH_SEEDS, ZEROPP_TORCH_STEPS), and a seeded defect that must fail both;
+                   run by `ci`, which fails instead of skipping under CI=true
   help             this text
 ";
 
@@ -74,6 +82,7 @@ fn main() -> ExitCode {
         Some("gpu") => gpu::gpu(&args[1..]),
         Some("cluster") => cluster::main(&args[1..]),
         Some("test-cluster") => cluster::test(&args[1..]),
+        Some("test-torch") => torch::test(&args[1..]),
         Some("help") | Some("--help") | Some("-h") | None => {
             print!("{HELP}");
             Ok(())
@@ -156,6 +165,8 @@ fn ci(args: &[String]) -> Result<(), String> {
         // Skips (one counted line) without root/netns/mpirun; fails instead under CI=true.
         cluster::test(&[])?;
     }
+    // Skips without a torch venv; fails instead under CI=true.
+    torch::test(&[])?;
     eprintln!("\nxtask ci: all green");
     Ok(())
 }
@@ -205,6 +216,7 @@ fn bench(args: &[String]) -> Result<(), String> {
             "gpu-comm" => Some(gpu::bench_comm),
             "scale" => Some(scale::scale),
             "cluster" => Some(cluster::bench),
+            "torch" => Some(cluster::bench_torch),
             _ => None,
         };
         if let Some(bench) = own {
@@ -214,7 +226,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
             return Err(format!(
-                "unknown bench `{name}` (known: {}, fidelity, loco-probe, gpu, gpu-comm, scale, cluster)",
+                "unknown bench `{name}` (known: {}, fidelity, loco-probe, gpu, gpu-comm, scale, cluster, torch)",
                 known.join(", ")
             ));
         };

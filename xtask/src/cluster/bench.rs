@@ -110,7 +110,7 @@ fn link_for(rate: &str, local_size: usize) -> String {
 }
 
 /// Median step time without the first step (warm-up: connection set-up, allocation).
-fn steady_step_time(steps: &[Value]) -> f64 {
+pub(super) fn steady_step_time(steps: &[Value]) -> f64 {
     let mut t: Vec<f64> =
         steps.iter().skip(1).filter_map(|s| s.get("step_time_s").and_then(Value::as_f64)).collect();
     t.sort_by(f64::total_cmp);

@@ -31,9 +31,11 @@ mod faults;
 mod probe;
 mod run;
 mod test;
+mod torch_bench;
 
 pub(crate) use bench::bench;
 pub(crate) use test::test;
+pub(crate) use torch_bench::bench as bench_torch;
 
 const HELP: &str = "\
 cargo xtask cluster <command>
@@ -78,6 +80,8 @@ impl Shape {
 #[derive(Default)]
 struct Launch {
     time_limit_s: u64,
+    /// `cluster.sh --launcher each-node`: the program once per node namespace (torchrun).
+    each_node: bool,
     btl_verbose: bool,
     fault: Option<String>,
     env: Vec<(String, String)>,
@@ -153,9 +157,14 @@ fn launch(
     if let Some(f) = &opts.fault {
         c.args(["--fault", f]);
     }
+    if opts.each_node {
+        c.args(["--launcher", "each-node"]);
+    }
     c.arg("--");
-    for (k, v) in &opts.env {
-        c.args(["-x", &format!("{k}={v}")]);
+    if !opts.each_node {
+        for (k, v) in &opts.env {
+            c.args(["-x", &format!("{k}={v}")]);
+        }
     }
     c.arg(program).args(args);
     for (k, v) in &opts.env {

@@ -1,0 +1,216 @@
+//! # zeropp-py
+//!
+//! The extension module `zeropp._zeropp` of the `zeropp` Python package
+//! (`python/`, built with maturin). It exposes, on CPU buffers and without
+//! copies:
+//!
+//! - zeropp-quant's kernels: `quantize`, `dequantize` and the fused
+//!   `dequant_reduce_quant`, in zeropp's versioned wire format;
+//! - qgZ's transport-free stages (the class `QgzStages`, over
+//!   `zeropp_comm::collectives::QgzStages`), its slice order and its wire sizes,
+//!   which `zeropp.torch` runs around `torch.distributed`'s all-to-alls.
+//!
+//! Buffers are anything with the Python buffer protocol that is C-contiguous:
+//! numpy arrays, and through `Tensor.numpy()` torch's CPU tensors (bf16 tensors
+//! travel as their int16 view with `dtype="bfloat16"`). Every function releases
+//! the GIL while the kernel runs. Errors are `zeropp.ZeroppError` (a
+//! `ValueError`) carrying the Rust message.
+//!
+//! The Python-facing documentation (with examples) is in the docstrings below
+//! and in `python/zeropp/__init__.py`, which wraps these functions for tensors.
+
+use pyo3::prelude::*;
+use zeropp_quant::{
+    Bits, Options, QuantSpec, QuantizedRef, Scheme, dequant_reduce_quant_to_wire, dequantize_add,
+    dequantize_into, quantize_to_wire,
+};
+
+mod buffers;
+mod qgz;
+
+use buffers::{Buf, Dtype, Elems, ElemsMut, check_disjoint, elems, elems_mut, f32_mut};
+
+pyo3::create_exception!(
+    _zeropp,
+    ZeroppError,
+    pyo3::exceptions::PyValueError,
+    "An error from zeropp's Rust core (bad arguments, a corrupt encoding), with its message."
+);
+
+/// A [`ZeroppError`] with `msg`.
+pub(crate) fn error(msg: impl Into<String>) -> PyErr {
+    ZeroppError::new_err(msg.into())
+}
+
+/// Converts a Rust error into a [`ZeroppError`] with its message.
+pub(crate) fn rust_err(e: impl std::fmt::Display) -> PyErr {
+    error(e.to_string())
+}
+
+/// The spec for `(bits, group_size, symmetric)`.
+pub(crate) fn spec(bits: u32, group_size: usize, symmetric: bool) -> PyResult<QuantSpec> {
+    let b = Bits::from_bits(bits).map_err(rust_err)?;
+    let scheme = if symmetric { Scheme::Symmetric } else { Scheme::Asymmetric };
+    QuantSpec::new(b, scheme, group_size).map_err(rust_err)
+}
+
+/// Kernel options: stochastic rounding with `seed` (nearest-even when `None`).
+pub(crate) fn options(seed: Option<u64>) -> Options {
+    match seed {
+        Some(s) => Options::default().stochastic(s),
+        None => Options::default(),
+    }
+}
+
+/// quantize(x, out, *, dtype, bits=8, group_size=256, symmetric=True, seed=None) -> int
+///
+/// Quantizes the float buffer `x` (elements of `dtype`: "float32", "bfloat16"
+/// or "float16") into `out` (a uint8 buffer of at least
+/// `encoded_len(len(x), bits, group_size, symmetric)` bytes) in zeropp's wire
+/// format, and returns the bytes written. `seed` turns on stochastic rounding
+/// (deterministic for a seed); the default is round-to-nearest-even.
+#[pyfunction]
+#[pyo3(signature = (x, out, *, dtype, bits = 8, group_size = 256, symmetric = true, seed = None))]
+#[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
+fn quantize(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    dtype: &str,
+    bits: u32,
+    group_size: usize,
+    symmetric: bool,
+    seed: Option<u64>,
+) -> PyResult<usize> {
+    let (dtype, spec, opts) = (Dtype::parse(dtype)?, spec(bits, group_size, symmetric)?, options(seed));
+    let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
+    check_disjoint(&[&xb, &ob])?;
+    let (input, wire) = (elems(&xb, dtype)?, ob.bytes_mut()?);
+    py.detach(|| match input {
+        Elems::F32(v) => quantize_to_wire(v, spec, &opts, wire),
+        Elems::Bf16(v) => quantize_to_wire(v, spec, &opts, wire),
+        Elems::F16(v) => quantize_to_wire(v, spec, &opts, wire),
+    })
+    .map_err(rust_err)
+}
+
+/// dequantize(wire, out, *, dtype, add=False) -> None
+///
+/// Dequantizes one wire encoding (a uint8 buffer holding exactly one encoding)
+/// into `out` (elements of `dtype`; as many as the encoding holds). With
+/// `add=True` (float32 only) the values are added to `out` instead.
+#[pyfunction]
+#[pyo3(signature = (wire, out, *, dtype, add = false))]
+fn dequantize(
+    py: Python<'_>,
+    wire: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    dtype: &str,
+    add: bool,
+) -> PyResult<()> {
+    let dtype = Dtype::parse(dtype)?;
+    let (wb, ob) = (Buf::get(wire, "wire", false)?, Buf::get(out, "out", true)?);
+    check_disjoint(&[&wb, &ob])?;
+    let q = QuantizedRef::from_bytes(wb.bytes()).map_err(rust_err)?;
+    let opts = Options::default();
+    if add {
+        if dtype != Dtype::F32 {
+            return Err(error("dequantize(add=True) accumulates into float32 only"));
+        }
+        let acc = f32_mut(&ob)?;
+        return py.detach(|| dequantize_add(&q, acc, &opts)).map_err(rust_err);
+    }
+    let out = elems_mut(&ob, dtype)?;
+    py.detach(|| match out {
+        ElemsMut::F32(v) => dequantize_into(&q, v, &opts),
+        ElemsMut::Bf16(v) => dequantize_into(&q, v, &opts),
+        ElemsMut::F16(v) => dequantize_into(&q, v, &opts),
+    })
+    .map_err(rust_err)
+}
+
+/// dequant_reduce_quant(inputs, out, *, bits=4, group_size=256, symmetric=True, seed=None) -> int
+///
+/// The fused qgZ kernel: dequantizes the wire encodings in `inputs` (a list of
+/// uint8 buffers, equal lengths of elements, any specs), sums them in float32
+/// in list order, requantizes the sum into `out` and returns the bytes written.
+#[pyfunction]
+#[pyo3(signature = (inputs, out, *, bits = 4, group_size = 256, symmetric = true, seed = None))]
+#[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
+fn dequant_reduce_quant(
+    py: Python<'_>,
+    inputs: Vec<Bound<'_, PyAny>>,
+    out: &Bound<'_, PyAny>,
+    bits: u32,
+    group_size: usize,
+    symmetric: bool,
+    seed: Option<u64>,
+) -> PyResult<usize> {
+    let (spec, opts) = (spec(bits, group_size, symmetric)?, options(seed));
+    let bufs = inputs.iter().map(|x| Buf::get(x, "inputs[i]", false)).collect::<PyResult<Vec<_>>>()?;
+    let ob = Buf::get(out, "out", true)?;
+    let mut all: Vec<&Buf> = bufs.iter().collect();
+    all.push(&ob);
+    check_disjoint(&all)?;
+    let views = bufs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| QuantizedRef::from_bytes(b.bytes()).map_err(|e| error(format!("inputs[{i}]: {e}"))))
+        .collect::<PyResult<Vec<_>>>()?;
+    let wire = ob.bytes_mut()?;
+    py.detach(|| dequant_reduce_quant_to_wire(&views, spec, &opts, wire)).map_err(rust_err)
+}
+
+/// encoded_len(n, *, bits, group_size=256, symmetric=True) -> int
+///
+/// Bytes of the wire encoding of `n` elements (header, scales, offsets, data).
+#[pyfunction]
+#[pyo3(signature = (n, *, bits, group_size = 256, symmetric = true))]
+fn encoded_len(n: usize, bits: u32, group_size: usize, symmetric: bool) -> PyResult<usize> {
+    Ok(zeropp_quant::encoded_len(spec(bits, group_size, symmetric)?, n))
+}
+
+/// wire_info(wire) -> (bits, symmetric, group_size, n)
+///
+/// Parses and checks one encoding's header (magic, version, checksum, sizes)
+/// and returns its format and element count.
+#[pyfunction]
+fn wire_info(wire: &Bound<'_, PyAny>) -> PyResult<(u32, bool, usize, usize)> {
+    let wb = Buf::get(wire, "wire", false)?;
+    let q = QuantizedRef::from_bytes(wb.bytes()).map_err(rust_err)?;
+    let s = q.spec();
+    Ok((s.bits().bits(), s.scheme() == Scheme::Symmetric, s.group_size(), q.len()))
+}
+
+/// stream_seed(seed, keys) -> int
+///
+/// The seed of one stochastic-rounding stream, keyed like the Rust engine's
+/// (`zeropp_quant::rng::stream_seed`): every quantizing call of a training
+/// step gets its own stream, the same on every rank.
+#[pyfunction]
+fn stream_seed(seed: u64, keys: Vec<u64>) -> u64 {
+    zeropp_quant::rng::stream_seed(seed, &keys)
+}
+
+/// best_kernel() -> str
+///
+/// The quantization kernel this CPU runs ("avx512", "avx2", "neon" or "scalar").
+#[pyfunction]
+fn best_kernel() -> String {
+    zeropp_quant::Kernel::best().name().to_string()
+}
+
+/// The extension module.
+#[pymodule]
+fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("ZeroppError", m.py().get_type::<ZeroppError>())?;
+    m.add_function(wrap_pyfunction!(quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(dequant_reduce_quant, m)?)?;
+    m.add_function(wrap_pyfunction!(encoded_len, m)?)?;
+    m.add_function(wrap_pyfunction!(wire_info, m)?)?;
+    m.add_function(wrap_pyfunction!(stream_seed, m)?)?;
+    m.add_function(wrap_pyfunction!(best_kernel, m)?)?;
+    qgz::register(m)?;
+    Ok(())
+}

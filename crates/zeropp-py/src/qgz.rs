@@ -1,0 +1,182 @@
+//! qgZ for Python: the transport-free stages, the slice order and the wire sizes.
+
+use pyo3::prelude::*;
+use zeropp_comm::Topology;
+use zeropp_comm::collectives::{QgzOptions, QgzStages, Reduce, qgz_bytes};
+
+use crate::buffers::{Buf, check_disjoint, f32_mut, f32_ref};
+use crate::{options, rust_err, spec};
+
+fn topology(world: usize, local_size: usize) -> PyResult<Topology> {
+    Topology::ranks(world).per_node(local_size).map_err(rust_err)
+}
+
+fn qgz_options(
+    bits: u32,
+    group_size: usize,
+    local_bits: u32,
+    seed: Option<u64>,
+    mean: bool,
+) -> PyResult<QgzOptions> {
+    let mut o = QgzOptions::default().with_spec(spec(bits, group_size, true)?);
+    o.local_spec = spec(local_bits, group_size, true)?;
+    o.quant = options(seed);
+    o.reduce = if mean { Reduce::Mean } else { Reduce::Sum };
+    Ok(o)
+}
+
+/// QgzStages(world, local_size, rank, n, *, bits=4, group_size=256, local_bits=8, seed=None, mean=True)
+///
+/// The local stages of one qgZ reduce-scatter of an `n`-element float32
+/// gradient, for rank `rank` of `world = nodes × local_size` ranks (node-major:
+/// rank = node·local_size + local rank). Run `pack`, an all-to-all of
+/// `intra_send` in the node (chunks of `intra_chunk_len` bytes, in local-rank
+/// order), `reduce_intra`, an all-to-all of `inter_send` over the rail (the
+/// ranks with the same local rank; chunks of `inter_chunk_len` bytes, in node
+/// order), then `finish`; the shard (`shard_len` float32 elements) then holds
+/// this rank's part of the mean (or sum) over all ranks. These are the Rust
+/// engine's own stages: same slice order, same rounding streams for a `seed`
+/// (the engine derives one per call with `stream_seed`), same result.
+#[pyclass(name = "QgzStages", module = "zeropp._zeropp", frozen)]
+pub(crate) struct Stages {
+    inner: QgzStages,
+}
+
+#[pymethods]
+impl Stages {
+    #[new]
+    #[pyo3(signature = (world, local_size, rank, n, *, bits = 4, group_size = 256, local_bits = 8, seed = None, mean = true))]
+    #[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
+    fn new(
+        world: usize,
+        local_size: usize,
+        rank: usize,
+        n: usize,
+        bits: u32,
+        group_size: usize,
+        local_bits: u32,
+        seed: Option<u64>,
+        mean: bool,
+    ) -> PyResult<Self> {
+        let o = qgz_options(bits, group_size, local_bits, seed, mean)?;
+        Ok(Self { inner: QgzStages::new(&topology(world, local_size)?, rank, n, &o).map_err(rust_err)? })
+    }
+
+    /// Elements of the output shard: ceil(n / world).
+    #[getter]
+    fn shard_len(&self) -> usize {
+        self.inner.shard_len()
+    }
+
+    /// Bytes per local peer in the intra-node all-to-all (0 without one).
+    #[getter]
+    fn intra_chunk_len(&self) -> usize {
+        self.inner.intra_chunk_len()
+    }
+
+    /// Bytes of the chunk this rank keeps (at local_bits; 0 without an intra hop).
+    #[getter]
+    fn own_len(&self) -> usize {
+        self.inner.own_len()
+    }
+
+    /// Bytes per rail peer in the inter-node all-to-all (0 with one node).
+    #[getter]
+    fn inter_chunk_len(&self) -> usize {
+        self.inner.inter_chunk_len()
+    }
+
+    /// pack(grad, intra_send, own, inter_send, shard): stage 1, reorder and quantize.
+    fn pack(
+        &self,
+        py: Python<'_>,
+        grad: &Bound<'_, PyAny>,
+        intra_send: &Bound<'_, PyAny>,
+        own: &Bound<'_, PyAny>,
+        inter_send: &Bound<'_, PyAny>,
+        shard: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let g = Buf::get(grad, "grad", false)?;
+        let a = Buf::get(intra_send, "intra_send", true)?;
+        let o = Buf::get(own, "own", true)?;
+        let i = Buf::get(inter_send, "inter_send", true)?;
+        let s = Buf::get(shard, "shard", true)?;
+        check_disjoint(&[&g, &a, &o, &i, &s])?;
+        let (g, a, o, i, s) = (f32_ref(&g)?, a.bytes_mut()?, o.bytes_mut()?, i.bytes_mut()?, f32_mut(&s)?);
+        let st = &self.inner;
+        py.detach(|| st.pack(g, a, o, i, s)).map_err(rust_err)
+    }
+
+    /// reduce_intra(intra_recv, own, inter_send, shard): stage 3, the fused reduce.
+    fn reduce_intra(
+        &self,
+        py: Python<'_>,
+        intra_recv: &Bound<'_, PyAny>,
+        own: &Bound<'_, PyAny>,
+        inter_send: &Bound<'_, PyAny>,
+        shard: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let r = Buf::get(intra_recv, "intra_recv", false)?;
+        let o = Buf::get(own, "own", false)?;
+        let i = Buf::get(inter_send, "inter_send", true)?;
+        let s = Buf::get(shard, "shard", true)?;
+        check_disjoint(&[&r, &o, &i, &s])?;
+        let (r, o, i, s) = (r.bytes(), o.bytes(), i.bytes_mut()?, f32_mut(&s)?);
+        let st = &self.inner;
+        py.detach(|| st.reduce_intra(r, o, i, s)).map_err(rust_err)
+    }
+
+    /// finish(inter_recv, shard): stage 5, add the other nodes' partials and average.
+    fn finish(
+        &self,
+        py: Python<'_>,
+        inter_recv: &Bound<'_, PyAny>,
+        shard: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let r = Buf::get(inter_recv, "inter_recv", false)?;
+        let s = Buf::get(shard, "shard", true)?;
+        check_disjoint(&[&r, &s])?;
+        let (r, s) = (r.bytes(), f32_mut(&s)?);
+        let st = &self.inner;
+        py.detach(|| st.finish(r, s)).map_err(rust_err)
+    }
+}
+
+/// qgz_slice_order(world, local_size, rank) -> list[list[int]]
+///
+/// qgZ's slice reordering for `rank`: entry `j` lists, in order, the shards
+/// (by owning rank) packed into the chunk sent to local peer `j`, i.e. the
+/// shards of the ranks with local rank `j`, one per node.
+#[pyfunction]
+fn qgz_slice_order(world: usize, local_size: usize, rank: usize) -> PyResult<Vec<Vec<usize>>> {
+    let t = topology(world, local_size)?;
+    if rank >= world {
+        return Err(crate::error(format!("rank {rank} outside a world of {world}")));
+    }
+    Ok((0..t.local_size()).map(|j| (0..t.nodes()).map(|m| t.rank_of(m, j)).collect()).collect())
+}
+
+/// qgz_wire_bytes(world, local_size, n, *, bits=4, group_size=256) -> (intra, inter)
+///
+/// Bytes one rank sends in a qgZ reduce-scatter of `n` elements: to its local
+/// peers, and across nodes to its rail peers.
+#[pyfunction]
+#[pyo3(signature = (world, local_size, n, *, bits = 4, group_size = 256))]
+fn qgz_wire_bytes(
+    world: usize,
+    local_size: usize,
+    n: usize,
+    bits: u32,
+    group_size: usize,
+) -> PyResult<(u64, u64)> {
+    let b = qgz_bytes(&topology(world, local_size)?, &qgz_options(bits, group_size, 8, None, true)?, n);
+    Ok((b.intra, b.inter))
+}
+
+/// Adds the class and functions to the module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Stages>()?;
+    m.add_function(wrap_pyfunction!(qgz_slice_order, m)?)?;
+    m.add_function(wrap_pyfunction!(qgz_wire_bytes, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,123 @@
+"""FSDP2 with and without zeropp.torch, side by side (`cargo xtask bench torch`).
+
+Runs under torchrun on every node of the namespace cluster (xtask/cluster.sh
+--launcher each-node starts one torchrun per node namespace). For the small GPT
+of tests/gpt.py at bf16 mixed precision, in one run:
+
+- ``default``: FSDP2's own collectives (reshard_after_forward=True);
+- ``qwz+qgz``: zeropp.torch.enable (INT8 weights, two-hop INT4 gradients);
+- ``qwz+qgz+hpz``: the same plus reshard_after_forward=local_size (hpZ).
+
+Per variant: the median step time over the timed steps (after warm-up), the bytes
+each rank handed to torch's collectives for other nodes (zeropp.torch.ByteCounter)
+and the bytes the nodes' uplinks actually sent (the kernel's tx counters of the
+interface gloo uses). Rank 0 writes one JSON file.
+
+    python bench/side_by_side.py --out result.json [--steps 6 --warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import gpt  # noqa: E402
+import zeropp.torch as zt  # noqa: E402
+
+
+def uplink_tx() -> int:
+    """Bytes this node's uplink has sent (the interface gloo uses)."""
+    dev = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    try:
+        with open(f"/sys/class/net/{dev}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+def run_variant(name: str, cfg: gpt.Config, args, ls: int) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(1)
+    model = gpt.GPT(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    reshard = ls if name.endswith("hpz") else True
+    for blk in model.blocks:
+        fully_shard(blk, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+    if name != "default":
+        zt.enable(model, local_size=ls)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    times, inter, intra = [], [], []
+    tx = torch.zeros(1, dtype=torch.float64)
+    for step in range(args.warmup + args.steps):
+        x = torch.randint(0, cfg.vocab, (args.batch, cfg.seq), generator=gen)
+        dist.barrier()
+        timed = step >= args.warmup
+        if timed and step == args.warmup and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            tx -= uplink_tx()
+        t0 = time.perf_counter()
+        with zt.ByteCounter(ls) as bc:
+            loss = model(x, x)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dist.barrier()
+        if timed:
+            times.append(time.perf_counter() - t0)
+            inter.append(bc.inter)
+            intra.append(bc.intra)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        tx += uplink_tx()
+    dist.all_reduce(tx)  # sum over the nodes' uplinks
+    mean_inter = torch.tensor([statistics.fmean(inter), statistics.fmean(intra)], dtype=torch.float64)
+    dist.all_reduce(mean_inter)
+    w = dist.get_world_size()
+    params = sum(p.numel() for p in model.parameters())  # sharded: this rank's part
+    ptot = torch.tensor([params], dtype=torch.float64)
+    dist.all_reduce(ptot)
+    return {
+        "variant": name,
+        "step_s": statistics.median(times),
+        "step_s_all": times,
+        "inter_bytes_per_rank": float(mean_inter[0]) / w,
+        "intra_bytes_per_rank": float(mean_inter[1]) / w,
+        "uplink_tx_bytes_per_step": float(tx[0]) / args.steps,
+        "params": int(ptot[0]),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    ls = zt.local_size()
+    cfg = gpt.Config(d=args.d, layers=args.layers)
+    rows = [run_variant(v, cfg, args, ls) for v in ("default", "qwz+qgz", "qwz+qgz+hpz")]
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"world": dist.get_world_size(), "local_size": ls, "config": vars(cfg), "rows": rows}, f,
+                      indent=1)
+        for r in rows:
+            print(f"{r['variant']}: {r['step_s']:.3f} s/step, {r['inter_bytes_per_rank']:.0f} B/rank to other nodes, "
+                  f"uplinks {r['uplink_tx_bytes_per_step']:.0f} B/step", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Seeded defects for the FSDP2 tests (test 4 of issue 20): with
+ZEROPP_SEEDED_DEFECT=wrong-scale, every encoding that zeropp.torch dequantizes
+(qwZ's gathered weights, qgZ's received partial sums) is read with the wrong
+scales: each group takes the scale of the group before it. The collective and
+training checks must then fail.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import zeropp
+from zeropp import _zeropp
+
+_HEADER = 32
+
+
+def _roll_scales(wire: np.ndarray) -> np.ndarray:
+    """A copy of one encoding whose group scales are shifted by one group."""
+    w = np.array(wire, dtype=np.uint8, copy=True)
+    _, _, gs, n = _zeropp.wire_info(w)
+    groups = -(-n // gs)
+    scales = w[_HEADER:_HEADER + 4 * groups].view(np.float32)
+    scales[:] = np.roll(scales.copy(), 1)
+    return w
+
+
+def _roll_chunks(buf: np.ndarray, chunk: int) -> np.ndarray:
+    """A copy of a received qgZ buffer (chunks of `chunk` bytes, each one or more
+    encodings back to back) with every encoding's scales shifted. Chunks that
+    hold no encoding (a rank's slot for itself stays zero) are left alone."""
+    out = np.array(buf, dtype=np.uint8, copy=True)
+    for at in range(0, len(out), max(chunk, 1)):
+        part = out[at:at + chunk]
+        pos = 0
+        while pos < len(part) and part[pos:pos + 4].tobytes() == b"ZPPQ":
+            e = _encoding_len(part[pos:])
+            part[pos:pos + e] = _roll_scales(part[pos:pos + e])
+            pos += e
+    return out
+
+
+def _encoding_len(buf: np.ndarray) -> int:
+    payload = int(np.frombuffer(buf[20:28].tobytes(), dtype="<u8")[0])
+    return _HEADER + payload
+
+
+def apply_from_env() -> bool:
+    """Installs the defect named by ZEROPP_SEEDED_DEFECT; True when one is on."""
+    name = os.environ.get("ZEROPP_SEEDED_DEFECT", "")
+    if not name:
+        return False
+    if name != "wrong-scale":
+        raise SystemExit(f"unknown ZEROPP_SEEDED_DEFECT={name!r} (known: wrong-scale)")
+    real_dequantize = _zeropp.dequantize
+    real_stages = _zeropp.QgzStages
+
+    def dequantize(wire, out, *, dtype, add=False):
+        return real_dequantize(_roll_scales(wire), out, dtype=dtype, add=add)
+
+    class QgzStages:
+        def __init__(self, *a, **k):
+            self._s = real_stages(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(self._s, name)
+
+        def reduce_intra(self, intra_recv, own, inter_send, shard):
+            return self._s.reduce_intra(_roll_chunks(intra_recv, self._s.intra_chunk_len), own, inter_send, shard)
+
+        def finish(self, inter_recv, shard):
+            return self._s.finish(_roll_chunks(inter_recv, self._s.inter_chunk_len), shard)
+
+    _zeropp.dequantize = dequantize
+    _zeropp.QgzStages = QgzStages
+    zeropp.QgzStages = QgzStages
+    return True
