@@ -216,3 +216,103 @@ pub mod gpu {
         }
     }
 }
+
+pub mod heap {
+    //! A counting global allocator for the memory tests (the engine's and the
+    //! candle adapter's `tests/memory.rs`): live heap bytes, their peak and the
+    //! largest block, over a measurement window.
+    //!
+    //! A test binary installs it with
+    //! `#[global_allocator] static ALLOC: zeropp_tests::heap::Counting = zeropp_tests::heap::Counting;`,
+    //! holds one test (so nothing else allocates meanwhile) and brackets the run
+    //! with [`Window::start`].
+    //!
+    //! ```
+    //! let w = zeropp_tests::heap::Window::start();
+    //! // Without the allocator installed nothing is counted: the window stays empty.
+    //! assert_eq!(w.peak(), 0);
+    //! ```
+
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+    /// The system allocator, counting live bytes, their peak and the largest block.
+    pub struct Counting;
+
+    static LIVE: AtomicUsize = AtomicUsize::new(0);
+    static PEAK: AtomicUsize = AtomicUsize::new(0);
+    static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+    fn grew(by: usize, block: usize) {
+        let now = LIVE.fetch_add(by, Relaxed) + by;
+        PEAK.fetch_max(now, Relaxed);
+        LARGEST.fetch_max(block, Relaxed);
+    }
+
+    // SAFETY: every method forwards to `System` with the caller's arguments
+    // unchanged, so `System`'s guarantees hold; the counters are plain atomics.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            // SAFETY: forwarded as is (the caller upholds `alloc`'s contract).
+            let p = unsafe { System.alloc(layout) };
+            if !p.is_null() {
+                grew(layout.size(), layout.size());
+            }
+            p
+        }
+
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            // SAFETY: forwarded as is.
+            let p = unsafe { System.alloc_zeroed(layout) };
+            if !p.is_null() {
+                grew(layout.size(), layout.size());
+            }
+            p
+        }
+
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: forwarded as is: `ptr` came from this allocator with `layout`.
+            unsafe { System.dealloc(ptr, layout) };
+            LIVE.fetch_sub(layout.size(), Relaxed);
+        }
+
+        unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            // SAFETY: forwarded as is.
+            let p = unsafe { System.realloc(ptr, layout, new_size) };
+            if !p.is_null() {
+                if new_size >= layout.size() {
+                    grew(new_size - layout.size(), new_size);
+                } else {
+                    LIVE.fetch_sub(layout.size() - new_size, Relaxed);
+                    LARGEST.fetch_max(new_size, Relaxed);
+                }
+            }
+            p
+        }
+    }
+
+    /// A measurement window: the heap's peak and largest block since [`Window::start`].
+    pub struct Window {
+        before: usize,
+    }
+
+    impl Window {
+        /// Starts a window: resets the peak to the live bytes now and the largest block to 0.
+        pub fn start() -> Self {
+            let before = LIVE.load(Relaxed);
+            PEAK.store(before, Relaxed);
+            LARGEST.store(0, Relaxed);
+            Self { before }
+        }
+
+        /// Peak live bytes above the start of the window.
+        pub fn peak(&self) -> usize {
+            PEAK.load(Relaxed).saturating_sub(self.before)
+        }
+
+        /// The largest single allocation in the window.
+        pub fn largest(&self) -> usize {
+            LARGEST.load(Relaxed)
+        }
+    }
+}

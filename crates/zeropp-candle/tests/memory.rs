@@ -10,72 +10,14 @@
 //! holds one test, so no other test allocates meanwhile.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap: a panic is a test failure
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-
 use zeropp_candle::LlamaConfig;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
 use zeropp_engine::train::{TrainConfig, memory_prediction_for, train_model};
 
-/// The system allocator, counting live bytes, their peak and the largest block.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(by: usize) {
-    let now = LIVE.fetch_add(by, Relaxed) + by;
-    PEAK.fetch_max(now, Relaxed);
-}
-
-// SAFETY: every method forwards to `System` with the caller's arguments
-// unchanged, so `System`'s guarantees hold; the counters are plain atomics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded as is (the caller upholds `alloc`'s contract).
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-            LARGEST.fetch_max(layout.size(), Relaxed);
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded as is.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-            LARGEST.fetch_max(layout.size(), Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded as is: `ptr` came from this allocator with `layout`.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded as is.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            if new_size >= layout.size() {
-                grew(new_size - layout.size());
-            } else {
-                LIVE.fetch_sub(layout.size() - new_size, Relaxed);
-            }
-            LARGEST.fetch_max(new_size, Relaxed);
-        }
-        p
-    }
-}
-
+/// The counting allocator (live bytes, peak, largest block) of `zeropp_tests::heap`.
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: zeropp_tests::heap::Counting = zeropp_tests::heap::Counting;
 
 /// A Llama of 2.5M parameters (d 192, 6 layers, 4 heads, 2 key/value heads),
 /// short sequences so the sharded states, not the activations, dominate.
@@ -106,14 +48,12 @@ fn the_candle_llamas_peak_per_rank_is_within_the_memory_model() {
             ..TrainConfig::default()
         };
         let p = memory_prediction_for(&model, &cfg).unwrap();
-        let before = LIVE.load(Relaxed);
-        PEAK.store(before, Relaxed);
-        LARGEST.store(0, Relaxed);
+        let window = zeropp_tests::heap::Window::start();
         let r = train_model(&model, &data, &cfg).unwrap();
         assert!(r.summary.final_loss.is_finite());
-        let per_rank = (PEAK.load(Relaxed) - before) as f64 / world as f64;
+        let per_rank = window.peak() as f64 / world as f64;
         let predicted = p.total() as f64;
-        let largest = LARGEST.load(Relaxed);
+        let largest = window.largest();
         eprintln!(
             "candle llama ({} params), W={world}: measured {:.2} MB/rank, predicted {:.2} MB/rank (states {:.2}, \
              gathered layers {:.2}, activations {:.2}), ratio {:.3}; largest allocation {:.2} MB (full f32 model {:.2} MB)",

@@ -7,73 +7,15 @@
 //! test, so no other test allocates meanwhile.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap: a panic is a test failure
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
-
 use zeropp_comm::Topology;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
 use zeropp_engine::engine::{build_plan, memory::predict};
 use zeropp_engine::model::{Gpt, GptConfig};
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
 
-/// The system allocator, counting live bytes, their peak and the largest block.
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-fn grew(by: usize) {
-    let now = LIVE.fetch_add(by, Relaxed) + by;
-    PEAK.fetch_max(now, Relaxed);
-}
-
-// SAFETY: every method forwards to `System` with the caller's arguments
-// unchanged, so `System`'s guarantees hold; the counters are plain atomics.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded as is (the caller upholds `alloc`'s contract).
-        let p = unsafe { System.alloc(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-            LARGEST.fetch_max(layout.size(), Relaxed);
-        }
-        p
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: forwarded as is.
-        let p = unsafe { System.alloc_zeroed(layout) };
-        if !p.is_null() {
-            grew(layout.size());
-            LARGEST.fetch_max(layout.size(), Relaxed);
-        }
-        p
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: forwarded as is: `ptr` came from this allocator with `layout`.
-        unsafe { System.dealloc(ptr, layout) };
-        LIVE.fetch_sub(layout.size(), Relaxed);
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // SAFETY: forwarded as is.
-        let p = unsafe { System.realloc(ptr, layout, new_size) };
-        if !p.is_null() {
-            if new_size >= layout.size() {
-                grew(new_size - layout.size());
-            } else {
-                LIVE.fetch_sub(layout.size() - new_size, Relaxed);
-            }
-            LARGEST.fetch_max(new_size, Relaxed);
-        }
-        p
-    }
-}
-
+/// The counting allocator (live bytes, peak, largest block) of `zeropp_tests::heap`.
 #[global_allocator]
-static ALLOC: Counting = Counting;
+static ALLOC: zeropp_tests::heap::Counting = zeropp_tests::heap::Counting;
 
 /// A mid-size GPT: 8 blocks of width 192 (3.6M parameters), short sequences so
 /// the sharded states, not the activations, dominate.
@@ -113,19 +55,17 @@ fn measure(world: usize, zero: fn(usize) -> ZeroConfig) -> Measured {
     let plan = build_plan(&model, &engine, Topology::ranks(world).per_node(local).unwrap()).unwrap();
     let p = predict(&model, &plan, &engine, engine.micro_batch(world).unwrap()).unwrap();
 
-    let before = LIVE.load(Relaxed);
-    PEAK.store(before, Relaxed);
-    LARGEST.store(0, Relaxed);
+    let window = zeropp_tests::heap::Window::start();
     let report = train(&cfg).unwrap();
     assert!(report.summary.final_loss.is_finite());
-    let peak = PEAK.load(Relaxed) - before;
+    let peak = window.peak();
     Measured {
         world,
         per_rank: peak as f64 / world as f64,
         predicted: p.total() as f64,
         states: p.states as f64,
         loco: p.error_feedback as f64,
-        largest_alloc: LARGEST.load(Relaxed),
+        largest_alloc: window.largest(),
         largest_layer: 4 * plan.buckets().iter().map(|b| b.padded_len).max().unwrap_or(0),
         full_f32: p.full_f32_model,
     }

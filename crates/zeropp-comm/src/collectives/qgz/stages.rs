@@ -231,10 +231,7 @@ impl QgzStages {
                     }
                     with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
                 } else {
-                    let out = inter_send
-                        .chunks_exact_mut(ei)
-                        .nth(m)
-                        .ok_or_else(|| CommError::Mismatch("qgz: inter send buffer too small".into()))?;
+                    let out = inter_slot(inter_send, ei, m)?;
                     let kq = keyed(q, self.rank, 1, part);
                     let res = feedback.as_deref_mut().map(|f| &mut *f.hop1);
                     encode_part(grad, s, part, self.opts.inter_spec, &kq, out, res, beta)?;
@@ -294,10 +291,7 @@ impl QgzStages {
                 }
                 continue;
             }
-            let out = inter_send
-                .chunks_exact_mut(ei)
-                .nth(m)
-                .ok_or_else(|| CommError::Mismatch("qgz: inter send buffer too small".into()))?;
+            let out = inter_slot(inter_send, ei, m)?;
             let kq = keyed(q, self.rank, 2, m);
             match feedback.as_deref_mut() {
                 // Without feedback: the fused kernel (dequantize, sum in f32, requantize).
@@ -316,6 +310,14 @@ impl QgzStages {
         }
         Ok(())
     }
+}
+
+/// The `ei` bytes of `inter_send` for rail peer (node) `m`.
+fn inter_slot(inter_send: &mut [u8], ei: usize, m: usize) -> Result<&mut [u8], CommError> {
+    inter_send
+        .chunks_exact_mut(ei)
+        .nth(m)
+        .ok_or_else(|| CommError::Mismatch("qgz: inter send buffer too small".into()))
 }
 
 fn check_len(what: &str, expected: usize, actual: usize) -> Result<(), CommError> {
