@@ -82,9 +82,8 @@ def run_variant(name: str, cfg: gpt.Config, args, ls: int) -> dict:
     mean_inter = torch.tensor([statistics.fmean(inter), statistics.fmean(intra)], dtype=torch.float64)
     dist.all_reduce(mean_inter)
     w = dist.get_world_size()
-    params = sum(p.numel() for p in model.parameters())  # sharded: this rank's part
-    ptot = torch.tensor([params], dtype=torch.float64)
-    dist.all_reduce(ptot)
+    # FSDP2's parameters are DTensors: numel() is the whole (unsharded) parameter's.
+    params = sum(p.numel() for p in model.parameters())
     return {
         "variant": name,
         "step_s": statistics.median(times),
@@ -92,7 +91,7 @@ def run_variant(name: str, cfg: gpt.Config, args, ls: int) -> dict:
         "inter_bytes_per_rank": float(mean_inter[0]) / w,
         "intra_bytes_per_rank": float(mean_inter[1]) / w,
         "uplink_tx_bytes_per_step": float(tx[0]) / args.steps,
-        "params": int(ptot[0]),
+        "params": int(params),
     }
 
 

@@ -98,6 +98,15 @@ class GoldenVectors(unittest.TestCase):
                 np.testing.assert_array_equal(got, _read(c["name"] + ".wire"))
 
 
+class Docs(unittest.TestCase):
+    def test_the_package_docstring_examples_run(self):
+        import doctest
+
+        result = doctest.testmod(zeropp)
+        self.assertGreater(result.attempted, 0)
+        self.assertEqual(result.failed, 0)
+
+
 class Errors(unittest.TestCase):
     def test_rust_messages_become_exceptions(self):
         x = np.ones(10, np.float32)

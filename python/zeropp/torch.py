@@ -365,7 +365,12 @@ def _segments(param_group, world: int):
     world, then split)."""
     segs = []
     for fp in param_group.fsdp_params:
-        size = fp._orig_size
+        size = getattr(fp, "_orig_size", None)
+        if size is None:
+            raise _zeropp.ZeroppError(
+                f"zeropp.torch reads FSDP2's parameter layout (FSDPParam._orig_size), which this torch "
+                f"({torch.__version__}) does not have; the tested version is 2.9.1"
+            )
         rows = -(-size[0] // world) if len(size) else 1
         rest = 1
         for d in size[1:]:
