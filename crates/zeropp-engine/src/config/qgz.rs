@@ -90,7 +90,7 @@ impl QgzConfig {
 }
 
 impl Default for QgzConfig {
-    /// INT4, groups of [`DEFAULT_GROUP_SIZE`], without the options ([`QgzConfig::plain`]).
+    /// INT4, groups of [`DEFAULT_GROUP_SIZE`](super::DEFAULT_GROUP_SIZE), without the options ([`QgzConfig::plain`]).
     fn default() -> Self {
         Self::plain(ZeroConfig::default_qgz_spec())
     }

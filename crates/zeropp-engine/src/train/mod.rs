@@ -232,7 +232,7 @@ pub fn train_with(
 /// summary with bytes against the analytic model). `cfg.model` and `cfg.data`
 /// are not read; the rest of `cfg` is (world, node size, the engine's ZeRO++
 /// switches, batch and optimizer, steps, checkpoints). Under `mpirun`, the same
-/// call is [`crate::train_mpi::train_model_mpi`] (feature `mpi`).
+/// call is `train_mpi::train_model_mpi` (feature `mpi`).
 ///
 /// The data's vocabulary must not exceed the model's (a clear error otherwise),
 /// and the model's layer names must be unique and not `persistent`
