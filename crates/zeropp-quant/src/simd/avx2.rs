@@ -118,3 +118,14 @@ fn unpack_block(data: &[u8], out: &mut [u8], i: usize) {
     // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
     unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(2 * i).cast::<__m256i>(), r) };
 }
+
+/// Prefetches `x` into L1, one hint per 64-byte line (16 floats). Plain SSE,
+/// part of the x86-64 baseline: any x86-64 kernel may call it.
+#[inline]
+pub(super) fn prefetch(x: &[f32]) {
+    for line in x.chunks(16) {
+        // SAFETY: a prefetch is a hint that never faults; the address is inside
+        // a live slice anyway, and SSE is always present on x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+    }
+}

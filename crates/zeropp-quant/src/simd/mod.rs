@@ -278,6 +278,18 @@ impl Dispatch {
         }
     }
 
+    /// Asks the CPU to start loading `x` into the cache (a hint: no effect on
+    /// results). The quantizers call it on the next group before the second pass
+    /// over the current one, so the memory reads of one group overlap the
+    /// rounding of the other instead of waiting behind it.
+    #[inline]
+    pub(crate) fn prefetch(self, x: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        avx2::prefetch(x);
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = x;
+    }
+
     /// `out[i] = q[i] as f32 * scale + offset`.
     #[inline]
     pub(crate) fn dequant(self, q: &[u8], scale: f32, offset: f32, out: &mut [f32]) {
