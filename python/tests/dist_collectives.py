@@ -15,7 +15,8 @@ Checks, each against an independent reference:
 4. Bytes: one training step of a small GPT under FSDP2 (bf16 mixed precision)
    with zeropp (qwZ + qgZ + hpZ) hands torch's collectives <= 0.27x the
    cross-node bytes of FSDP2's default collectives.
-Exit status 0 when all pass. With ZEROPP_SEEDED_DEFECT=wrong-scale it must fail.
+Exit status 0 when all pass. With ZEROPP_SEEDED_DEFECT=wrong-scale or
+wrong-levels (defects.py) it must fail.
 """
 
 from __future__ import annotations

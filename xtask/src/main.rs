@@ -124,6 +124,8 @@ fn has_mpirun() -> bool {
 
 fn ci(args: &[String]) -> Result<(), String> {
     let no_mpi = args.iter().any(|a| a == "--no-mpi");
+    // The torch venv (test-torch, last) installs while the Rust side builds.
+    let venv = torch::VenvJob::start();
     let mut fmt = cargo();
     fmt.args(["fmt", "--all", "--", "--check"]);
     run("rustfmt", fmt)?;
@@ -166,6 +168,7 @@ fn ci(args: &[String]) -> Result<(), String> {
         cluster::test(&[])?;
     }
     // Skips without a torch venv; fails instead under CI=true.
+    venv.wait();
     torch::test(&[])?;
     eprintln!("\nxtask ci: all green");
     Ok(())
