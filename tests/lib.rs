@@ -10,6 +10,8 @@
 //! - [`gpu`]: the GPU suites' one `#[test]` each (quant's kernels, comm's
 //!   device collectives and NCCL): every check on the device, or one counted
 //!   skip line without one, a failure under `ZEROPP_REQUIRE_GPU=1`.
+//! - [`fidelity`]: the two-sided acceptance rule for a training default, one
+//!   definition for the CI check and the fidelity bench.
 
 pub mod data {
     //! The shared data files (`<workspace>/../shared/data/<name>`).
@@ -207,12 +209,143 @@ pub mod gpu {
     ) {
         let device = match device {
             Ok(d) => d,
-            Err(e) => return skip(checks.len(), &format!("no CUDA device ({e})"), REQUIRE_ENV),
+            Err(e) => return skip(checks.len(), &format!("no usable CUDA device ({e})"), REQUIRE_ENV),
         };
         let _ = writeln!(std::io::stderr(), "gpu: {}", banner(&device));
         for (name, check) in checks {
             let _ = writeln!(std::io::stderr(), "gpu: {name}");
             check(&device);
+        }
+    }
+}
+
+pub mod fidelity {
+    //! The acceptance rule for a training default, judged on the per-seed ratios
+    //! `val_loss(variant) / val_loss(ZeRO-3)` of the same seeds, in a calm
+    //! regime (ZeRO-3's own seed-to-seed spread a few percent). It is
+    //! **two-sided**: a variant far *better* than ZeRO-3 means the check is
+    //! measuring luck, not fidelity, and fails too.
+    //!
+    //! ```
+    //! use zeropp_tests::fidelity::CALM;
+    //! let ok = CALM.judge(&[0.99, 1.0, 1.005, 0.98]);
+    //! assert!(ok.passed(), "{ok}");
+    //! let too_good = CALM.judge(&[0.95, 0.96, 0.96, 0.97]);
+    //! assert!(!too_good.passed() && too_good.to_string().contains("below"));
+    //! ```
+
+    use std::fmt;
+    use std::ops::RangeInclusive;
+
+    /// Bounds on the mean ratio over the seeds and on every seed's ratio.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct Rule {
+        /// The mean ratio must lie in this range.
+        pub mean: RangeInclusive<f64>,
+        /// Every seed's ratio must lie in this range.
+        pub seed: RangeInclusive<f64>,
+    }
+
+    /// The rule of issue 26: mean within [0.97, 1.01], every seed within [0.94, 1.03].
+    pub const CALM: Rule =
+        Rule { mean: RangeInclusive::new(0.97, 1.01), seed: RangeInclusive::new(0.94, 1.03) };
+
+    /// A rule's verdict on some ratios, with the figures a report needs.
+    #[derive(Debug, Clone, PartialEq)]
+    pub struct Judged {
+        /// The per-seed ratios judged.
+        pub ratios: Vec<f64>,
+        /// Their mean.
+        pub mean: f64,
+        /// The standard error of the mean (0 for one seed).
+        pub std_error: f64,
+        /// The lowest seed's ratio.
+        pub lowest: f64,
+        /// The highest (worst) seed's ratio.
+        pub worst: f64,
+        /// Each broken bound, in words; empty when the rule is met.
+        pub broken: Vec<String>,
+    }
+
+    impl Judged {
+        /// Whether every bound holds.
+        pub fn passed(&self) -> bool {
+            self.broken.is_empty()
+        }
+
+        /// Whether the mean bound is broken (the seed bounds may hold).
+        pub fn mean_broken(&self) -> bool {
+            self.broken.iter().any(|b| b.starts_with("mean"))
+        }
+    }
+
+    impl fmt::Display for Judged {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            write!(
+                f,
+                "mean {:.4} ± {:.4}, seeds {:.4}..{:.4}, ratios {:.4?}: ",
+                self.mean, self.std_error, self.lowest, self.worst, self.ratios
+            )?;
+            if self.broken.is_empty() {
+                write!(f, "meets the rule")
+            } else {
+                write!(f, "{}", self.broken.join("; "))
+            }
+        }
+    }
+
+    impl Rule {
+        /// Judges per-seed ratios (at least one).
+        pub fn judge(&self, ratios: &[f64]) -> Judged {
+            let n = ratios.len().max(1) as f64;
+            let mean = ratios.iter().sum::<f64>() / n;
+            let var = ratios.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+            let std_error = if ratios.len() > 1 { (var / n).sqrt() } else { 0.0 };
+            let lowest = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            let worst = ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let mut broken = Vec::new();
+            if ratios.is_empty() || !mean.is_finite() {
+                broken.push("mean: no finite ratios to judge".to_string());
+            } else if mean < *self.mean.start() {
+                broken.push(format!(
+                    "mean {mean:.4} below {} (implausibly better: luck, or a check that cannot see)",
+                    self.mean.start()
+                ));
+            } else if mean > *self.mean.end() {
+                broken.push(format!("mean {mean:.4} above {}", self.mean.end()));
+            }
+            if worst > *self.seed.end() {
+                broken.push(format!("a seed at {worst:.4}, above {}", self.seed.end()));
+            }
+            if lowest < *self.seed.start() {
+                broken.push(format!("a seed at {lowest:.4}, below {}", self.seed.start()));
+            }
+            Judged { ratios: ratios.to_vec(), mean, std_error, lowest, worst, broken }
+        }
+    }
+
+    /// Per-seed ratios `variant[i] / baseline[i]`.
+    pub fn ratios(variant: &[f64], baseline: &[f64]) -> Vec<f64> {
+        variant.iter().zip(baseline).map(|(a, b)| a / b).collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::CALM;
+
+        #[test]
+        fn each_bound_can_fail_on_its_own() {
+            assert!(CALM.judge(&[1.0, 0.99, 1.005]).passed());
+            let high = CALM.judge(&[1.02, 1.02, 1.01]);
+            assert!(high.mean_broken() && high.broken.len() == 1, "{high}");
+            let low = CALM.judge(&[0.96, 0.96, 0.965]);
+            assert!(low.mean_broken() && low.broken.len() == 1, "{low}");
+            let one_bad_seed = CALM.judge(&[0.99, 0.99, 0.99, 1.04]);
+            assert!(!one_bad_seed.mean_broken() && !one_bad_seed.passed(), "{one_bad_seed}");
+            let one_lucky_seed = CALM.judge(&[1.0, 1.0, 1.0, 0.93]);
+            assert!(!one_lucky_seed.mean_broken() && !one_lucky_seed.passed(), "{one_lucky_seed}");
+            assert!(!CALM.judge(&[]).passed());
+            assert!(!CALM.judge(&[f64::NAN, 1.0]).passed());
         }
     }
 }

@@ -9,25 +9,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use crate::{cargo, ptx, run};
-
-/// `cargo` with the link path for `-lcuda` set up.
-pub(crate) fn cuda_cargo() -> Result<Command, String> {
-    let stub = ptx::stub()?;
-    let mut c = cargo();
-    if !ptx::has_driver() {
-        // No driver: test binaries load the stub's libcuda.so.1 (cust::init then
-        // reports NoDevice and the GPU tests skip). Cargo does not add the link
-        // path to the loader's path itself (it is outside target/<profile>).
-        let lib64 = stub.join("lib64");
-        let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-        let path =
-            if old.is_empty() { lib64.display().to_string() } else { format!("{}:{old}", lib64.display()) };
-        c.env("LD_LIBRARY_PATH", path);
-    }
-    c.env("CUDA_LIBRARY_PATH", stub);
-    Ok(c)
-}
+use crate::ptx::cuda_cargo;
+use crate::{ptx, run};
 
 /// `cargo xtask gpu <test|clippy|ci>`.
 pub(crate) fn gpu(args: &[String]) -> Result<(), String> {
@@ -37,7 +20,8 @@ pub(crate) fn gpu(args: &[String]) -> Result<(), String> {
         Some("ci") => ci(),
         Some("nccl") => nccl_mpi(),
         Some("check") => crate::gpu_check::check(&args[1..]),
-        _ => Err("usage: cargo xtask gpu test | clippy | ci | nccl | check [--pack-only]".into()),
+        Some("verdict") => crate::gpu_check::verdict(),
+        _ => Err("usage: cargo xtask gpu test | clippy | ci | nccl | check [--pack-only] | verdict".into()),
     }
 }
 
@@ -113,6 +97,8 @@ pub(crate) fn ci() -> Result<(), String> {
     ptx::ptx(&["--check".to_string()])?;
     clippy()?;
     test()?;
+    // The GPU check's verdict, proved both ways on this machine (no GPU needed).
+    crate::gpu_check::verdict()?;
     let mut doc = cuda_cargo()?;
     doc.args(["doc", "--locked", "-p", "zeropp-quant", "--no-deps", "--features", "cuda"])
         .env("RUSTDOCFLAGS", "-D warnings");

@@ -15,16 +15,22 @@
 //!   tables, the device and driver, and the first failure with its CUDA error.
 //!   Without a device the verdict is "no device".
 //!
+//! `cargo xtask gpu verdict` (run by `cargo xtask ci`) proves the script's
+//! verdict on this machine, with no GPU: a fake `nvidia-smi` that lists a GPU,
+//! with the stub driver, must give FAIL naming `cuInit`; a device node and no
+//! `nvidia-smi` must give FAIL; neither must give NO DEVICE. So a broken GPU can
+//! never pass as a machine without one.
+//!
 //! `cargo xtask gpu check` packs and then runs the folder here (the rehearsal);
 //! `--pack-only` stops after packing. With the device tool, carry
 //! `target/gpu-check` and run `bash target/gpu-check/run.sh` there.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
 
-use crate::gpu::cuda_cargo;
+use crate::ptx::cuda_cargo;
 use crate::{root, run};
 
 /// The binaries of the check: (name in `bin/`, cargo arguments that build it).
@@ -117,6 +123,121 @@ fn build(args: &[&str]) -> Result<PathBuf, String> {
     }
     executable(&String::from_utf8_lossy(&out.stdout))
         .ok_or_else(|| format!("cargo {} built no executable", args.join(" ")))
+}
+
+/// `cargo xtask gpu verdict`: runs `xtask/gpu-check.sh` on this machine's real
+/// test binaries (the debug builds `cargo xtask gpu test` makes, linked against
+/// the stub driver) in three staged machines, and checks the verdict of each:
+///
+/// | machine | expected |
+/// |---|---|
+/// | a fake `nvidia-smi -L` lists a GPU; the stub libcuda loads | FAIL, the kernel tests failing at `cuInit` |
+/// | no GPU listed; the device node exists | FAIL |
+/// | no GPU listed; no device node | NO DEVICE (exit 0) |
+///
+/// The bench binaries are left out of the pack on purpose: the first case
+/// asserts that the kernel tests' own row fails, so a missing bench cannot be
+/// what makes it pass.
+pub(crate) fn verdict() -> Result<(), String> {
+    let dir = root().join("target/gpu-verdict");
+    let _ = std::fs::remove_dir_all(&dir);
+    let bin = dir.join("bin");
+    let fake = dir.join("fake-bin");
+    for d in [&bin, &fake] {
+        std::fs::create_dir_all(d).map_err(|e| format!("{}: {e}", d.display()))?;
+    }
+    for (name, args) in [
+        ("quant-it", ["test", "-p", "zeropp-quant", "--features", "cuda", "--test", "it"]),
+        ("comm-it", ["test", "-p", "zeropp-comm", "--features", "nccl", "--test", "it"]),
+    ] {
+        let mut c = cuda_cargo()?;
+        c.args(args).args(["--locked", "--no-run", "--message-format=json-render-diagnostics"]);
+        let out = c.output().map_err(|e| format!("cargo: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("building {name} failed:\n{}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let exe = executable(&String::from_utf8_lossy(&out.stdout))
+            .ok_or_else(|| format!("cargo built no executable for {name}"))?;
+        std::fs::copy(&exe, bin.join(name)).map_err(|e| format!("copy {}: {e}", exe.display()))?;
+    }
+    let script = dir.join("run.sh");
+    std::fs::copy(root().join("xtask/gpu-check.sh"), &script)
+        .map_err(|e| format!("{}: {e}", script.display()))?;
+    // `nvidia-smi` stand-ins, first on PATH: one lists a GPU, one lists none
+    // (as a driverless machine's, or one that has none, would).
+    let smi = |name: &str, body: &str| -> Result<PathBuf, String> {
+        let d = fake.join(name);
+        std::fs::create_dir_all(&d).map_err(|e| format!("{}: {e}", d.display()))?;
+        let f = d.join("nvidia-smi");
+        std::fs::write(&f, format!("#!/bin/sh\n{body}\n")).map_err(|e| format!("{}: {e}", f.display()))?;
+        let made = Command::new("chmod").arg("+x").arg(&f).status().map_err(|e| format!("chmod: {e}"))?;
+        if made.success() { Ok(d) } else { Err(format!("chmod +x {} failed", f.display())) }
+    };
+    let lists = smi(
+        "lists-a-gpu",
+        r#"[ "$1" = -L ] && { echo "GPU 0: NVIDIA H200 (UUID: GPU-00000000-fake)"; exit 0; }; exit 9"#,
+    )?;
+    let none = smi("lists-none", "echo 'NVIDIA-SMI has failed: no devices were found' >&2; exit 9")?;
+    let node = dir.join("nvidia0");
+    std::fs::write(&node, "").map_err(|e| format!("{}: {e}", node.display()))?;
+    let missing_node = dir.join("no-such-device-node");
+    let stub_lib = crate::ptx::stub()?.join("lib64");
+
+    let cases: [(&str, &Path, &Path, &str); 3] = [
+        ("nvidia-smi lists a GPU, the stub libcuda loads", &lists, &missing_node, "FAIL"),
+        ("no GPU listed, the device node exists", &none, &node, "FAIL"),
+        ("no GPU listed, no device node", &none, &missing_node, "NO DEVICE"),
+    ];
+    for (i, (what, path_dir, device_node, want)) in cases.iter().enumerate() {
+        let report = dir.join(format!("report-{i}.md"));
+        let path = format!("{}:{}", path_dir.display(), std::env::var("PATH").unwrap_or_default());
+        let out = Command::new("bash")
+            .arg(&script)
+            .arg(&report)
+            .env("PATH", path)
+            .env("LD_LIBRARY_PATH", &stub_lib)
+            .env("ZEROPP_CHECK_DEVICE_NODE", device_node)
+            .env("ZEROPP_CHECK_BUDGET_S", "120")
+            .env_remove("ZEROPP_REQUIRE_GPU")
+            .env_remove("ZEROPP_REQUIRE_NCCL")
+            .output()
+            .map_err(|e| format!("bash {}: {e}", script.display()))?;
+        let md = std::fs::read_to_string(&report).map_err(|e| format!("{what}: no report: {e}"))?;
+        let got = md
+            .lines()
+            .find_map(|l| l.strip_prefix("**Verdict: ").and_then(|v| v.strip_suffix("**")))
+            .unwrap_or("none");
+        let exit_ok = out.status.success() == (*want != "FAIL");
+        let mut problems = Vec::new();
+        if got != *want {
+            problems.push(format!("verdict {got}, want {want}"));
+        }
+        if !exit_ok {
+            problems.push(format!("exit status {}", out.status));
+        }
+        if i == 0 {
+            // The verdict must come from the kernel tests failing at cuInit, not
+            // from a step that is missing from this pack.
+            let kernel_row = md.lines().find(|l| l.starts_with("| 1. kernel tests |")).unwrap_or("");
+            if !kernel_row.contains("FAIL") {
+                problems.push(format!("the kernel tests' row does not fail: `{kernel_row}`"));
+            }
+            if !md.contains("Failed driver call: CUDA cuInit failed") {
+                problems.push("the report does not name the failed call (cuInit)".into());
+            }
+        }
+        if problems.is_empty() {
+            eprintln!("==> gpu check verdict, {what}: {got} (as it must be)");
+        } else {
+            return Err(format!(
+                "gpu check verdict, {what}: {}; report {}:\n{}",
+                problems.join("; "),
+                report.display(),
+                md.lines().take(16).collect::<Vec<_>>().join("\n")
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The test or bench executable among cargo's JSON messages.

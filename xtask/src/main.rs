@@ -283,7 +283,7 @@ fn loco_probe(report_dir: &Path) -> Result<(), String> {
     let out = report_dir.join("loco-probe.md");
     let mut md = String::from(
         "# bench `loco-probe`: what qgZ's error feedback does along one exact trajectory\n\n\
-         Columns: see the `loco_probe` example's docs. Per corpus, lr 1e-2 (the CLI's) and seed 1.\n\n",
+         Columns: see the `loco_probe` example's docs. Per corpus, lr 1e-2 (the CLI's default before issue 26, where LoCo trained worse) and seed 1.\n\n",
     );
     for corpus in corpora()?.split(',') {
         let part = report_dir.join("loco-probe-part.md");

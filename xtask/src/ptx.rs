@@ -200,6 +200,24 @@ fn parse_ptxas(arch: &str, log: &str) -> Vec<Row> {
     rows
 }
 
+/// `cargo` with the link path for `-lcuda` set up.
+pub(crate) fn cuda_cargo() -> Result<Command, String> {
+    let stub = stub()?;
+    let mut c = crate::cargo();
+    if !has_driver() {
+        // No driver: test binaries load the stub's libcuda.so.1 (cust::init then
+        // reports NoDevice and the GPU tests skip). Cargo does not add the link
+        // path to the loader's path itself (it is outside target/<profile>).
+        let lib64 = stub.join("lib64");
+        let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+        let path =
+            if old.is_empty() { lib64.display().to_string() } else { format!("{}:{old}", lib64.display()) };
+        c.env("LD_LIBRARY_PATH", path);
+    }
+    c.env("CUDA_LIBRARY_PATH", stub);
+    Ok(c)
+}
+
 /// Makes the stub driver library under `target/cuda-stub/lib64` for the link
 /// step of `--features cuda` on machines without a driver, and returns the
 /// value for `CUDA_LIBRARY_PATH` (read by `cust_raw`'s build script, which adds

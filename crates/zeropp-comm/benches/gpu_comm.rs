@@ -209,8 +209,8 @@ fn gpu_rows(rows: &mut Vec<(String, Row)>, notes: &mut Vec<String>) {
             }
         }
         Err(e) => {
-            assert!(!required, "ZEROPP_REQUIRE_GPU=1 but no CUDA device: {e}");
-            notes.push(format!("GPU: skipped, no CUDA device ({e})."));
+            assert!(!required, "ZEROPP_REQUIRE_GPU=1 but no usable CUDA device: {e}");
+            notes.push(format!("GPU: skipped, no usable CUDA device ({e})."));
         }
     }
 }

@@ -64,7 +64,7 @@ fn main() {
                 std::process::exit(1);
             }
             eprintln!(
-                "gpu bench: skipped: no CUDA device ({e}; set ZEROPP_REQUIRE_GPU=1 to make this a failure)"
+                "gpu bench: skipped: no usable CUDA device ({e}; set ZEROPP_REQUIRE_GPU=1 to make this a failure)"
             );
             return;
         }

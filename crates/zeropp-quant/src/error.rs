@@ -64,6 +64,18 @@ pub enum QuantError {
     #[cfg(feature = "cuda")]
     #[error("CUDA: {0}")]
     Cuda(#[from] cust::error::CudaError),
+    /// Opening the GPU failed at the named driver call (feature `cuda`):
+    /// `cuInit` (no driver, or the stub `libcuda` found first), the device,
+    /// the context, or loading the kernels (cubin load, PTX JIT). A GPU check
+    /// reports this call, so "no device" and "a device that fails" differ.
+    #[cfg(feature = "cuda")]
+    #[error("CUDA {call} failed: {source}")]
+    CudaCall {
+        /// The driver call (and what it was for).
+        call: &'static str,
+        /// The driver's error.
+        source: cust::error::CudaError,
+    },
 }
 
 /// Why a wire buffer (or a set of parts) is not a valid quantized value.

@@ -4,7 +4,7 @@
 //! `HostDevice`).
 //!
 //! One `#[test]` runs every check, so that without a device the run prints
-//! exactly one counted line (`gpu: N tests skipped: no CUDA device ...`); with
+//! exactly one counted line (`gpu: N tests skipped: no usable CUDA device (CUDA cuInit failed: ...)`); with
 //! `ZEROPP_REQUIRE_GPU=1` a missing device is a failure. Run it with
 //! `cargo xtask gpu test` (it sets up the driver stub for linking).
 

@@ -90,7 +90,7 @@ fn traffic(c: &mut NcclComm) {
 fn device_nccl_suite() {
     let device = match CudaDevice::new() {
         Ok(d) => d,
-        Err(e) => return skip(CHECKS, &format!("no CUDA device ({e})"), REQUIRE_ENV),
+        Err(e) => return skip(CHECKS, &format!("no usable CUDA device ({e})"), REQUIRE_ENV),
     };
     let t = Topology::ranks(1).per_node(1).unwrap();
     let comm = ThreadCluster::new(t, ThreadOptions::default())

@@ -334,6 +334,16 @@ impl Drop for Gpu {
     }
 }
 
+/// `cuInit`, its failure named (no driver, or the stub `libcuda` first on the path).
+fn init() -> Result<()> {
+    cust::init(cust::CudaFlags::empty()).map_err(at("cuInit"))
+}
+
+/// Wraps a driver error as [`QuantError::CudaCall`] naming `call`.
+fn at(call: &'static str) -> impl Fn(cust::error::CudaError) -> QuantError {
+    move |source| QuantError::CudaCall { call, source }
+}
+
 impl Gpu {
     /// Initialises CUDA, retains device 0's primary context and loads the
     /// kernels: the cubin for the device's architecture, else the PTX.
@@ -344,19 +354,36 @@ impl Gpu {
     /// [`Gpu::new`] on visible device `ordinal` (0-based among the devices
     /// `CUDA_VISIBLE_DEVICES` leaves visible).
     pub fn with_ordinal(ordinal: u32) -> Result<Self> {
-        cust::init(cust::CudaFlags::empty())?;
-        let device = Device::get_device(ordinal)?;
-        let ctx = GpuContext(Arc::new(Context::new(device)?));
-        let major = device.get_attribute(DeviceAttribute::ComputeCapabilityMajor)?;
+        init()?;
+        let device = Device::get_device(ordinal).map_err(at("cuDeviceGet (the device)"))?;
+        let ctx =
+            GpuContext(Arc::new(Context::new(device).map_err(at("cuDevicePrimaryCtxRetain (the context)"))?));
+        let major = device
+            .get_attribute(DeviceAttribute::ComputeCapabilityMajor)
+            .map_err(at("cuDeviceGetAttribute (compute capability)"))?;
         let cubin = match major {
             8 => Some(("sm_80 cubin", SM80)),
             9 => Some(("sm_90 cubin", SM90)),
             _ => None,
         };
-        let loaded = cubin.and_then(|(name, bytes)| Module::from_cubin(bytes, &[]).ok().map(|m| (name, m)));
+        let loaded = match cubin {
+            Some((name, bytes)) => Module::from_cubin(bytes, &[]).map(|m| (name, m)).map_err(Some),
+            None => Err(None),
+        };
         let (image, module) = match loaded {
-            Some(x) => x,
-            None => ("PTX (JIT-compiled by the driver)", Module::from_ptx(PTX, &[])?),
+            Ok(x) => x,
+            Err(cubin_error) => {
+                let module = Module::from_ptx(PTX, &[]).map_err(|source| QuantError::CudaCall {
+                    // Name the cubin's failure too: the JIT is only the fallback.
+                    call: if cubin_error.is_some() {
+                        "cuModuleLoadData (module load: PTX JIT, after the cubin load failed)"
+                    } else {
+                        "cuModuleLoadData (module load: PTX JIT)"
+                    },
+                    source,
+                })?;
+                ("PTX (JIT-compiled by the driver)", module)
+            }
         };
         Self::on(ctx, device, ordinal, Arc::new(module), image)
     }
@@ -365,8 +392,8 @@ impl Gpu {
     /// `local_rank mod (visible devices)`, so the ranks of a node spread over
     /// its GPUs (with `CUDA_VISIBLE_DEVICES=a,b,…`, over those).
     pub fn for_local_rank(local_rank: usize) -> Result<Self> {
-        cust::init(cust::CudaFlags::empty())?;
-        let count = Device::num_devices()?.max(1) as usize;
+        init()?;
+        let count = Device::num_devices().map_err(at("cuDeviceGetCount"))?.max(1) as usize;
         Self::with_ordinal((local_rank % count) as u32)
     }
 

@@ -4,7 +4,7 @@
 //! wire round trips CPU -> GPU -> CPU; the non-finite error.
 //!
 //! One `#[test]` runs every check, so that without a device the run prints
-//! exactly one counted line (`gpu: N tests skipped: no CUDA device ...`).
+//! exactly one counted line (`gpu: N tests skipped: no usable CUDA device (CUDA cuInit failed: ...)`).
 //! With `ZEROPP_REQUIRE_GPU=1` a missing device is a failure instead.
 
 use proptest::prelude::*;
