@@ -26,6 +26,10 @@ pub fn shard_file_name(rank: usize, world: usize) -> String {
 }
 
 /// Name of one tensor of a bucket in a shard file: `bucket.00002.exp_avg`.
+/// The three f32 tensors of a bucket in a shard file, in the order of
+/// [`BucketShard`](super::state::BucketShard)'s fields.
+pub(super) const VALUE_TENSORS: [&str; 3] = ["master", "exp_avg", "exp_avg_sq"];
+
 pub(super) fn tensor_name(bucket: usize, what: &str) -> String {
     format!("bucket.{bucket:05}.{what}")
 }

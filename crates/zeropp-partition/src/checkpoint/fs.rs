@@ -3,8 +3,9 @@
 
 use std::fs::{self, File};
 use std::io::{BufWriter, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
+use super::{LATEST_FILE, MANIFEST_FILE};
 use crate::error::{PartitionError, Result};
 
 /// fsyncs a folder so that a rename inside it is durable (no-op off Unix).
@@ -60,4 +61,39 @@ pub(super) fn atomic_write_with(
 /// Reads a whole file; a missing file is [`PartitionError::MissingFile`].
 pub(super) fn read_file(path: &Path) -> Result<Vec<u8>> {
     fs::read(path).map_err(|e| PartitionError::io(path, e))
+}
+
+/// The checkpoint folder `load_checkpoint(dir)` would read: `dir` itself
+/// if it holds a manifest, else the folder named by `dir/LATEST`.
+pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf> {
+    if !dir.is_dir() {
+        return Err(PartitionError::NoCheckpoint {
+            dir: dir.to_path_buf(),
+            reason: "not a directory (or does not exist)".into(),
+        });
+    }
+    if dir.join(MANIFEST_FILE).is_file() {
+        return Ok(dir.to_path_buf());
+    }
+    let latest = dir.join(LATEST_FILE);
+    let text = match fs::read_to_string(&latest) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(PartitionError::NoCheckpoint {
+                dir: dir.to_path_buf(),
+                reason: format!("neither {MANIFEST_FILE} nor {LATEST_FILE} exists"),
+            });
+        }
+        Err(e) => return Err(PartitionError::io(&latest, e)),
+    };
+    let name = text.trim();
+    let valid =
+        name.strip_prefix("step-").is_some_and(|d| !d.is_empty() && d.bytes().all(|c| c.is_ascii_digit()));
+    if !valid {
+        return Err(PartitionError::corrupt(
+            &latest,
+            format!("expected a folder name like step-00000123, found {name:?}"),
+        ));
+    }
+    Ok(dir.join(name))
 }

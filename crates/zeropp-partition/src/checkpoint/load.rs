@@ -3,8 +3,7 @@
 //! (the consolidating path; `stream.rs` reads without consolidating).
 
 use std::collections::BTreeMap;
-use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use safetensors::tensor::{Dtype, SafeTensors};
 
@@ -15,44 +14,8 @@ use super::fs::read_file;
 use super::manifest::Manifest;
 use super::state::{BucketShard, ShardState};
 use super::stream::CheckpointReader;
-use super::{LATEST_FILE, MANIFEST_FILE};
 use crate::error::{PartitionError, Result};
 use crate::plan::PartitionPlan;
-
-/// The checkpoint folder `load_checkpoint(dir)` would read: `dir` itself
-/// if it holds a manifest, else the folder named by `dir/LATEST`.
-pub fn resolve_checkpoint_dir(dir: &Path) -> Result<PathBuf> {
-    if !dir.is_dir() {
-        return Err(PartitionError::NoCheckpoint {
-            dir: dir.to_path_buf(),
-            reason: "not a directory (or does not exist)".into(),
-        });
-    }
-    if dir.join(MANIFEST_FILE).is_file() {
-        return Ok(dir.to_path_buf());
-    }
-    let latest = dir.join(LATEST_FILE);
-    let text = match fs::read_to_string(&latest) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(PartitionError::NoCheckpoint {
-                dir: dir.to_path_buf(),
-                reason: format!("neither {MANIFEST_FILE} nor {LATEST_FILE} exists"),
-            });
-        }
-        Err(e) => return Err(PartitionError::io(&latest, e)),
-    };
-    let name = text.trim();
-    let valid =
-        name.strip_prefix("step-").is_some_and(|d| !d.is_empty() && d.bytes().all(|c| c.is_ascii_digit()));
-    if !valid {
-        return Err(PartitionError::corrupt(
-            &latest,
-            format!("expected a folder name like step-00000123, found {name:?}"),
-        ));
-    }
-    Ok(dir.join(name))
-}
 
 /// A loaded checkpoint, consolidated: full per-bucket state with padding
 /// stripped and every saved rank's extras, beside the opened checkpoint

@@ -112,15 +112,18 @@ mod fs;
 mod load;
 mod manifest;
 mod save;
+mod shard_file;
 mod state;
 mod stream;
 
 pub use format::{shard_file_name, step_dir_name};
-pub use load::{Checkpoint, FullBucket, load_checkpoint, resolve_checkpoint_dir};
+pub use fs::resolve_checkpoint_dir;
+pub use load::{Checkpoint, FullBucket, load_checkpoint};
 pub use manifest::{Manifest, ShardRecord, TopologyInfo};
 pub use save::{commit_checkpoint, save_checkpoint, write_shard};
+pub use shard_file::CHUNK_BYTES;
 pub use state::{BucketShard, ShardState};
-pub use stream::{CHUNK_BYTES, CheckpointReader};
+pub use stream::CheckpointReader;
 
 /// Version of the checkpoint format written by this crate.
 pub const FORMAT_VERSION: u32 = 1;
