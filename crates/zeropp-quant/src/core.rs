@@ -365,18 +365,6 @@ pub(crate) fn quantize_range<S: Source>(
     a.and(b)
 }
 
-/// The quantized integer of element `i` (in range) of packed `data`.
-#[inline]
-pub(crate) fn q_at(bits: Bits, data: &[u8], i: usize) -> i8 {
-    match bits {
-        Bits::Int4 => {
-            let b = data[i / 2];
-            if i & 1 == 0 { (b as i8) >> 4 } else { ((b << 4) as i8) >> 4 }
-        }
-        Bits::Int8 => data[i] as i8,
-    }
-}
-
 /// Unpacks INT4 elements `start..start + out.len()` into sign-extended bytes.
 fn unpack4(d: Dispatch, data: &[u8], start: usize, out: &mut [u8]) {
     let mut out = out;

@@ -83,13 +83,13 @@ pub enum QuantError {
 #[non_exhaustive]
 pub enum DecodeError {
     /// Fewer bytes than the fixed header.
-    #[error("truncated header: {0} bytes, need {HEADER}", HEADER = crate::wire::HEADER_LEN)]
+    #[error("truncated header: {0} bytes, need {HEADER}", HEADER = crate::wire_header::HEADER_LEN)]
     TruncatedHeader(usize),
     /// The magic bytes are wrong (not a zeropp-quant buffer).
     #[error("bad magic {0:02x?}")]
     BadMagic([u8; 4]),
     /// A format version this build cannot read.
-    #[error("unsupported wire version {0} (this build reads version {v})", v = crate::wire::VERSION)]
+    #[error("unsupported wire version {0} (this build reads version {v})", v = crate::wire_header::VERSION)]
     UnsupportedVersion(u16),
     /// The header checksum does not match.
     #[error("header checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]

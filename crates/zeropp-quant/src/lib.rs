@@ -85,6 +85,7 @@ mod spec;
 #[cfg(feature = "tools")]
 pub mod tools;
 pub mod wire;
+mod wire_header;
 
 pub use element::Element;
 pub use error::{DecodeError, QuantError, Result};

@@ -411,7 +411,7 @@ impl Quantized {
     /// The quantized integer of element `i` (unpacked, sign-extended), or
     /// `None` if out of range.
     pub fn q(&self, i: usize) -> Option<i8> {
-        (i < self.len).then(|| crate::core::q_at(self.spec.bits(), &self.data, i))
+        (i < self.len).then(|| wire::q_at(self.spec.bits(), &self.data, i))
     }
 
     /// Size of the wire encoding.

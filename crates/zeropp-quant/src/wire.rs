@@ -37,12 +37,20 @@
 use crate::error::{DecodeError, QuantError, Result};
 use crate::spec::{Bits, QuantSpec, Scheme};
 
-/// Bytes in the fixed header.
-pub const HEADER_LEN: usize = 32;
-/// The wire format version this build writes and reads.
-pub const VERSION: u16 = 1;
-/// The magic bytes at offset 0.
-pub const MAGIC: [u8; 4] = *b"ZPPQ";
+pub use crate::wire_header::{HEADER_LEN, MAGIC, VERSION};
+
+/// The quantized integer of element `i` (in range) of packed `data`
+/// (INT4: the even element in the high nibble).
+#[inline]
+pub(crate) fn q_at(bits: Bits, data: &[u8], i: usize) -> i8 {
+    match bits {
+        Bits::Int4 => {
+            let b = data[i / 2];
+            if i & 1 == 0 { (b as i8) >> 4 } else { ((b << 4) as i8) >> 4 }
+        }
+        Bits::Int8 => data[i] as i8,
+    }
+}
 
 /// Payload bytes (everything after the header) for `len` elements, if it
 /// fits in a `u64`.
