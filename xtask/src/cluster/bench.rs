@@ -7,7 +7,8 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::test::{missing_prerequisite, threads_run, train};
+use super::checks::threads_run;
+use super::test::{missing_prerequisite, train};
 use super::{Launch, Shape, build_zeropp, rate_bits, read_metrics, tail, target_dir};
 
 /// `cargo xtask bench cluster`: see the module doc.

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::test::{Tally, same_losses, threads_run, train_args};
+use super::checks::{Tally, same_losses, threads_run, train_args};
 use super::{Launch, Shape, launch, read_metrics, tail};
 
 pub(super) fn fault_tests(zeropp: &Path, base: &Path, t: &mut Tally) -> Result<(), String> {

@@ -27,6 +27,7 @@ use serde_json::Value;
 use crate::{cargo, root, run as run_step};
 
 mod bench;
+mod checks;
 mod faults;
 mod probe;
 mod run;
