@@ -15,7 +15,8 @@ use zeropp_engine::metrics::LinkBytes;
 use zeropp_engine::train::OP_TAGS;
 
 use crate::CliError;
-use crate::train::{RunArgs, build_config, progress_bar};
+use crate::config::{RunArgs, build_config};
+use crate::print::progress_bar;
 
 /// Flags of `zeropp compare`.
 #[derive(Debug, Clone, Args)]
@@ -34,7 +35,7 @@ pub(crate) struct CompareArgs {
 /// Runs `zeropp compare`.
 pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
     let (cfg, warnings) = build_config(&args.run, ZeroConfig::zero3())?;
-    crate::summary::print_warnings(&warnings);
+    crate::print::print_warnings(&warnings);
     let mut variants = standard_variants(&cfg.engine.zero, cfg.local_size);
     if args.no_ablation {
         variants.retain(|v| [BASELINE, FLAT_BASELINE, "zeropp"].contains(&v.name.as_str()));

@@ -6,9 +6,11 @@ use std::process::ExitCode;
 
 mod checkpoint;
 mod compare;
+mod config;
 mod llama;
+mod models;
+mod print;
 mod quant;
-mod summary;
 mod train;
 mod train_mpi;
 
@@ -29,7 +31,7 @@ enum Command {
     /// Inspect or export a sharded checkpoint.
     Checkpoint(checkpoint::CheckpointArgs),
     /// Train a model with ZeRO-3 / ZeRO++ on simulated nodes.
-    Train(Box<train::TrainArgs>),
+    Train(Box<config::TrainArgs>),
     /// Run ZeRO-3, ZeRO++ and each technique alone on one workload, side by side.
     Compare(compare::CompareArgs),
 }

@@ -10,7 +10,7 @@
 use zeropp_engine::train::Faults;
 
 use crate::CliError;
-use crate::train::TrainArgs;
+use crate::config::TrainArgs;
 
 /// Environment variable read by [`faults_from_env`] (a test hook of the MPI
 /// tests): `fail:RANK:STEP` makes that rank fail in the middle of that step,
@@ -68,8 +68,10 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
     use zeropp_comm::Communicator as _;
     use zeropp_engine::train_mpi::{MpiComm, MpiOptions, train_model_mpi, train_mpi};
 
-    use crate::summary::{print_data, print_plan, print_report, print_warnings};
-    use crate::train::{progress_bar, show_step, train_config};
+    use crate::config::train_config;
+    use crate::print::{
+        print_data, print_memory, print_plan, print_report, print_warnings, progress_bar, show_step,
+    };
 
     let mut options = MpiOptions::default();
     if flag_given("--local-size") {
@@ -132,7 +134,7 @@ fn run_rank(args: &TrainArgs) -> Result<(), CliError> {
         print_report(&report.summary, cfg.metrics.as_deref());
     }
     // Every rank is a process: each reports its own peak.
-    crate::train::print_memory(&cfg, llama.as_ref().map(|(m, _)| m), 1, Some(rank));
+    print_memory(&cfg, llama.as_ref().map(|(m, _)| m), 1, Some(rank));
     drop(comm);
     Ok(())
 }

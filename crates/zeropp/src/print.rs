@@ -1,11 +1,13 @@
-//! What `zeropp train` prints around a run (both backends): the DeepSpeed
-//! config warnings, the data line and the summary table (the engine keeps the
-//! data, [`Summary`]; its presentation is the binary's).
+//! Everything `zeropp train` and `zeropp compare` print, for both backends:
+//! the DeepSpeed config warnings, the data and plan lines, the progress bar,
+//! the summary table and the memory line (the engine keeps the data,
+//! [`Summary`]; its presentation is the binary's).
 
 use std::fmt::Display;
 use std::path::Path;
 
-use zeropp_engine::metrics::Summary;
+use indicatif::{ProgressBar, ProgressStyle};
+use zeropp_engine::metrics::{StepRecord, Summary};
 use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
 
 use crate::CliError;
@@ -116,4 +118,57 @@ fn format_summary(s: &Summary) -> String {
         fmt_bytes(a.inter)
     ));
     out
+}
+
+/// A progress bar over `steps` steps.
+pub(crate) fn progress_bar(steps: usize, prefix: &str) -> ProgressBar {
+    let pb = ProgressBar::new(steps as u64);
+    let style = ProgressStyle::with_template("{prefix} [{bar:30}] {pos}/{len} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    pb.set_style(style);
+    pb.set_prefix(prefix.to_string());
+    pb
+}
+
+/// One line: this process's peak RSS against the memory model's prediction for
+/// the `ranks` ranks it ran (all of them with threads; one, `rank`, under MPI),
+/// for the native model of `cfg` or the candle model `candle`.
+pub(crate) fn print_memory(
+    cfg: &TrainConfig,
+    candle: Option<&zeropp_candle::CandleModel>,
+    ranks: usize,
+    rank: Option<usize>,
+) {
+    let predicted = match candle {
+        Some(m) => zeropp_engine::train::memory_prediction_for(m, cfg),
+        None => zeropp_engine::train::memory_prediction(cfg),
+    };
+    let (Some(peak), Ok(p)) = (zeropp_engine::engine::memory::peak_rss(), predicted) else {
+        return;
+    };
+    let predicted = (p.total() * ranks) as f64;
+    let who = match rank {
+        Some(r) => format!("rank {r}"),
+        None => format!("this process ({ranks} ranks)"),
+    };
+    eprintln!(
+        "memory: peak RSS of {who} {:.1} MB; memory model {:.1} MB ({:.1} MB states per rank); measured / model = {:.2}",
+        peak as f64 / 1e6,
+        predicted / 1e6,
+        p.states as f64 / 1e6,
+        peak as f64 / predicted
+    );
+}
+
+/// Advances the progress bar after one optimizer step.
+pub(crate) fn show_step(pb: &ProgressBar, r: &StepRecord) {
+    pb.set_position(r.step as u64 + 1);
+    pb.set_message(format!(
+        "loss {:.4}{} | {:.0} tok/s | {:.3} MB inter-node/rank/step",
+        r.loss,
+        if r.skipped { " (skipped)" } else { "" },
+        r.tokens_per_s,
+        r.inter_node_bytes / 1e6
+    ));
 }

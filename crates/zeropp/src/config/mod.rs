@@ -1,0 +1,371 @@
+//! `zeropp train`'s and `zeropp compare`'s flags, and the one function that
+//! turns them (with a DeepSpeed file, when given) into a
+//! `zeropp_engine::train::TrainConfig`: [`train_config`] (its first half,
+//! [`build_config`], is what `compare` shares). Nothing here runs or prints.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::models::{model_choice, model_help};
+use clap::{Args, ValueEnum};
+use zeropp_engine::config::{CommDtype, QgzConfig, ZeroConfig, quant_spec};
+use zeropp_engine::train::{Backend, DataChoice, TrainConfig};
+
+use crate::CliError;
+
+/// ZeRO mode preset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Mode {
+    /// Plain ZeRO-3 (16-bit gathers and reduce-scatter).
+    Zero3,
+    /// ZeRO++: qwZ INT8 + hpZ over the node + qgZ INT4.
+    Zeropp,
+}
+
+/// Communication backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum BackendArg {
+    /// One thread per rank in this process.
+    Threads,
+    /// One process per rank under `mpirun` (`zeropp train` built with `--features mpi`).
+    Mpi,
+}
+
+/// Baseline communication dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum DtypeArg {
+    /// bfloat16 (ZeRO-3's 16-bit communication).
+    Bf16,
+    /// f32 (exact).
+    F32,
+}
+
+/// The workload and cluster flags shared by `train` and `compare`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct RunArgs {
+    /// Ranks.
+    #[arg(long, default_value_t = 8)]
+    pub world: usize,
+    /// Ranks per simulated node.
+    #[arg(long = "local-size", default_value_t = 4)]
+    pub local_size: usize,
+    /// Baseline communication dtype.
+    #[arg(long = "comm-dtype", value_enum, default_value_t = DtypeArg::Bf16)]
+    pub comm_dtype: DtypeArg,
+    /// Model: a preset (gpt-tiny, gpt, gpt-1m, gpt-medium, gpt-10m, gpt-40m, gpt2-small, mlp, mlp-tiny) or a GPT shape like gpt:d=768,layers=12,heads=12,seq=256.
+    #[arg(long, default_value = "gpt", long_help = model_help())]
+    pub model: String,
+    /// Training text file (default: the project's generated Markov text).
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 800)]
+    pub steps: usize,
+    /// Seed of the initialisation and of the batches.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Global batch (sequences per optimizer step, split evenly over the ranks).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long = "grad-accum")]
+    pub grad_accum: Option<usize>,
+    /// Learning rate [default: 3e-3, also when a DeepSpeed config sets none].
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// DeepSpeed JSON config (batch, clipping, bf16, optimizer, zero_optimization).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Link model of the simulated cluster, e.g. `intra=100GB/s,inter=1GB/s,latency=5us`.
+    #[arg(long)]
+    pub link: Option<String>,
+    /// Backend.
+    #[arg(long, value_enum, default_value_t = BackendArg::Threads)]
+    pub backend: BackendArg,
+    /// Seconds a rank waits for a silent peer before failing.
+    #[arg(long = "timeout", default_value_t = 60)]
+    pub timeout_s: u64,
+    /// Validation batches evaluated at the end (0 = none).
+    #[arg(long = "eval-batches", default_value_t = 4)]
+    pub eval_batches: usize,
+}
+
+/// Flags of `zeropp train`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct TrainArgs {
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// ZeRO mode preset (techniques can be switched one by one below).
+    #[arg(long, value_enum, default_value_t = Mode::Zeropp)]
+    pub mode: Mode,
+    /// Quantized weight gather (qwZ) on.
+    #[arg(long, overrides_with = "no_qwz")]
+    pub qwz: bool,
+    /// qwZ off.
+    #[arg(long = "no-qwz")]
+    pub no_qwz: bool,
+    /// hpZ group size (1 = off; default: the node size in zeropp mode).
+    #[arg(long)]
+    pub hpz: Option<usize>,
+    /// Quantized gradient reduce-scatter (qgZ) on.
+    #[arg(long, overrides_with = "no_qgz")]
+    pub qgz: bool,
+    /// qgZ off.
+    #[arg(long = "no-qgz")]
+    pub no_qgz: bool,
+    /// qwZ bits (8 or 4).
+    #[arg(long)]
+    pub qwz_bits: Option<u8>,
+    /// qgZ bits (4 or 8).
+    #[arg(long = "qgz-bits")]
+    pub qgz_bits: Option<u8>,
+    /// qgZ error feedback on both hops, LoCo style (err_beta 0.8, reset every 1024 steps, bf16
+    /// residuals). Off by default: it trained worse than no feedback on held-out text
+    /// (docs/PERFORMANCE.md, "Fidelity").
+    #[arg(long = "error-feedback")]
+    pub error_feedback: bool,
+    /// LoCo moving-average factor err_beta in [0, 1) (implies --error-feedback).
+    #[arg(long = "loco-beta")]
+    pub loco_beta: Option<f32>,
+    /// Reset the LoCo residuals every N optimizer steps (0 = never; implies --error-feedback).
+    #[arg(long = "loco-reset")]
+    pub loco_reset: Option<usize>,
+    /// How the LoCo residuals are stored: bf16 (default, half the memory) or f32 (implies --error-feedback).
+    #[arg(long = "loco-residuals", value_name = "bf16|f32")]
+    pub loco_residuals: Option<String>,
+    /// qgZ rounds stochastically (unbiased; the default in zeropp mode).
+    #[arg(long = "qgz-stochastic", overrides_with = "qgz_nearest")]
+    pub qgz_stochastic: bool,
+    /// qgZ rounds to nearest (the ZeRO++ paper's and DeepSpeed's rounding).
+    #[arg(long = "qgz-nearest")]
+    pub qgz_nearest: bool,
+    /// Routing of the world collectives: hierarchical (rail then node, as NCCL/HSDP; default) or flat.
+    #[arg(long, value_name = "hierarchical|flat")]
+    pub baseline: Option<String>,
+    /// How hpZ holds and gathers its secondary shard: dense (the baseline dtype) or int8 (qwZ's encodings).
+    #[arg(long = "hpz-wire", value_name = "dense|int8")]
+    pub hpz_wire: Option<String>,
+    /// qwZ quantization group size (elements per scale).
+    #[arg(long = "qwz-group-size")]
+    pub qwz_group_size: Option<usize>,
+    /// qgZ quantization group size (elements per scale).
+    #[arg(long = "qgz-group-size")]
+    pub qgz_group_size: Option<usize>,
+    /// Reduce 1-D parameters (biases, norms) at full precision under qgZ, as DeepSpeed does
+    /// (on by default in zeropp mode).
+    #[arg(long = "qgz-exclude-1d", overrides_with = "no_qgz_exclude_1d")]
+    pub qgz_exclude_1d: bool,
+    /// Send the 1-D parameters through INT4 qgZ like the matrices.
+    #[arg(long = "no-qgz-exclude-1d")]
+    pub no_qgz_exclude_1d: bool,
+    /// No qgZ error feedback (the default; kept for scripts that say so).
+    #[arg(long = "no-error-feedback", conflicts_with_all = ["error_feedback", "loco_beta", "loco_reset", "loco_residuals"])]
+    pub no_error_feedback: bool,
+    /// Let quantization groups straddle two tensors (the pre-0.2 layout; for comparisons).
+    #[arg(long = "packed-groups")]
+    pub packed_groups: bool,
+    /// Stochastic rounding in every quantizer (qwZ's too; qgZ's alone is --qgz-stochastic).
+    #[arg(long = "stochastic-rounding")]
+    pub stochastic_rounding: bool,
+    /// Disable the prefetch of the next layer's gather.
+    #[arg(long = "no-prefetch")]
+    pub no_prefetch: bool,
+    /// DeepSpeed's reduce_bucket_size: most padded elements per gradient reduce call.
+    #[arg(long = "reduce-bucket-size", value_name = "ELEMENTS")]
+    pub reduce_bucket_size: Option<usize>,
+    /// DeepSpeed's stage3_prefetch_bucket_size: largest layer (padded elements) prefetched; 0 = none.
+    #[arg(long = "prefetch-bucket-size", value_name = "ELEMENTS")]
+    pub prefetch_bucket_size: Option<usize>,
+    /// DeepSpeed's stage3_param_persistence_threshold: parameters of at most this many elements are kept whole on every rank.
+    #[arg(long = "param-persistence-threshold", value_name = "ELEMENTS")]
+    pub param_persistence_threshold: Option<usize>,
+    /// DeepSpeed's stage3_max_live_parameters: most gathered elements alive when prefetching.
+    #[arg(long = "max-live-parameters", value_name = "ELEMENTS")]
+    pub max_live_parameters: Option<usize>,
+    /// Write JSON Lines metrics (one object per step, then a summary).
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Save sharded checkpoints into this directory.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Save every N steps (and at the end).
+    #[arg(long = "save-every", default_value_t = 0)]
+    pub save_every: usize,
+    /// Resume from a checkpoint directory.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+/// Builds the run configuration shared by `train` and `compare` (ZeRO switches
+/// start from `zero`, then the DeepSpeed config, then the explicit flags).
+pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<(TrainConfig, Vec<String>), CliError> {
+    let mut cfg = TrainConfig {
+        // The Llama is built from the data by `run` (its vocabulary is the data's);
+        // the native choice here is then unused.
+        model: match crate::llama::parse(&run.model)? {
+            Some(_) => TrainConfig::default().model,
+            None => model_choice(&run.model)?,
+        },
+        data: match &run.data {
+            Some(p) => DataChoice::File(p.clone()),
+            None => TrainConfig::default().data,
+        },
+        world: run.world,
+        local_size: run.local_size,
+        steps: run.steps,
+        timeout: Duration::from_secs(run.timeout_s.max(1)),
+        backend: match run.backend {
+            BackendArg::Threads => Backend::Threads,
+            BackendArg::Mpi => Backend::Mpi,
+        },
+        eval_batches: run.eval_batches,
+        ..TrainConfig::default()
+    };
+    cfg.engine.zero = zero;
+    cfg.engine.seed = run.seed;
+    let mut warnings = Vec::new();
+    if let Some(path) = &run.config {
+        let imp = zeropp_engine::deepspeed::from_file(path, run.world, &cfg.engine)?;
+        cfg.engine = imp.config;
+        warnings = imp.warnings;
+    }
+    cfg.engine.zero.comm_dtype = match run.comm_dtype {
+        DtypeArg::Bf16 if run.config.is_none() => CommDtype::Bf16,
+        DtypeArg::F32 => CommDtype::F32,
+        DtypeArg::Bf16 => cfg.engine.zero.comm_dtype,
+    };
+    if let Some(b) = run.batch {
+        cfg.engine.global_batch = b;
+    }
+    if let Some(a) = run.grad_accum {
+        cfg.engine.grad_accum = a;
+    }
+    if let Some(lr) = run.lr {
+        cfg.engine.optim.lr = lr;
+    }
+    if let Some(l) = &run.link {
+        cfg.link = Some(l.parse().map_err(|e| format!("--link: {e}"))?);
+    }
+    Ok((cfg, warnings))
+}
+
+pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
+    let mut z = match a.mode {
+        Mode::Zero3 => ZeroConfig::zero3(),
+        Mode::Zeropp => ZeroConfig::zeropp(a.run.local_size),
+    };
+    // The technique switches, then the specs and options of those that are on:
+    // bits and group sizes are checked (and errors reported) only for those.
+    let qwz_on = (z.qwz.is_some() || a.qwz) && !a.no_qwz;
+    let qgz_on = (z.qgz.is_some() || a.qgz) && !a.no_qgz;
+    if let Some(h) = a.hpz {
+        z.hpz_size = h;
+    }
+    z.qwz = if qwz_on {
+        let d = z.qwz.unwrap_or_else(ZeroConfig::default_qwz_spec);
+        let bits = a.qwz_bits.unwrap_or(d.bits().bits() as u8);
+        Some(quant_spec("qwZ", bits, a.qwz_group_size.unwrap_or(d.group_size()))?)
+    } else {
+        None
+    };
+    z.qgz = if qgz_on {
+        let mut q = z.qgz.unwrap_or_default();
+        let bits = a.qgz_bits.unwrap_or(q.spec.bits().bits() as u8);
+        q.spec = quant_spec("qgZ", bits, a.qgz_group_size.unwrap_or(q.spec.group_size()))?;
+        if a.error_feedback || a.loco_beta.is_some() || a.loco_reset.is_some() || a.loco_residuals.is_some() {
+            let d = q.error_feedback.unwrap_or_default();
+            let residual_dtype = match &a.loco_residuals {
+                Some(r) => r.parse().map_err(|e| format!("--loco-residuals: {e}"))?,
+                None => d.residual_dtype,
+            };
+            q.error_feedback = Some(zeropp_engine::config::LocoConfig {
+                err_beta: a.loco_beta.unwrap_or(d.err_beta),
+                reset_t: a.loco_reset.unwrap_or(d.reset_t),
+                residual_dtype,
+            });
+        }
+        if a.qgz_stochastic {
+            q.stochastic = true;
+        }
+        if a.qgz_nearest {
+            q.stochastic = false;
+        }
+        if a.qgz_exclude_1d {
+            q.exclude_1d = true;
+        }
+        if a.no_qgz_exclude_1d {
+            q.exclude_1d = false;
+        }
+        if a.no_error_feedback {
+            q.error_feedback = None;
+        }
+        Some(q)
+    } else {
+        None
+    };
+    if a.packed_groups {
+        z.per_tensor_groups = false;
+    }
+    if let Some(b) = &a.baseline {
+        z.routing = b.parse().map_err(|e| format!("--baseline: {e}"))?;
+    }
+    if let Some(w) = &a.hpz_wire {
+        z.hpz_wire = w.parse().map_err(|e| format!("--hpz-wire: {e}"))?;
+    }
+    z.stochastic_rounding = a.stochastic_rounding;
+    z.prefetch = !a.no_prefetch;
+    Ok(z)
+}
+
+/// The full training configuration of `zeropp train` (on any backend): the mode
+/// preset, then the DeepSpeed file, then explicit technique flags, then the
+/// metrics/checkpoint paths. Returns the DeepSpeed import warnings too.
+pub(crate) fn train_config(args: &TrainArgs) -> Result<(TrainConfig, Vec<String>), CliError> {
+    let (mut cfg, warnings) = build_config(&args.run, zero_from_flags(args)?)?;
+    // Explicit technique flags win over the DeepSpeed file.
+    if args.run.config.is_some() {
+        let z = zero_from_flags(args)?;
+        if args.qwz || args.no_qwz {
+            cfg.engine.zero.qwz = z.qwz;
+        }
+        if args.qgz || args.no_qgz {
+            // The switch only: a qgZ the file turned on keeps its LoCo parameters.
+            cfg.engine.zero.qgz = match (z.qgz, cfg.engine.zero.qgz) {
+                (Some(flags), Some(file)) => Some(QgzConfig { spec: flags.spec, ..file }),
+                (flags, _) => flags,
+            };
+        }
+        if let Some(h) = args.hpz {
+            cfg.engine.zero.hpz_size = h;
+        }
+    }
+    apply_bucket_flags(args, &mut cfg.engine.zero.buckets)?;
+    cfg.metrics = args.metrics.clone();
+    cfg.save = args.save.clone();
+    cfg.save_every = args.save_every;
+    cfg.resume = args.resume.clone();
+    Ok((cfg, warnings))
+}
+
+/// The bucket knob flags, over the DeepSpeed file's values.
+fn apply_bucket_flags(a: &TrainArgs, k: &mut zeropp_engine::config::BucketKnobs) -> Result<(), CliError> {
+    if let Some(r) = a.reduce_bucket_size {
+        if r == 0 {
+            return Err("--reduce-bucket-size: must be > 0 (omit it for one reduce per layer)".into());
+        }
+        k.reduce_bucket_size = Some(r);
+    }
+    if a.prefetch_bucket_size.is_some() {
+        k.prefetch_bucket_size = a.prefetch_bucket_size;
+    }
+    if let Some(t) = a.param_persistence_threshold {
+        k.param_persistence_threshold = t;
+    }
+    if a.max_live_parameters.is_some() {
+        k.max_live_parameters = a.max_live_parameters;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
