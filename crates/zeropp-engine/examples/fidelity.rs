@@ -8,13 +8,15 @@
 //! records the final validation loss. For every variant it reports the per-seed
 //! ratio `val_loss(variant) / val_loss(ZeRO-3)` for the same seed, and over the
 //! seeds: the mean, its standard error, the median, the worst seed, and whether
-//! the variant meets the **acceptance rule** for a default: mean ≤ 1.01 and no
-//! seed above 1.05. ZeRO-3's own seed-to-seed spread is given too: it is the
-//! scale of the chaos the ratios have to beat.
+//! the variant meets the **two-sided acceptance rule** for a default
+//! (`zeropp_tests::fidelity::CALM`, the rule the CI check applies): mean within
+//! [0.97, 1.01], every seed within [0.94, 1.03]. ZeRO-3's own seed-to-seed spread
+//! is given too: it is the scale of the chaos the ratios have to beat; the rule
+//! means something only where that spread is a few percent (lr 3e-3 here).
 //!
 //! ```text
 //! cargo run --release -p zeropp-engine --example fidelity -- \
-//!     [--seeds 8] [--steps 1500] [--lrs 1e-2,3e-3] [--variants core|all|NAME,NAME] \
+//!     [--seeds 8] [--steps 1500] [--lrs 3e-3[,1e-2]] [--variants core|all|NAME,NAME] \
 //!     [--data generated,shakespeare,FILE,...] [--eval-batches 16] [--out FILE.md]
 //! ```
 //!
@@ -40,10 +42,7 @@ use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
 const LOCAL: usize = 4;
 const WORLD: usize = 8;
 
-/// The acceptance rule for a default: mean ratio at most this...
-const RULE_MEAN: f64 = 1.01;
-/// ...and no seed above this.
-const RULE_WORST: f64 = 1.05;
+use zeropp_tests::fidelity::CALM;
 
 /// The symmetric spec of `bits` with `group` elements per scale (the fixed,
 /// valid sizes below).
@@ -170,7 +169,7 @@ fn parse_args() -> Args {
     let mut a = Args {
         seeds: 8,
         steps: 1500,
-        lrs: vec![1e-2, 3e-3],
+        lrs: vec![3e-3],
         variants: Vec::new(),
         data: vec!["generated".into(), "shakespeare".into()],
         eval_batches: 16,
@@ -262,12 +261,14 @@ fn main() {
          {} steps, global batch 16, seeds 1..={}, {} validation batches. Ratio = val_loss(variant) / \
          val_loss(ZeRO-3) for the same seed. Per variant: mean over seeds, its standard error, median, \
          worst seed, seeds on which it is worse than ZeRO-3, and the acceptance rule for a default \
-         (mean ≤ {RULE_MEAN}, no seed above {RULE_WORST}).\n",
+         (two-sided: mean in {:?}, every seed in {:?}).\n",
         zeropp_engine::model::Gpt::new(GptConfig::default_small()).map(|g| g.num_params()).unwrap_or(0),
         WORLD / LOCAL,
         args.steps,
         args.seeds,
         args.eval_batches,
+        CALM.mean,
+        CALM.seed,
     );
     for (corpus, data) in &corpora(&args.data) {
         for &lr in &args.lrs {
@@ -323,7 +324,12 @@ fn main() {
                 let ratios: Vec<f64> = v.iter().zip(&base).map(|(a, b)| a / b).collect();
                 let (m, se, med, worst) = stats(&ratios);
                 let worse = ratios.iter().filter(|&&r| r > 1.0).count();
-                let pass = if m <= RULE_MEAN && worst <= RULE_WORST { "meets" } else { "fails" };
+                let judged = CALM.judge(&ratios);
+                let pass = if judged.passed() {
+                    "meets".to_string()
+                } else {
+                    format!("fails: {}", judged.broken.join("; "))
+                };
                 let per: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
                 let _ = writeln!(
                     report,
