@@ -85,6 +85,7 @@ mod hierarchical;
 mod qgz;
 mod qwz;
 mod ring;
+mod world_qwz;
 
 use std::fmt;
 use std::ops::Range;
@@ -95,8 +96,7 @@ pub use baseline::{
     group_reduce_scatter_bytes, reduce_scatter,
 };
 pub use hierarchical::{
-    dequantize_encodings, world_all_gather, world_all_gather_bytes, world_qwz_all_gather, world_qwz_bytes,
-    world_qwz_gather_encoded, world_reduce_scatter, world_reduce_scatter_bytes,
+    world_all_gather, world_all_gather_bytes, world_reduce_scatter, world_reduce_scatter_bytes,
 };
 pub use qgz::{
     ErrorFeedback, QgzOptions, QgzStages, ResidualPrecision, qgz_bytes, qgz_reduce_scatter,
@@ -104,6 +104,7 @@ pub use qgz::{
 };
 pub use qwz::{QwzOptions, group_qwz_bytes, qwz_all_gather};
 pub use ring::{RingOptions, ring_quantized_reduce_scatter};
+pub use world_qwz::{dequantize_encodings, world_qwz_all_gather, world_qwz_bytes, world_qwz_gather_encoded};
 
 use crate::{CommError, Communicator, Group, slices};
 

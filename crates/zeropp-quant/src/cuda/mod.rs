@@ -475,7 +475,8 @@ impl Gpu {
 }
 
 mod addressed;
+mod elementwise;
 mod kernels;
 mod memory;
 
-pub use addressed::Elementwise;
+pub use elementwise::Elementwise;

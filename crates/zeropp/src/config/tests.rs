@@ -6,16 +6,20 @@ use zeropp_engine::train::ModelChoice;
 
 use crate::models::model_choice;
 
-/// `zeropp train ARGS`'s configuration, as `run` builds it.
-fn parse(args: &[&str]) -> Result<TrainConfig, CliError> {
+/// `zeropp train ARGS` parsed into its flags.
+fn flags(args: &[&str]) -> Result<TrainArgs, CliError> {
     #[derive(clap::Parser)]
     struct Cmd {
         #[command(flatten)]
         train: TrainArgs,
     }
     use clap::Parser as _;
-    let cmd = Cmd::try_parse_from(std::iter::once("train").chain(args.iter().copied()))?;
-    Ok(train_config(&cmd.train)?.0)
+    Ok(Cmd::try_parse_from(std::iter::once("train").chain(args.iter().copied()))?.train)
+}
+
+/// `zeropp train ARGS`'s configuration, as `run` builds it.
+fn parse(args: &[&str]) -> Result<TrainConfig, CliError> {
+    Ok(train_config(&flags(args)?)?.0)
 }
 
 #[test]
@@ -111,16 +115,9 @@ fn gpt_shapes_parse_and_bad_keys_name_themselves() {
     }
 }
 
-/// `zeropp train`'s flags as the CLI parses them.
+/// `zeropp train ARGS`'s ZeRO switches.
 fn zero(args: &[&str]) -> Result<ZeroConfig, CliError> {
-    #[derive(clap::Parser)]
-    struct Cmd {
-        #[command(flatten)]
-        train: TrainArgs,
-    }
-    use clap::Parser as _;
-    let cmd = Cmd::try_parse_from(std::iter::once("train").chain(args.iter().copied()))?;
-    zero_from_flags(&cmd.train)
+    zero_from_flags(&flags(args)?)
 }
 
 #[test]

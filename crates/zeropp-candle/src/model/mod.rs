@@ -23,9 +23,6 @@
 //! ([`CandleError::MissingGradient`]): candle-nn's fused ops build no backward
 //! graph, and a silent zero gradient would train nothing.
 
-use std::cell::RefCell;
-use std::sync::Arc;
-
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use zeropp_engine::EngineError;
@@ -33,7 +30,12 @@ use zeropp_engine::model::kit::{CallOrder, split_params_mut, validate_batch};
 use zeropp_engine::model::{Batch, LayerSpec, Model};
 
 use crate::error::{CandleError, Result, to_engine};
-use crate::params::{ParamInfo, Recorder, gathered, init_param};
+use crate::params::{ParamInfo, gathered, init_param};
+
+mod builder;
+mod run;
+
+use run::{loss_of, on_pool};
 
 /// A stage: builds its modules from `vb` and runs them on its input.
 pub type StageFn = dyn for<'a> Fn(VarBuilder<'a>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync;
@@ -196,108 +198,6 @@ impl CandleModel {
     }
 }
 
-impl CandleModelBuilder {
-    /// Appends a stage (one gather unit) named `name`: `run(vb, input)` builds
-    /// the stage's modules from `vb` (ordinary candle-nn code; parameter names
-    /// are relative to the stage, so `{name}.{param}` is the tensor's name in
-    /// checkpoints) and applies them to `input`.
-    pub fn stage<F>(mut self, name: impl Into<String>, run: F) -> Self
-    where
-        F: for<'a> Fn(VarBuilder<'a>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
-    {
-        self.stages.push((name.into(), Box::new(run)));
-        self
-    }
-
-    /// Keep the forward's graph for backward instead of recomputing each stage
-    /// (faster, but every stage's gathered weights stay alive from its forward
-    /// to its backward: not ZeRO-3's memory). Off by default.
-    pub fn keep_graph(mut self, on: bool) -> Self {
-        self.keep_graph = on;
-        self
-    }
-
-    /// Threads for candle's CPU matmuls on each rank (default 1): each rank
-    /// runs its stages on a rayon pool of its own of this many threads. The
-    /// thread backend runs one OS thread per rank, so more than
-    /// `cores / ranks in the process` oversubscribes the cores; under MPI (one
-    /// rank per process) a rank may use its share of the node's cores. 0 means
-    /// no pool of ours: candle's own threading (every rank's matmuls split over
-    /// all cores), which oversubscribes as soon as ranks run side by side.
-    pub fn matmul_threads(mut self, threads: usize) -> Self {
-        self.threads = threads;
-        self
-    }
-
-    /// The activation bytes of a micro-batch of `(batch, seq)`, for the memory
-    /// model. Without it the model counts the stage inputs the tape keeps and
-    /// the logits, not a stage's own temporaries while it recomputes.
-    pub fn activation_bytes(mut self, f: impl Fn(usize, usize) -> usize + Send + Sync + 'static) -> Self {
-        self.activation = Some(Box::new(f));
-        self
-    }
-
-    /// Builds the model: runs every stage once on zeros (a batch of one
-    /// sequence of `seq_len` tokens) to learn its parameters (names, shapes,
-    /// candle-nn's init hints) and output widths. Errors: no stages, an empty
-    /// vocabulary or sequence length, a stage that fails, or a last stage that
-    /// does not return `[batch, seq, vocab]` logits.
-    pub fn build(self) -> Result<CandleModel> {
-        if self.stages.is_empty() {
-            return Err(CandleError::Config(format!("model {:?} has no stages", self.name)));
-        }
-        if self.vocab == 0 || self.seq_len == 0 || u32::try_from(self.vocab).is_err() {
-            return Err(CandleError::Config(format!(
-                "model {:?}: vocabulary {} and sequence length {} must be positive (and the vocabulary fit u32 ids)",
-                self.name, self.vocab, self.seq_len
-            )));
-        }
-        let mut x = Tensor::zeros((1, self.seq_len), DType::U32, &Device::Cpu)?;
-        let mut stages = Vec::with_capacity(self.stages.len());
-        let n = self.stages.len();
-        for (i, (name, run)) in self.stages.into_iter().enumerate() {
-            let rec = Recorder::default();
-            let vb = VarBuilder::from_backend(Box::new(rec.clone()), DType::F32, Device::Cpu);
-            let y = run(vb, &x)
-                .map_err(|e| CandleError::Config(format!("stage {name:?} failed on zeros: {e}")))?;
-            let dims = y.dims().to_vec();
-            if dims.len() < 2 || dims[0] != 1 || dims[1] != self.seq_len {
-                return Err(CandleError::Config(format!(
-                    "stage {name:?} returned shape {dims:?}; stages keep the [batch, seq, ...] layout"
-                )));
-            }
-            if i + 1 == n && dims != [1, self.seq_len, self.vocab] {
-                return Err(CandleError::Config(format!(
-                    "the last stage {name:?} returned shape {dims:?}, not logits [batch, seq, vocab] = [1, {}, {}]",
-                    self.seq_len, self.vocab
-                )));
-            }
-            let width = dims[2..].iter().product();
-            stages.push(StageDef { name, run, params: rec.params(), width });
-            x = y;
-        }
-        let layers = stages
-            .iter()
-            .map(|s| LayerSpec {
-                name: s.name.clone(),
-                params: s.params.iter().map(ParamInfo::spec).collect(),
-            })
-            .collect();
-        let model = CandleModel {
-            name: self.name,
-            vocab: self.vocab,
-            seq_len: self.seq_len,
-            stages,
-            layers,
-            keep_graph: self.keep_graph,
-            threads: self.threads,
-            activation: self.activation,
-        };
-        zeropp_engine::engine::check_layers(&model)?;
-        Ok(model)
-    }
-}
-
 /// What the forward of one stage keeps with [`CandleModelBuilder::keep_graph`].
 struct Kept {
     out: Tensor,
@@ -330,185 +230,6 @@ impl std::fmt::Debug for CandleTape {
             .field("seq", &self.seq)
             .field("loss", &self.loss)
             .finish_non_exhaustive()
-    }
-}
-
-thread_local! {
-    /// This thread's pool for candle's matmuls, and its size.
-    static POOL: RefCell<Option<(usize, Arc<rayon::ThreadPool>)>> = const { RefCell::new(None) };
-}
-
-/// Runs `f` on this thread's pool of `threads` threads (candle's gemm splits
-/// its work over the current rayon pool); with 0 threads, on this thread.
-fn on_pool<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> std::result::Result<T, EngineError> {
-    if threads == 0 {
-        return Ok(f());
-    }
-    let pool = POOL.with(|p| -> std::result::Result<Arc<rayon::ThreadPool>, EngineError> {
-        let mut p = p.borrow_mut();
-        if let Some((n, pool)) = p.as_ref()
-            && *n == threads
-        {
-            return Ok(Arc::clone(pool));
-        }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|e| EngineError::Training(format!("cannot start candle's matmul threads: {e}")))?;
-        let pool = Arc::new(pool);
-        *p = Some((threads, Arc::clone(&pool)));
-        Ok(pool)
-    })?;
-    Ok(pool.install(f))
-}
-
-/// One core's L2 cache in bytes (Linux sysfs, `cpu0`), else 2 MiB.
-fn l2_cache_bytes() -> usize {
-    let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
-    let read = |p: std::path::PathBuf| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
-    (0..8)
-        .map(|i| dir.join(format!("index{i}")))
-        .find(|d| read(d.join("level")).as_deref() == Some("2"))
-        .and_then(|d| read(d.join("size")))
-        .and_then(|s| {
-            let (num, mult) = match s.strip_suffix('K') {
-                Some(n) => (n, 1 << 10),
-                None => match s.strip_suffix('M') {
-                    Some(n) => (n, 1 << 20),
-                    None => (s.as_str(), 1),
-                },
-            };
-            num.parse::<usize>().ok().map(|n| n * mult)
-        })
-        .unwrap_or(2 << 20)
-}
-
-/// The mean softmax cross-entropy of `logits` (`[b, t, v]`) against `targets` (`[b·t]`).
-fn loss_of(logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
-    let (b, t, v) = logits.dims3()?;
-    candle_nn::loss::cross_entropy(&logits.reshape((b * t, v))?, targets)
-}
-
-impl CandleModel {
-    fn stage(&self, layer: usize) -> std::result::Result<&StageDef, EngineError> {
-        self.stages.get(layer).ok_or(EngineError::LayerOutOfRange { layer, layers: self.stages.len() })
-    }
-
-    fn forward_stage(&self, layer: usize, params: &[f32], tape: &mut CandleTape) -> Result<()> {
-        let stage = self.stage(layer)?;
-        let last = layer + 1 == self.stages.len();
-        let input = if layer == 0 {
-            tape.ids.clone()
-        } else {
-            tape.act
-                .take()
-                .ok_or_else(|| CandleError::Config("forward without the previous stage's output".into()))?
-        };
-        let out = if self.keep_graph {
-            let (g, vars) = gathered(&stage.name, &stage.params, params, true)?;
-            let input_var = if layer == 0 { None } else { Some(Var::from_tensor(&input)?) };
-            let x = input_var.as_ref().map_or(&input, |v| v.as_tensor());
-            let out = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), x)?;
-            if let Some(k) = tape.kept.get_mut(layer) {
-                *k = Some(Kept { out: out.clone(), vars, input: input_var });
-            }
-            out
-        } else {
-            let (g, _) = gathered(&stage.name, &stage.params, params, false)?;
-            let out = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), &input)?;
-            if layer > 0
-                && let Some(slot) = tape.inputs.get_mut(layer)
-            {
-                *slot = Some(input);
-            }
-            out
-        };
-        if last {
-            tape.loss = loss_of(&out, &tape.targets)?.to_scalar::<f32>()?;
-        } else {
-            tape.act = Some(out.detach());
-        }
-        Ok(())
-    }
-
-    fn backward_stage(
-        &self,
-        layer: usize,
-        params: &[f32],
-        tape: &mut CandleTape,
-        grad: &mut [f32],
-    ) -> Result<()> {
-        let stage = self.stage(layer)?;
-        let last = layer + 1 == self.stages.len();
-        let (out, vars, input) = match tape.kept.get_mut(layer).and_then(Option::take) {
-            Some(k) => (k.out, k.vars, k.input),
-            None => {
-                let (g, vars) = gathered(&stage.name, &stage.params, params, true)?;
-                let input = if layer == 0 {
-                    None
-                } else {
-                    let x = tape.inputs.get_mut(layer).and_then(Option::take).ok_or_else(|| {
-                        CandleError::Config(format!("stage {:?}: backward without its forward", stage.name))
-                    })?;
-                    Some(Var::from_tensor(&x)?)
-                };
-                let x = input.as_ref().map_or(&tape.ids, |v| v.as_tensor());
-                let out = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), x)?;
-                (out, vars, input)
-            }
-        };
-        let objective = if last {
-            loss_of(&out, &tape.targets)?
-        } else {
-            let up = tape.upstream.take().ok_or_else(|| {
-                CandleError::Config(format!(
-                    "stage {:?}: backward without the gradient from above",
-                    stage.name
-                ))
-            })?;
-            if up.dims() != out.dims() {
-                return Err(CandleError::Config(format!(
-                    "stage {:?}: output {:?}, upstream gradient {:?}",
-                    stage.name,
-                    out.dims(),
-                    up.dims()
-                )));
-            }
-            (&out * &up)?.sum_all()?
-        };
-        let grads = objective.backward()?;
-        let mut parts = split_params_mut(&self.layers[layer], grad)?;
-        for ((var, info), dst) in vars.iter().zip(&stage.params).zip(parts.iter_mut()) {
-            let g = grads.get(var.as_tensor()).ok_or_else(|| CandleError::MissingGradient {
-                stage: stage.name.clone(),
-                param: info.name.clone(),
-            })?;
-            let v = g.flatten_all()?.to_vec1::<f32>()?;
-            dst.copy_from_slice(&v);
-        }
-        if let Some(input) = input {
-            let g = grads
-                .get(input.as_tensor())
-                .ok_or_else(|| CandleError::MissingInputGradient { stage: stage.name.clone() })?;
-            tape.upstream = Some(g.detach());
-        }
-        Ok(())
-    }
-
-    /// The activation bytes of the stage inputs the tape keeps (every stage but
-    /// the first) and of the logits with their softmax, for `(batch, seq)`.
-    fn boundary_bytes(&self, batch: usize, seq: usize) -> usize {
-        let tokens = batch * seq;
-        let inputs: usize = self.stages.iter().rev().skip(1).map(|s| s.width).sum();
-        4 * tokens * (inputs + 3 * self.vocab)
-    }
-
-    /// The memory candle's CPU matmuls hold on each of a rank's matmul
-    /// threads: the `gemm` crate keeps one packing slab the size of a core's L2
-    /// cache per thread that has run a matmul (read from Linux's sysfs; 2 MiB
-    /// where it cannot be read). With candle's own threading (0), one slab.
-    pub fn matmul_workspace_bytes(&self) -> usize {
-        self.threads.max(1) * l2_cache_bytes()
     }
 }
 
