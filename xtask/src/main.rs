@@ -114,7 +114,10 @@ fn cargo() -> Command {
 
 fn run(step: &str, mut cmd: Command) -> Result<(), String> {
     eprintln!("\n==> {step}: {cmd:?}");
+    let started = std::time::Instant::now();
     let status = cmd.status().map_err(|e| format!("{step}: could not start: {e}"))?;
+    // Each step's wall time, so a slow CI run says where its minutes went.
+    eprintln!("<== {step}: {:.0} s", started.elapsed().as_secs_f64());
     if status.success() { Ok(()) } else { Err(format!("{step} failed ({status})")) }
 }
 
