@@ -1,5 +1,6 @@
 //! Your own candle model, trained sharded with ZeRO++: stages in plain
-//! candle-nn, one call on the thread backend, the same binary under mpirun.
+//! candle-nn, one `launch` call: threads here, one rank per process under an
+//! MPI launcher (OpenMPI, MPICH/Hydra, Slurm), with the same binary.
 //!
 //! ```text
 //! cargo run --release -p zeropp-candle --example train_your_model
@@ -9,7 +10,8 @@
 #![allow(clippy::unwrap_used)] // an example: failures abort
 use candle_nn::{Module, VarBuilder};
 use zeropp_candle::CandleModel;
-use zeropp_engine::train::{DataChoice, TrainConfig, load_data, train_model};
+use zeropp_engine::train::{DataChoice, load_data};
+use zeropp_engine::{RunConfig, launch};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Your tokenizer's ids work too: TextDataset::from_tokens(vocab, ids, 0.1).
@@ -26,23 +28,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .stage("block1", mlp)
         .stage("head", move |vb, x| candle_nn::linear(d, vocab, vb)?.forward(x))
         .build()?;
-    // ZeRO++ (qwZ, hpZ, qgZ) by default, on 8 ranks as 2 simulated nodes of 4.
-    let cfg = TrainConfig { steps: 200, ..TrainConfig::default() };
-    #[cfg(feature = "mpi")]
-    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
-        use zeropp_engine::train_mpi::{MpiOptions, or_abort, train_model_mpi};
-        let mpi = zeropp_comm::mpi::Mpi::init()?;
-        let mut comm = mpi.communicator(MpiOptions::default())?;
-        let t = *zeropp_comm::Communicator::topology(&comm);
-        let mut cfg = TrainConfig { backend: zeropp_engine::train::Backend::Mpi, world: t.world(), ..cfg };
-        cfg.local_size = t.local_size();
-        cfg.engine.zero = zeropp_engine::ZeroConfig::zeropp(t.local_size()); // hpZ over this job's nodes
-        if let Some(r) = or_abort(|| train_model_mpi(&mut comm, &model, &data, &cfg, &mut |_| {})) {
-            println!("rank 0: loss {:.3} -> {:.3}", r.steps[0].loss, r.summary.final_loss);
-        }
+    // ZeRO++ (qwZ, hpZ, qgZ) by default, on 8 ranks as 2 simulated nodes of 4;
+    // under mpirun, mpiexec or srun, one rank per process on the job's nodes.
+    let r = launch(&model, &data, &RunConfig::default().with_steps(200))?;
+    if r.rank != 0 {
         return Ok(());
     }
-    let r = train_model(&model, &data, &cfg)?;
     let s = &r.summary;
     println!("{}: loss {:.3} -> {:.3}, val {:?}", s.model, r.steps[0].loss, s.final_loss, s.val_loss);
     println!("cross-node bytes per step {} (model {})", s.bytes_per_step.inter, s.model_bytes_per_step.inter);

@@ -11,7 +11,7 @@
 //! use candle_nn::Module;
 //! use zeropp_candle::CandleModel;
 //! use zeropp_engine::data::TextDataset;
-//! use zeropp_engine::train::{TrainConfig, train_model};
+//! use zeropp_engine::{RunConfig, launch};
 //!
 //! let (vocab, d) = (16, 16);
 //! let model = CandleModel::builder("mlp-lm", vocab, 8)
@@ -22,7 +22,7 @@
 //! let tokens: Vec<u32> = (0..4000u32).map(|i| (i * 5 + i / 3) % vocab as u32).collect();
 //! let data = TextDataset::from_tokens(vocab, tokens, 0.1)?;
 //! // ZeRO++ (qwZ + hpZ + qgZ) on 2 simulated nodes x 2 ranks.
-//! let report = train_model(&model, &data, &TrainConfig { steps: 10, ..TrainConfig::tiny() })?;
+//! let report = launch(&model, &data, &RunConfig::tiny().with_steps(10))?;
 //! assert!(report.steps[9].loss < report.steps[0].loss);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

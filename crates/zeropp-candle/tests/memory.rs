@@ -1,5 +1,5 @@
 //! Memory, measured: the peak heap of a thread-backend run of the candle
-//! Llama against the engine's memory model (`memory_prediction_for`), at W =
+//! Llama against the engine's memory model (`launch::memory_prediction`), at W =
 //! 2, 4, 8, as the native GPT is measured (`zeropp-engine/tests/memory.rs`).
 //!
 //! All ranks run in this process, so the measure is the process's peak of live
@@ -11,9 +11,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap: a panic is a test failure
 
 use zeropp_candle::LlamaConfig;
+use zeropp_engine::RunConfig;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
-use zeropp_engine::train::{TrainConfig, memory_prediction_for, train_model};
+use zeropp_engine::launch;
+use zeropp_engine::launch::memory_prediction;
+use zeropp_engine::train::TrainConfig;
 
 /// The counting allocator (live bytes, peak, largest block) of `zeropp_tests::heap`.
 #[global_allocator]
@@ -36,20 +39,23 @@ fn the_candle_llamas_peak_per_rank_is_within_the_memory_model() {
         let local = world.min(4);
         let model = shape(vocab).build().unwrap();
         let cfg = TrainConfig {
-            world,
-            local_size: local,
-            steps: 2,
-            eval_batches: 0,
-            engine: EngineConfig {
-                zero: ZeroConfig::zeropp(local),
-                global_batch: 8,
-                ..EngineConfig::default()
+            run: RunConfig {
+                world,
+                local_size: local,
+                steps: 2,
+                eval_batches: 0,
+                engine: EngineConfig {
+                    zero: ZeroConfig::zeropp(local),
+                    global_batch: 8,
+                    ..EngineConfig::default()
+                },
+                ..RunConfig::default()
             },
             ..TrainConfig::default()
         };
-        let p = memory_prediction_for(&model, &cfg).unwrap();
+        let p = memory_prediction(&model, &cfg.run).unwrap();
         let window = zeropp_tests::heap::Window::start();
-        let r = train_model(&model, &data, &cfg).unwrap();
+        let r = launch(&model, &data, &cfg.run).unwrap();
         assert!(r.summary.final_loss.is_finite());
         let per_rank = window.peak() as f64 / world as f64;
         let predicted = p.total() as f64;

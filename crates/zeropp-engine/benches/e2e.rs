@@ -12,6 +12,7 @@
 
 use std::path::PathBuf;
 use std::time::Instant;
+use zeropp_engine::RunConfig;
 
 use zeropp_engine::compare::{Comparison, Variant, compare, standard_variants};
 use zeropp_engine::config::{AdamWConfig, EngineConfig, ZeroConfig};
@@ -27,7 +28,10 @@ fn env_usize(name: &str, default: usize) -> usize {
 }
 
 fn base(steps: usize) -> TrainConfig {
-    TrainConfig { steps, eval_batches: 0, ..TrainConfig::default() }
+    TrainConfig {
+        run: RunConfig { steps, eval_batches: 0, ..RunConfig::default() },
+        ..TrainConfig::default()
+    }
 }
 
 /// The bench's table: each variant against the comparison's baseline
@@ -64,8 +68,8 @@ fn main() {
 
     for (name, link) in [("slow (communication-bound)", SLOW), ("fast", FAST)] {
         let mut cfg = base(steps);
-        cfg.link = Some(link.parse().unwrap());
-        let variants: Vec<Variant> = standard_variants(&ZeroConfig::zero3(), cfg.local_size);
+        cfg.run.link = Some(link.parse().unwrap());
+        let variants: Vec<Variant> = standard_variants(&ZeroConfig::zero3(), cfg.run.local_size);
         let cmp = compare(&cfg, &variants, &mut |_, _| {}).unwrap();
         md.push_str(&format!("## Link model {name}: `{link}`\n\n"));
         md.push_str(&table(&cmp));
@@ -91,16 +95,28 @@ fn main() {
         times.push(t0.elapsed().as_secs_f64());
     }
     let compute = times[1..].iter().sum::<f64>() / (times.len() - 1).max(1) as f64;
-    let z3 = train(&TrainConfig {
-        engine: EngineConfig { zero: ZeroConfig::zero3(), ..cfg.engine.clone() },
-        ..cfg.clone()
+    let z3 = train(&{
+        let b = cfg.clone();
+        TrainConfig {
+            run: RunConfig {
+                engine: EngineConfig { zero: ZeroConfig::zero3(), ..cfg.run.engine.clone() },
+                ..b.run
+            },
+            ..b
+        }
     })
     .unwrap();
-    let w1 = train(&TrainConfig {
-        world: 1,
-        local_size: 1,
-        engine: EngineConfig { zero: ZeroConfig::zero3(), ..cfg.engine.clone() },
-        ..cfg.clone()
+    let w1 = train(&{
+        let b = cfg.clone();
+        TrainConfig {
+            run: RunConfig {
+                world: 1,
+                local_size: 1,
+                engine: EngineConfig { zero: ZeroConfig::zero3(), ..cfg.run.engine.clone() },
+                ..b.run
+            },
+            ..b
+        }
     })
     .unwrap();
     md.push_str("## Engine overhead (no link model)\n\n| run | step time / compute-only |\n|---|---|\n");
@@ -127,13 +143,15 @@ fn main() {
         let f = TrainConfig {
             model: ModelChoice::Gpt(GptConfig::default_small()),
             data: DataChoice::File(shakespeare),
-            steps: fsteps,
-            eval_batches: 16,
-            engine: EngineConfig {
-                optim: AdamWConfig { lr: 1e-2, ..AdamWConfig::default() },
-                ..TrainConfig::default().engine
+            run: RunConfig {
+                steps: fsteps,
+                eval_batches: 16,
+                engine: EngineConfig {
+                    optim: AdamWConfig { lr: 1e-2, ..AdamWConfig::default() },
+                    ..TrainConfig::default().run.engine
+                },
+                ..RunConfig::default()
             },
-            ..TrainConfig::default()
         };
         let variants = vec![
             Variant { name: "zero3".into(), zero: ZeroConfig::zero3() },

@@ -32,6 +32,7 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
+use zeropp_engine::RunConfig;
 
 use zeropp_engine::config::{
     AdamWConfig, CommDtype, EngineConfig, HpzWire, LocoConfig, QgzConfig, QuantSpec, ZeroConfig, quant_spec,
@@ -281,18 +282,20 @@ fn main() {
                     let cfg = TrainConfig {
                         model: ModelChoice::Gpt(GptConfig::default_small()),
                         data: data.clone(),
-                        world: WORLD,
-                        local_size: LOCAL,
-                        engine: EngineConfig {
-                            zero,
-                            global_batch: 16,
-                            optim: AdamWConfig { lr, ..AdamWConfig::default() },
-                            seed,
-                            ..EngineConfig::default()
+                        run: RunConfig {
+                            world: WORLD,
+                            local_size: LOCAL,
+                            engine: EngineConfig {
+                                zero,
+                                global_batch: 16,
+                                optim: AdamWConfig { lr, ..AdamWConfig::default() },
+                                seed,
+                                ..EngineConfig::default()
+                            },
+                            steps: args.steps,
+                            eval_batches: args.eval_batches,
+                            ..RunConfig::default()
                         },
-                        steps: args.steps,
-                        eval_batches: args.eval_batches,
-                        ..TrainConfig::default()
                     };
                     let r =
                         train(&cfg).unwrap_or_else(|e| panic!("{corpus} lr {lr} {name} seed {seed}: {e}"));

@@ -15,6 +15,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench driver: failures abort
 
 use std::time::Instant;
+use zeropp_engine::RunConfig;
 
 use zeropp_comm::Topology;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
@@ -88,12 +89,7 @@ fn main() {
     let cfg = TrainConfig {
         model: ModelChoice::Gpt(g),
         data,
-        world,
-        local_size: local,
-        engine,
-        steps,
-        eval_batches: 0,
-        ..TrainConfig::default()
+        run: RunConfig { world, local_size: local, engine, steps, eval_batches: 0, ..RunConfig::default() },
     };
     let t0 = Instant::now();
     let r = train(&cfg).unwrap();

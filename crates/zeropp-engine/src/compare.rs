@@ -15,8 +15,9 @@ use zeropp_comm::collectives::Routing;
 
 use crate::EngineError;
 use crate::config::{QgzConfig, ZeroConfig};
+use crate::launch::{Launch, TrainReport};
 use crate::metrics::{StepRecord, Summary};
-use crate::train::{TrainConfig, TrainReport, train_with};
+use crate::train::TrainConfig;
 
 /// Name of the baseline variant of [`standard_variants`]: ZeRO-3, hierarchical routing.
 pub const BASELINE: &str = "zero3";
@@ -130,10 +131,10 @@ pub struct Comparison {
 /// use zeropp_engine::compare::{Variant, compare};
 /// use zeropp_engine::config::ZeroConfig;
 /// use zeropp_engine::train::TrainConfig;
-/// let base = TrainConfig { steps: 2, ..TrainConfig::tiny() };
+/// let base = TrainConfig::tiny().with_steps(2);
 /// let variants = [
 ///     Variant { name: "zero3".into(), zero: ZeroConfig::zero3() },
-///     Variant { name: "zeropp".into(), zero: ZeroConfig::zeropp(base.local_size) },
+///     Variant { name: "zeropp".into(), zero: ZeroConfig::zeropp(base.run.local_size) },
 /// ];
 /// let cmp = compare(&base, &variants, &mut |_, _| {})?;
 /// assert_eq!(cmp.results.len(), 2);
@@ -147,13 +148,15 @@ pub fn compare(
     on_step: &mut dyn FnMut(usize, &StepRecord),
 ) -> Result<Comparison, EngineError> {
     let mut results = Vec::with_capacity(variants.len());
+    let (model, data, info) = base.build()?;
     for (i, v) in variants.iter().enumerate() {
-        let mut cfg = base.clone();
-        cfg.engine.zero = v.zero;
-        cfg.metrics = None;
-        cfg.save = None;
-        cfg.resume = None;
-        let report = train_with(&cfg, &mut |r| on_step(i, r))?;
+        let mut run = base.run.clone();
+        run.engine.zero = v.zero;
+        run.metrics = None;
+        run.save = None;
+        run.resume = None;
+        let report =
+            Launch::new(&model, &data, &run).describe(info.clone()).on_step(&mut |r| on_step(i, r)).run()?;
         results.push(VariantResult { variant: v.clone(), report });
     }
     Ok(Comparison { results })

@@ -4,16 +4,20 @@
 //! forward and backward passes, the training data, the optimizer, the stage
 //! engine and the training loop.
 //!
-//! The main entry points are re-exported here: a run is a [`TrainConfig`]
-//! (model, data, cluster, [`EngineConfig`] with its [`ZeroConfig`] switches),
-//! [`train()`] runs it and returns a [`TrainReport`]; [`ZeroEngine`] is the
-//! per-rank step underneath, for drivers of their own.
+//! The door is [`launch()`]: it runs any [`Model`] on any
+//! [`data::TextDataset`] as a [`RunConfig`] says (cluster, [`EngineConfig`]
+//! with its [`ZeroConfig`] switches, schedule, checkpoints, metrics), on
+//! threads or under an MPI launcher ([`Backend`]), and returns a
+//! [`TrainReport`]. [`Launch`] is the same call with options (progress,
+//! start-up callback). [`train()`] is the CLI's run of a built-in model on
+//! built-in data ([`TrainConfig`]); [`ZeroEngine`] is the per-rank step
+//! underneath, for drivers of their own.
 //!
 //! ```
-//! use zeropp_engine::{TrainConfig, ZeroConfig, train};
-//! let mut cfg = TrainConfig { steps: 2, ..TrainConfig::tiny() };
-//! cfg.engine.zero = ZeroConfig::zero3();
-//! let report = train(&cfg)?;
+//! use zeropp_engine::{RunConfig, TrainConfig, ZeroConfig, launch};
+//! let (model, data, _) = TrainConfig::tiny().build()?;
+//! let run = RunConfig::tiny().with_steps(2).with_zero(ZeroConfig::zero3());
+//! let report = launch(&model, &data, &run)?;
 //! assert_eq!(report.summary.mode, "zero3");
 //! assert_eq!(report.steps.len(), 2);
 //! # Ok::<(), zeropp_engine::EngineError>(())
@@ -33,8 +37,10 @@
 //! - [`optim`]: AdamW on f32 master shards.
 //! - [`engine`]: the per-rank ZeRO-3 / ZeRO++ step (gathers, prefetch, hpZ,
 //!   qgZ, clipping, skip on non-finite gradients) and the analytic byte model.
+//! - [`launch`](mod@launch): the door, its [`RunConfig`], the launcher
+//!   detection and the two drivers (threads, MPI) over one per-rank loop.
 //! - [`metrics`], [`train`](mod@train), [`compare`]: JSON Lines metrics, the
-//!   training driver behind `zeropp train`, and the side-by-side runs of
+//!   built-in run behind `zeropp train`, and the side-by-side runs of
 //!   `zeropp compare` (their records; the CLI draws the plots).
 
 mod error;
@@ -47,15 +53,14 @@ pub mod compare;
 pub mod config;
 pub mod deepspeed;
 pub mod engine;
+pub mod launch;
 pub mod metrics;
 pub mod optim;
 pub mod train;
-/// The MPI training driver behind `zeropp train --backend mpi` (feature `mpi`).
-#[cfg(feature = "mpi")]
-pub mod train_mpi;
 
 pub use config::{EngineConfig, ZeroConfig};
 pub use engine::ZeroEngine;
 pub use error::{EngineError, Result};
+pub use launch::{Backend, Job, Launch, RunConfig, Started, TrainReport, launch};
 pub use model::{Gpt, GptConfig, Mlp, MlpConfig, Model};
-pub use train::{DataChoice, ModelChoice, TrainConfig, TrainReport, train, train_with};
+pub use train::{DataChoice, ModelChoice, TrainConfig, train};

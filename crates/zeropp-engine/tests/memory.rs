@@ -8,6 +8,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap: a panic is a test failure
 
 use zeropp_comm::Topology;
+use zeropp_engine::RunConfig;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
 use zeropp_engine::engine::{build_plan, memory::predict};
 use zeropp_engine::model::{Gpt, GptConfig};
@@ -42,12 +43,14 @@ fn measure(world: usize, zero: fn(usize) -> ZeroConfig) -> Measured {
     let cfg = TrainConfig {
         model: ModelChoice::Gpt(shape()),
         data: data.clone(),
-        world,
-        local_size: local,
-        engine: engine.clone(),
-        steps: 2,
-        eval_batches: 0,
-        ..TrainConfig::default()
+        run: RunConfig {
+            world,
+            local_size: local,
+            engine: engine.clone(),
+            steps: 2,
+            eval_batches: 0,
+            ..RunConfig::default()
+        },
     };
     // The model as training builds it (the data's vocabulary).
     let vocab = load_data(&data).unwrap().0.vocab_size();

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
+use zeropp_engine::Backend;
 use zeropp_engine::compare::{
     BASELINE, Comparison, FLAT_BASELINE, VariantResult, compare, standard_variants,
 };
@@ -34,18 +35,24 @@ pub(crate) struct CompareArgs {
 
 /// Runs `zeropp compare`.
 pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
-    let (cfg, warnings) = build_config(&args.run, ZeroConfig::zero3())?;
+    let (mut cfg, warnings) = build_config(&args.run, ZeroConfig::zero3())?;
+    // The variants run one after another in this process, on simulated nodes.
+    if cfg.run.backend == Backend::Mpi {
+        return Err("zeropp compare runs on the thread backend (simulated nodes); drop --backend mpi".into());
+    }
+    cfg.run.backend = Backend::Threads;
     crate::print::print_warnings(&warnings);
-    let mut variants = standard_variants(&cfg.engine.zero, cfg.local_size);
+    let mut variants = standard_variants(&cfg.run.engine.zero, cfg.run.local_size);
     if args.no_ablation {
         variants.retain(|v| [BASELINE, FLAT_BASELINE, "zeropp"].contains(&v.name.as_str()));
     }
-    let bars: Vec<_> = variants.iter().map(|v| progress_bar(cfg.steps, &format!("{:>10}", v.name))).collect();
+    let bars: Vec<_> =
+        variants.iter().map(|v| progress_bar(cfg.run.steps, &format!("{:>10}", v.name))).collect();
     let result = compare(&cfg, &variants, &mut |i, r| {
         if let Some(pb) = bars.get(i) {
             pb.set_position(r.step as u64 + 1);
             pb.set_message(format!("loss {:.4} | {:.4} s/step", r.loss, r.step_time_s));
-            if r.step + 1 == cfg.steps {
+            if r.step + 1 == cfg.run.steps {
                 pb.finish();
             }
         }

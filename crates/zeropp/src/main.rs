@@ -12,7 +12,6 @@ mod models;
 mod print;
 mod quant;
 mod train;
-mod train_mpi;
 
 /// ZeRO++ in Rust: quantized collectives, training and tools.
 #[derive(Debug, Parser)]

@@ -3,14 +3,12 @@
 //! the summary table and the memory line (the engine keeps the data,
 //! [`Summary`]; its presentation is the binary's).
 
-use std::fmt::Display;
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
+use zeropp_engine::data::DataInfo;
 use zeropp_engine::metrics::{StepRecord, Summary};
-use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
-
-use crate::CliError;
+use zeropp_engine::{Backend, Model, RunConfig, Started};
 
 /// Prints the warnings of an imported DeepSpeed config to stderr.
 pub(crate) fn print_warnings(warnings: &[String]) {
@@ -19,31 +17,33 @@ pub(crate) fn print_warnings(warnings: &[String]) {
     }
 }
 
-/// Loads `data` and prints what it is and, when known, its loss floor.
-pub(crate) fn print_data(data: &DataChoice) -> Result<(), CliError> {
-    let (_, info) = load_data(data)?;
+/// Prints what the data is and, when known, its loss floor.
+pub(crate) fn print_data(info: &DataInfo) {
     println!("data: {} (vocab {}, {} training tokens)", info.description, info.vocab, info.train_tokens);
     if let Some(h) = info.entropy_rate {
         println!("entropy rate of the source (the loss floor): {h:.4} nats/char");
     }
-    Ok(())
 }
 
 /// Prints what is about to run: `model` (as given on the command line), the
-/// ZeRO mode, the cluster of `nodes` nodes and the schedule; `mpi_level` (the
-/// MPI thread level) marks a run on MPI ranks.
-pub(crate) fn print_plan(model: &str, cfg: &TrainConfig, nodes: usize, mpi_level: Option<&dyn Display>) {
-    let (ranks, level) = match mpi_level {
-        Some(l) => ("MPI ranks", format!(", MPI {l}")),
-        None => ("ranks", String::new()),
+/// ZeRO mode, the cluster it `started` on and the schedule of `run`.
+pub(crate) fn print_plan(model: &str, run: &RunConfig, started: &Started) {
+    let t = &started.topology;
+    let ran = run.on_job(t.world(), t.local_size());
+    let (ranks, level) = match (started.backend, &started.mpi_thread_level) {
+        (Backend::Mpi, Some(l)) => ("MPI ranks", format!(", MPI {l}")),
+        (Backend::Mpi, None) => ("MPI ranks", String::new()),
+        _ => ("ranks", String::new()),
     };
+    let launcher = started.job.as_ref().map_or_else(String::new, |j| format!(" under {}", j.launcher));
     println!(
-        "training {model:?} with {} on {} {ranks} = {nodes} nodes x {} ({} steps, global batch {}{level})",
-        cfg.engine.zero.label(),
-        cfg.world,
-        cfg.local_size,
-        cfg.steps,
-        cfg.engine.global_batch,
+        "training {model:?} with {} on {} {ranks} = {} nodes x {}{launcher} ({} steps, global batch {}{level})",
+        ran.engine.zero.label(),
+        t.world(),
+        t.nodes(),
+        t.local_size(),
+        ran.steps,
+        ran.engine.global_batch,
     );
 }
 
@@ -132,18 +132,10 @@ pub(crate) fn progress_bar(steps: usize, prefix: &str) -> ProgressBar {
 }
 
 /// One line: this process's peak RSS against the memory model's prediction for
-/// the `ranks` ranks it ran (all of them with threads; one, `rank`, under MPI),
-/// for the native model of `cfg` or the candle model `candle`.
-pub(crate) fn print_memory(
-    cfg: &TrainConfig,
-    candle: Option<&zeropp_candle::CandleModel>,
-    ranks: usize,
-    rank: Option<usize>,
-) {
-    let predicted = match candle {
-        Some(m) => zeropp_engine::train::memory_prediction_for(m, cfg),
-        None => zeropp_engine::train::memory_prediction(cfg),
-    };
+/// the `ranks` ranks it ran of `model` as `run` says (all of them with threads;
+/// one, `rank`, under MPI).
+pub(crate) fn print_memory<M: Model>(model: &M, run: &RunConfig, ranks: usize, rank: Option<usize>) {
+    let predicted = zeropp_engine::launch::memory_prediction(model, run);
     let (Some(peak), Ok(p)) = (zeropp_engine::engine::memory::peak_rss(), predicted) else {
         return;
     };

@@ -1,48 +1,96 @@
-//! `zeropp train`: the one launcher. It builds the run's configuration from
-//! the flags ([`crate::config::train_config`]), then picks the backend: the
-//! thread backend here, or one MPI rank per process ([`crate::train_mpi`]).
-//! Both print through [`crate::print`]; the training itself is the engine's.
+//! `zeropp train`: one path. The flags (and a DeepSpeed file) become a
+//! `TrainConfig` ([`crate::config::train_config`]); the model and the data are
+//! built from it; the engine's one door, [`zeropp_engine::Launch`], picks the
+//! backend (threads, or one MPI rank per process under a launcher) and runs
+//! them; everything printed comes from [`crate::print`], on rank 0.
 
-use zeropp_engine::train::{train_model_described, train_with};
+use std::cell::Cell;
+
+use indicatif::ProgressDrawTarget;
+use zeropp_engine::data::{DataInfo, TextDataset};
+use zeropp_engine::metrics::StepRecord;
+use zeropp_engine::{Backend, Launch, Model, Started, TrainConfig, launch::detect_job};
 
 use crate::CliError;
-use crate::config::{BackendArg, TrainArgs, train_config};
+use crate::config::{TrainArgs, faults_from_env, flag_given, train_config};
 use crate::print::{
     print_data, print_memory, print_plan, print_report, print_warnings, progress_bar, show_step,
 };
 
-/// Runs `zeropp train` on the backend its flags name.
+/// Runs `zeropp train` as its flags say.
 pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
-    match args.run.backend {
-        BackendArg::Mpi => crate::train_mpi::run(args),
-        BackendArg::Threads => run_threads(args),
+    let (mut cfg, warnings) = train_config(args)?;
+    cfg.run.faults = faults_from_env()?;
+    // Under a launcher the world is the job's: an explicit --world must agree.
+    if let Some(job) = detect_job(&|k| std::env::var(k).ok())?
+        && cfg.run.backend != Backend::Threads
+        && job.world > 1
+        && flag_given("--world")
+        && job.world != cfg.run.world
+    {
+        return Err(format!(
+            "--world {} does not match the {} processes that {} started (mpirun -np, srun -n)",
+            cfg.run.world, job.world, job.launcher
+        )
+        .into());
+    }
+    match crate::llama::parse(&args.run.model)? {
+        Some(shape) => {
+            let (data, info) = zeropp_engine::train::load_data(&cfg.data)?;
+            let model = shape.build(data.vocab_size())?;
+            go(args, &cfg, &warnings, &model, &data, info)
+        }
+        None => {
+            let (model, data, info) = cfg.build()?;
+            go(args, &cfg, &warnings, &model, &data, info)
+        }
     }
 }
 
-/// `zeropp train --backend threads`: every rank a thread of this process.
-fn run_threads(args: &TrainArgs) -> Result<(), CliError> {
-    let (cfg, warnings) = train_config(args)?;
-    print_warnings(&warnings);
-    cfg.engine.validate(cfg.world, cfg.local_size)?;
-    print_data(&cfg.data)?;
-    print_plan(&args.run.model, &cfg, cfg.world / cfg.local_size.max(1), None);
-    let llama = match crate::llama::parse(&args.run.model)? {
-        Some(shape) => {
-            let (data, info) = zeropp_engine::train::load_data(&cfg.data)?;
-            Some((shape.build(data.vocab_size())?, data, info))
+/// Launches `model` on `data` and prints the run: the plan when it starts (rank
+/// 0), the progress, the summary (rank 0) and each process's memory line.
+fn go<M: Model>(
+    args: &TrainArgs,
+    cfg: &TrainConfig,
+    warnings: &[String],
+    model: &M,
+    data: &TextDataset,
+    info: DataInfo,
+) -> Result<(), CliError> {
+    // Hidden until rank 0 is known: only rank 0 draws.
+    let pb = progress_bar(cfg.run.steps, "train");
+    pb.set_draw_target(ProgressDrawTarget::hidden());
+    let backend = Cell::new(Backend::Threads);
+    let mut on_start = |s: &Started| {
+        backend.set(s.backend);
+        if s.rank == 0 {
+            print_warnings(warnings);
+            print_data(&info);
+            print_plan(&args.run.model, &cfg.run, s);
+            pb.set_draw_target(ProgressDrawTarget::stderr());
         }
-        None => None,
     };
-    let pb = progress_bar(cfg.steps, "train");
-    let report = match &llama {
-        Some((model, data, info)) => {
-            train_model_described(model, data, info, &cfg, &mut |r| show_step(&pb, r))
-        }
-        None => train_with(&cfg, &mut |r| show_step(&pb, r)),
-    };
+    let mut on_step = |r: &StepRecord| show_step(&pb, r);
+    let mut launch = Launch::new(model, data, &cfg.run)
+        .describe(info.clone())
+        .on_start(&mut on_start)
+        .on_step(&mut on_step);
+    if flag_given("--local-size") {
+        launch = launch.node_size(cfg.run.local_size);
+    }
+    let report = launch.run();
     pb.finish();
     let report = report?;
-    print_report(&report.summary, cfg.metrics.as_deref());
-    print_memory(&cfg, llama.as_ref().map(|(m, _, _)| m), cfg.world, None);
+    let s = &report.summary;
+    if report.rank == 0 {
+        print_report(s, cfg.run.metrics.as_deref());
+    }
+    // The memory model of the run as it ran (under MPI, the job's cluster); with
+    // threads this process holds every rank, under MPI one.
+    let ran = cfg.run.on_job(s.world, s.local_size);
+    match backend.get() {
+        Backend::Mpi => print_memory(model, &ran, 1, Some(report.rank)),
+        _ => print_memory(model, &ran, s.world, None),
+    }
     Ok(())
 }

@@ -6,8 +6,10 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use candle_transformers::models::llama::{Cache, Config, Llama};
 use zeropp_candle::LlamaConfig;
+use zeropp_engine::RunConfig;
 use zeropp_engine::config::ZeroConfig;
-use zeropp_engine::train::{DataChoice, TrainConfig, load_data, train_model};
+use zeropp_engine::launch;
+use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
 use zeropp_partition::checkpoint::CheckpointReader;
 
 #[test]
@@ -17,16 +19,22 @@ fn an_export_loads_into_candle_transformers_llama_with_the_same_logits() {
     let model = c.build().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = TrainConfig {
-        world: 4,
-        local_size: 2,
-        steps: 5,
-        eval_batches: 0,
-        keep_params: true,
-        save: Some(dir.path().join("ckpt")),
-        engine: zeropp_engine::EngineConfig { zero: ZeroConfig::zeropp(2), ..TrainConfig::tiny().engine },
+        run: RunConfig {
+            world: 4,
+            local_size: 2,
+            steps: 5,
+            eval_batches: 0,
+            keep_params: true,
+            save: Some(dir.path().join("ckpt")),
+            engine: zeropp_engine::EngineConfig {
+                zero: ZeroConfig::zeropp(2),
+                ..TrainConfig::tiny().run.engine
+            },
+            ..RunConfig::default()
+        },
         ..TrainConfig::default()
     };
-    let report = train_model(&model, &data, &cfg).unwrap();
+    let report = launch(&model, &data, &cfg.run).unwrap();
     let out = dir.path().join("model.safetensors");
     CheckpointReader::open(&dir.path().join("ckpt")).unwrap().export_safetensors(&out).unwrap();
 

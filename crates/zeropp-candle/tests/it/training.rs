@@ -3,11 +3,13 @@
 //! bit.
 
 use zeropp_candle::CandleModel;
+use zeropp_engine::RunConfig;
 use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::data::{TextDataset, shard};
+use zeropp_engine::launch;
 use zeropp_engine::model::{Model, full_forward_backward, init_params};
 use zeropp_engine::optim::{AdamW, clip_factor};
-use zeropp_engine::train::{DataChoice, TrainConfig, load_data, train_model};
+use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
 
 use crate::tiny_llama;
 
@@ -19,20 +21,23 @@ fn data() -> TextDataset {
 
 fn run(world: usize, local: usize, zero: ZeroConfig, steps: usize) -> TrainConfig {
     TrainConfig {
-        world,
-        local_size: local,
-        steps,
-        eval_batches: 0,
-        keep_params: true,
-        engine: EngineConfig {
-            zero,
-            optim: AdamWConfig { lr: 1e-2, weight_decay: 0.01, ..AdamWConfig::default() },
-            global_batch: 16,
-            grad_accum: 2,
-            // Low enough that clipping acts on most steps, so the global gradient
-            // norm (summed over the ranks' shards) is part of what is compared.
-            gradient_clipping: Some(0.05),
-            seed: 7,
+        run: RunConfig {
+            world,
+            local_size: local,
+            steps,
+            eval_batches: 0,
+            keep_params: true,
+            engine: EngineConfig {
+                zero,
+                optim: AdamWConfig { lr: 1e-2, weight_decay: 0.01, ..AdamWConfig::default() },
+                global_batch: 16,
+                grad_accum: 2,
+                // Low enough that clipping acts on most steps, so the global gradient
+                // norm (summed over the ranks' shards) is part of what is compared.
+                gradient_clipping: Some(0.05),
+                seed: 7,
+            },
+            ..RunConfig::default()
         },
         ..TrainConfig::default()
     }
@@ -52,7 +57,7 @@ fn reference(
     nodes: usize,
     local: usize,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let e = &cfg.engine;
+    let e = &cfg.run.engine;
     let w = nodes * local;
     let mut params = init_params(model, e.seed).unwrap();
     let mut opts: Vec<AdamW> = params.iter().map(|p| AdamW::new(e.optim, p.len())).collect();
@@ -65,7 +70,7 @@ fn reference(
         }
     };
     let mut losses = Vec::new();
-    for step in 0..cfg.steps {
+    for step in 0..cfg.run.steps {
         let mut acc = zeros(&params);
         let mut loss = 0.0;
         for m in 0..e.grad_accum {
@@ -109,7 +114,7 @@ fn zero3_f32_equals_single_rank_candle_training() {
     let zero = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
     for (w, l) in [(4, 2), (8, 4)] {
         let (ref_losses, ref_params) = reference(&model, &data, &run(w, l, zero, STEPS), w / l, l);
-        let r = train_model(&model, &data, &run(w, l, zero, STEPS)).unwrap();
+        let r = launch(&model, &data, &run(w, l, zero, STEPS).run).unwrap();
         let mut worst = 0.0f32;
         for (s, want) in r.steps.iter().zip(&ref_losses) {
             worst = worst.max((s.loss - want).abs() / want.abs());
@@ -141,7 +146,7 @@ fn zero3_f32_equals_single_rank_candle_training() {
 fn zeropp_trains_the_candle_llama_and_counts_its_bytes() {
     let data = data();
     let model = tiny_llama(data.vocab_size());
-    let r = train_model(&model, &data, &run(8, 4, ZeroConfig::zeropp(4), 60)).unwrap();
+    let r = launch(&model, &data, &(run(8, 4, ZeroConfig::zeropp(4), 60)).run).unwrap();
     let mean =
         |s: &[zeropp_engine::metrics::StepRecord]| s.iter().map(|s| s.loss).sum::<f32>() / s.len() as f32;
     let (first, last) = (mean(&r.steps[..10]), mean(&r.steps[50..]));
@@ -149,7 +154,7 @@ fn zeropp_trains_the_candle_llama_and_counts_its_bytes() {
     assert!(last < first - 0.15, "{first} -> {last}");
     // Cross-node bytes equal the analytic model, as for the native models.
     assert_eq!(r.summary.bytes_per_step, r.summary.model_bytes_per_step);
-    let z3 = train_model(&model, &data, &run(8, 4, ZeroConfig::zero3(), 2)).unwrap();
+    let z3 = launch(&model, &data, &(run(8, 4, ZeroConfig::zero3(), 2)).run).unwrap();
     let ratio = r.summary.bytes_per_step.inter / z3.summary.bytes_per_step.inter;
     assert!(ratio < 0.35, "ZeRO++ / ZeRO-3 cross-node bytes {ratio}");
 }
@@ -160,12 +165,27 @@ fn checkpoints_resume_bit_for_bit() {
     let model = tiny_llama(data.vocab_size());
     let dir = tempfile::tempdir().unwrap();
     let cfg = |steps| run(4, 2, ZeroConfig::zeropp(2), steps);
-    let full = train_model(&model, &data, &cfg(8)).unwrap();
-    let first =
-        train_model(&model, &data, &TrainConfig { save: Some(dir.path().into()), save_every: 3, ..cfg(5) })
-            .unwrap();
-    let resumed =
-        train_model(&model, &data, &TrainConfig { resume: Some(dir.path().into()), ..cfg(8) }).unwrap();
+    let full = launch(&model, &data, &cfg(8).run).unwrap();
+    let first = launch(
+        &model,
+        &data,
+        &{
+            let b = cfg(5);
+            TrainConfig { run: RunConfig { save: Some(dir.path().into()), save_every: 3, ..b.run }, ..b }
+        }
+        .run,
+    )
+    .unwrap();
+    let resumed = launch(
+        &model,
+        &data,
+        &{
+            let b = cfg(8);
+            TrainConfig { run: RunConfig { resume: Some(dir.path().into()), ..b.run }, ..b }
+        }
+        .run,
+    )
+    .unwrap();
     let bits =
         |r: &[zeropp_engine::metrics::StepRecord]| r.iter().map(|s| s.loss.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&first.steps), bits(&full.steps[..5]));

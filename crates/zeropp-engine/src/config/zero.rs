@@ -216,12 +216,15 @@ impl ZeroConfig {
         }
         if world == 0 || local_size == 0 || !world.is_multiple_of(local_size) {
             return Err(EngineError::InvalidConfig(format!(
-                "world {world} is not divisible into nodes of {local_size} ranks"
+                "world {world} is not divisible into nodes of {local_size} ranks (set `world` to a \
+                 multiple of `local_size`)"
             )));
         }
         if self.hpz_size == 0 || !local_size.is_multiple_of(self.hpz_size) {
             return Err(EngineError::InvalidConfig(format!(
-                "hpZ partition size {} must be >= 1 and divide the node size {local_size}",
+                "hpZ partition size {} must be >= 1 and divide the node size {local_size}: set \
+                 `engine.zero.hpz_size` (`--hpz`) to a divisor of {local_size}, e.g. with \
+                 ZeroConfig::zeropp({local_size}) or RunConfig::on(world, {local_size})",
                 self.hpz_size
             )));
         }

@@ -1,52 +1,41 @@
-//! The training driver behind `zeropp train`: builds the model and the data,
-//! runs one [`ZeroEngine`](crate::engine::ZeroEngine) per rank on a backend,
-//! and reports.
+//! The built-in run behind `zeropp train`: a [`TrainConfig`] picks one of the
+//! built-in models ([`ModelChoice`]) and a source of text ([`DataChoice`]) for
+//! a [`RunConfig`]; [`TrainConfig::build`] makes them, and [`train`] runs them
+//! through the engine's one door, [`launch`](crate::launch).
 //!
-//! The story of a run, one file each:
-//!
-//! - this file: what a run is ([`TrainConfig`]), what it returns
-//!   ([`TrainReport`]) and the entry points [`train`] / [`train_with`];
-//! - `load`: the training text ([`load_data`], [`DataInfo`]);
-//! - `preflight`: the checks every driver makes before starting a rank;
-//! - `rank`: the training loop of one rank, generic over the communicator,
-//!   so the thread driver and the MPI driver (`train_mpi`) run the same loop;
-//! - `threads`: the thread driver (one OS thread per rank, simulated nodes),
-//!   which gathers the per-rank step records out of band (no traffic), so the
-//!   figures are the engine's own;
-//! - `aggregate`: one step's per-rank records become one
-//!   [`StepRecord`];
-//! - `failure`: when ranks fail, which one is the root cause;
-//! - `summary`: the run's [`Summary`].
+//! A model or data of your own needs none of this: call
+//! [`launch`](crate::launch()) with them and a [`RunConfig`].
 
 use std::path::PathBuf;
-use std::time::Duration;
-
-use zeropp_comm::LinkModel;
 
 use crate::EngineError;
-use crate::config::{AdamWConfig, EngineConfig, ZeroConfig};
-use crate::data::TextDataset;
+use crate::data::{DataInfo, TextDataset};
+use crate::engine::memory::MemoryPrediction;
 use crate::engine::tags;
-use crate::metrics::{StepRecord, Summary};
-use crate::model::{Gpt, GptConfig, Mlp, MlpConfig, Model};
+use crate::launch::{Launch, RunConfig, TrainReport, memory_prediction};
+use crate::model::{BuiltIn, Gpt, GptConfig, Mlp, MlpConfig};
 
-pub(crate) mod aggregate;
-mod failure;
 mod load;
-pub(crate) mod preflight;
-pub(crate) mod rank;
-pub(crate) mod summary;
-mod threads;
 
-pub use load::{DataInfo, load_data};
+pub use load::load_data;
 
-/// Which model to train (its vocabulary is set from the data).
+/// Which built-in model to train (its vocabulary is set from the data).
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelChoice {
     /// A character-level GPT.
     Gpt(GptConfig),
     /// A context-window MLP language model.
     Mlp(MlpConfig),
+}
+
+impl ModelChoice {
+    /// The model, with the vocabulary `vocab`.
+    pub fn build(&self, vocab: usize) -> Result<BuiltIn, EngineError> {
+        Ok(match self {
+            Self::Gpt(g) => BuiltIn::Gpt(Gpt::new(g.with_vocab(vocab))?),
+            Self::Mlp(m) => BuiltIn::Mlp(Mlp::new(m.with_vocab(vocab))?),
+        })
+    }
 }
 
 /// Where the training text comes from.
@@ -65,130 +54,68 @@ pub enum DataChoice {
     Text(String),
 }
 
-/// The communication backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Backend {
-    /// One OS thread per rank in this process (simulated nodes).
-    #[default]
-    Threads,
-    /// One process per rank under `mpirun` (feature `mpi`; driven by
-    /// `train_mpi::train_mpi`, not by [`train_with`]).
-    Mpi,
-}
-
-/// Failures injected for tests (all off by default).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Faults {
-    /// `(rank, step)`: that rank fails in the middle of that step.
-    pub fail: Option<(usize, usize)>,
-    /// `(rank, step)`: that rank's gradient becomes NaN at that step (the step is skipped).
-    pub nan_gradient: Option<(usize, usize)>,
-}
-
-/// Everything a training run needs.
+/// A run of a built-in model on built-in data: what `zeropp train` runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TrainConfig {
     /// The model.
     pub model: ModelChoice,
     /// The data.
     pub data: DataChoice,
-    /// Ranks.
-    pub world: usize,
-    /// Ranks per simulated node.
-    pub local_size: usize,
-    /// Engine: ZeRO switches, batch, optimizer, seed.
-    pub engine: EngineConfig,
-    /// Optimizer steps to run (in total, including resumed ones).
-    pub steps: usize,
-    /// Optional link model (bandwidth/latency per link class) of the thread backend.
-    pub link: Option<LinkModel>,
-    /// How long a rank waits for a silent peer before failing.
-    pub timeout: Duration,
-    /// JSON Lines metrics output.
-    pub metrics: Option<PathBuf>,
-    /// Checkpoint directory to save into.
-    pub save: Option<PathBuf>,
-    /// Save every N steps (0 = only at the end) when `save` is set.
-    pub save_every: usize,
-    /// Checkpoint directory to resume from.
-    pub resume: Option<PathBuf>,
-    /// The backend.
-    pub backend: Backend,
-    /// Validation batches evaluated at the end (0 = no validation).
-    pub eval_batches: usize,
-    /// Return the final full parameters in the report (for tests; costs memory).
-    pub keep_params: bool,
-    /// Injected failures (tests only).
-    pub faults: Faults,
+    /// The run: cluster, engine, schedule, checkpoints, metrics.
+    pub run: RunConfig,
 }
 
 impl Default for TrainConfig {
-    /// `zeropp train` with no arguments: the default GPT on generated Markov text,
-    /// full ZeRO++ on 8 ranks as 2 nodes x 4.
+    /// `zeropp train` with no arguments: the default GPT on generated Markov
+    /// text, [`RunConfig::default`] (full ZeRO++ on 8 ranks as 2 nodes x 4).
     fn default() -> Self {
         Self {
             model: ModelChoice::Gpt(GptConfig::default_small()),
             data: DataChoice::Markov { seed: 0, chars: 200_000 },
-            world: 8,
-            local_size: 4,
-            engine: EngineConfig {
-                zero: ZeroConfig::zeropp(4),
-                global_batch: 16,
-                // lr 3e-3 (AdamWConfig::default): the calm regime, where ZeRO-3's own
-                // validation loss spreads 0.7-1.4% over seeds (24% at 1e-2; PERFORMANCE.md).
-                optim: AdamWConfig::default(),
-                ..EngineConfig::default()
-            },
-            steps: 800,
-            link: None,
-            timeout: Duration::from_secs(60),
-            metrics: None,
-            save: None,
-            save_every: 0,
-            resume: None,
-            backend: Backend::Threads,
-            eval_batches: 4,
-            keep_params: false,
-            faults: Faults::default(),
+            run: RunConfig::default(),
         }
     }
 }
 
 impl TrainConfig {
-    /// A small, fast configuration (the tiny GPT on a short Markov text) for
-    /// examples and tests.
+    /// A small, fast configuration (the tiny GPT on a short Markov text,
+    /// [`RunConfig::tiny`]) for examples and tests.
     pub fn tiny() -> Self {
         Self {
             model: ModelChoice::Gpt(GptConfig::tiny()),
             data: DataChoice::Markov { seed: 1, chars: 20_000 },
-            world: 4,
-            local_size: 2,
-            engine: EngineConfig { zero: ZeroConfig::zeropp(2), global_batch: 8, ..EngineConfig::default() },
-            steps: 5,
-            eval_batches: 1,
-            ..Self::default()
+            run: RunConfig::tiny(),
         }
+    }
+
+    /// This configuration with `steps` optimizer steps.
+    pub fn with_steps(mut self, steps: usize) -> Self {
+        self.run.steps = steps;
+        self
+    }
+
+    /// The model, the data and its description, as the run trains them (the
+    /// model's vocabulary is the data's).
+    pub fn build(&self) -> Result<(BuiltIn, TextDataset, DataInfo), EngineError> {
+        let (data, info) = load_data(&self.data)?;
+        let model = self.model.build(data.vocab_size())?;
+        Ok((model, data, info))
+    }
+
+    /// The memory model's per-rank prediction for this run (see
+    /// [`crate::engine::memory`]).
+    pub fn memory_prediction(&self) -> Result<MemoryPrediction, EngineError> {
+        let (model, _, _) = self.build()?;
+        memory_prediction(&model, &self.run)
     }
 }
 
-/// The outcome of a run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TrainReport {
-    /// One record per step run (resumed steps excluded).
-    pub steps: Vec<StepRecord>,
-    /// The final summary.
-    pub summary: Summary,
-    /// The final full parameters, one vector per bucket of the plan: per layer,
-    /// then the persistent parameters when there are any (when `keep_params`).
-    pub params: Option<Vec<Vec<f32>>>,
-}
-
-/// Trains as configured (see [`train_with`], without a per-step callback).
+/// Trains as configured: [`TrainConfig::build`], then
+/// [`launch`](crate::launch()) with the data's description.
 ///
 /// ```
 /// use zeropp_engine::train::{TrainConfig, train};
-/// let cfg = TrainConfig { steps: 3, ..TrainConfig::tiny() };
-/// let report = train(&cfg)?;
+/// let report = train(&TrainConfig::tiny().with_steps(3))?;
 /// assert_eq!(report.steps.len(), 3);
 /// assert!(report.summary.final_loss.is_finite());
 /// assert_eq!(report.summary.mode, "zeropp");
@@ -197,140 +124,8 @@ pub struct TrainReport {
 /// # Ok::<(), zeropp_engine::EngineError>(())
 /// ```
 pub fn train(cfg: &TrainConfig) -> Result<TrainReport, EngineError> {
-    train_with(cfg, &mut |_| {})
-}
-
-/// Trains as configured, calling `on_step` after every optimizer step (from the
-/// calling thread, in step order): the CLI drives its progress bar from it.
-///
-/// ```
-/// use zeropp_engine::train::{TrainConfig, train_with};
-/// let mut seen = Vec::new();
-/// let report = train_with(&TrainConfig { steps: 2, ..TrainConfig::tiny() }, &mut |r| seen.push(r.step))?;
-/// assert_eq!(seen, [0, 1]);
-/// assert_eq!(report.steps.len(), 2);
-/// # Ok::<(), zeropp_engine::EngineError>(())
-/// ```
-pub fn train_with(
-    cfg: &TrainConfig,
-    on_step: &mut dyn FnMut(&StepRecord),
-) -> Result<TrainReport, EngineError> {
-    let (data, info) = load_data(&cfg.data)?;
-    match &cfg.model {
-        ModelChoice::Gpt(g) => {
-            let model = Gpt::new(g.with_vocab(data.vocab_size()))?;
-            threads::train_model(&model, &data, &info, cfg, on_step)
-        }
-        ModelChoice::Mlp(m) => {
-            let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
-            threads::train_model(&model, &data, &info, cfg, on_step)
-        }
-    }
-}
-
-/// Trains a model of your own (any [`Model`]) on data of your own with ZeRO-3 or
-/// ZeRO++ on the thread backend: everything [`train`] gives the built-in
-/// models (prefetch, hpZ, qwZ, qgZ, checkpoints with resume, metrics, the
-/// summary with bytes against the analytic model). `cfg.model` and `cfg.data`
-/// are not read; the rest of `cfg` is (world, node size, the engine's ZeRO++
-/// switches, batch and optimizer, steps, checkpoints). Under `mpirun`, the same
-/// call is `train_mpi::train_model_mpi` (feature `mpi`).
-///
-/// The data's vocabulary must not exceed the model's (a clear error otherwise),
-/// and the model's layer names must be unique and not `persistent`
-/// ([`crate::engine::check_layers`]). See [`Model`] for an example model.
-///
-/// ```
-/// use zeropp_engine::data::TextDataset;
-/// use zeropp_engine::train::{TrainConfig, train_model};
-/// use zeropp_engine::{Gpt, GptConfig};
-/// // Any Model; here the built-in GPT on token ids from a tokenizer of your own.
-/// let model = Gpt::new(GptConfig::tiny().with_vocab(32))?;
-/// let tokens: Vec<u32> = (0..5000u32).map(|i| (i * i + 3 * i) % 32).collect();
-/// let data = TextDataset::from_tokens(32, tokens, 0.1)?;
-/// let report = train_model(&model, &data, &TrainConfig { steps: 3, ..TrainConfig::tiny() })?;
-/// assert_eq!(report.steps.len(), 3);
-/// assert_eq!(report.summary.bytes_per_step, report.summary.model_bytes_per_step);
-/// // A model with a smaller vocabulary than the data is refused.
-/// let small = Gpt::new(GptConfig::tiny().with_vocab(16))?;
-/// let err = train_model(&small, &data, &TrainConfig::tiny()).unwrap_err();
-/// assert!(err.to_string().contains("exceeds model"), "{err}");
-/// # Ok::<(), zeropp_engine::EngineError>(())
-/// ```
-pub fn train_model<M: Model>(
-    model: &M,
-    data: &TextDataset,
-    cfg: &TrainConfig,
-) -> Result<TrainReport, EngineError> {
-    train_model_with(model, data, cfg, &mut |_| {})
-}
-
-/// [`train_model`] with a per-step callback (as [`train_with`]).
-pub fn train_model_with<M: Model>(
-    model: &M,
-    data: &TextDataset,
-    cfg: &TrainConfig,
-    on_step: &mut dyn FnMut(&StepRecord),
-) -> Result<TrainReport, EngineError> {
-    let info = DataInfo::of(data, describe_tokens(data));
-    train_model_described(model, data, &info, cfg, on_step)
-}
-
-/// [`train_model_with`] with the data's description (as [`load_data`] returns
-/// it: the summary then carries its loss floor, when known).
-pub fn train_model_described<M: Model>(
-    model: &M,
-    data: &TextDataset,
-    info: &DataInfo,
-    cfg: &TrainConfig,
-    on_step: &mut dyn FnMut(&StepRecord),
-) -> Result<TrainReport, EngineError> {
-    threads::train_model(model, data, info, cfg, on_step)
-}
-
-/// The one-line description of a dataset given as tokens.
-pub(crate) fn describe_tokens(data: &TextDataset) -> String {
-    format!(
-        "{} training and {} validation tokens, vocabulary {}",
-        data.train_tokens().len(),
-        data.val_tokens().len(),
-        data.vocab_size()
-    )
-}
-
-/// The memory model's per-rank prediction for training `model` as `cfg` says
-/// (`cfg.model` and `cfg.data` not read; see [`crate::engine::memory`]).
-pub fn memory_prediction_for<M: Model>(
-    model: &M,
-    cfg: &TrainConfig,
-) -> Result<crate::engine::memory::MemoryPrediction, EngineError> {
-    use crate::engine::{build_plan, memory::predict};
-    let topo = zeropp_comm::Topology::ranks(cfg.world)
-        .per_node(cfg.local_size)
-        .map_err(EngineError::InvalidTopology)?;
-    let micro = cfg.engine.micro_batch(cfg.world)?;
-    predict(model, &build_plan(model, &cfg.engine, topo)?, &cfg.engine, micro)
-}
-
-/// The memory model's per-rank prediction for the run `cfg` describes (the model
-/// as training builds it, with the data's vocabulary; see [`crate::engine::memory`]).
-pub fn memory_prediction(cfg: &TrainConfig) -> Result<crate::engine::memory::MemoryPrediction, EngineError> {
-    use crate::engine::{build_plan, memory::predict};
-    let (data, _) = load_data(&cfg.data)?;
-    let topo = zeropp_comm::Topology::ranks(cfg.world)
-        .per_node(cfg.local_size)
-        .map_err(EngineError::InvalidTopology)?;
-    let micro = cfg.engine.micro_batch(cfg.world)?;
-    match &cfg.model {
-        ModelChoice::Gpt(g) => {
-            let model = Gpt::new(g.with_vocab(data.vocab_size()))?;
-            predict(&model, &build_plan(&model, &cfg.engine, topo)?, &cfg.engine, micro)
-        }
-        ModelChoice::Mlp(m) => {
-            let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
-            predict(&model, &build_plan(&model, &cfg.engine, topo)?, &cfg.engine, micro)
-        }
-    }
+    let (model, data, info) = cfg.build()?;
+    Launch::new(&model, &data, &cfg.run).describe(info).run()
 }
 
 /// The tags the engine uses, in display order.

@@ -1,11 +1,12 @@
-//! The public training API for a model of your own: `train_model` gives what
+//! The public training API for a model of your own: `launch` gives what
 //! `train` gives the built-in models, checks the data against the model, and
 //! refuses layer lists that would clash inside the engine.
 
 use zeropp_engine::EngineError;
 use zeropp_engine::data::TextDataset;
+use zeropp_engine::launch;
 use zeropp_engine::model::{Batch, Gpt, GptConfig, GptTape, LayerSpec, Model};
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train, train_model};
+use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
 
 /// The built-in GPT behind a renamed layer list (delegates everything else).
 struct Renamed {
@@ -64,15 +65,15 @@ impl Model for Renamed {
 }
 
 #[test]
-fn train_model_is_what_train_runs() {
-    // `train` with a ModelChoice is one user of `train_model`: the same model and
+fn launch_is_what_train_runs() {
+    // `train` with a ModelChoice is one user of `launch`: the same model and
     // data through the public door give the same losses, bit for bit.
-    let cfg = TrainConfig { steps: 4, ..TrainConfig::tiny() };
+    let cfg = TrainConfig::tiny().with_steps(4);
     let via_choice = train(&cfg).unwrap();
     let (data, _) = load_data(&cfg.data).unwrap();
     let ModelChoice::Gpt(g) = cfg.model.clone() else { panic!("tiny is a GPT") };
     let model = Gpt::new(g.with_vocab(data.vocab_size())).unwrap();
-    let via_model = train_model(&model, &data, &cfg).unwrap();
+    let via_model = launch(&model, &data, &cfg.run).unwrap();
     let bits = |r: &zeropp_engine::TrainReport| r.steps.iter().map(|s| s.loss.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&via_choice), bits(&via_model));
     assert_eq!(via_choice.summary.bytes_per_step, via_model.summary.bytes_per_step);
@@ -82,13 +83,13 @@ fn train_model_is_what_train_runs() {
 fn token_data_trains_and_its_vocabulary_is_checked() {
     let tokens: Vec<u32> = (0..6000u32).map(|i| (i * 13 + i / 7) % 40).collect();
     let data = TextDataset::from_tokens(40, tokens, 0.1).unwrap();
-    let cfg = TrainConfig { steps: 3, ..TrainConfig::tiny() };
+    let cfg = TrainConfig::tiny().with_steps(3);
     // A model with at least the data's vocabulary trains.
     let big = Gpt::new(GptConfig::tiny().with_vocab(48)).unwrap();
-    assert_eq!(train_model(&big, &data, &cfg).unwrap().steps.len(), 3);
+    assert_eq!(launch(&big, &data, &cfg.run).unwrap().steps.len(), 3);
     // A smaller one is a clear error naming both sizes, before any rank starts.
     let small = Gpt::new(GptConfig::tiny().with_vocab(39)).unwrap();
-    let err = train_model(&small, &data, &cfg).unwrap_err().to_string();
+    let err = launch(&small, &data, &cfg.run).unwrap_err().to_string();
     assert!(err.contains("40 ids") && err.contains("39 ids"), "{err}");
     // Bad token data is refused when the dataset is made.
     assert!(TextDataset::from_tokens(40, vec![1, 2, 40], 0.0).is_err());
@@ -99,8 +100,10 @@ fn token_data_trains_and_its_vocabulary_is_checked() {
 
 #[test]
 fn clashing_layer_names_are_clear_errors() {
-    let cfg =
-        TrainConfig { steps: 1, data: DataChoice::Markov { seed: 1, chars: 20_000 }, ..TrainConfig::tiny() };
+    let cfg = TrainConfig {
+        data: DataChoice::Markov { seed: 1, chars: 20_000 },
+        ..TrainConfig::tiny().with_steps(1)
+    };
     let (data, _) = load_data(&cfg.data).unwrap();
     let v = data.vocab_size();
     for (model, says) in [
@@ -108,11 +111,11 @@ fn clashing_layer_names_are_clear_errors() {
         (Renamed::new(v, |_, _| "same".into()), "two layers are named `same`"),
         (Renamed::new(v, |i, l| if i == 1 { String::new() } else { l.name.clone() }), "empty name"),
     ] {
-        let err = train_model(&model, &data, &cfg).unwrap_err().to_string();
+        let err = launch(&model, &data, &cfg.run).unwrap_err().to_string();
         assert!(err.contains(says), "{err}");
         assert!(err.contains("renamed-gpt"), "the error names the model: {err}");
     }
     // Renaming alone is fine.
     let ok = Renamed::new(v, |i, _| format!("unit{i}"));
-    assert!(train_model(&ok, &data, &cfg).is_ok());
+    assert!(launch(&ok, &data, &cfg.run).is_ok());
 }

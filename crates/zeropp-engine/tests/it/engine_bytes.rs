@@ -1,6 +1,7 @@
 //! Measured bytes per rank per step equal the analytic model exactly, and
 //! ZeRO++ cuts cross-node bytes to at most a quarter of ZeRO-3's on 2 nodes x 4.
 
+use zeropp_engine::RunConfig;
 use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, QgzConfig, Routing, ZeroConfig, quant_spec};
 use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
@@ -9,17 +10,19 @@ fn run(world: usize, local: usize, zero: ZeroConfig, accum: usize, model: ModelC
     TrainConfig {
         model,
         data: DataChoice::Markov { seed: 5, chars: 30_000 },
-        world,
-        local_size: local,
-        engine: EngineConfig {
-            zero,
-            global_batch: world * accum,
-            grad_accum: accum,
-            ..EngineConfig::default()
+        run: RunConfig {
+            world,
+            local_size: local,
+            engine: EngineConfig {
+                zero,
+                global_batch: world * accum,
+                grad_accum: accum,
+                ..EngineConfig::default()
+            },
+            steps: 3,
+            eval_batches: 0,
+            ..RunConfig::default()
         },
-        steps: 3,
-        eval_batches: 0,
-        ..TrainConfig::default()
     }
 }
 

@@ -1,6 +1,7 @@
 //! ZeRO-3 with f32 communication on W ranks equals single-rank training, and
 //! hpZ without quantization equals plain ZeRO-3 exactly.
 
+use zeropp_engine::RunConfig;
 use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
 use zeropp_engine::model::{Gpt, GptConfig, Model, full_forward_backward, init_params};
@@ -18,7 +19,10 @@ fn base(world: usize, local: usize, zero: ZeroConfig) -> TrainConfig {
         gradient_clipping: Some(1.0),
         seed: 7,
     };
-    TrainConfig { steps: STEPS, eval_batches: 0, ..crate::tiny_gpt_run(world, local, engine) }
+    {
+        let b = crate::tiny_gpt_run(world, local, engine);
+        TrainConfig { run: RunConfig { steps: STEPS, eval_batches: 0, ..b.run }, ..b }
+    }
 }
 
 /// Single-rank reference: the same global batches, full forward/backward, AdamW.
@@ -26,12 +30,12 @@ fn reference(cfg: &TrainConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
     let (data, _): (TextDataset, _) = load_data(&cfg.data).unwrap();
     let ModelChoice::Gpt(g) = &cfg.model else { unreachable!() };
     let model = Gpt::new(g.with_vocab(data.vocab_size())).unwrap();
-    let e = &cfg.engine;
+    let e = &cfg.run.engine;
     let mut params = init_params(&model, e.seed).unwrap();
     let mut opts: Vec<AdamW> = params.iter().map(|p| AdamW::new(e.optim, p.len())).collect();
     let micro = e.global_batch / e.grad_accum;
     let mut losses = Vec::new();
-    for step in 0..cfg.steps {
+    for step in 0..cfg.run.steps {
         let mut acc: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
         let mut loss = 0.0;
         for m in 0..e.grad_accum {

@@ -2,31 +2,44 @@
 //! skipped step: never a hang or a panic.
 
 use std::time::{Duration, Instant};
+use zeropp_engine::RunConfig;
 
 use zeropp_engine::EngineError;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
+use zeropp_engine::launch::Faults;
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{DataChoice, Faults, ModelChoice, TrainConfig, train};
+use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
 
 fn tiny(world: usize, local: usize) -> TrainConfig {
     TrainConfig {
         model: ModelChoice::Gpt(GptConfig::tiny()),
         data: DataChoice::Markov { seed: 2, chars: 10_000 },
-        world,
-        local_size: local,
-        engine: EngineConfig { zero: ZeroConfig::zeropp(local), global_batch: 8, ..EngineConfig::default() },
-        steps: 4,
-        eval_batches: 1,
-        timeout: Duration::from_secs(5),
-        ..TrainConfig::default()
+        run: RunConfig {
+            world,
+            local_size: local,
+            engine: EngineConfig {
+                zero: ZeroConfig::zeropp(local),
+                global_batch: 8,
+                ..EngineConfig::default()
+            },
+            steps: 4,
+            eval_batches: 1,
+            timeout: Duration::from_secs(5),
+            ..RunConfig::default()
+        },
     }
 }
 
 #[test]
 fn a_failing_rank_is_named_with_its_cause() {
     for (rank, step) in [(2, 1), (0, 0), (7, 2)] {
-        let cfg =
-            TrainConfig { faults: Faults { fail: Some((rank, step)), ..Faults::default() }, ..tiny(8, 4) };
+        let cfg = {
+            let b = tiny(8, 4);
+            TrainConfig {
+                run: RunConfig { faults: Faults { fail: Some((rank, step)), ..Faults::default() }, ..b.run },
+                ..b
+            }
+        };
         let t0 = Instant::now();
         let err = train(&cfg).unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
@@ -49,12 +62,18 @@ fn a_nan_gradient_skips_the_step_and_counts_it() {
     let qgz_alone = ZeroConfig::zero3().with_qgz(zeropp_engine::config::QgzConfig::default());
     for (world, local) in [(4, 2), (8, 4), (4, 1)] {
         for zero in [ZeroConfig::zero3(), qgz_alone, ZeroConfig::zeropp(local)] {
-            let mut cfg = TrainConfig {
-                faults: Faults { nan_gradient: Some((world - 1, 1)), ..Faults::default() },
-                keep_params: true,
-                ..tiny(world, local)
+            let mut cfg = {
+                let b = tiny(world, local);
+                TrainConfig {
+                    run: RunConfig {
+                        faults: Faults { nan_gradient: Some((world - 1, 1)), ..Faults::default() },
+                        keep_params: true,
+                        ..b.run
+                    },
+                    ..b
+                }
             };
-            cfg.engine.zero = zero;
+            cfg.run.engine.zero = zero;
             let label = format!("{} on {world}x{local}", zero.label());
             let r = train(&cfg).unwrap_or_else(|e| panic!("{label}: {e}"));
             assert_eq!(r.summary.skipped_steps, 1, "{label}");
@@ -63,10 +82,13 @@ fn a_nan_gradient_skips_the_step_and_counts_it() {
             assert!(r.summary.final_loss.is_finite(), "{label}");
             // The skipped step changed nothing: two steps with step 1 skipped leave
             // the same parameters, bit for bit, as one clean step.
-            let mut one = TrainConfig { steps: 2, ..cfg.clone() };
+            let mut one = {
+                let b = cfg.clone();
+                TrainConfig { run: RunConfig { steps: 2, ..b.run }, ..b }
+            };
             let skipped = train(&one).unwrap_or_else(|e| panic!("{label}: {e}")).params.unwrap();
-            one.steps = 1;
-            one.faults = Faults::default();
+            one.run.steps = 1;
+            one.run.faults = Faults::default();
             let clean = train(&one).unwrap_or_else(|e| panic!("{label}: {e}")).params.unwrap();
             let bits = |p: &[Vec<f32>]| p.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&skipped), bits(&clean), "{label}: the skipped step changed the parameters");
@@ -85,23 +107,29 @@ fn bad_configs_and_data_are_clear_errors() {
         ("empty", TrainConfig { data: DataChoice::File(empty), ..tiny(2, 2) }),
         ("missing", TrainConfig { data: DataChoice::File(dir.path().join("nope.txt")), ..tiny(2, 2) }),
         ("larger than the training data", TrainConfig { data: DataChoice::File(short), ..tiny(2, 2) }),
-        ("not divisible into nodes", TrainConfig { world: 6, ..tiny(6, 4) }),
+        ("not divisible into nodes", {
+            let b = tiny(6, 4);
+            TrainConfig { run: RunConfig { world: 6, ..b.run }, ..b }
+        }),
         ("not divisible by world", {
             let mut c = tiny(4, 2);
-            c.engine.global_batch = 6;
+            c.run.engine.global_batch = 6;
             c
         }),
         ("hpZ partition size", {
             let mut c = tiny(8, 4);
-            c.engine.zero.hpz_size = 3;
+            c.run.engine.zero.hpz_size = 3;
             c
         }),
         ("stage", {
             let mut c = tiny(2, 2);
-            c.engine.zero.stage = 2;
+            c.run.engine.zero.stage = 2;
             c
         }),
-        ("steps", TrainConfig { steps: 0, ..tiny(2, 2) }),
+        ("steps", {
+            let b = tiny(2, 2);
+            TrainConfig { run: RunConfig { steps: 0, ..b.run }, ..b }
+        }),
     ];
     for (what, cfg) in cases {
         let err = train(&cfg).expect_err(what);
@@ -135,15 +163,21 @@ fn a_skipped_step_resets_the_loco_residuals() {
         ZeroConfig { qgz: Some(QgzConfig::loco(ZeroConfig::default_qgz_spec())), ..ZeroConfig::zeropp(4) };
     let residuals = |faults: Faults| -> Vec<f32> {
         let dir = tempfile::tempdir().unwrap();
-        let mut cfg = TrainConfig { faults, steps: 2, save: Some(dir.path().to_path_buf()), ..tiny(8, 4) };
-        cfg.engine.zero = zero;
+        let mut cfg = {
+            let b = tiny(8, 4);
+            TrainConfig {
+                run: RunConfig { faults, steps: 2, save: Some(dir.path().to_path_buf()), ..b.run },
+                ..b
+            }
+        };
+        cfg.run.engine.zero = zero;
         let r = train(&cfg).unwrap();
         assert_eq!(r.summary.skipped_steps, usize::from(faults.nan_gradient.is_some()));
         let info = zeropp_engine::train::load_data(&cfg.data).unwrap().1;
         let model = zeropp_engine::Gpt::new(GptConfig::tiny().with_vocab(info.vocab)).unwrap();
         let topo = zeropp_comm::Topology::ranks(8).per_node(4).unwrap();
-        let plan = build_plan(&model, &cfg.engine, topo).unwrap();
-        let (step, states) = checkpoint::load(dir.path(), &plan, &cfg.engine).unwrap();
+        let plan = build_plan(&model, &cfg.run.engine, topo).unwrap();
+        let (step, states) = checkpoint::load(dir.path(), &plan, &cfg.run.engine).unwrap();
         assert_eq!(step, 2);
         states
             .into_iter()

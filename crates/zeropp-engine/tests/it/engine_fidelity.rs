@@ -22,6 +22,7 @@
 
 use std::path::Path;
 use std::sync::OnceLock;
+use zeropp_engine::RunConfig;
 
 use zeropp_engine::config::{
     AdamWConfig, CommDtype, EngineConfig, LocoConfig, QgzConfig, ZeroConfig, quant_spec,
@@ -36,9 +37,15 @@ const SEEDS: [u64; 4] = [1, 2, 3, 4];
 
 /// Final validation loss of `cfg` with `zero` and `seed` (no skipped step).
 fn val_loss(cfg: &TrainConfig, zero: ZeroConfig, seed: u64) -> f64 {
-    let cfg = TrainConfig { engine: EngineConfig { zero, seed, ..cfg.engine.clone() }, ..cfg.clone() };
+    let cfg = {
+        let b = cfg.clone();
+        TrainConfig {
+            run: RunConfig { engine: EngineConfig { zero, seed, ..cfg.run.engine.clone() }, ..b.run },
+            ..b
+        }
+    };
     let r = train(&cfg).unwrap();
-    assert_eq!(r.summary.steps, cfg.steps);
+    assert_eq!(r.summary.steps, cfg.run.steps);
     assert_eq!(r.summary.skipped_steps, 0, "{}: seed {seed}", zero.label());
     f64::from(r.summary.val_loss.unwrap())
 }
@@ -64,7 +71,7 @@ fn judged(what: &str, variant: &[f64], baseline: &[f64]) -> Judged {
 /// `zeropp train`'s run (TrainConfig::default: the default GPT on the generated
 /// text, 2 nodes × 4, global batch 16, lr 3e-3) for 1500 steps.
 fn default_run() -> TrainConfig {
-    TrainConfig { steps: 1500, ..TrainConfig::default() }
+    TrainConfig { run: RunConfig { steps: 1500, ..RunConfig::default() }, ..TrainConfig::default() }
 }
 
 /// The old defaults (before issue 18): LoCo error feedback with f32 residuals,
@@ -96,7 +103,7 @@ static CONTROL_ZERO3: OnceLock<Vec<f64>> = OnceLock::new();
 fn the_defaults_meet_the_rule_on_the_generated_text() {
     let run = default_run();
     let z3 = zero3_once(&DEFAULT_ZERO3, &run);
-    let j = judged("defaults", &val_losses(&run, ZeroConfig::zeropp(run.local_size)), z3);
+    let j = judged("defaults", &val_losses(&run, ZeroConfig::zeropp(run.run.local_size)), z3);
     assert!(j.passed(), "the defaults fail the rule: {j}");
 }
 
@@ -108,9 +115,9 @@ fn the_defaults_meet_the_rule_on_the_generated_text() {
 fn the_old_defaults_fail_the_rule_on_the_mean() {
     let run = control_run();
     let z3 = zero3_once(&CONTROL_ZERO3, &run);
-    let old = judged("old defaults (control run)", &val_losses(&run, old_defaults(run.local_size)), z3);
+    let old = judged("old defaults (control run)", &val_losses(&run, old_defaults(run.run.local_size)), z3);
     assert!(old.mean_broken(), "the old defaults passed the mean bound: {old}");
-    let new = judged("defaults (control run)", &val_losses(&run, ZeroConfig::zeropp(run.local_size)), z3);
+    let new = judged("defaults (control run)", &val_losses(&run, ZeroConfig::zeropp(run.run.local_size)), z3);
     assert!(new.passed(), "the defaults fail the rule on the control run: {new}");
 }
 
@@ -125,16 +132,18 @@ fn shakespeare_run(path: &Path) -> TrainConfig {
             ..GptConfig::tiny()
         }),
         data: DataChoice::File(path.to_path_buf()),
-        world: 4,
-        local_size: 2,
-        engine: EngineConfig {
-            global_batch: 32,
-            optim: AdamWConfig { lr: 5e-3, ..AdamWConfig::default() },
-            ..EngineConfig::default()
+        run: RunConfig {
+            world: 4,
+            local_size: 2,
+            engine: EngineConfig {
+                global_batch: 32,
+                optim: AdamWConfig { lr: 5e-3, ..AdamWConfig::default() },
+                ..EngineConfig::default()
+            },
+            steps: 300,
+            eval_batches: 16,
+            ..RunConfig::default()
         },
-        steps: 300,
-        eval_batches: 16,
-        ..TrainConfig::default()
     }
 }
 

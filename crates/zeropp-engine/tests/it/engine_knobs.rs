@@ -5,14 +5,16 @@ use zeropp_comm::Topology;
 use zeropp_engine::config::{BucketKnobs, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::engine::{PERSISTENT_BUCKET, build_plan, tags};
 use zeropp_engine::model::{Gpt, GptConfig, Model};
-use zeropp_engine::train::{TrainReport, train};
+use zeropp_engine::train::{TrainConfig, train};
+use zeropp_engine::{RunConfig, TrainReport};
 
 use super::tiny_gpt_run;
 
 fn run(zero: ZeroConfig) -> TrainReport {
     let cfg =
         tiny_gpt_run(8, 4, EngineConfig { zero, global_batch: 16, grad_accum: 2, ..EngineConfig::default() });
-    train(&zeropp_engine::TrainConfig { steps: 3, eval_batches: 1, keep_params: false, ..cfg }).unwrap()
+    train(&TrainConfig { run: RunConfig { steps: 3, eval_batches: 1, keep_params: false, ..cfg.run }, ..cfg })
+        .unwrap()
 }
 
 /// The vocabulary of the tiny runs' data (the model's, in training).

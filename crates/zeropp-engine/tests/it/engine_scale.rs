@@ -4,6 +4,7 @@
 //! ZeRO-3's as headers and scales become negligible. (The 86M check is in
 //! `cargo xtask bench scale`.)
 
+use zeropp_engine::RunConfig;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
@@ -13,12 +14,14 @@ fn bytes(zero: ZeroConfig) -> zeropp_engine::TrainReport {
     let cfg = TrainConfig {
         model: ModelChoice::Gpt(GptConfig { seq_len: 32, ..g }),
         data: DataChoice::Markov { seed: 5, chars: 30_000 },
-        world: 8,
-        local_size: 4,
-        engine: EngineConfig { zero, global_batch: 8, ..EngineConfig::default() },
-        steps: 1,
-        eval_batches: 0,
-        ..TrainConfig::default()
+        run: RunConfig {
+            world: 8,
+            local_size: 4,
+            engine: EngineConfig { zero, global_batch: 8, ..EngineConfig::default() },
+            steps: 1,
+            eval_batches: 0,
+            ..RunConfig::default()
+        },
     };
     train(&cfg).unwrap()
 }

@@ -1,13 +1,18 @@
 //! The ZeRO++ options added with the DeepSpeed audit: the INT8 hpZ wire, the
 //! 1-D exclusion under qgZ, and the routing of the world collectives.
 
+use zeropp_engine::RunConfig;
+use zeropp_engine::TrainReport;
 use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, QgzConfig, Routing, ZeroConfig};
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{TrainConfig, TrainReport, train};
+use zeropp_engine::train::{TrainConfig, train};
 
 fn cfg(world: usize, local: usize, zero: ZeroConfig) -> TrainConfig {
     let engine = EngineConfig { zero, global_batch: 2 * world, grad_accum: 2, ..EngineConfig::default() };
-    TrainConfig { steps: 6, eval_batches: 1, ..crate::tiny_gpt_run(world, local, engine) }
+    {
+        let b = crate::tiny_gpt_run(world, local, engine);
+        TrainConfig { run: RunConfig { steps: 6, eval_batches: 1, ..b.run }, ..b }
+    }
 }
 
 fn loss_bits(r: &TrainReport) -> Vec<u32> {
@@ -54,7 +59,7 @@ fn one_d_parameters_bypass_int4() {
     let excl = qgz.with_qgz(QgzConfig { exclude_1d: true, ..QgzConfig::default() });
     let one_step = |z: ZeroConfig| {
         let mut c = cfg(8, 4, z);
-        c.steps = 1;
+        c.run.steps = 1;
         train(&c).unwrap().params.unwrap()
     };
     let (p0, p1, p2) = (one_step(exact), one_step(qgz), one_step(excl));

@@ -25,6 +25,7 @@ mod engine_zeropp_options;
 mod model_data;
 mod models;
 
+use zeropp_engine::RunConfig;
 use zeropp_engine::config::EngineConfig;
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig};
@@ -36,10 +37,6 @@ fn tiny_gpt_run(world: usize, local: usize, engine: EngineConfig) -> TrainConfig
     TrainConfig {
         model: ModelChoice::Gpt(GptConfig::tiny()),
         data: DataChoice::Markov { seed: 3, chars: 20_000 },
-        world,
-        local_size: local,
-        engine,
-        keep_params: true,
-        ..TrainConfig::default()
+        run: RunConfig { world, local_size: local, engine, keep_params: true, ..RunConfig::default() },
     }
 }

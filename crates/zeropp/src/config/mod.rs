@@ -9,7 +9,9 @@ use std::time::Duration;
 use crate::models::{model_choice, model_help};
 use clap::{Args, ValueEnum};
 use zeropp_engine::config::{CommDtype, QgzConfig, ZeroConfig, quant_spec};
-use zeropp_engine::train::{Backend, DataChoice, TrainConfig};
+use zeropp_engine::launch::Faults;
+use zeropp_engine::train::{DataChoice, TrainConfig};
+use zeropp_engine::{Backend, RunConfig};
 
 use crate::CliError;
 
@@ -25,9 +27,12 @@ pub(crate) enum Mode {
 /// Communication backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum BackendArg {
-    /// One thread per rank in this process.
+    /// MPI when an MPI launcher (mpirun, mpiexec, srun) started this process for a
+    /// job of more than one process, else threads.
+    Auto,
+    /// One thread per rank in this process (even under an MPI launcher).
     Threads,
-    /// One process per rank under `mpirun` (`zeropp train` built with `--features mpi`).
+    /// One process per rank under an MPI launcher (`zeropp` built with `--features mpi`).
     Mpi,
 }
 
@@ -43,10 +48,10 @@ pub(crate) enum DtypeArg {
 /// The workload and cluster flags shared by `train` and `compare`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct RunArgs {
-    /// Ranks.
+    /// Ranks (under MPI, the job's; when given, it must match).
     #[arg(long, default_value_t = 8)]
     pub world: usize,
-    /// Ranks per simulated node.
+    /// Ranks per simulated node (under MPI: the job's node size, else the ranks sharing memory).
     #[arg(long = "local-size", default_value_t = 4)]
     pub local_size: usize,
     /// Baseline communication dtype.
@@ -80,7 +85,7 @@ pub(crate) struct RunArgs {
     #[arg(long)]
     pub link: Option<String>,
     /// Backend.
-    #[arg(long, value_enum, default_value_t = BackendArg::Threads)]
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
     pub backend: BackendArg,
     /// Seconds a rank waits for a silent peer before failing.
     #[arg(long = "timeout", default_value_t = 60)]
@@ -199,52 +204,56 @@ pub(crate) struct TrainArgs {
 /// Builds the run configuration shared by `train` and `compare` (ZeRO switches
 /// start from `zero`, then the DeepSpeed config, then the explicit flags).
 pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<(TrainConfig, Vec<String>), CliError> {
+    let d = TrainConfig::default();
     let mut cfg = TrainConfig {
-        // The Llama is built from the data by `run` (its vocabulary is the data's);
+        // The Llama is built from the data by `train` (its vocabulary is the data's);
         // the native choice here is then unused.
         model: match crate::llama::parse(&run.model)? {
-            Some(_) => TrainConfig::default().model,
+            Some(_) => d.model,
             None => model_choice(&run.model)?,
         },
         data: match &run.data {
             Some(p) => DataChoice::File(p.clone()),
-            None => TrainConfig::default().data,
+            None => d.data,
         },
-        world: run.world,
-        local_size: run.local_size,
-        steps: run.steps,
-        timeout: Duration::from_secs(run.timeout_s.max(1)),
-        backend: match run.backend {
-            BackendArg::Threads => Backend::Threads,
-            BackendArg::Mpi => Backend::Mpi,
+        run: RunConfig {
+            world: run.world,
+            local_size: run.local_size,
+            steps: run.steps,
+            timeout: Duration::from_secs(run.timeout_s.max(1)),
+            backend: match run.backend {
+                BackendArg::Auto => Backend::Auto,
+                BackendArg::Threads => Backend::Threads,
+                BackendArg::Mpi => Backend::Mpi,
+            },
+            eval_batches: run.eval_batches,
+            ..d.run
         },
-        eval_batches: run.eval_batches,
-        ..TrainConfig::default()
     };
-    cfg.engine.zero = zero;
-    cfg.engine.seed = run.seed;
+    cfg.run.engine.zero = zero;
+    cfg.run.engine.seed = run.seed;
     let mut warnings = Vec::new();
     if let Some(path) = &run.config {
-        let imp = zeropp_engine::deepspeed::from_file(path, run.world, &cfg.engine)?;
-        cfg.engine = imp.config;
+        let imp = zeropp_engine::deepspeed::from_file(path, run.world, &cfg.run.engine)?;
+        cfg.run.engine = imp.config;
         warnings = imp.warnings;
     }
-    cfg.engine.zero.comm_dtype = match run.comm_dtype {
+    cfg.run.engine.zero.comm_dtype = match run.comm_dtype {
         DtypeArg::Bf16 if run.config.is_none() => CommDtype::Bf16,
         DtypeArg::F32 => CommDtype::F32,
-        DtypeArg::Bf16 => cfg.engine.zero.comm_dtype,
+        DtypeArg::Bf16 => cfg.run.engine.zero.comm_dtype,
     };
     if let Some(b) = run.batch {
-        cfg.engine.global_batch = b;
+        cfg.run.engine.global_batch = b;
     }
     if let Some(a) = run.grad_accum {
-        cfg.engine.grad_accum = a;
+        cfg.run.engine.grad_accum = a;
     }
     if let Some(lr) = run.lr {
-        cfg.engine.optim.lr = lr;
+        cfg.run.engine.optim.lr = lr;
     }
     if let Some(l) = &run.link {
-        cfg.link = Some(l.parse().map_err(|e| format!("--link: {e}"))?);
+        cfg.run.link = Some(l.parse().map_err(|e| format!("--link: {e}"))?);
     }
     Ok((cfg, warnings))
 }
@@ -326,24 +335,24 @@ pub(crate) fn train_config(args: &TrainArgs) -> Result<(TrainConfig, Vec<String>
     if args.run.config.is_some() {
         let z = zero_from_flags(args)?;
         if args.qwz || args.no_qwz {
-            cfg.engine.zero.qwz = z.qwz;
+            cfg.run.engine.zero.qwz = z.qwz;
         }
         if args.qgz || args.no_qgz {
             // The switch only: a qgZ the file turned on keeps its LoCo parameters.
-            cfg.engine.zero.qgz = match (z.qgz, cfg.engine.zero.qgz) {
+            cfg.run.engine.zero.qgz = match (z.qgz, cfg.run.engine.zero.qgz) {
                 (Some(flags), Some(file)) => Some(QgzConfig { spec: flags.spec, ..file }),
                 (flags, _) => flags,
             };
         }
         if let Some(h) = args.hpz {
-            cfg.engine.zero.hpz_size = h;
+            cfg.run.engine.zero.hpz_size = h;
         }
     }
-    apply_bucket_flags(args, &mut cfg.engine.zero.buckets)?;
-    cfg.metrics = args.metrics.clone();
-    cfg.save = args.save.clone();
-    cfg.save_every = args.save_every;
-    cfg.resume = args.resume.clone();
+    apply_bucket_flags(args, &mut cfg.run.engine.zero.buckets)?;
+    cfg.run.metrics = args.metrics.clone();
+    cfg.run.save = args.save.clone();
+    cfg.run.save_every = args.save_every;
+    cfg.run.resume = args.resume.clone();
     Ok((cfg, warnings))
 }
 
@@ -365,6 +374,38 @@ fn apply_bucket_flags(a: &TrainArgs, k: &mut zeropp_engine::config::BucketKnobs)
         k.max_live_parameters = a.max_live_parameters;
     }
     Ok(())
+}
+
+/// Environment variable read by [`faults_from_env`] (a test hook of the MPI and
+/// cluster tests): `fail:RANK:STEP` makes that rank fail in the middle of that
+/// step, `nan:RANK:STEP` makes its gradient NaN.
+pub(crate) const FAULT_ENV: &str = "ZEROPP_FAULT";
+
+/// Parses [`FAULT_ENV`] (unset or empty means no fault).
+pub(crate) fn faults_from_env() -> Result<Faults, CliError> {
+    match std::env::var(FAULT_ENV) {
+        Ok(v) if !v.trim().is_empty() => parse_faults(&v),
+        _ => Ok(Faults::default()),
+    }
+}
+
+/// Parses a fault spec: `fail:RANK:STEP` or `nan:RANK:STEP`.
+fn parse_faults(spec: &str) -> Result<Faults, CliError> {
+    let bad = || format!("{FAULT_ENV}=`{spec}`: expected fail:RANK:STEP or nan:RANK:STEP");
+    let parts: Vec<&str> = spec.trim().split(':').collect();
+    let [kind, rank, step] = parts.as_slice() else { return Err(bad().into()) };
+    let at = (rank.parse::<usize>().map_err(|_| bad())?, step.parse::<usize>().map_err(|_| bad())?);
+    match *kind {
+        "fail" => Ok(Faults { fail: Some(at), ..Faults::default() }),
+        "nan" => Ok(Faults { nan_gradient: Some(at), ..Faults::default() }),
+        _ => Err(bad().into()),
+    }
+}
+
+/// True when `--NAME` appears on the command line (clap's defaults cannot tell).
+pub(crate) fn flag_given(name: &str) -> bool {
+    let eq = format!("{name}=");
+    std::env::args_os().skip(1).any(|a| a.to_str().is_some_and(|a| a == name || a.starts_with(&eq)))
 }
 
 #[cfg(test)]

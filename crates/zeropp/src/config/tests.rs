@@ -36,20 +36,24 @@ fn model_names_map_to_their_default_shapes() {
 /// flags, from a DeepSpeed file that sets none, and the library's default.
 #[test]
 fn the_default_learning_rate_is_3e_3_everywhere() -> Result<(), CliError> {
-    assert_eq!(TrainConfig::default().engine.optim.lr, 3e-3);
-    assert_eq!(parse(&[])?.engine.optim.lr, 3e-3);
+    assert_eq!(TrainConfig::default().run.engine.optim.lr, 3e-3);
+    assert_eq!(parse(&[])?.run.engine.optim.lr, 3e-3);
     let dir = std::env::temp_dir().join(format!("zeropp-lr-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let ds = dir.join("ds.json");
     std::fs::write(&ds, r#"{"train_batch_size": 16, "zero_optimization": {"stage": 3}}"#)
         .map_err(|e| e.to_string())?;
     let ds_arg = ds.to_string_lossy().into_owned();
-    assert_eq!(parse(&["--config", &ds_arg])?.engine.optim.lr, 3e-3, "a DeepSpeed file with no optimizer");
-    assert_eq!(parse(&["--config", &ds_arg, "--lr", "1e-3"])?.engine.optim.lr, 1e-3);
+    assert_eq!(
+        parse(&["--config", &ds_arg])?.run.engine.optim.lr,
+        3e-3,
+        "a DeepSpeed file with no optimizer"
+    );
+    assert_eq!(parse(&["--config", &ds_arg, "--lr", "1e-3"])?.run.engine.optim.lr, 1e-3);
     let with_lr = dir.join("ds-lr.json");
     std::fs::write(&with_lr, r#"{"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}}}"#)
         .map_err(|e| e.to_string())?;
-    assert_eq!(parse(&["--config", &with_lr.to_string_lossy()])?.engine.optim.lr, 5e-4);
+    assert_eq!(parse(&["--config", &with_lr.to_string_lossy()])?.run.engine.optim.lr, 5e-4);
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -66,6 +70,7 @@ fn bucket_flags_map_onto_the_knobs() -> Result<(), CliError> {
         "--max-live-parameters",
         "1000000",
     ])?
+    .run
     .engine
     .zero
     .buckets;
@@ -73,7 +78,7 @@ fn bucket_flags_map_onto_the_knobs() -> Result<(), CliError> {
         (k.reduce_bucket_size, k.prefetch_bucket_size, k.param_persistence_threshold, k.max_live_parameters),
         (Some(4096), Some(0), 100, Some(1_000_000))
     );
-    assert_eq!(parse(&[])?.engine.zero.buckets, Default::default());
+    assert_eq!(parse(&[])?.run.engine.zero.buckets, Default::default());
     for (args, says) in [
         (&["--reduce-bucket-size", "0"][..], "--reduce-bucket-size"),
         (&["--max-live-parameters", "x"][..], "--max-live-parameters"),
@@ -158,5 +163,15 @@ fn zeropp_flags_map_onto_the_config() -> Result<(), CliError> {
         let err = zero(args).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains(says), "{args:?}: {err}");
     }
+    Ok(())
+}
+
+#[test]
+fn fault_specs_parse() -> Result<(), CliError> {
+    assert_eq!(parse_faults("fail:3:2")?.fail, Some((3, 2)));
+    assert_eq!(parse_faults("nan:0:1")?.nan_gradient, Some((0, 1)));
+    assert!(parse_faults("boom:1:1").is_err());
+    assert!(parse_faults("fail:1").is_err());
+    assert!(parse_faults("fail:x:1").is_err());
     Ok(())
 }

@@ -1,93 +1,139 @@
-//! The MPI training driver behind `zeropp train --backend mpi` (feature `mpi`).
+//! The MPI driver behind [`Launch::run`](super::Launch::run) (feature `mpi`):
+//! this process is one rank of the MPI job.
 //!
-//! Each MPI process is one rank: [`train_mpi`] runs the same per-rank loop as the
-//! thread backend (the crate-private `train::rank` module) on an [`MpiComm`], so with the default
-//! [`Reduction::Ordered`](zeropp_comm::mpi::Reduction::Ordered) the losses, norms and
-//! byte counters equal those of `--backend threads` with the same world and node size.
+//! It runs the same per-rank loop as the thread driver (`rank`) on an
+//! [`MpiComm`], so with the default
+//! [`Reduction::Ordered`](zeropp_comm::mpi::Reduction::Ordered) the losses, norms
+//! and byte counters equal those of the thread backend with the same world and
+//! node size.
 //!
-//! The per-step records of every rank are gathered to all ranks on a
-//! private duplicate of the world communicator (after each step, outside the timed
-//! region and outside the engine's traffic counters), and aggregated exactly as the
-//! thread driver does; only rank 0 writes the metrics file and receives the report.
-//!
-//! Errors are returned on the failing rank only; the caller must end the job with
-//! [`or_abort`] (or [`zeropp_comm::mpi::abort`]) so its peers never wait forever.
+//! The per-step records of every rank are gathered to all ranks on a private
+//! duplicate of the world communicator (after each step, outside the timed region
+//! and outside the engine's traffic counters) and aggregated exactly as the thread
+//! driver does, so every rank returns the report; only rank 0 writes the metrics
+//! file and calls `on_step`. Once the job is up, an error on any rank ends the job
+//! through `MPI_Abort`, and rank 0's watchdog ends it when no step completes
+//! within [`RunConfig::timeout`] (MPI itself never times out).
 
 use std::cell::RefCell;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
-pub use zeropp_comm::mpi::{LOCAL_SIZE_ENV, MpiComm, MpiOptions, or_abort};
+use zeropp_comm::mpi::{MpiComm, MpiOptions};
 use zeropp_comm::{CommExt, Communicator, Group, OpTraffic, TrafficSnapshot};
 
 use crate::EngineError;
-use crate::data::TextDataset;
+use crate::data::{DataInfo, TextDataset};
 use crate::engine::{build_plan, bytes::step_bytes};
 use crate::metrics::{MetricsWriter, StepRecord};
-use crate::model::{Gpt, Mlp, Model};
-use crate::train::aggregate::aggregate;
-use crate::train::preflight::{check_run, resume_point};
-use crate::train::rank::{RankJob, RankStep, run_rank};
-use crate::train::summary::summarize;
-use crate::train::{Backend, DataInfo, ModelChoice, TrainConfig, TrainReport, load_data};
+use crate::model::Model;
 
-/// Trains as configured with this process as one rank of `comm`'s world
-/// (collective over the MPI world: every rank must call it with the same `cfg`).
-///
-/// `cfg.world` and `cfg.local_size` must equal `comm`'s topology, and
-/// `cfg.backend` must be [`Backend::Mpi`]. `on_step` is called on rank 0 only,
-/// after every step, with the record aggregated over all ranks. Rank 0 writes
-/// `cfg.metrics` and returns `Some(report)`; the other ranks return `None`.
-/// `cfg.keep_params` is not supported (the report's `params` is `None`).
-pub fn train_mpi(
-    comm: &mut MpiComm,
-    cfg: &TrainConfig,
-    on_step: &mut dyn FnMut(&StepRecord),
-) -> Result<Option<TrainReport>, EngineError> {
-    check_mpi_job(comm, cfg)?;
-    let (data, info) = load_data(&cfg.data)?;
-    match &cfg.model {
-        ModelChoice::Gpt(g) => {
-            let model = Gpt::new(g.with_vocab(data.vocab_size()))?;
-            run_model_mpi(comm, &model, &data, &info, cfg, on_step)
-        }
-        ModelChoice::Mlp(m) => {
-            let model = Mlp::new(m.with_vocab(data.vocab_size()))?;
-            run_model_mpi(comm, &model, &data, &info, cfg, on_step)
-        }
-    }
-}
+use super::aggregate::aggregate;
+use super::preflight::{check_run, resume_point};
+use super::rank::{RankJob, RankStep, run_rank};
+use super::summary::summarize;
+use super::{Backend, Job, RunConfig, Started, TrainReport};
 
-/// [`train_mpi`] for a model and data of your own (see
-/// [`crate::train::train_model`]; `cfg.model` and `cfg.data` are not read):
-/// the same per-rank loop, so a model trains under `mpirun` exactly as on the
-/// thread backend. Collective over the MPI world; rank 0 returns the report.
-pub fn train_model_mpi<M: Model>(
-    comm: &mut MpiComm,
+/// Trains `model` on `data` with this process as one rank of the MPI job: MPI
+/// starts, the job's world and node size replace `run`'s, and any error from
+/// then on aborts the job (see the module docs).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run<M: Model>(
     model: &M,
     data: &TextDataset,
-    cfg: &TrainConfig,
+    info: &DataInfo,
+    run: &RunConfig,
+    job: Option<Job>,
+    node_size: Option<usize>,
+    on_start: &mut dyn FnMut(&Started),
     on_step: &mut dyn FnMut(&StepRecord),
-) -> Result<Option<TrainReport>, EngineError> {
-    check_mpi_job(comm, cfg)?;
-    let info = DataInfo::of(data, crate::train::describe_tokens(data));
-    run_model_mpi(comm, model, data, &info, cfg, on_step)
+) -> Result<TrainReport, EngineError> {
+    let mut comm = MpiComm::init(MpiOptions { local_size: node_size, ..MpiOptions::default() })?;
+    let rank = comm.rank();
+    let result = (|| {
+        let topo = *comm.topology();
+        if let Some(j) = &job
+            && j.world != topo.world()
+        {
+            return Err(EngineError::InvalidConfig(format!(
+                "{} started {} processes, but MPI sees a world of {}: the MPI library does not talk \
+                 to this launcher (under Slurm, try `srun --mpi=pmix`, or start with `mpirun`)",
+                j.launcher,
+                j.world,
+                topo.world()
+            )));
+        }
+        let run = run.on_job(topo.world(), topo.local_size());
+        on_start(&Started {
+            backend: Backend::Mpi,
+            rank,
+            topology: topo,
+            job: job.clone(),
+            mpi_thread_level: Some(comm.thread_level().to_string()),
+        });
+        let watchdog = (rank == 0).then(|| Watchdog::start(run.timeout.max(Duration::from_secs(1))));
+        let mut progress = |r: &StepRecord| {
+            if let Some(w) = &watchdog {
+                w.progress();
+            }
+            on_step(r);
+        };
+        let report = run_rank_mpi(&mut comm, model, data, info, &run, &mut progress);
+        if let Some(w) = &watchdog {
+            w.stop();
+        }
+        report
+    })();
+    match result {
+        Ok(r) => Ok(r),
+        Err(e) => comm.abort(1, &format!("zeropp: rank {rank} failed: {e}")),
+    }
 }
 
-/// `cfg` asks for the MPI backend and for this job's world and node size.
-fn check_mpi_job(comm: &MpiComm, cfg: &TrainConfig) -> Result<(), EngineError> {
-    if cfg.backend != Backend::Mpi {
-        return Err(EngineError::InvalidConfig("train_mpi needs backend = Backend::Mpi".into()));
+/// Rank 0's watchdog: when no step completes within its limit (a peer rank or the
+/// link to it went silent), it ends the job through `MPI_Abort` with a message
+/// that says so.
+struct Watchdog {
+    last: Arc<Mutex<Option<Instant>>>,
+}
+
+impl Watchdog {
+    fn start(limit: Duration) -> Self {
+        let last = Arc::new(Mutex::new(Some(Instant::now())));
+        let seen = Arc::clone(&last);
+        std::thread::spawn(move || {
+            loop {
+                std::thread::sleep(Duration::from_millis(200));
+                let since = match *seen.lock().unwrap_or_else(PoisonError::into_inner) {
+                    Some(t) => t.elapsed(),
+                    None => return,
+                };
+                if since > limit {
+                    zeropp_comm::mpi::abort(
+                        3,
+                        &format!(
+                            "no training step completed for {} s (the run's timeout): a peer rank \
+                             or the network between the nodes is gone",
+                            limit.as_secs()
+                        ),
+                    );
+                }
+            }
+        });
+        Self { last }
     }
-    let topo = *comm.topology();
-    if cfg.world != topo.world() || cfg.local_size != topo.local_size() {
-        return Err(EngineError::InvalidConfig(format!(
-            "the configuration asks for {} ranks in nodes of {}, the MPI job has {} ranks in nodes of {}",
-            cfg.world,
-            cfg.local_size,
-            topo.world(),
-            topo.local_size()
-        )));
+
+    fn set(&self, v: Option<Instant>) {
+        *self.last.lock().unwrap_or_else(PoisonError::into_inner) = v;
     }
-    Ok(())
+
+    fn progress(&self) {
+        self.set(Some(Instant::now()));
+    }
+
+    fn stop(&self) {
+        self.set(None);
+    }
 }
 
 /// The per-rank records of one step, gathered from every rank on a side communicator.
@@ -208,15 +254,16 @@ fn decode(bytes: &[u8]) -> Result<RankStep, EngineError> {
     })
 }
 
-/// Trains `model` on `data` with this process as one rank (see [`train_mpi`]).
-fn run_model_mpi<M: Model>(
+/// The run on this rank, once the job is up: the per-rank loop, the step
+/// records gathered to every rank, validation, the report.
+fn run_rank_mpi<M: Model>(
     comm: &mut MpiComm,
     model: &M,
     data: &TextDataset,
     info: &DataInfo,
-    cfg: &TrainConfig,
+    cfg: &RunConfig,
     on_step: &mut dyn FnMut(&StepRecord),
-) -> Result<Option<TrainReport>, EngineError> {
+) -> Result<TrainReport, EngineError> {
     // The same checks as the thread driver, on every rank (they all fail alike).
     let (seq_len, micro) = check_run(model, data, cfg)?;
     let topo = *comm.topology();
@@ -248,17 +295,16 @@ fn run_model_mpi<M: Model>(
         }
         match g.gather(&r) {
             Ok(mut ranks) => {
-                if rank != 0 {
-                    return;
-                }
                 ranks.sort_by_key(|x| x.rank);
                 let rec = aggregate(r.step, &ranks, tokens);
-                if let Some(m) = metrics_cell.borrow_mut().as_mut()
-                    && let Err(e) = m.step(&rec)
-                {
-                    g.error.get_or_insert(e);
+                if rank == 0 {
+                    if let Some(m) = metrics_cell.borrow_mut().as_mut()
+                        && let Err(e) = m.step(&rec)
+                    {
+                        g.error.get_or_insert(e);
+                    }
+                    (on_step.borrow_mut())(&rec);
                 }
-                (on_step.borrow_mut())(&rec);
                 records.borrow_mut().push(rec);
             }
             Err(e) => {
@@ -278,9 +324,6 @@ fn run_model_mpi<M: Model>(
     let mut all_val = vec![0f32; n * world.size()];
     gather.side.all_gather(&world, &result.val_losses, &mut all_val)?;
     drop(gather);
-    if rank != 0 {
-        return Ok(None);
-    }
     let val_loss = if cfg.eval_batches > 0 && n > 0 {
         let mut sum = 0.0f64;
         for r in all_val.chunks(n) {
@@ -295,7 +338,7 @@ fn run_model_mpi<M: Model>(
     if let Some(m) = metrics.as_mut() {
         m.summary(&summary)?;
     }
-    Ok(Some(TrainReport { steps: records, summary, params: None }))
+    Ok(TrainReport { steps: records, summary, params: None, rank })
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
 
 use crate::EngineError;
-use crate::data::TextDataset;
+use crate::data::{DataInfo, TextDataset};
 use crate::engine::bytes::step_bytes;
 use crate::engine::{build_plan, checkpoint};
 use crate::metrics::{MetricsWriter, StepRecord};
@@ -18,22 +18,16 @@ use super::failure::root_cause;
 use super::preflight::{check_run, resume_point};
 use super::rank::{RankJob, RankResult, RankStep, run_rank};
 use super::summary::summarize;
-use super::{Backend, DataInfo, TrainConfig, TrainReport};
+use super::{RunConfig, TrainReport};
 
-/// Trains `model` on `data` on the thread backend (see [`super::train_with`]).
-pub(crate) fn train_model<M: Model>(
+/// Trains `model` on `data` on the thread backend (see [`super::Launch::run`]).
+pub(super) fn run<M: Model>(
     model: &M,
     data: &TextDataset,
     info: &DataInfo,
-    cfg: &TrainConfig,
+    cfg: &RunConfig,
     on_step: &mut dyn FnMut(&StepRecord),
 ) -> Result<TrainReport, EngineError> {
-    if cfg.backend != Backend::Threads {
-        return Err(EngineError::InvalidConfig(
-            "this driver runs the thread backend; the MPI backend runs under `mpirun zeropp train --backend mpi`"
-                .into(),
-        ));
-    }
     let (seq_len, micro) = check_run(model, data, cfg)?;
     let topo = Topology::ranks(cfg.world).per_node(cfg.local_size).map_err(EngineError::InvalidTopology)?;
     let plan = build_plan(model, &cfg.engine, topo)?;
@@ -133,7 +127,7 @@ pub(crate) fn train_model<M: Model>(
     if let Some(m) = metrics.as_mut() {
         m.summary(&summary)?;
     }
-    Ok(TrainReport { steps: records, summary, params })
+    Ok(TrainReport { steps: records, summary, params, rank: 0 })
 }
 
 /// Every rank takes the same skip decision (one f64 norm exchange); a

@@ -6,7 +6,7 @@ use crate::EngineError;
 use crate::data::TextDataset;
 use crate::model::Model;
 
-use super::TrainConfig;
+use super::RunConfig;
 
 /// Checks the engine config, the sequence length, the batch arithmetic, a
 /// non-zero step count, and data large enough for one global batch (and for
@@ -14,7 +14,7 @@ use super::TrainConfig;
 pub(crate) fn check_run<M: Model>(
     model: &M,
     data: &TextDataset,
-    cfg: &TrainConfig,
+    cfg: &RunConfig,
 ) -> Result<(usize, usize), EngineError> {
     cfg.engine.validate(cfg.world, cfg.local_size)?;
     if data.vocab_size() > model.vocab_size() {
@@ -50,7 +50,7 @@ pub(crate) fn check_run<M: Model>(
 /// step and state `load` (the driver's way of reading the checkpoint in
 /// `cfg.resume`) returns. An error when that step is not before the last.
 pub(crate) fn resume_point<S>(
-    cfg: &TrainConfig,
+    cfg: &RunConfig,
     load: impl FnOnce(&Path) -> Result<(usize, S), EngineError>,
 ) -> Result<(usize, Option<S>), EngineError> {
     let (start_step, state) = match &cfg.resume {

@@ -2,7 +2,7 @@
 //!
 //! [`run_rank`] is generic over `C: Communicator + ?Sized`, so every driver
 //! runs the same loop: the thread driver ([`super::threads`]) on a
-//! `ThreadComm`, the MPI driver (`train_mpi`) on an `MpiComm`. Each step's
+//! `ThreadComm`, the MPI driver (`mpi`) on an `MpiComm`. Each step's
 //! [`RankStep`] goes to the driver out of band (no traffic on the engine's
 //! counters), which aggregates them ([`super::aggregate`]).
 
@@ -16,7 +16,7 @@ use crate::engine::checkpoint::{self, RankState};
 use crate::engine::{Inject, Prefetcher, ZeroEngine};
 use crate::model::{Batch, Model};
 
-use super::{Faults, TrainConfig};
+use super::{Faults, RunConfig};
 
 /// What one rank reports after each step (sent out of band to the driver).
 #[derive(Debug, Clone)]
@@ -62,7 +62,7 @@ pub(crate) struct RankJob<'a, M: Model> {
     /// The dataset.
     pub(crate) data: &'a TextDataset,
     /// The run's configuration.
-    pub(crate) cfg: &'a TrainConfig,
+    pub(crate) cfg: &'a RunConfig,
     /// Sequence length.
     pub(crate) seq_len: usize,
     /// First step to run (after a resume).

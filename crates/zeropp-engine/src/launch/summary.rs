@@ -7,7 +7,8 @@ use crate::engine::bytes::ByteModel;
 use crate::metrics::{LinkBytes, StepRecord, Summary};
 use crate::model::Model;
 
-use super::{DataInfo, TrainConfig};
+use super::RunConfig;
+use crate::data::DataInfo;
 
 /// Summarises the step records of a run (the first step is left out of the
 /// times when there are more, as it warms up).
@@ -15,7 +16,7 @@ pub(crate) fn summarize<M: Model>(
     records: &[StepRecord],
     val_loss: Option<f32>,
     info: &DataInfo,
-    cfg: &TrainConfig,
+    cfg: &RunConfig,
     model: &M,
     analytic: &ByteModel,
 ) -> Summary {
