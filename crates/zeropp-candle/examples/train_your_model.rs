@@ -35,7 +35,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return Ok(());
     }
     let s = &r.summary;
+    let nodes = s.world / s.local_size;
     println!("{}: loss {:.3} -> {:.3}, val {:?}", s.model, r.steps[0].loss, s.final_loss, s.val_loss);
+    println!("on {} ranks = {nodes} nodes x {}", s.world, s.local_size);
     println!("cross-node bytes per step {} (model {})", s.bytes_per_step.inter, s.model_bytes_per_step.inter);
     Ok(())
 }

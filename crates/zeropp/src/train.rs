@@ -29,7 +29,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
         && job.world != cfg.run.world
     {
         return Err(format!(
-            "--world {} does not match the {} processes that {} started (mpirun -np, srun -n)",
+            "--world {} does not match the MPI world of {} processes that {} started (mpirun -np, srun -n)",
             cfg.run.world, job.world, job.launcher
         )
         .into());

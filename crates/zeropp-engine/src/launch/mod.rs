@@ -204,6 +204,8 @@ impl<'a, M: Model> Launch<'a, M> {
                 run_mpi(self.model, self.data, &info, self.run, job, self.node_size, on_start, on_step)
             }
             _ => {
+                // The field-naming checks first (world, local_size, hpz_size).
+                self.run.engine.validate(self.run.world, self.run.local_size)?;
                 let topology = Topology::ranks(self.run.world)
                     .per_node(self.run.local_size)
                     .map_err(EngineError::InvalidTopology)?;

@@ -154,7 +154,7 @@ impl Batch {
 /// use zeropp_engine::data::TextDataset;
 /// use zeropp_engine::model::kit::{CallOrder, fill_normal, split_params, split_params_mut, validate_batch};
 /// use zeropp_engine::model::{Batch, LayerSpec, Model, TensorSpec};
-/// use zeropp_engine::train::{TrainConfig, train_model};
+/// use zeropp_engine::{RunConfig, launch};
 ///
 /// /// Layer 0 looks up an embedding; layer 1 maps it to logits (softmax cross-entropy).
 /// struct Bigram { vocab: usize, dim: usize, seq: usize, layers: Vec<LayerSpec> }
@@ -255,8 +255,7 @@ impl Batch {
 /// let tokens: Vec<u32> = (0..8000u32).map(|i| (i * 7 + i / 3) % 16).collect();
 /// let data = TextDataset::from_tokens(16, tokens, 0.1)?;
 /// let model = Bigram::new(16, 8, 8);
-/// let cfg = TrainConfig { steps: 30, world: 4, local_size: 2, ..TrainConfig::tiny() };
-/// let report = train_model(&model, &data, &cfg)?;
+/// let report = launch(&model, &data, &RunConfig::on(4, 2).with_steps(30))?;
 /// assert!(report.steps[29].loss < report.steps[0].loss, "it learns");
 /// assert_eq!(report.summary.bytes_per_step, report.summary.model_bytes_per_step);
 /// # Ok::<(), EngineError>(())
