@@ -166,26 +166,11 @@ fn checkpoints_resume_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = |steps| run(4, 2, ZeroConfig::zeropp(2), steps);
     let full = launch(&model, &data, &cfg(8).run).unwrap();
-    let first = launch(
-        &model,
-        &data,
-        &{
-            let b = cfg(5);
-            TrainConfig { run: RunConfig { save: Some(dir.path().into()), save_every: 3, ..b.run }, ..b }
-        }
-        .run,
-    )
-    .unwrap();
-    let resumed = launch(
-        &model,
-        &data,
-        &{
-            let b = cfg(8);
-            TrainConfig { run: RunConfig { resume: Some(dir.path().into()), ..b.run }, ..b }
-        }
-        .run,
-    )
-    .unwrap();
+    let first =
+        launch(&model, &data, &RunConfig { save: Some(dir.path().into()), save_every: 3, ..cfg(5).run })
+            .unwrap();
+    let resumed =
+        launch(&model, &data, &RunConfig { resume: Some(dir.path().into()), ..cfg(8).run }).unwrap();
     let bits =
         |r: &[zeropp_engine::metrics::StepRecord]| r.iter().map(|s| s.loss.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&first.steps), bits(&full.steps[..5]));

@@ -7,13 +7,15 @@
 //!
 //! Two checks, each with a negative control that CI runs:
 //!
-//! - **the defaults** exactly as `zeropp train` runs them (the default GPT on
-//!   the generated text, 2 nodes × 4, lr 3e-3, 1500 steps), seeds 1-4;
-//!   the control runs the defaults before issue 18 (LoCo error feedback, round
-//!   to nearest) through the same rule and must fail it **on the mean**. At the
-//!   default GPT and 3e-3 those old defaults are at parity (PERFORMANCE.md:
-//!   0.999 over 8 seeds), so the control runs where they are measured to fail:
-//!   [`control_run`].
+//! - **the defaults** (`ZeroConfig::zeropp`) on `zeropp train`'s data,
+//!   topology, lr and steps (the generated text, 2 nodes × 4, lr 3e-3, 1500
+//!   steps) on a smaller GPT ([`control_run`]), seeds 1-4; the control runs the
+//!   defaults before issue 18 (LoCo error feedback, round to nearest) through
+//!   the same rule on the same run and must fail it **on the mean**. At the
+//!   default GPT (108k parameters) those old defaults are at parity
+//!   (PERFORMANCE.md: 0.999 over 8 seeds), so the pair runs where they are
+//!   measured to fail; the default GPT itself is judged by the bench below
+//!   (8 runs of it here took most of CI's test time).
 //! - **tinyshakespeare** (`../shared/data/tinyshakespeare.txt`, found by
 //!   `zeropp_tests::data`): a small GPT on 2 × 2; its control, a coarse qgZ (one
 //!   INT4 scale per 8192 values straddling tensors), must fail.
@@ -37,13 +39,8 @@ const SEEDS: [u64; 4] = [1, 2, 3, 4];
 
 /// Final validation loss of `cfg` with `zero` and `seed` (no skipped step).
 fn val_loss(cfg: &TrainConfig, zero: ZeroConfig, seed: u64) -> f64 {
-    let cfg = {
-        let b = cfg.clone();
-        TrainConfig {
-            run: RunConfig { engine: EngineConfig { zero, seed, ..cfg.run.engine.clone() }, ..b.run },
-            ..b
-        }
-    };
+    let mut cfg = cfg.clone();
+    (cfg.run.engine.zero, cfg.run.engine.seed) = (zero, seed);
     let r = train(&cfg).unwrap();
     assert_eq!(r.summary.steps, cfg.run.steps);
     assert_eq!(r.summary.skipped_steps, 0, "{}: seed {seed}", zero.label());
@@ -68,12 +65,6 @@ fn judged(what: &str, variant: &[f64], baseline: &[f64]) -> Judged {
     j
 }
 
-/// `zeropp train`'s run (TrainConfig::default: the default GPT on the generated
-/// text, 2 nodes × 4, global batch 16, lr 3e-3) for 1500 steps.
-fn default_run() -> TrainConfig {
-    TrainConfig { run: RunConfig { steps: 1500, ..RunConfig::default() }, ..TrainConfig::default() }
-}
-
 /// The old defaults (before issue 18): LoCo error feedback with f32 residuals,
 /// round to nearest, the 1-D exclusion.
 fn old_defaults(local: usize) -> ZeroConfig {
@@ -82,37 +73,28 @@ fn old_defaults(local: usize) -> ZeroConfig {
     ZeroConfig { qgz: Some(old), ..ZeroConfig::zeropp(local) }
 }
 
-/// Where the old defaults' negative control runs: the default run's data,
-/// topology, lr and steps on a smaller GPT (d 32, 2 layers, seq 32: 29k
+/// Where the defaults and the old defaults' negative control run:
+/// `zeropp train`'s data, topology, global batch and lr
+/// ([`TrainConfig::default`]) for 1500 steps on a smaller GPT (d 32, 2 layers, seq 32: 29k
 /// parameters; CI time). Measured through the CLI, ZeRO-3's spread is 1.3% over
 /// 8 seeds there (calm), the old defaults score 1.017 on the mean of 8 seeds
 /// (1.026 on seeds 1-4) and the defaults 1.000 (1.006). At 600 steps the same
 /// model is still on the loss plateau (val loss 2.9 against a floor of 1.15).
 fn control_run() -> TrainConfig {
     let gpt = GptConfig { d_model: 32, n_head: 2, n_layer: 2, seq_len: 32, ..GptConfig::default_small() };
-    TrainConfig { model: ModelChoice::Gpt(gpt), ..default_run() }
+    let d = TrainConfig::default();
+    TrainConfig { model: ModelChoice::Gpt(gpt), run: d.run.with_steps(1500), ..d }
 }
 
-static DEFAULT_ZERO3: OnceLock<Vec<f64>> = OnceLock::new();
 static CONTROL_ZERO3: OnceLock<Vec<f64>> = OnceLock::new();
 
-/// The defaults (`ZeroConfig::zeropp`: stochastic rounding in qgZ, the 1-D
-/// exclusion, no error feedback) meet the two-sided rule on the generated text
-/// at the default lr. No data file needed: the corpus is generated.
+/// The defaults meet the two-sided rule on the generated text at the default
+/// lr (no data file needed: the corpus is generated), and, as the negative
+/// control, the old defaults fail the same rule on the mean on the same run
+/// ([`control_run`]), where they are measured to train worse: the rule, not
+/// the run, is what tells them apart.
 #[test]
-fn the_defaults_meet_the_rule_on_the_generated_text() {
-    let run = default_run();
-    let z3 = zero3_once(&DEFAULT_ZERO3, &run);
-    let j = judged("defaults", &val_losses(&run, ZeroConfig::zeropp(run.run.local_size)), z3);
-    assert!(j.passed(), "the defaults fail the rule: {j}");
-}
-
-/// The negative control of the check above: the old defaults fail the same
-/// rule on the mean, where they are measured to train worse ([`control_run`]).
-/// The current defaults pass on the same run, so the rule, not the run, is what
-/// tells them apart.
-#[test]
-fn the_old_defaults_fail_the_rule_on_the_mean() {
+fn the_defaults_meet_the_rule_and_the_old_defaults_fail_it_on_the_mean() {
     let run = control_run();
     let z3 = zero3_once(&CONTROL_ZERO3, &run);
     let old = judged("old defaults (control run)", &val_losses(&run, old_defaults(run.run.local_size)), z3);
