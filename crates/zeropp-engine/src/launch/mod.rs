@@ -187,6 +187,7 @@ impl<'a, M: Model> Launch<'a, M> {
         let mut no_step = |_: &StepRecord| {};
         let on_start = self.on_start.unwrap_or(&mut no_start);
         let on_step = self.on_step.unwrap_or(&mut no_step);
+        let work = Work { model: self.model, data: self.data, info: &info, run: self.run };
         match backend {
             Backend::Mpi => {
                 if self.run.link.is_some() {
@@ -201,7 +202,10 @@ impl<'a, M: Model> Launch<'a, M> {
                         "`keep_params` is supported on the thread backend only".into(),
                     ));
                 }
-                run_mpi(self.model, self.data, &info, self.run, job, self.node_size, on_start, on_step)
+                #[cfg(feature = "mpi")]
+                return mpi::run(work, job, self.node_size, on_start, on_step);
+                #[cfg(not(feature = "mpi"))]
+                return Err(no_mpi_feature(job));
             }
             _ => {
                 // The field-naming checks first (world, local_size, hpz_size).
@@ -210,49 +214,43 @@ impl<'a, M: Model> Launch<'a, M> {
                     .per_node(self.run.local_size)
                     .map_err(EngineError::InvalidTopology)?;
                 on_start(&Started { backend, rank: 0, topology, job, mpi_thread_level: None });
-                threads::run(self.model, self.data, &info, self.run, on_step)
+                threads::run(work, on_step)
             }
         }
     }
 }
 
-/// The MPI driver (feature `mpi`).
-#[cfg(feature = "mpi")]
-#[allow(clippy::too_many_arguments)]
-fn run_mpi<M: Model>(
-    model: &M,
-    data: &TextDataset,
-    info: &DataInfo,
-    run: &RunConfig,
-    job: Option<Job>,
-    node_size: Option<usize>,
-    on_start: OnStart<'_>,
-    on_step: OnStep<'_>,
-) -> Result<TrainReport, EngineError> {
-    mpi::run(model, data, info, run, job, node_size, on_start, on_step)
+/// What a driver runs: the model, the data and its description, the settings.
+pub(crate) struct Work<'a, M: Model> {
+    /// The model.
+    pub(crate) model: &'a M,
+    /// The data.
+    pub(crate) data: &'a TextDataset,
+    /// The data's description, for the summary.
+    pub(crate) info: &'a DataInfo,
+    /// The run's settings.
+    pub(crate) run: &'a RunConfig,
 }
 
-/// Without the `mpi` feature: an error that says what to do.
+impl<M: Model> Clone for Work<'_, M> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<M: Model> Copy for Work<'_, M> {}
+
+/// The error of a run that needs MPI in a build without the `mpi` feature.
 #[cfg(not(feature = "mpi"))]
-#[allow(clippy::too_many_arguments)]
-fn run_mpi<M: Model>(
-    _model: &M,
-    _data: &TextDataset,
-    _info: &DataInfo,
-    _run: &RunConfig,
-    job: Option<Job>,
-    _node_size: Option<usize>,
-    _on_start: OnStart<'_>,
-    _on_step: OnStep<'_>,
-) -> Result<TrainReport, EngineError> {
+fn no_mpi_feature(job: Option<Job>) -> EngineError {
     let who = match job {
         Some(j) => format!("this process is rank {} of {} under {}, but ", j.rank, j.world, j.launcher),
         None => String::new(),
     };
-    Err(EngineError::InvalidConfig(format!(
+    EngineError::InvalidConfig(format!(
         "{who}zeropp-engine was built without the `mpi` feature: rebuild with `--features mpi`, or \
          set `backend` to Backend::Threads to simulate the cluster in each process"
-    )))
+    ))
 }
 
 /// Runs `model` on `data` as `run` says and returns the report (see the

@@ -23,26 +23,20 @@ use zeropp_comm::mpi::{MpiComm, MpiOptions};
 use zeropp_comm::{CommExt, Communicator, Group, OpTraffic, TrafficSnapshot};
 
 use crate::EngineError;
-use crate::data::{DataInfo, TextDataset};
-use crate::engine::{build_plan, bytes::step_bytes};
 use crate::metrics::{MetricsWriter, StepRecord};
 use crate::model::Model;
 
 use super::aggregate::aggregate;
-use super::preflight::{check_run, resume_point};
+use super::preflight::{Prepared, prepare, resume_point};
 use super::rank::{RankJob, RankStep, run_rank};
-use super::summary::summarize;
-use super::{Backend, Job, RunConfig, Started, TrainReport};
+use super::summary::{mean_val_loss, summarize};
+use super::{Backend, Job, Started, TrainReport, Work};
 
 /// Trains `model` on `data` with this process as one rank of the MPI job: MPI
 /// starts, the job's world and node size replace `run`'s, and any error from
 /// then on aborts the job (see the module docs).
-#[allow(clippy::too_many_arguments)]
 pub(super) fn run<M: Model>(
-    model: &M,
-    data: &TextDataset,
-    info: &DataInfo,
-    run: &RunConfig,
+    work: Work<'_, M>,
     job: Option<Job>,
     node_size: Option<usize>,
     on_start: &mut dyn FnMut(&Started),
@@ -63,7 +57,7 @@ pub(super) fn run<M: Model>(
                 topo.world()
             )));
         }
-        let run = run.on_job(topo.world(), topo.local_size());
+        let run = work.run.on_job(topo.world(), topo.local_size());
         on_start(&Started {
             backend: Backend::Mpi,
             rank,
@@ -78,7 +72,7 @@ pub(super) fn run<M: Model>(
             }
             on_step(r);
         };
-        let report = run_rank_mpi(&mut comm, model, data, info, &run, &mut progress);
+        let report = run_rank_mpi(&mut comm, Work { run: &run, ..work }, &mut progress);
         if let Some(w) = &watchdog {
             w.stop();
         }
@@ -258,18 +252,14 @@ fn decode(bytes: &[u8]) -> Result<RankStep, EngineError> {
 /// records gathered to every rank, validation, the report.
 fn run_rank_mpi<M: Model>(
     comm: &mut MpiComm,
-    model: &M,
-    data: &TextDataset,
-    info: &DataInfo,
-    cfg: &RunConfig,
+    work: Work<'_, M>,
     on_step: &mut dyn FnMut(&StepRecord),
 ) -> Result<TrainReport, EngineError> {
-    // The same checks as the thread driver, on every rank (they all fail alike).
-    let (seq_len, micro) = check_run(model, data, cfg)?;
+    let Work { model, data, info, run: cfg } = work;
     let topo = *comm.topology();
     let rank = comm.rank();
-    let plan = build_plan(model, &cfg.engine, topo)?;
-    let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
+    // The same checks as the thread driver, on every rank (they all fail alike).
+    let Prepared { seq_len, tokens, plan, analytic } = prepare(&work, topo)?;
 
     // Resume: every rank reads only its own state from the checkpoint; all fail
     // together if one cannot.
@@ -280,7 +270,6 @@ fn run_rank_mpi<M: Model>(
         (Some(p), 0) => Some(MetricsWriter::create(p)?),
         _ => None,
     };
-    let tokens = micro * cfg.world * cfg.engine.grad_accum * seq_len;
 
     let world = Group::world(&topo);
     let side = comm.split_stream()?;
@@ -324,15 +313,7 @@ fn run_rank_mpi<M: Model>(
     let mut all_val = vec![0f32; n * world.size()];
     gather.side.all_gather(&world, &result.val_losses, &mut all_val)?;
     drop(gather);
-    let val_loss = if cfg.eval_batches > 0 && n > 0 {
-        let mut sum = 0.0f64;
-        for r in all_val.chunks(n) {
-            sum += r.iter().map(|&v| f64::from(v)).sum::<f64>();
-        }
-        Some((sum / (n * world.size()) as f64) as f32)
-    } else {
-        None
-    };
+    let val_loss = if cfg.eval_batches > 0 && n > 0 { mean_val_loss(all_val.chunks(n)) } else { None };
     let records = records.into_inner();
     let summary = summarize(&records, val_loss, info, cfg, model, &analytic);
     if let Some(m) = metrics.as_mut() {

@@ -2,11 +2,38 @@
 
 use std::path::Path;
 
+use zeropp_comm::Topology;
+use zeropp_partition::PartitionPlan;
+
 use crate::EngineError;
 use crate::data::TextDataset;
+use crate::engine::build_plan;
+use crate::engine::bytes::{ByteModel, step_bytes};
 use crate::model::Model;
 
-use super::RunConfig;
+use super::{RunConfig, Work};
+
+/// A run checked and planned on its cluster: what both drivers start from.
+pub(crate) struct Prepared {
+    /// The model's sequence length.
+    pub(crate) seq_len: usize,
+    /// Tokens per optimizer step, over all ranks.
+    pub(crate) tokens: usize,
+    /// The partition plan of the model on the cluster.
+    pub(crate) plan: PartitionPlan,
+    /// The analytic bytes per step.
+    pub(crate) analytic: ByteModel,
+}
+
+/// [`check_run`], then the plan on `topo` and its analytic bytes.
+pub(crate) fn prepare<M: Model>(work: &Work<'_, M>, topo: Topology) -> Result<Prepared, EngineError> {
+    let cfg = work.run;
+    let (seq_len, micro) = check_run(work.model, work.data, cfg)?;
+    let plan = build_plan(work.model, &cfg.engine, topo)?;
+    let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
+    let tokens = micro * cfg.world * cfg.engine.grad_accum * seq_len;
+    Ok(Prepared { seq_len, tokens, plan, analytic })
+}
 
 /// Checks the engine config, the sequence length, the batch arithmetic, a
 /// non-zero step count, and data large enough for one global batch (and for

@@ -57,3 +57,15 @@ pub(crate) fn summarize<M: Model>(
         model_bytes_by_op: analytic.by_op.clone(),
     }
 }
+
+/// The mean validation loss over every rank's batches, given per rank in rank
+/// order (`None` when none ran). Per-rank sums first, then over the ranks, in
+/// f64: both drivers sum in this order, so their losses agree bitwise.
+pub(crate) fn mean_val_loss<'a>(ranks: impl Iterator<Item = &'a [f32]>) -> Option<f32> {
+    let (mut sum, mut count) = (0.0f64, 0usize);
+    for r in ranks {
+        sum += r.iter().map(|&v| f64::from(v)).sum::<f64>();
+        count += r.len();
+    }
+    (count > 0).then(|| (sum / count as f64) as f32)
+}

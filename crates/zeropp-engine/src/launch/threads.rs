@@ -7,31 +7,25 @@ use std::sync::mpsc;
 use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
 
 use crate::EngineError;
-use crate::data::{DataInfo, TextDataset};
-use crate::engine::bytes::step_bytes;
-use crate::engine::{build_plan, checkpoint};
+use crate::engine::checkpoint;
 use crate::metrics::{MetricsWriter, StepRecord};
 use crate::model::Model;
 
 use super::aggregate::aggregate;
 use super::failure::root_cause;
-use super::preflight::{check_run, resume_point};
+use super::preflight::{Prepared, prepare, resume_point};
 use super::rank::{RankJob, RankResult, RankStep, run_rank};
-use super::summary::summarize;
-use super::{RunConfig, TrainReport};
+use super::summary::{mean_val_loss, summarize};
+use super::{TrainReport, Work};
 
-/// Trains `model` on `data` on the thread backend (see [`super::Launch::run`]).
+/// Trains on the thread backend (see [`super::Launch::run`]).
 pub(super) fn run<M: Model>(
-    model: &M,
-    data: &TextDataset,
-    info: &DataInfo,
-    cfg: &RunConfig,
+    work: Work<'_, M>,
     on_step: &mut dyn FnMut(&StepRecord),
 ) -> Result<TrainReport, EngineError> {
-    let (seq_len, micro) = check_run(model, data, cfg)?;
+    let Work { model, data, info, run: cfg } = work;
     let topo = Topology::ranks(cfg.world).per_node(cfg.local_size).map_err(EngineError::InvalidTopology)?;
-    let plan = build_plan(model, &cfg.engine, topo)?;
-    let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
+    let Prepared { seq_len, tokens, plan, analytic } = prepare(&work, topo)?;
 
     // Resume: read every rank's state before starting the ranks.
     let (start_step, resume_states) = resume_point(cfg, |dir| checkpoint::load(dir, &plan, &cfg.engine))?;
@@ -45,7 +39,6 @@ pub(super) fn run<M: Model>(
         options = options.with_link_model(l);
     }
     let cluster = ThreadCluster::new(topo, options);
-    let tokens = micro * cfg.world * cfg.engine.grad_accum * seq_len;
 
     let (tx, rx) = mpsc::channel::<RankStep>();
     let mut records = Vec::new();
@@ -108,7 +101,8 @@ pub(super) fn run<M: Model>(
     ok.sort_by_key(|r| r.rank);
     check_skips_agree(&ok)?;
 
-    let val_loss = if cfg.eval_batches > 0 { mean_val_loss(&ok) } else { None };
+    let val_loss =
+        if cfg.eval_batches > 0 { mean_val_loss(ok.iter().map(|r| r.val_losses.as_slice())) } else { None };
     let params = if cfg.keep_params {
         let mut full = Vec::new();
         for l in 0..plan.num_buckets() {
@@ -142,15 +136,4 @@ fn check_skips_agree(ranks: &[RankResult]) -> Result<(), EngineError> {
         )));
     }
     Ok(())
-}
-
-/// The mean validation loss over every rank's batches (`None` when none ran).
-fn mean_val_loss(ranks: &[RankResult]) -> Option<f32> {
-    let n = ranks.first().map_or(0, |r| r.val_losses.len());
-    // Per-rank sums first, then over ranks: the MPI driver sums in the same order.
-    let mut sum = 0.0f64;
-    for r in ranks {
-        sum += r.val_losses.iter().map(|&v| f64::from(v)).sum::<f64>();
-    }
-    (n > 0).then(|| (sum / (n * ranks.len()) as f64) as f32)
 }

@@ -174,6 +174,31 @@ impl QgzStages {
         check_shard("qgz_reduce_scatter", self.n, self.topo.world(), shard.len()).map(|_| ())
     }
 
+    /// Checks the buffers of hop 1 and of the hand-over to hop 2 (the shard, the
+    /// intra-node buffer `intra`, named `what`, the own chunk and the inter-node
+    /// send buffer) and returns where this rank stands.
+    fn hop1(
+        &self,
+        what: &str,
+        shard: &[f32],
+        intra: &[u8],
+        own: &[u8],
+        inter_send: &[u8],
+    ) -> Result<Here, CommError> {
+        let t = &self.topo;
+        self.check_shard(shard)?;
+        check_len(what, t.local_size() * self.intra_chunk_len(), intra.len())?;
+        check_len("qgz: own-chunk buffer", self.own_len(), own.len())?;
+        check_len("qgz: inter-node send buffer", t.nodes() * self.inter_chunk_len(), inter_send.len())?;
+        Ok(Here {
+            s: self.s,
+            nodes: t.nodes(),
+            local: t.local_size(),
+            me_node: t.node_of(self.rank),
+            me_local: t.local_rank(self.rank),
+        })
+    }
+
     pub(super) fn pack_with(
         &self,
         grad: &[f32],
@@ -183,18 +208,14 @@ impl QgzStages {
         shard: &mut [f32],
         mut feedback: Option<&mut Feedback<'_>>,
     ) -> Result<(), CommError> {
-        let (topo, s) = (&self.topo, self.s);
-        let (nodes, local) = (topo.nodes(), topo.local_size());
-        self.check_shard(shard)?;
         check_len("qgz: gradient", self.n, grad.len())?;
-        check_len("qgz: intra-node send buffer", local * self.intra_chunk_len(), intra_send.len())?;
-        check_len("qgz: own-chunk buffer", self.own_len(), own.len())?;
-        check_len("qgz: inter-node send buffer", nodes * self.inter_chunk_len(), inter_send.len())?;
+        let Here { s, nodes, local, me_node, me_local } =
+            self.hop1("qgz: intra-node send buffer", shard, intra_send, own, inter_send)?;
+        let topo = &self.topo;
         if topo.world() == 1 {
             shard.copy_from_slice(grad);
             return Ok(());
         }
-        let (me_node, me_local) = (topo.node_of(self.rank), topo.local_rank(self.rank));
         let q = &self.opts.quant;
         let beta = feedback.as_ref().map_or(0.0, |f| f.beta);
         shard.fill(0.0);
@@ -249,17 +270,12 @@ impl QgzStages {
         shard: &mut [f32],
         mut feedback: Option<&mut Feedback<'_>>,
     ) -> Result<(), CommError> {
-        let (topo, s) = (&self.topo, self.s);
-        let (nodes, local) = (topo.nodes(), topo.local_size());
-        self.check_shard(shard)?;
-        check_len("qgz: intra-node receive buffer", local * self.intra_chunk_len(), intra_recv.len())?;
-        check_len("qgz: own-chunk buffer", self.own_len(), own.len())?;
+        let Here { s, nodes, local, me_node, me_local } =
+            self.hop1("qgz: intra-node receive buffer", shard, intra_recv, own, inter_send)?;
         let ei = self.inter_chunk_len();
-        check_len("qgz: inter-node send buffer", nodes * ei, inter_send.len())?;
-        if local <= 1 || topo.world() == 1 {
+        if local <= 1 || self.topo.world() == 1 {
             return Ok(());
         }
-        let (me_node, me_local) = (topo.node_of(self.rank), topo.local_rank(self.rank));
         let q = &self.opts.quant;
         let (ea, el) = (encoded_len(self.opts.intra_spec, s), encoded_len(self.opts.local_spec, s));
         // Per destination node m: the L encodings of shard (m, me_local), in
@@ -397,4 +413,14 @@ fn encode_part(
 
 fn residual_oob(part: usize, s: usize) -> CommError {
     CommError::Mismatch(format!("qgz: error-feedback residual has no shard {part} of {s} elements"))
+}
+
+/// Where a rank stands in hop 1: the shard length, the cluster's shape and its
+/// own node and local rank.
+struct Here {
+    s: usize,
+    nodes: usize,
+    local: usize,
+    me_node: usize,
+    me_local: usize,
 }
