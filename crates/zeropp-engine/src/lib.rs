@@ -34,7 +34,8 @@
 //!   character-level text dataset and world-size-independent batch sampling.
 //! - [`config`], [`deepspeed`]: the ZeRO-3 / ZeRO++ switches, batch arithmetic
 //!   and a DeepSpeed JSON reader.
-//! - [`optim`]: AdamW on f32 master shards.
+//! - [`optim`]: AdamW on f32 master shards; [`reference`]: the sequential
+//!   reference a sharded run must equal.
 //! - [`engine`]: the per-rank ZeRO-3 / ZeRO++ step (gathers, prefetch, hpZ,
 //!   qgZ, clipping, skip on non-finite gradients) and the analytic byte model.
 //! - [`launch`](mod@launch): the door, its [`RunConfig`], the launcher
@@ -56,6 +57,7 @@ pub mod engine;
 pub mod launch;
 pub mod metrics;
 pub mod optim;
+pub mod reference;
 pub mod train;
 
 pub use config::{EngineConfig, ZeroConfig};

@@ -5,10 +5,9 @@
 use zeropp_candle::CandleModel;
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
-use zeropp_engine::data::{TextDataset, shard};
+use zeropp_engine::data::TextDataset;
 use zeropp_engine::launch;
-use zeropp_engine::model::{Model, full_forward_backward, init_params};
-use zeropp_engine::optim::{AdamW, clip_factor};
+use zeropp_engine::reference::{Summation, train_sequential};
 use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
 
 use crate::tiny_llama;
@@ -57,54 +56,9 @@ fn reference(
     nodes: usize,
     local: usize,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let e = &cfg.run.engine;
-    let w = nodes * local;
-    let mut params = init_params(model, e.seed).unwrap();
-    let mut opts: Vec<AdamW> = params.iter().map(|p| AdamW::new(e.optim, p.len())).collect();
-    let micro = e.global_batch / e.grad_accum;
-    let zeros =
-        |params: &[Vec<f32>]| -> Vec<Vec<f32>> { params.iter().map(|p| vec![0.0; p.len()]).collect() };
-    let add = |acc: &mut Vec<Vec<f32>>, g: &[Vec<f32>]| {
-        for (a, g) in acc.iter_mut().zip(g) {
-            a.iter_mut().zip(g).for_each(|(a, g)| *a += g);
-        }
-    };
-    let mut losses = Vec::new();
-    for step in 0..cfg.run.steps {
-        let mut acc = zeros(&params);
-        let mut loss = 0.0;
-        for m in 0..e.grad_accum {
-            let b = data.global_batch(step as u64, m, micro, model.seq_len(), e.seed).unwrap();
-            let mut total = zeros(&params);
-            for node in 0..nodes {
-                let mut partial = zeros(&params);
-                for j in 0..local {
-                    let (l, g) =
-                        full_forward_backward(model, &params, &shard(&b, node * local + j, w).unwrap())
-                            .unwrap();
-                    loss += l / (e.grad_accum * w) as f32;
-                    add(&mut partial, &g);
-                }
-                add(&mut total, &partial);
-            }
-            for t in total.iter_mut().flatten() {
-                *t /= w as f32;
-            }
-            add(&mut acc, &total);
-        }
-        if e.grad_accum > 1 {
-            for a in acc.iter_mut().flatten() {
-                *a /= e.grad_accum as f32;
-            }
-        }
-        let norm = acc.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>().sqrt() as f32;
-        let f = clip_factor(norm, e.gradient_clipping);
-        for ((p, g), o) in params.iter_mut().zip(&acc).zip(&mut opts) {
-            o.step(p, g, f).unwrap();
-        }
-        losses.push(loss);
-    }
-    (losses, params)
+    let order = Summation::Ranks { nodes, local };
+    let r = train_sequential(model, data, &cfg.run.engine, cfg.run.steps, order).unwrap();
+    (r.losses, r.params)
 }
 
 #[test]

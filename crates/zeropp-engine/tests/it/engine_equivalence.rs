@@ -3,10 +3,9 @@
 
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
-use zeropp_engine::data::TextDataset;
-use zeropp_engine::model::{Gpt, GptConfig, Model, full_forward_backward, init_params};
-use zeropp_engine::optim::{AdamW, clip_factor};
-use zeropp_engine::train::{ModelChoice, TrainConfig, load_data, train};
+use zeropp_engine::model::{Gpt, GptConfig, Model};
+use zeropp_engine::reference::{Summation, train_sequential};
+use zeropp_engine::train::{TrainConfig, train};
 
 const STEPS: usize = 20;
 
@@ -27,35 +26,9 @@ fn base(world: usize, local: usize, zero: ZeroConfig) -> TrainConfig {
 
 /// Single-rank reference: the same global batches, full forward/backward, AdamW.
 fn reference(cfg: &TrainConfig) -> (Vec<f32>, Vec<Vec<f32>>) {
-    let (data, _): (TextDataset, _) = load_data(&cfg.data).unwrap();
-    let ModelChoice::Gpt(g) = &cfg.model else { unreachable!() };
-    let model = Gpt::new(g.with_vocab(data.vocab_size())).unwrap();
-    let e = &cfg.run.engine;
-    let mut params = init_params(&model, e.seed).unwrap();
-    let mut opts: Vec<AdamW> = params.iter().map(|p| AdamW::new(e.optim, p.len())).collect();
-    let micro = e.global_batch / e.grad_accum;
-    let mut losses = Vec::new();
-    for step in 0..cfg.run.steps {
-        let mut acc: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
-        let mut loss = 0.0;
-        for m in 0..e.grad_accum {
-            let b = data.global_batch(step as u64, m, micro, model.seq_len(), e.seed).unwrap();
-            let (l, g) = full_forward_backward(&model, &params, &b).unwrap();
-            loss += l / e.grad_accum as f32;
-            for (a, g) in acc.iter_mut().zip(&g) {
-                for (a, g) in a.iter_mut().zip(g) {
-                    *a += g / e.grad_accum as f32;
-                }
-            }
-        }
-        let norm = acc.iter().flatten().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>().sqrt() as f32;
-        let f = clip_factor(norm, e.gradient_clipping);
-        for ((p, g), o) in params.iter_mut().zip(&acc).zip(&mut opts) {
-            o.step(p, g, f).unwrap();
-        }
-        losses.push(loss);
-    }
-    (losses, params)
+    let (model, data, _) = cfg.build().unwrap();
+    let r = train_sequential(&model, &data, &cfg.run.engine, cfg.run.steps, Summation::Batch).unwrap();
+    (r.losses, r.params)
 }
 
 /// Per layer, the flat range of the attention key bias (empty for other layers).
