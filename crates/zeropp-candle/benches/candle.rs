@@ -30,33 +30,24 @@ use zeropp_engine::RunConfig;
 
 use candle_core::{D, DType, Device, Tensor};
 use zeropp_candle::{CandleModel, LlamaConfig};
-use zeropp_engine::config::{CommDtype, EngineConfig, ZeroConfig};
+use zeropp_engine::config::{CommDtype, ZeroConfig};
 use zeropp_engine::data::TextDataset;
 use zeropp_engine::model::{Gpt, GptConfig, Model};
-use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
+use zeropp_engine::train::{DataChoice, load_data};
 use zeropp_engine::{TrainReport, launch};
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-fn cfg(world: usize, local: usize, zero: ZeroConfig, steps: usize) -> TrainConfig {
-    TrainConfig {
-        run: RunConfig {
-            world,
-            local_size: local,
-            steps,
-            eval_batches: 0,
-            engine: EngineConfig { zero, global_batch: 16, ..EngineConfig::default() },
-            ..RunConfig::default()
-        },
-        ..TrainConfig::default()
-    }
+/// The default run (global batch 16) on `world` ranks in nodes of `local`, no validation.
+fn cfg(world: usize, local: usize, zero: ZeroConfig, steps: usize) -> RunConfig {
+    RunConfig { eval_batches: 0, ..RunConfig::on(world, local).with_zero(zero).with_steps(steps) }
 }
 
 /// Mean step time of `model` over `steps` steps (the first 2 dropped).
-fn step_time<M: Model>(model: &M, data: &TextDataset, c: &TrainConfig) -> f64 {
-    let r: TrainReport = launch(model, data, &c.run).unwrap();
+fn step_time<M: Model>(model: &M, data: &TextDataset, c: &RunConfig) -> f64 {
+    let r: TrainReport = launch(model, data, c).unwrap();
     let t: Vec<f64> = r.steps.iter().skip(2).map(|s| s.step_time_s).collect();
     t.iter().sum::<f64>() / t.len() as f64
 }
@@ -185,9 +176,9 @@ fn main() {
             for seed in 1..=seeds as u64 {
                 let val = |zero: ZeroConfig| -> f64 {
                     let mut c = cfg(8, 4, zero, fid_steps);
-                    c.run.eval_batches = 16;
-                    c.run.engine.seed = seed;
-                    f64::from(launch(&model, &shake, &c.run).unwrap().summary.val_loss.unwrap())
+                    c.eval_batches = 16;
+                    c.engine.seed = seed;
+                    f64::from(launch(&model, &shake, &c).unwrap().summary.val_loss.unwrap())
                 };
                 let (a, b) = (val(ZeroConfig::zero3()), val(ZeroConfig::zeropp(4)));
                 eprintln!(

@@ -61,7 +61,7 @@ pub fn train_sequential<M: Model>(
     summation: Summation,
 ) -> Result<Reference, EngineError> {
     let e = engine;
-    if e.grad_accum == 0 || e.global_batch % e.grad_accum != 0 {
+    if e.grad_accum == 0 || !e.global_batch.is_multiple_of(e.grad_accum) {
         return Err(EngineError::InvalidConfig(format!(
             "global_batch {} is not a whole number of grad_accum {} micro-batches",
             e.global_batch, e.grad_accum

@@ -8,7 +8,7 @@ use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
 use zeropp_engine::launch;
 use zeropp_engine::reference::{Summation, train_sequential};
-use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
+use zeropp_engine::train::{DataChoice, load_data};
 
 use crate::tiny_llama;
 
@@ -18,27 +18,24 @@ fn data() -> TextDataset {
     load_data(&DataChoice::Markov { seed: 3, chars: 20_000 }).unwrap().0
 }
 
-fn run(world: usize, local: usize, zero: ZeroConfig, steps: usize) -> TrainConfig {
-    TrainConfig {
-        run: RunConfig {
-            world,
-            local_size: local,
-            steps,
-            eval_batches: 0,
-            keep_params: true,
-            engine: EngineConfig {
-                zero,
-                optim: AdamWConfig { lr: 1e-2, weight_decay: 0.01, ..AdamWConfig::default() },
-                global_batch: 16,
-                grad_accum: 2,
-                // Low enough that clipping acts on most steps, so the global gradient
-                // norm (summed over the ranks' shards) is part of what is compared.
-                gradient_clipping: Some(0.05),
-                seed: 7,
-            },
-            ..RunConfig::default()
+fn run(world: usize, local: usize, zero: ZeroConfig, steps: usize) -> RunConfig {
+    RunConfig {
+        world,
+        local_size: local,
+        steps,
+        eval_batches: 0,
+        keep_params: true,
+        engine: EngineConfig {
+            zero,
+            optim: AdamWConfig { lr: 1e-2, weight_decay: 0.01, ..AdamWConfig::default() },
+            global_batch: 16,
+            grad_accum: 2,
+            // Low enough that clipping acts on most steps, so the global gradient
+            // norm (summed over the ranks' shards) is part of what is compared.
+            gradient_clipping: Some(0.05),
+            seed: 7,
         },
-        ..TrainConfig::default()
+        ..RunConfig::default()
     }
 }
 
@@ -52,12 +49,12 @@ fn run(world: usize, local: usize, zero: ZeroConfig, steps: usize) -> TrainConfi
 fn reference(
     model: &CandleModel,
     data: &TextDataset,
-    cfg: &TrainConfig,
+    cfg: &RunConfig,
     nodes: usize,
     local: usize,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let order = Summation::Ranks { nodes, local };
-    let r = train_sequential(model, data, &cfg.run.engine, cfg.run.steps, order).unwrap();
+    let r = train_sequential(model, data, &cfg.engine, cfg.steps, order).unwrap();
     (r.losses, r.params)
 }
 
@@ -68,7 +65,7 @@ fn zero3_f32_equals_single_rank_candle_training() {
     let zero = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
     for (w, l) in [(4, 2), (8, 4)] {
         let (ref_losses, ref_params) = reference(&model, &data, &run(w, l, zero, STEPS), w / l, l);
-        let r = launch(&model, &data, &run(w, l, zero, STEPS).run).unwrap();
+        let r = launch(&model, &data, &run(w, l, zero, STEPS)).unwrap();
         let mut worst = 0.0f32;
         for (s, want) in r.steps.iter().zip(&ref_losses) {
             worst = worst.max((s.loss - want).abs() / want.abs());
@@ -100,7 +97,7 @@ fn zero3_f32_equals_single_rank_candle_training() {
 fn zeropp_trains_the_candle_llama_and_counts_its_bytes() {
     let data = data();
     let model = tiny_llama(data.vocab_size());
-    let r = launch(&model, &data, &(run(8, 4, ZeroConfig::zeropp(4), 60)).run).unwrap();
+    let r = launch(&model, &data, &run(8, 4, ZeroConfig::zeropp(4), 60)).unwrap();
     let mean =
         |s: &[zeropp_engine::metrics::StepRecord]| s.iter().map(|s| s.loss).sum::<f32>() / s.len() as f32;
     let (first, last) = (mean(&r.steps[..10]), mean(&r.steps[50..]));
@@ -108,7 +105,7 @@ fn zeropp_trains_the_candle_llama_and_counts_its_bytes() {
     assert!(last < first - 0.15, "{first} -> {last}");
     // Cross-node bytes equal the analytic model, as for the native models.
     assert_eq!(r.summary.bytes_per_step, r.summary.model_bytes_per_step);
-    let z3 = launch(&model, &data, &(run(8, 4, ZeroConfig::zero3(), 2)).run).unwrap();
+    let z3 = launch(&model, &data, &run(8, 4, ZeroConfig::zero3(), 2)).unwrap();
     let ratio = r.summary.bytes_per_step.inter / z3.summary.bytes_per_step.inter;
     assert!(ratio < 0.35, "ZeRO++ / ZeRO-3 cross-node bytes {ratio}");
 }
@@ -119,12 +116,10 @@ fn checkpoints_resume_bit_for_bit() {
     let model = tiny_llama(data.vocab_size());
     let dir = tempfile::tempdir().unwrap();
     let cfg = |steps| run(4, 2, ZeroConfig::zeropp(2), steps);
-    let full = launch(&model, &data, &cfg(8).run).unwrap();
+    let full = launch(&model, &data, &cfg(8)).unwrap();
     let first =
-        launch(&model, &data, &RunConfig { save: Some(dir.path().into()), save_every: 3, ..cfg(5).run })
-            .unwrap();
-    let resumed =
-        launch(&model, &data, &RunConfig { resume: Some(dir.path().into()), ..cfg(8).run }).unwrap();
+        launch(&model, &data, &RunConfig { save: Some(dir.path().into()), save_every: 3, ..cfg(5) }).unwrap();
+    let resumed = launch(&model, &data, &RunConfig { resume: Some(dir.path().into()), ..cfg(8) }).unwrap();
     let bits =
         |r: &[zeropp_engine::metrics::StepRecord]| r.iter().map(|s| s.loss.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&first.steps), bits(&full.steps[..5]));

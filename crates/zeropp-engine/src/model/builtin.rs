@@ -35,42 +35,49 @@ fn foreign_tape() -> EngineError {
     EngineError::InvalidConfig("a tape of one built-in model was given to the other".into())
 }
 
+/// `$call` on the model inside `$model` (a [`BuiltIn`]), bound to `$m`.
+macro_rules! on_model {
+    ($model:expr, $m:ident => $call:expr) => {
+        match $model {
+            BuiltIn::Gpt($m) => $call,
+            BuiltIn::Mlp($m) => $call,
+        }
+    };
+}
+
+/// `$call` on the model and its own tape, bound to `$m` and `$t`; `$foreign`
+/// when the tape is the other model's.
+macro_rules! on_model_tape {
+    ($model:expr, $tape:expr, $m:ident, $t:ident => $call:expr, else $foreign:expr) => {
+        match ($model, $tape) {
+            (BuiltIn::Gpt($m), BuiltInTape::Gpt($t)) => $call,
+            (BuiltIn::Mlp($m), BuiltInTape::Mlp($t)) => $call,
+            _ => $foreign,
+        }
+    };
+}
+
 impl Model for BuiltIn {
     type Tape = BuiltInTape;
 
     fn name(&self) -> &str {
-        match self {
-            Self::Gpt(m) => m.name(),
-            Self::Mlp(m) => m.name(),
-        }
+        on_model!(self, m => m.name())
     }
 
     fn vocab_size(&self) -> usize {
-        match self {
-            Self::Gpt(m) => m.vocab_size(),
-            Self::Mlp(m) => m.vocab_size(),
-        }
+        on_model!(self, m => m.vocab_size())
     }
 
     fn seq_len(&self) -> usize {
-        match self {
-            Self::Gpt(m) => m.seq_len(),
-            Self::Mlp(m) => m.seq_len(),
-        }
+        on_model!(self, m => m.seq_len())
     }
 
     fn layers(&self) -> &[LayerSpec] {
-        match self {
-            Self::Gpt(m) => m.layers(),
-            Self::Mlp(m) => m.layers(),
-        }
+        on_model!(self, m => m.layers())
     }
 
     fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError> {
-        match self {
-            Self::Gpt(m) => m.init_layer(layer, seed, out),
-            Self::Mlp(m) => m.init_layer(layer, seed, out),
-        }
+        on_model!(self, m => m.init_layer(layer, seed, out))
     }
 
     fn start(&self, batch: &Batch) -> Result<BuiltInTape, EngineError> {
@@ -81,39 +88,24 @@ impl Model for BuiltIn {
     }
 
     fn forward(&self, layer: usize, params: &[f32], tape: &mut BuiltInTape) -> Result<(), EngineError> {
-        match (self, tape) {
-            (Self::Gpt(m), BuiltInTape::Gpt(t)) => m.forward(layer, params, t),
-            (Self::Mlp(m), BuiltInTape::Mlp(t)) => m.forward(layer, params, t),
-            _ => Err(foreign_tape()),
-        }
+        on_model_tape!(self, tape, m, t => m.forward(layer, params, t), else Err(foreign_tape()))
     }
 
     fn loss(&self, tape: &BuiltInTape) -> f32 {
-        match (self, tape) {
-            (Self::Gpt(m), BuiltInTape::Gpt(t)) => m.loss(t),
-            (Self::Mlp(m), BuiltInTape::Mlp(t)) => m.loss(t),
-            _ => f32::NAN,
-        }
+        on_model_tape!(self, tape, m, t => m.loss(t), else f32::NAN)
     }
 
     fn backward(
         &self,
         layer: usize,
-        params: &[f32],
+        p: &[f32],
         tape: &mut BuiltInTape,
-        grad: &mut [f32],
+        g: &mut [f32],
     ) -> Result<(), EngineError> {
-        match (self, tape) {
-            (Self::Gpt(m), BuiltInTape::Gpt(t)) => m.backward(layer, params, t, grad),
-            (Self::Mlp(m), BuiltInTape::Mlp(t)) => m.backward(layer, params, t, grad),
-            _ => Err(foreign_tape()),
-        }
+        on_model_tape!(self, tape, m, t => m.backward(layer, p, t, g), else Err(foreign_tape()))
     }
 
     fn activation_bytes(&self, batch: usize, seq: usize) -> usize {
-        match self {
-            Self::Gpt(m) => m.activation_bytes(batch, seq),
-            Self::Mlp(m) => m.activation_bytes(batch, seq),
-        }
+        on_model!(self, m => m.activation_bytes(batch, seq))
     }
 }

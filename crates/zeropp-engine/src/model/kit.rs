@@ -39,21 +39,16 @@ pub fn validate_batch(batch: &Batch, vocab: usize, max_seq: usize) -> Result<(),
 
 /// Splits a layer's flat buffer into one slice per parameter, checking the total length.
 pub fn split_params<'a>(spec: &LayerSpec, flat: &'a [f32]) -> Result<Vec<&'a [f32]>, EngineError> {
-    if flat.len() != spec.numel() {
-        return Err(EngineError::LengthMismatch {
-            what: "layer parameters",
-            expected: spec.numel(),
-            got: flat.len(),
-        });
+    check_layer_len(spec, flat.len(), "layer parameters")?;
+    Ok(spec.params.iter().zip(spec.offsets()).map(|(p, o)| &flat[o..o + p.numel()]).collect())
+}
+
+/// The error of a flat buffer (`what`) of `got` values for a layer of another size.
+fn check_layer_len(spec: &LayerSpec, got: usize, what: &'static str) -> Result<(), EngineError> {
+    if got != spec.numel() {
+        return Err(EngineError::LengthMismatch { what, expected: spec.numel(), got });
     }
-    let mut rest = flat;
-    let mut out = Vec::with_capacity(spec.params.len());
-    for p in &spec.params {
-        let (head, tail) = rest.split_at(p.numel());
-        out.push(head);
-        rest = tail;
-    }
-    Ok(out)
+    Ok(())
 }
 
 /// Mutable version of [`split_params`].
@@ -61,13 +56,7 @@ pub fn split_params_mut<'a>(
     spec: &LayerSpec,
     flat: &'a mut [f32],
 ) -> Result<Vec<&'a mut [f32]>, EngineError> {
-    if flat.len() != spec.numel() {
-        return Err(EngineError::LengthMismatch {
-            what: "layer gradient",
-            expected: spec.numel(),
-            got: flat.len(),
-        });
-    }
+    check_layer_len(spec, flat.len(), "layer gradient")?;
     let mut rest = flat;
     let mut out = Vec::with_capacity(spec.params.len());
     for p in &spec.params {
