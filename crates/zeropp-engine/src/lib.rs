@@ -34,7 +34,7 @@
 //!   character-level text dataset and world-size-independent batch sampling.
 //! - [`config`], [`deepspeed`]: the ZeRO-3 / ZeRO++ switches, batch arithmetic
 //!   and a DeepSpeed JSON reader.
-//! - [`optim`]: AdamW on f32 master shards; [`reference`]: the sequential
+//! - [`optim`]: AdamW on f32 master shards; [`reference`](mod@reference): the sequential
 //!   reference a sharded run must equal.
 //! - [`engine`]: the per-rank ZeRO-3 / ZeRO++ step (gathers, prefetch, hpZ,
 //!   qgZ, clipping, skip on non-finite gradients) and the analytic byte model.

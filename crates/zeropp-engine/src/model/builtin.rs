@@ -1,5 +1,5 @@
 //! [`BuiltIn`]: the built-in models as one [`Model`] type, so a run of either
-//! goes through the same [`launch`](crate::launch) call.
+//! goes through the same [`launch`](crate::launch()) call.
 
 use super::{Batch, Gpt, GptTape, LayerSpec, Mlp, MlpTape, Model};
 use crate::EngineError;

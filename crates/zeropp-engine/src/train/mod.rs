@@ -1,7 +1,7 @@
 //! The built-in run behind `zeropp train`: a [`TrainConfig`] picks one of the
 //! built-in models ([`ModelChoice`]) and a source of text ([`DataChoice`]) for
 //! a [`RunConfig`]; [`TrainConfig::build`] makes them, and [`train`] runs them
-//! through the engine's one door, [`launch`](crate::launch).
+//! through the engine's one door, [`launch`](crate::launch()).
 //!
 //! A model or data of your own needs none of this: call
 //! [`launch`](crate::launch()) with them and a [`RunConfig`].

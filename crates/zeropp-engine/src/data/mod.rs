@@ -13,6 +13,9 @@ use crate::EngineError;
 use crate::model::Batch;
 use crate::model::rng::{SplitMix64, below, hash_keys};
 
+mod info;
+pub use info::DataInfo;
+
 /// The default 32-symbol alphabet of [`MarkovSource`]: space, `a`-`z` and five punctuation marks.
 pub const DEFAULT_ALPHABET: &str = " abcdefghijklmnopqrstuvwxyz.,;'!";
 
@@ -255,32 +258,6 @@ fn stationary_distribution(probs: &[f64], a: usize, states: usize) -> Vec<f64> {
         }
     }
     pi
-}
-
-/// A one-line description of the data and its loss floor, for the CLI to print first.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DataInfo {
-    /// Human-readable description.
-    pub description: String,
-    /// Entropy rate in nats (the loss floor) for generated text.
-    pub entropy_rate: Option<f64>,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Training tokens.
-    pub train_tokens: usize,
-}
-
-impl DataInfo {
-    /// The description of a dataset a caller built itself: `description`,
-    /// its vocabulary and training tokens, no known loss floor.
-    pub fn of(data: &TextDataset, description: impl Into<String>) -> Self {
-        Self {
-            description: description.into(),
-            entropy_rate: None,
-            vocab: data.vocab_size(),
-            train_tokens: data.train_tokens().len(),
-        }
-    }
 }
 
 /// A token dataset with a train/validation split: character-level from text
