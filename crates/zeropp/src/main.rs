@@ -38,19 +38,6 @@ enum Command {
 /// Errors from any subcommand, printed as one line.
 type CliError = Box<dyn std::error::Error + Send + Sync>;
 
-/// Helpers of the unit tests of more than one module.
-#[cfg(test)]
-mod test_util {
-    /// Asserts that `parse` refuses every `(spec, says)` of `cases` with an
-    /// error whose message contains `says`.
-    pub(crate) fn refused<T>(parse: impl Fn(&str) -> Result<T, crate::CliError>, cases: &[(&str, &str)]) {
-        for (spec, says) in cases {
-            let err = parse(spec).err().map(|e| e.to_string()).unwrap_or_default();
-            assert!(err.contains(says), "{spec}: {err}");
-        }
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result: Result<(), CliError> = match cli.command {
@@ -64,6 +51,19 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Helpers of the unit tests of more than one module.
+#[cfg(test)]
+mod test_util {
+    /// Asserts that `parse` refuses every `(spec, says)` of `cases` with an
+    /// error whose message contains `says`.
+    pub(crate) fn refused<T>(parse: impl Fn(&str) -> Result<T, crate::CliError>, cases: &[(&str, &str)]) {
+        for (spec, says) in cases {
+            let err = parse(spec).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(says), "{spec}: {err}");
         }
     }
 }
