@@ -9,23 +9,24 @@ pub(super) fn type_err(key: &str, want: &str, got: &Value) -> EngineError {
     EngineError::InvalidConfig(format!("DeepSpeed config: `{key}` must be {want}, got {got}"))
 }
 
-/// The value of `key` in `obj`, or `None` when it is absent, `null` or
-/// `"auto"` (Hugging Face style: reported in `warnings` under the name `shown`,
-/// with what is used instead, `instead`).
-fn set_value<'a>(
-    obj: &'a Map<String, Value>,
+/// Reads `key` of `obj` with `parse`: `None` when it is absent, `null` or
+/// `"auto"` (Hugging Face style; reported in `warnings` under the name `shown`
+/// with what is used instead, `instead`); an error saying it must be `want`
+/// when `parse` refuses the value.
+fn read<T>(
+    obj: &Map<String, Value>,
     key: &str,
-    shown: &str,
-    instead: &str,
+    (shown, instead, want): (&str, &str, &str),
     warnings: &mut Vec<String>,
-) -> Option<&'a Value> {
+    parse: impl Fn(&Value) -> Option<T>,
+) -> Result<Option<T>, EngineError> {
     match obj.get(key) {
-        None | Some(Value::Null) => None,
+        None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) if s == "auto" => {
             warnings.push(format!("`{shown}`: \"auto\" is not resolved by zeropp; using {instead}"));
-            None
+            Ok(None)
         }
-        v => v,
+        Some(v) => parse(v).map(Some).ok_or_else(|| type_err(shown, want, v)),
     }
 }
 
@@ -35,11 +36,8 @@ pub(super) fn opt_usize(
     key: &str,
     warnings: &mut Vec<String>,
 ) -> Result<Option<usize>, EngineError> {
-    let Some(v) = set_value(obj, key, key, "the command-line value", warnings) else { return Ok(None) };
-    match v.as_u64() {
-        Some(n) if n > 0 => Ok(Some(n as usize)),
-        _ => Err(type_err(key, "a positive integer", v)),
-    }
+    let what = (key, "the command-line value", "a positive integer");
+    read(obj, key, what, warnings, |v| v.as_u64().filter(|&n| n > 0).map(|n| n as usize))
 }
 
 /// Reads a bucket knob of `zero_optimization`: a non-negative integer (an
@@ -51,12 +49,12 @@ pub(super) fn opt_elements(
     warnings: &mut Vec<String>,
 ) -> Result<Option<usize>, EngineError> {
     let full = format!("zero_optimization.{key}");
-    let Some(v) = set_value(obj, key, &full, "the default", warnings) else { return Ok(None) };
-    match (v.as_u64(), v.as_f64()) {
-        (Some(n), _) => Ok(Some(n as usize)),
-        (None, Some(x)) if x >= 0.0 && x.fract() == 0.0 && x < 9.0e15 => Ok(Some(x as usize)),
-        _ => Err(type_err(&full, "a non-negative integer (elements)", v)),
-    }
+    let what = (full.as_str(), "the default", "a non-negative integer (elements)");
+    read(obj, key, what, warnings, |v| match (v.as_u64(), v.as_f64()) {
+        (Some(n), _) => Some(n as usize),
+        (None, Some(x)) if x >= 0.0 && x.fract() == 0.0 && x < 9.0e15 => Some(x as usize),
+        _ => None,
+    })
 }
 
 /// Reads a finite number; `"auto"` is reported and skipped.
@@ -65,11 +63,8 @@ pub(super) fn opt_f32(
     key: &str,
     warnings: &mut Vec<String>,
 ) -> Result<Option<f32>, EngineError> {
-    let Some(v) = set_value(obj, key, key, "the default", warnings) else { return Ok(None) };
-    match v.as_f64() {
-        Some(x) if x.is_finite() => Ok(Some(x as f32)),
-        _ => Err(type_err(key, "a finite number", v)),
-    }
+    let what = (key, "the default", "a finite number");
+    read(obj, key, what, warnings, |v| v.as_f64().filter(|x| x.is_finite()).map(|x| x as f32))
 }
 
 pub(super) fn opt_bool(obj: &Map<String, Value>, key: &str) -> Result<Option<bool>, EngineError> {

@@ -214,7 +214,7 @@ impl<'a, M: Model> Launch<'a, M> {
                     .per_node(self.run.local_size)
                     .map_err(EngineError::InvalidTopology)?;
                 on_start(&Started { backend, rank: 0, topology, job, mpi_thread_level: None });
-                threads::run(work, on_step)
+                threads::run(work, topology, on_step)
             }
         }
     }

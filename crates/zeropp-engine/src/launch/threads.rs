@@ -18,13 +18,14 @@ use super::rank::{RankJob, RankResult, RankStep, run_rank};
 use super::summary::{mean_val_loss, summarize};
 use super::{TrainReport, Work};
 
-/// Trains on the thread backend (see [`super::Launch::run`]).
+/// Trains on the thread backend on the simulated cluster `topo` (see
+/// [`super::Launch::run`]).
 pub(super) fn run<M: Model>(
     work: Work<'_, M>,
+    topo: Topology,
     on_step: &mut dyn FnMut(&StepRecord),
 ) -> Result<TrainReport, EngineError> {
     let Work { model, data, info, run: cfg } = work;
-    let topo = Topology::ranks(cfg.world).per_node(cfg.local_size).map_err(EngineError::InvalidTopology)?;
     let Prepared { seq_len, tokens, plan, analytic } = prepare(&work, topo)?;
 
     // Resume: read every rank's state before starting the ranks.

@@ -40,7 +40,16 @@ pub fn validate_batch(batch: &Batch, vocab: usize, max_seq: usize) -> Result<(),
 /// Splits a layer's flat buffer into one slice per parameter, checking the total length.
 pub fn split_params<'a>(spec: &LayerSpec, flat: &'a [f32]) -> Result<Vec<&'a [f32]>, EngineError> {
     check_layer_len(spec, flat.len(), "layer parameters")?;
-    Ok(spec.params.iter().zip(spec.offsets()).map(|(p, o)| &flat[o..o + p.numel()]).collect())
+    let mut off = 0;
+    Ok(spec
+        .params
+        .iter()
+        .map(|p| {
+            let part = &flat[off..off + p.numel()];
+            off += p.numel();
+            part
+        })
+        .collect())
 }
 
 /// The error of a flat buffer (`what`) of `got` values for a layer of another size.
