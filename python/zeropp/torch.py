@@ -149,7 +149,20 @@ class _Shared:
         return _zeropp.stream_seed(self.seed, [_QGZ_STREAM, self.calls])
 
 
-class QuantizedAllGather:
+class _Collective:
+    """What both collectives share: the layout of the chunk FSDP2 sends
+    (``segments``), the quantizer's format, and the protocols' ``allocate``."""
+
+    def __init__(self, segments, bits: int, group_size: int):
+        self.segments = list(segments) if segments else None
+        self.bits = bits
+        self.group_size = group_size
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class QuantizedAllGather(_Collective):
     """qwZ: FSDP2's all-gather with INT8 block-quantized payloads.
 
     ``allocate`` and ``__call__`` follow ``torch.distributed.fsdp``'s
@@ -167,15 +180,10 @@ class QuantizedAllGather:
 
     def __init__(self, local_size: int, *, segments=None, bits: int = 8, group_size: int = 256,
                  quantize_intra: bool = False, exclude_1d: bool = True):
+        super().__init__(segments, bits, group_size)
         self.local_size = local_size
-        self.segments = list(segments) if segments else None
-        self.bits = bits
-        self.group_size = group_size
         self.quantize_intra = quantize_intra
         self.exclude_1d = exclude_1d
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def _layout(self, n: int, itemsize: int):
         """[(start, elements, exact, wire offset, wire bytes)] over one rank's input."""
@@ -247,7 +255,7 @@ class QuantizedAllGather:
         return None
 
 
-class QuantizedReduceScatter:
+class QuantizedReduceScatter(_Collective):
     """qgZ: FSDP2's reduce-scatter as a two-hop INT4 all-to-all.
 
     Follows ``torch.distributed.fsdp``'s ``ReduceScatter`` protocol. The
@@ -262,17 +270,12 @@ class QuantizedReduceScatter:
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,
                  local_bits: int = 8, stochastic: bool = True, seed: int = 0, shared: _Shared | None = None):
+        super().__init__(segments, bits, group_size)
         self.topology = topology
-        self.segments = list(segments) if segments else None
-        self.bits = bits
-        self.group_size = group_size
         self.local_bits = local_bits
         self.stochastic = stochastic
         self.shared = shared if shared is not None else _Shared(seed)
         self._mask = None
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def _exact_mask(self, c: int):
         """Boolean mask over one chunk: True where a 1-D parameter's elements are."""

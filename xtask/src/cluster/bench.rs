@@ -3,7 +3,7 @@
 //! (report, CSV and SVG plot).
 
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
@@ -11,17 +11,26 @@ use super::checks::threads_run;
 use super::test::{missing_prerequisite, train};
 use super::{Launch, Shape, build_zeropp, rate_bits, read_metrics, tail, target_dir};
 
-/// `cargo xtask bench cluster`: see the module doc.
-pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
+/// What a cluster bench starts from: its prerequisites checked (`bench` names
+/// it in the refusal), the release `zeropp` binary built, and the link rates
+/// to sweep from `$rates_var` (comma-separated) or `default_rates`.
+pub(super) fn bench_setup(
+    bench: &str,
+    rates_var: &str,
+    default_rates: &str,
+) -> Result<(PathBuf, Vec<String>), String> {
     if let Some(why) = missing_prerequisite() {
-        return Err(format!("bench cluster cannot run: {why}"));
+        return Err(format!("bench {bench} cannot run: {why}"));
     }
     let zeropp = build_zeropp(true)?;
-    let rates: Vec<String> = std::env::var("ZEROPP_CLUSTER_RATES")
-        .unwrap_or_else(|_| "10mbit,50mbit,200mbit,1gbit,unshaped".into())
-        .split(',')
-        .map(String::from)
-        .collect();
+    let rates = std::env::var(rates_var).unwrap_or_else(|_| default_rates.into());
+    Ok((zeropp, rates.split(',').map(String::from).collect()))
+}
+
+/// `cargo xtask bench cluster`: see the module doc.
+pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
+    let (zeropp, rates) =
+        bench_setup("cluster", "ZEROPP_CLUSTER_RATES", "10mbit,50mbit,200mbit,1gbit,unshaped")?;
     let model = std::env::var("ZEROPP_CLUSTER_MODEL").unwrap_or_else(|_| "gpt-medium".into());
     let variants: [(&str, &[&str]); 5] = [
         ("ZeRO-3", &["--mode", "zero3"]),

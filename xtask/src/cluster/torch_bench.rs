@@ -13,10 +13,10 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::bench::steady_step_time;
+use super::bench::{bench_setup, steady_step_time};
 use super::run::kernel_tx;
-use super::test::{missing_prerequisite, train};
-use super::{Launch, Shape, build_zeropp, launch, read_metrics, tail, target_dir};
+use super::test::train;
+use super::{Launch, Shape, launch, read_metrics, tail, target_dir};
 use crate::root;
 
 /// One row of the report: name, s/step, cross-node bytes per rank per step (the
@@ -29,16 +29,8 @@ struct Row {
 }
 
 pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
-    if let Some(why) = missing_prerequisite() {
-        return Err(format!("bench torch cannot run: {why}"));
-    }
+    let (zeropp, rates) = bench_setup("torch", "ZEROPP_TORCH_RATES", "10mbit,50mbit")?;
     let venv = crate::torch::prepare()?.ok_or("bench torch: no torch venv (see test-torch)")?;
-    let zeropp = build_zeropp(true)?;
-    let rates: Vec<String> = std::env::var("ZEROPP_TORCH_RATES")
-        .unwrap_or_else(|_| "10mbit,50mbit".into())
-        .split(',')
-        .map(String::from)
-        .collect();
     let base = target_dir().join("cluster/torch");
     let _ = std::fs::remove_dir_all(&base);
     let script = root().join("python/bench/side_by_side.py");

@@ -199,17 +199,18 @@ impl CandleModel {
 }
 
 /// What the forward of one stage keeps with [`CandleModelBuilder::keep_graph`].
+#[derive(Debug)]
 struct Kept {
     out: Tensor,
     vars: Vec<Var>,
     input: Option<Var>,
 }
 
-/// One micro-batch's state between forward and backward.
+/// One micro-batch's state between forward and backward (its `Debug` shows
+/// the tensors' shapes, the batch's among them, not their values).
+#[derive(Debug)]
 pub struct CandleTape {
     order: CallOrder,
-    batch: usize,
-    seq: usize,
     ids: Tensor,
     targets: Tensor,
     /// Stage `l`'s input (`l >= 1`) until its backward.
@@ -220,17 +221,6 @@ pub struct CandleTape {
     /// d(loss)/d(output) of the stage whose backward is next.
     upstream: Option<Tensor>,
     loss: f32,
-}
-
-impl std::fmt::Debug for CandleTape {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CandleTape")
-            .field("order", &self.order)
-            .field("batch", &self.batch)
-            .field("seq", &self.seq)
-            .field("loss", &self.loss)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Model for CandleModel {
@@ -271,8 +261,6 @@ impl Model for CandleModel {
         let n = self.stages.len();
         Ok(CandleTape {
             order: CallOrder::new(n),
-            batch: batch.batch,
-            seq: batch.seq_len,
             ids,
             targets,
             inputs: (0..n).map(|_| None).collect(),

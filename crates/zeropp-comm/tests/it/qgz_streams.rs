@@ -168,30 +168,49 @@ fn loco_feedback_shrinks_the_time_averaged_error_on_both_hops() {
     }
 }
 
+/// Rank `r`'s gradient of `n` elements at step `k`: distinct per rank and step,
+/// spread over (-0.8, 0.9).
+fn step_gradient(n: usize, r: usize, k: usize) -> Vec<f32> {
+    (0..n).map(|i| ((splitmix64((k * 7919 + r * n + i) as u64) >> 40) as f32 / 1e7) - 0.8).collect()
+}
+
+/// One qgZ call with error feedback `fb` on step `k`'s [`step_gradient`].
+fn feedback_step(
+    comm: &mut zeropp_comm::ThreadComm,
+    n: usize,
+    k: usize,
+    shard: &mut [f32],
+    fb: &mut ErrorFeedback,
+) -> Result<(), zeropp_comm::CommError> {
+    let g = step_gradient(n, comm.rank(), k);
+    qgz_reduce_scatter_with_feedback(comm, &g, shard, &QgzOptions::default(), fb)
+}
+
+/// Runs `f` on every rank of 2 nodes x 2 and returns the ranks' results.
+fn on_2x2<T: Send>(
+    f: impl Fn(&mut zeropp_comm::ThreadComm) -> Result<T, zeropp_comm::CommError> + Sync,
+) -> Vec<T> {
+    let t = Topology::ranks(4).per_node(2).unwrap();
+    ThreadCluster::new(t, ThreadOptions::default()).run(f).unwrap()
+}
+
 /// bf16 residuals are bf16 values (so they take half the bytes) and track the
 /// f32 ones: after four steps on the same gradients, the two runs' residuals and
 /// reduced shards stay close.
 #[test]
 fn bf16_residuals_are_bf16_values_close_to_f32_ones() {
-    let t = Topology::ranks(4).per_node(2).unwrap();
-    let n = 2048;
-    let g = |r: usize, k: usize| -> Vec<f32> {
-        (0..n).map(|i| ((splitmix64((k * 7919 + r * n + i) as u64) >> 40) as f32 / 1e7) - 0.8).collect()
-    };
-    let outs = ThreadCluster::new(t, ThreadOptions::default())
-        .run(|comm| {
-            let r = comm.rank();
-            let s = n / 4;
-            let mut a = ErrorFeedback::loco(0.8);
-            let mut b = ErrorFeedback::loco(0.8).with_precision(ResidualPrecision::Bf16);
-            let (mut sa, mut sb) = (vec![0.0f32; s], vec![0.0f32; s]);
-            for k in 0..4 {
-                qgz_reduce_scatter_with_feedback(comm, &g(r, k), &mut sa, &QgzOptions::default(), &mut a)?;
-                qgz_reduce_scatter_with_feedback(comm, &g(r, k), &mut sb, &QgzOptions::default(), &mut b)?;
-            }
-            Ok::<_, zeropp_comm::CommError>((a, b, sa, sb))
-        })
-        .unwrap();
+    let n: usize = 2048;
+    let outs = on_2x2(|comm| {
+        let s = n / 4;
+        let mut a = ErrorFeedback::loco(0.8);
+        let mut b = ErrorFeedback::loco(0.8).with_precision(ResidualPrecision::Bf16);
+        let (mut sa, mut sb) = (vec![0.0f32; s], vec![0.0f32; s]);
+        for k in 0..4 {
+            feedback_step(comm, n, k, &mut sa, &mut a)?;
+            feedback_step(comm, n, k, &mut sb, &mut b)?;
+        }
+        Ok::<_, zeropp_comm::CommError>((a, b, sa, sb))
+    });
     for (a, b, sa, sb) in outs {
         assert_eq!(b.precision(), ResidualPrecision::Bf16);
         assert_eq!(b.bytes() * 2, a.bytes(), "bf16 residuals take half the bytes");
@@ -243,31 +262,24 @@ fn bf16_residual_state_round_trips_exactly() {
 /// other's state half way, give bit-identical shards.
 #[test]
 fn feedback_state_round_trips() {
-    let t = Topology::ranks(4).per_node(2).unwrap();
-    let n = 1000;
-    let g = |r: usize, k: usize| -> Vec<f32> {
-        (0..n).map(|i| ((splitmix64((k * 7919 + r * n + i) as u64) >> 40) as f32 / 1e7) - 0.8).collect()
-    };
-    let outs = ThreadCluster::new(t, ThreadOptions::default())
-        .run(|comm| {
-            let r = comm.rank();
-            let s = n.div_ceil(4);
-            let mut a = ErrorFeedback::loco(0.8);
-            let mut shard = vec![0.0f32; s];
-            for k in 0..3 {
-                qgz_reduce_scatter_with_feedback(comm, &g(r, k), &mut shard, &QgzOptions::default(), &mut a)?;
-            }
-            let (h1, h2) = a.state();
-            let mut b = ErrorFeedback::loco(0.8);
-            b.restore(h1.to_vec(), h2.to_vec());
-            drop((h1, h2));
-            let mut sa = vec![0.0f32; s];
-            let mut sb = vec![0.0f32; s];
-            qgz_reduce_scatter_with_feedback(comm, &g(r, 3), &mut sa, &QgzOptions::default(), &mut a)?;
-            qgz_reduce_scatter_with_feedback(comm, &g(r, 3), &mut sb, &QgzOptions::default(), &mut b)?;
-            Ok::<_, zeropp_comm::CommError>((sa, sb, a == b))
-        })
-        .unwrap();
+    let n: usize = 1000;
+    let outs = on_2x2(|comm| {
+        let s = n.div_ceil(4);
+        let mut a = ErrorFeedback::loco(0.8);
+        let mut shard = vec![0.0f32; s];
+        for k in 0..3 {
+            feedback_step(comm, n, k, &mut shard, &mut a)?;
+        }
+        let (h1, h2) = a.state();
+        let mut b = ErrorFeedback::loco(0.8);
+        b.restore(h1.to_vec(), h2.to_vec());
+        drop((h1, h2));
+        let mut sa = vec![0.0f32; s];
+        let mut sb = vec![0.0f32; s];
+        feedback_step(comm, n, 3, &mut sa, &mut a)?;
+        feedback_step(comm, n, 3, &mut sb, &mut b)?;
+        Ok::<_, zeropp_comm::CommError>((sa, sb, a == b))
+    });
     for (a, b, same) in outs {
         assert_eq!(
             a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),

@@ -22,24 +22,39 @@ pub enum HpzWire {
 impl HpzWire {
     /// The lower-case name (`dense`, `int8`).
     pub fn name(self) -> &'static str {
-        match self {
-            Self::Dense => "dense",
-            Self::Int8 => "int8",
-        }
+        spelled(self, Self::SPELLINGS)
     }
+
+    /// Each value's name, then the other spellings `from_str` accepts.
+    const SPELLINGS: &'static [(Self, &'static [&'static str])] =
+        &[(Self::Dense, &["dense", "bf16", "16bit"]), (Self::Int8, &["int8"])];
 }
 
 impl std::str::FromStr for HpzWire {
     type Err = EngineError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "dense" | "bf16" | "16bit" => Ok(Self::Dense),
-            "int8" => Ok(Self::Int8),
-            other => Err(EngineError::InvalidConfig(format!(
-                "unknown hpZ wire `{other}` (expected dense or int8)"
-            ))),
-        }
+        parse_spelled(s, "hpZ wire", Self::SPELLINGS)
     }
+}
+
+/// The first spelling of `v` in `table` (its name).
+fn spelled<T: PartialEq>(v: T, table: &[(T, &'static [&'static str])]) -> &'static str {
+    table.iter().find(|(t, _)| *t == v).and_then(|(_, names)| names.first()).copied().unwrap_or("?")
+}
+
+/// The value `s` spells (case-insensitively) in `table`, or an error listing
+/// the names of `what`.
+fn parse_spelled<T: Copy>(
+    s: &str,
+    what: &str,
+    table: &[(T, &'static [&'static str])],
+) -> Result<T, EngineError> {
+    let lower = s.to_ascii_lowercase();
+    if let Some((v, _)) = table.iter().find(|(_, names)| names.contains(&lower.as_str())) {
+        return Ok(*v);
+    }
+    let names: Vec<&str> = table.iter().filter_map(|(_, names)| names.first().copied()).collect();
+    Err(EngineError::InvalidConfig(format!("unknown {what} `{lower}` (expected {})", names.join(" or "))))
 }
 
 /// Serde for [`Routing`] (a comm type) as its name.
@@ -87,22 +102,39 @@ impl CommDtype {
 
     /// The lower-case name (`bf16`, `f32`).
     pub fn name(self) -> &'static str {
-        match self {
-            Self::Bf16 => "bf16",
-            Self::F32 => "f32",
-        }
+        spelled(self, Self::SPELLINGS)
     }
+
+    /// Each value's name, then the other spellings `from_str` accepts.
+    const SPELLINGS: &'static [(Self, &'static [&'static str])] =
+        &[(Self::Bf16, &["bf16", "bfloat16"]), (Self::F32, &["f32", "fp32", "float32"])];
 }
 
 impl std::str::FromStr for CommDtype {
     type Err = EngineError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.to_ascii_lowercase().as_str() {
-            "bf16" | "bfloat16" => Ok(Self::Bf16),
-            "f32" | "fp32" | "float32" => Ok(Self::F32),
-            other => Err(EngineError::InvalidConfig(format!(
-                "unknown communication dtype `{other}` (expected bf16 or f32)"
-            ))),
+        parse_spelled(s, "communication dtype", Self::SPELLINGS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every value's name parses back to it, the aliases parse in any case, and
+    /// an unknown spelling is an error listing the names.
+    #[test]
+    fn names_round_trip_and_unknown_names_are_listed() {
+        for v in [HpzWire::Dense, HpzWire::Int8] {
+            assert_eq!(v.name().parse::<HpzWire>().ok(), Some(v));
         }
+        for v in [CommDtype::Bf16, CommDtype::F32] {
+            assert_eq!(v.name().parse::<CommDtype>().ok(), Some(v));
+        }
+        assert_eq!(["dense", "int8"], [HpzWire::Dense.name(), HpzWire::Int8.name()]);
+        assert_eq!("BFloat16".parse::<CommDtype>().ok(), Some(CommDtype::Bf16));
+        assert_eq!("16BIT".parse::<HpzWire>().ok(), Some(HpzWire::Dense));
+        let e = "fp8".parse::<CommDtype>().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("unknown communication dtype `fp8` (expected bf16 or f32)"), "{e}");
     }
 }

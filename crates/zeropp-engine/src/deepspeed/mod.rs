@@ -30,7 +30,7 @@ use crate::config::{CommDtype, EngineConfig, ZeroConfig};
 mod json;
 mod sections;
 
-use json::{as_object, opt_bool, opt_f32, opt_usize, type_err};
+use json::{FINITE, POSITIVE, Section, type_err};
 
 /// The result of reading a DeepSpeed config: the engine configuration and the
 /// keys that were not applied.
@@ -134,17 +134,17 @@ pub fn resolve_batch(
 pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<DeepSpeedImport, EngineError> {
     let root: Value = serde_json::from_str(text)
         .map_err(|source| EngineError::Json { what: "DeepSpeed config is not valid JSON", source })?;
-    let obj = as_object("<root>", &root)?;
+    let obj = Section::root(&root)?;
     let mut warnings = Vec::new();
     let mut cfg = base.clone();
     // The ZeRO++ switches and LoCo are applied after the loop, whatever the key order.
     let (mut qwz_on, mut qgz_on, mut loco_param) = (None, None, None);
 
-    for (key, value) in obj {
+    for (key, value) in obj.entries() {
         match key.as_str() {
             "train_batch_size" | "train_micro_batch_size_per_gpu" | "gradient_accumulation_steps" => {}
             "gradient_clipping" => {
-                if let Some(c) = opt_f32(obj, key, &mut warnings)? {
+                if let Some(c) = obj.get(key, FINITE, &mut warnings)? {
                     if c < 0.0 {
                         return Err(type_err(key, "a number >= 0", value));
                     }
@@ -152,32 +152,34 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
                 }
             }
             "bf16" => {
-                let b = as_object(key, value)?;
-                for k in b.keys() {
+                let b = Section::at("bf16", value)?;
+                for (k, _) in b.entries() {
                     if k != "enabled" {
                         warnings.push(format!("`bf16.{k}` is not supported and was ignored"));
                     }
                 }
-                match opt_bool(b, "enabled")? {
+                match b.bool("enabled")? {
                     Some(true) => cfg.zero.comm_dtype = CommDtype::Bf16,
                     Some(false) => cfg.zero.comm_dtype = CommDtype::F32,
                     None => {}
                 }
             }
             "fp16" => {
-                let f = as_object(key, value)?;
-                if opt_bool(f, "enabled")? == Some(true) {
+                if Section::at("fp16", value)?.bool("enabled")? == Some(true) {
                     return Err(EngineError::InvalidConfig(
                         "DeepSpeed config: fp16.enabled is not supported (zeropp trains with bf16 or f32 communication and f32 master weights); use bf16".into(),
                     ));
                 }
             }
             "optimizer" => {
-                sections::optimizer(as_object(key, value)?, &mut cfg.optim, &mut warnings)?;
+                sections::optimizer(Section::at("optimizer", value)?, &mut cfg.optim, &mut warnings)?;
             }
             "zero_optimization" => {
-                let switches =
-                    sections::zero_optimization(as_object(key, value)?, &mut cfg.zero, &mut warnings)?;
+                let switches = sections::zero_optimization(
+                    Section::at("zero_optimization", value)?,
+                    &mut cfg.zero,
+                    &mut warnings,
+                )?;
                 (qwz_on, qgz_on, loco_param) = (switches.qwz, switches.qgz, switches.loco);
             }
             "scheduler" => {
@@ -209,9 +211,9 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
         }
     }
 
-    let tbs = opt_usize(obj, "train_batch_size", &mut warnings)?;
-    let micro = opt_usize(obj, "train_micro_batch_size_per_gpu", &mut warnings)?;
-    let gas = opt_usize(obj, "gradient_accumulation_steps", &mut warnings)?;
+    let tbs = obj.get("train_batch_size", POSITIVE, &mut warnings)?;
+    let micro = obj.get("train_micro_batch_size_per_gpu", POSITIVE, &mut warnings)?;
+    let gas = obj.get("gradient_accumulation_steps", POSITIVE, &mut warnings)?;
     if let Some((global, accum)) = resolve_batch(tbs, micro, gas, world)? {
         cfg.global_batch = global;
         cfg.grad_accum = accum;

@@ -2,9 +2,9 @@
 //! (AdamW / Adam and its params) and `zero_optimization` (stage 3, the ZeRO++
 //! switches, LoCo, hpZ and the bucket knobs).
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-use super::json::{as_object, opt_bool, opt_elements, opt_f32, opt_usize, type_err};
+use super::json::{COUNT, ELEMENTS, FINITE, POSITIVE, Section, type_err};
 use crate::EngineError;
 use crate::config::{AdamWConfig, LocoConfig, ZeroConfig};
 
@@ -27,70 +27,55 @@ const IGNORED_ZERO: &[&str] = &[
 
 /// Applies `optimizer` (`o`) to `optim`.
 pub(super) fn optimizer(
-    o: &Map<String, Value>,
+    o: Section<'_>,
     optim: &mut AdamWConfig,
     warnings: &mut Vec<String>,
 ) -> Result<(), EngineError> {
-    for k in o.keys() {
-        if k != "type" && k != "params" {
-            warnings.push(format!("`optimizer.{k}` is not supported and was ignored"));
+    let mut ty = "adamw".to_string();
+    let mut params = None;
+    for (k, v) in o.entries() {
+        match k.as_str() {
+            "type" => match v {
+                Value::String(s) => ty = s.to_ascii_lowercase(),
+                _ => return Err(type_err("optimizer.type", "a string", v)),
+            },
+            "params" => params = Some(Section::at("optimizer.params", v)?),
+            _ => warnings.push(format!("`optimizer.{k}` is not supported and was ignored")),
         }
     }
-    let ty = match o.get("type") {
-        Some(Value::String(s)) => s.to_ascii_lowercase(),
-        Some(v) => return Err(type_err("optimizer.type", "a string", v)),
-        None => "adamw".into(),
-    };
-    let is_adam = match ty.as_str() {
-        "adamw" => false,
-        "adam" => true,
+    match ty.as_str() {
+        "adamw" => {}
+        // DeepSpeed's Adam defaults to decoupled weight decay (adam_w_mode=True).
+        "adam" => optim.weight_decay = 0.0,
         other => {
             return Err(EngineError::InvalidConfig(format!(
                 "DeepSpeed config: optimizer `{other}` is not supported (only AdamW and Adam)"
             )));
         }
-    };
-    if is_adam {
-        // DeepSpeed's Adam defaults to decoupled weight decay (adam_w_mode=True).
-        optim.weight_decay = 0.0;
     }
-    if let Some(p) = o.get("params") {
-        let p = as_object("optimizer.params", p)?;
-        for (pk, pv) in p {
-            match pk.as_str() {
-                "lr" => {
-                    if let Some(v) = opt_f32(p, pk, warnings)? {
-                        optim.lr = v;
-                    }
-                }
-                "eps" => {
-                    if let Some(v) = opt_f32(p, pk, warnings)? {
-                        optim.eps = v;
-                    }
-                }
-                "weight_decay" => {
-                    if let Some(v) = opt_f32(p, pk, warnings)? {
-                        optim.weight_decay = v;
-                    }
-                }
-                "betas" => {
-                    let arr = pv.as_array().filter(|a| a.len() == 2);
-                    let betas: Option<Vec<f32>> =
-                        arr.map(|a| a.iter().filter_map(|x| x.as_f64().map(|x| x as f32)).collect());
-                    match betas.as_deref() {
-                        Some([b1, b2]) => {
-                            optim.beta1 = *b1;
-                            optim.beta2 = *b2;
-                        }
-                        _ => {
-                            return Err(type_err("optimizer.params.betas", "[beta1, beta2]", pv));
-                        }
-                    }
-                }
-                other => {
-                    warnings.push(format!("`optimizer.params.{other}` is not supported and was ignored"))
-                }
+    let Some(p) = params else { return Ok(()) };
+    for (pk, pv) in p.entries() {
+        let slot = match pk.as_str() {
+            "lr" => &mut optim.lr,
+            "eps" => &mut optim.eps,
+            "weight_decay" => &mut optim.weight_decay,
+            "betas" => {
+                let arr = pv.as_array().filter(|a| a.len() == 2);
+                let betas: Option<Vec<f32>> =
+                    arr.map(|a| a.iter().filter_map(|x| x.as_f64().map(|x| x as f32)).collect());
+                let Some(&[b1, b2]) = betas.as_deref() else {
+                    return Err(type_err("optimizer.params.betas", "[beta1, beta2]", pv));
+                };
+                (optim.beta1, optim.beta2) = (b1, b2);
+                continue;
             }
+            other => {
+                warnings.push(format!("`optimizer.params.{other}` is not supported and was ignored"));
+                continue;
+            }
+        };
+        if let Some(v) = p.get(pk, FINITE, warnings)? {
+            *slot = v;
         }
     }
     Ok(())
@@ -108,14 +93,28 @@ pub(super) struct ZeroSwitches {
     pub(super) loco: Option<LocoConfig>,
 }
 
+/// Reads `zero_optimization.zeropp_loco_param`.
+fn loco_param(lp: Section<'_>, warnings: &mut Vec<String>) -> Result<LocoConfig, EngineError> {
+    let mut loco = LocoConfig::default();
+    for (lk, _) in lp.entries() {
+        match lk.as_str() {
+            "err_beta" => loco.err_beta = lp.get(lk, FINITE, warnings)?.unwrap_or(loco.err_beta),
+            "reset_T" => loco.reset_t = lp.get(lk, COUNT, warnings)?.unwrap_or(loco.reset_t),
+            other => warnings.push(format!("unknown key `{}` was ignored", lp.shown(other))),
+        }
+    }
+    Ok(loco)
+}
+
 /// Applies `zero_optimization` (`z`) to `zero`; returns the switches.
 pub(super) fn zero_optimization(
-    z: &Map<String, Value>,
+    z: Section<'_>,
     zero: &mut ZeroConfig,
     warnings: &mut Vec<String>,
 ) -> Result<ZeroSwitches, EngineError> {
     let mut switches = ZeroSwitches::default();
-    for (zk, zv) in z {
+    let b = &mut zero.buckets;
+    for (zk, zv) in z.entries() {
         match zk.as_str() {
             "stage" => match zv.as_u64() {
                 Some(3) => zero.stage = 3,
@@ -126,75 +125,28 @@ pub(super) fn zero_optimization(
                 }
                 None => return Err(type_err("zero_optimization.stage", "an integer", zv)),
             },
-            "zero_quantized_weights" => {
-                switches.qwz = opt_bool(z, zk)?;
-            }
-            "zero_quantized_gradients" => {
-                switches.qgz = opt_bool(z, zk)?;
-            }
+            "zero_quantized_weights" => switches.qwz = z.bool(zk)?,
+            "zero_quantized_gradients" => switches.qgz = z.bool(zk)?,
             "zeropp_loco_param" => {
-                let lp = as_object("zero_optimization.zeropp_loco_param", zv)?;
-                let mut loco = LocoConfig::default();
-                for (lk, lv) in lp {
-                    match lk.as_str() {
-                        "err_beta" => match lv.as_f64() {
-                            Some(b) => loco.err_beta = b as f32,
-                            None => {
-                                return Err(type_err(
-                                    "zero_optimization.zeropp_loco_param.err_beta",
-                                    "a number",
-                                    lv,
-                                ));
-                            }
-                        },
-                        "reset_T" => match lv.as_u64() {
-                            Some(t) => loco.reset_t = t as usize,
-                            None => {
-                                return Err(type_err(
-                                    "zero_optimization.zeropp_loco_param.reset_T",
-                                    "a non-negative integer",
-                                    lv,
-                                ));
-                            }
-                        },
-                        other => warnings.push(format!(
-                            "unknown key `zero_optimization.zeropp_loco_param.{other}` was ignored"
-                        )),
-                    }
-                }
-                switches.loco = Some(loco);
+                let lp = Section::at("zero_optimization.zeropp_loco_param", zv)?;
+                switches.loco = Some(loco_param(lp, warnings)?);
             }
             "zero_hpz_partition_size" => {
-                if let Some(n) = opt_usize(z, zk, warnings)? {
-                    zero.hpz_size = n;
-                }
+                zero.hpz_size = z.get(zk, POSITIVE, warnings)?.unwrap_or(zero.hpz_size);
             }
-            "reduce_bucket_size" => {
-                if let Some(n) = opt_elements(z, zk, warnings)? {
-                    if n == 0 {
-                        return Err(type_err(
-                            "zero_optimization.reduce_bucket_size",
-                            "a positive integer (elements)",
-                            zv,
-                        ));
-                    }
-                    zero.buckets.reduce_bucket_size = Some(n);
-                }
-            }
+            "reduce_bucket_size" => match z.get(zk, ELEMENTS, warnings)? {
+                Some(0) => return Err(type_err(&z.shown(zk), "a positive integer (elements)", zv)),
+                n => b.reduce_bucket_size = n.or(b.reduce_bucket_size),
+            },
             "stage3_prefetch_bucket_size" => {
-                if let Some(n) = opt_elements(z, zk, warnings)? {
-                    zero.buckets.prefetch_bucket_size = Some(n);
-                }
-            }
-            "stage3_param_persistence_threshold" => {
-                if let Some(n) = opt_elements(z, zk, warnings)? {
-                    zero.buckets.param_persistence_threshold = n;
-                }
+                b.prefetch_bucket_size = z.get(zk, ELEMENTS, warnings)?.or(b.prefetch_bucket_size);
             }
             "stage3_max_live_parameters" => {
-                if let Some(n) = opt_elements(z, zk, warnings)? {
-                    zero.buckets.max_live_parameters = Some(n);
-                }
+                b.max_live_parameters = z.get(zk, ELEMENTS, warnings)?.or(b.max_live_parameters);
+            }
+            "stage3_param_persistence_threshold" => {
+                let n = z.get(zk, ELEMENTS, warnings)?;
+                b.param_persistence_threshold = n.unwrap_or(b.param_persistence_threshold);
             }
             k if IGNORED_ZERO.contains(&k) => {
                 warnings.push(format!("`zero_optimization.{k}` is not modelled by zeropp and was ignored"));

@@ -74,3 +74,40 @@ fn unsupported_values_are_errors() {
         assert!(from_json_str(j, 2, &EngineConfig::default()).is_err(), "{j}");
     }
 }
+
+/// Nested keys are named by their dotted path, in errors and in the "auto"
+/// warnings alike; `null` and `"auto"` leave the value as it was.
+#[test]
+fn nested_keys_are_named_by_their_path() {
+    let err = |j: &str| from_json_str(j, 4, &EngineConfig::default()).err().map(|e| e.to_string());
+    for (bad, key) in [
+        (r#"{"optimizer": {"params": {"lr": "fast"}}}"#, "`optimizer.params.lr`"),
+        (
+            r#"{"zero_optimization": {"zeropp_loco_param": {"reset_T": -1}}}"#,
+            "`zero_optimization.zeropp_loco_param.reset_T`",
+        ),
+        (
+            r#"{"zero_optimization": {"zero_quantized_weights": 1}}"#,
+            "`zero_optimization.zero_quantized_weights`",
+        ),
+        (r#"{"bf16": {"enabled": "yes"}}"#, "`bf16.enabled`"),
+    ] {
+        let e = err(bad).unwrap_or_default();
+        assert!(e.contains(key), "{bad}: {e}");
+    }
+    let j = r#"{"optimizer": {"params": {"lr": "auto", "eps": null}},
+               "zero_optimization": {"zero_quantized_gradients": true,
+                                     "zeropp_loco_param": {"err_beta": "auto", "reset_T": 7}}}"#;
+    let base = EngineConfig::default();
+    let imp = from_json_str(j, 4, &base).unwrap();
+    assert_eq!((imp.config.optim.lr, imp.config.optim.eps), (base.optim.lr, base.optim.eps));
+    let loco = imp.config.zero.error_feedback().unwrap();
+    assert_eq!((loco.err_beta, loco.reset_t), (crate::config::LocoConfig::default().err_beta, 7));
+    assert_eq!(imp.warnings.len(), 2, "{:?}", imp.warnings);
+    assert!(imp.warnings[0].starts_with("`optimizer.params.lr`: \"auto\""), "{:?}", imp.warnings);
+    assert!(
+        imp.warnings[1].starts_with("`zero_optimization.zeropp_loco_param.err_beta`"),
+        "{:?}",
+        imp.warnings
+    );
+}

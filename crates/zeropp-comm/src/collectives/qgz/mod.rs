@@ -55,8 +55,8 @@ use crate::{CommError, Communicator, Group, LinkBytes, Topology};
 
 mod stages;
 
-use stages::Feedback;
 pub use stages::QgzStages;
+use stages::{Feedback, PackBufs};
 
 /// Options of [`qgz_reduce_scatter`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -451,7 +451,8 @@ fn qgz_impl<C: Communicator + ?Sized>(
     let mut intra_send = vec![0u8; local * stages.intra_chunk_len()];
     let mut own = vec![0u8; stages.own_len()];
     let clock = QuantClock::start();
-    stages.pack_with(grad, &mut intra_send, &mut own, &mut inter_send, shard, fb.as_mut())?;
+    let bufs = PackBufs { intra_send: &mut intra_send, own: &mut own, inter_send: &mut inter_send, shard };
+    stages.pack_with(grad, bufs, fb.as_mut())?;
     clock.stop(comm);
     if local > 1 {
         let mut recv = vec![0u8; intra_send.len()];

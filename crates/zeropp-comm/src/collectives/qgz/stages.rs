@@ -63,6 +63,14 @@ pub struct QgzStages {
     opts: QgzOptions,
 }
 
+/// Stage 1's output buffers, as [`QgzStages::pack`] names them.
+pub(super) struct PackBufs<'a> {
+    pub(super) intra_send: &'a mut [u8],
+    pub(super) own: &'a mut [u8],
+    pub(super) inter_send: &'a mut [u8],
+    pub(super) shard: &'a mut [f32],
+}
+
 /// The error-feedback state of one call, split by hop.
 pub(super) struct Feedback<'a> {
     pub(super) hop1: &'a mut Residual,
@@ -127,7 +135,7 @@ impl QgzStages {
         inter_send: &mut [u8],
         shard: &mut [f32],
     ) -> Result<(), CommError> {
-        self.pack_with(grad, intra_send, own, inter_send, shard, None)
+        self.pack_with(grad, PackBufs { intra_send, own, inter_send, shard }, None)
     }
 
     /// Stage 3: the fused dequantize-sum-requantize of what the local peers
@@ -202,12 +210,10 @@ impl QgzStages {
     pub(super) fn pack_with(
         &self,
         grad: &[f32],
-        intra_send: &mut [u8],
-        own: &mut [u8],
-        inter_send: &mut [u8],
-        shard: &mut [f32],
+        bufs: PackBufs<'_>,
         mut feedback: Option<&mut Feedback<'_>>,
     ) -> Result<(), CommError> {
+        let PackBufs { intra_send, own, inter_send, shard } = bufs;
         check_len("qgz: gradient", self.n, grad.len())?;
         let Here { s, nodes, local, me_node, me_local } =
             self.hop1("qgz: intra-node send buffer", shard, intra_send, own, inter_send)?;

@@ -196,6 +196,19 @@ impl Prefetcher {
         Ok(Self { comm, rank })
     }
 
+    /// Submits `job` to the prefetch stream, its traffic counted under the op `tag`.
+    pub(super) fn submit_tagged<T: Send + 'static>(
+        &self,
+        tag: &str,
+        job: impl FnOnce(&mut dyn Communicator) -> Result<T, CommError> + Send + 'static,
+    ) -> Pending<T> {
+        let tag = tag.to_string();
+        self.comm.submit(move |c| {
+            c.traffic_mut().set_op(&tag);
+            job(c)
+        })
+    }
+
     /// The prefetch stream's traffic counters (after the jobs submitted so far).
     pub fn traffic(&self) -> Result<TrafficSnapshot, EngineError> {
         Ok(self.comm.traffic().wait()?)

@@ -234,11 +234,7 @@ impl LayerComm {
     ) -> PendingGather {
         let g = self.next_gather();
         let shard = shard.to_vec();
-        let tag = tag.to_string();
-        let pending = pf.comm.submit(move |c| {
-            c.traffic_mut().set_op(&tag);
-            gather_world(c, g, &shard, keep)
-        });
+        let pending = pf.submit_tagged(tag, move |c| gather_world(c, g, &shard, keep));
         PendingGather { pending: PendingKind::World(pending) }
     }
 
@@ -261,13 +257,8 @@ impl LayerComm {
         shard: &Secondary,
         tag: &str,
     ) -> PendingGather {
-        let shard = shard.clone();
-        let group = group.clone();
-        let tag = tag.to_string();
-        let pending = pf.comm.submit(move |c| {
-            c.traffic_mut().set_op(&tag);
-            gather_secondary(c, &group, &shard)
-        });
+        let (shard, group) = (shard.clone(), group.clone());
+        let pending = pf.submit_tagged(tag, move |c| gather_secondary(c, &group, &shard));
         PendingGather { pending: PendingKind::Secondary(pending) }
     }
 
