@@ -1,10 +1,73 @@
 //! The argument checks of the [`Communicator`](crate::Communicator) primitives,
 //! written once: every backend reports the same error variant with the same words.
 //!
+//! [`Primitive`] names the primitives here, below the trait that declares them.
+//!
 //! Order: the group (every member inside the world), then membership of the
 //! caller, then the primitive's own arguments (buffer lengths, counts, root).
 
-use crate::{CommError, Group, Primitive, RawCall, Topology};
+use std::fmt;
+
+use crate::{CommError, Group, Topology};
+
+/// A primitive of [`Communicator`](crate::Communicator), by the name error messages use.
+///
+/// ```
+/// use zeropp_comm::Primitive;
+/// assert_eq!(Primitive::AllToAllV.name(), "all_to_all_v");
+/// assert_eq!(Primitive::ALL.len(), 7);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Primitive {
+    /// [`Communicator::all_gather_bytes`](crate::Communicator::all_gather_bytes).
+    AllGather,
+    /// [`Communicator::all_to_all_bytes`](crate::Communicator::all_to_all_bytes).
+    AllToAll,
+    /// [`Communicator::all_to_all_v_bytes`](crate::Communicator::all_to_all_v_bytes).
+    AllToAllV,
+    /// [`Communicator::reduce_scatter_f32`](crate::Communicator::reduce_scatter_f32).
+    ReduceScatter,
+    /// [`Communicator::all_reduce_f32`](crate::Communicator::all_reduce_f32).
+    AllReduce,
+    /// [`Communicator::broadcast_bytes`](crate::Communicator::broadcast_bytes).
+    Broadcast,
+    /// [`Communicator::barrier`](crate::Communicator::barrier).
+    Barrier,
+}
+
+impl Primitive {
+    /// Every primitive, in declaration order.
+    pub const ALL: [Primitive; 7] = [
+        Primitive::AllGather,
+        Primitive::AllToAll,
+        Primitive::AllToAllV,
+        Primitive::ReduceScatter,
+        Primitive::AllReduce,
+        Primitive::Broadcast,
+        Primitive::Barrier,
+    ];
+
+    /// The name in error messages: `all_gather`, `all_to_all`, `all_to_all_v`,
+    /// `reduce_scatter`, `all_reduce`, `broadcast` or `barrier`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Primitive::AllGather => "all_gather",
+            Primitive::AllToAll => "all_to_all",
+            Primitive::AllToAllV => "all_to_all_v",
+            Primitive::ReduceScatter => "reduce_scatter",
+            Primitive::AllReduce => "all_reduce",
+            Primitive::Broadcast => "broadcast",
+            Primitive::Barrier => "barrier",
+        }
+    }
+}
+
+impl fmt::Display for Primitive {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Checks that `group` fits the world and contains `rank`; returns the caller's
 /// group index. Both failures are [`CommError::InvalidGroup`].
@@ -26,14 +89,8 @@ pub(crate) fn member(
     })
 }
 
-/// The arguments of `call` by member `index` of `group`, after [`member`].
-pub(crate) fn arguments(group: &Group, index: usize, call: &RawCall<'_>) -> Result<(), CommError> {
-    let (p, shape) = call.shape();
-    arguments_of(group, index, p, &shape)
-}
-
 /// The lengths [`arguments_of`] checks: bytes (elements for the f32 primitives),
-/// counts, root. Host calls ([`arguments`]) and device calls
+/// counts, root. Host calls (`RawCall`) and device calls
 /// (`device::DeviceCommunicator`) both reduce to it, so they fail alike.
 pub(crate) struct Shape<'a> {
     pub(crate) send: usize,

@@ -16,68 +16,8 @@
 //! [`Communicator::raw_reject`] when its peers must learn that a member rejected
 //! its arguments (the MPI backend does, so no peer waits forever).
 
-use std::fmt;
-
-use crate::{CommError, Group, Topology, TrafficCounter, check};
-
-/// A primitive of [`Communicator`], by the name error messages use.
-///
-/// ```
-/// use zeropp_comm::Primitive;
-/// assert_eq!(Primitive::AllToAllV.name(), "all_to_all_v");
-/// assert_eq!(Primitive::ALL.len(), 7);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Primitive {
-    /// [`Communicator::all_gather_bytes`].
-    AllGather,
-    /// [`Communicator::all_to_all_bytes`].
-    AllToAll,
-    /// [`Communicator::all_to_all_v_bytes`].
-    AllToAllV,
-    /// [`Communicator::reduce_scatter_f32`].
-    ReduceScatter,
-    /// [`Communicator::all_reduce_f32`].
-    AllReduce,
-    /// [`Communicator::broadcast_bytes`].
-    Broadcast,
-    /// [`Communicator::barrier`].
-    Barrier,
-}
-
-impl Primitive {
-    /// Every primitive, in declaration order.
-    pub const ALL: [Primitive; 7] = [
-        Primitive::AllGather,
-        Primitive::AllToAll,
-        Primitive::AllToAllV,
-        Primitive::ReduceScatter,
-        Primitive::AllReduce,
-        Primitive::Broadcast,
-        Primitive::Barrier,
-    ];
-
-    /// The name in error messages: `all_gather`, `all_to_all`, `all_to_all_v`,
-    /// `reduce_scatter`, `all_reduce`, `broadcast` or `barrier`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Primitive::AllGather => "all_gather",
-            Primitive::AllToAll => "all_to_all",
-            Primitive::AllToAllV => "all_to_all_v",
-            Primitive::ReduceScatter => "reduce_scatter",
-            Primitive::AllReduce => "all_reduce",
-            Primitive::Broadcast => "broadcast",
-            Primitive::Barrier => "barrier",
-        }
-    }
-}
-
-impl fmt::Display for Primitive {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use crate::check::{self, Primitive};
+use crate::{CommError, Group, Topology, TrafficCounter};
 
 /// One primitive's arguments, as the checked methods of [`Communicator`] hand them
 /// to the backend's [`Communicator::raw`] hook, already validated (the conditions
@@ -252,9 +192,9 @@ fn checked<C: Communicator + ?Sized>(
     group: &Group,
     mut call: RawCall<'_>,
 ) -> Result<(), CommError> {
-    let p = call.primitive();
+    let (p, shape) = call.shape();
     let me = check::member(comm.topology(), comm.rank(), group, p)?;
-    if let Err(e) = check::arguments(group, me, &call) {
+    if let Err(e) = check::arguments_of(group, me, p, &shape) {
         return Err(comm.raw_reject(group, me, p, e));
     }
     comm.raw(group, me, call.reborrow())?;

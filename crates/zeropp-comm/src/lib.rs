@@ -42,7 +42,8 @@ pub mod traffic;
 #[cfg(feature = "mpi")]
 pub use crate::mpi::{Mpi, MpiComm, MpiOptions};
 pub use async_comm::{AsyncComm, Pending};
-pub use communicator::{Communicator, Primitive, RawCall};
+pub use check::Primitive;
+pub use communicator::{Communicator, RawCall};
 pub use error::CommError;
 pub use ext::CommExt;
 pub use group::Group;

@@ -3,8 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::spec::spec_serde;
-use super::{CommDtype, QuantSpec, ZeroConfig};
+use zeropp_comm::quant::Bits;
+
+use super::spec::{default_spec, spec_serde};
+use super::{CommDtype, QuantSpec};
 
 /// LoCo error feedback for qgZ (DeepSpeed's `zeropp_loco_param`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -60,7 +62,7 @@ pub struct QgzConfig {
     /// deterministic: every gradient value rounds up or down with the
     /// probability that makes the rounding unbiased, so small gradient
     /// components survive INT4 in expectation instead of rounding to zero.
-    /// ([`ZeroConfig::stochastic_rounding`] turns it on for every quantizer,
+    /// ([`ZeroConfig::stochastic_rounding`](super::ZeroConfig::stochastic_rounding) turns it on for every quantizer,
     /// qwZ's too.)
     #[serde(default)]
     pub stochastic: bool,
@@ -73,7 +75,7 @@ impl QgzConfig {
         Self { spec, error_feedback: None, exclude_1d: false, stochastic: false }
     }
 
-    /// qgZ with the default options of [`ZeroConfig::zeropp`]: the 1-D
+    /// qgZ with the default options of [`ZeroConfig::zeropp`](super::ZeroConfig::zeropp): the 1-D
     /// parameters at the baseline precision and stochastic rounding, no error
     /// feedback (the variant that met the fidelity rule on every corpus
     /// measured; docs/PERFORMANCE.md, "Fidelity").
@@ -92,6 +94,6 @@ impl QgzConfig {
 impl Default for QgzConfig {
     /// INT4, groups of [`DEFAULT_GROUP_SIZE`](super::DEFAULT_GROUP_SIZE), without the options ([`QgzConfig::plain`]).
     fn default() -> Self {
-        Self::plain(ZeroConfig::default_qgz_spec())
+        Self::plain(default_spec(Bits::Int4))
     }
 }

@@ -9,5 +9,6 @@ mod alloc_count;
 mod checkpoint;
 mod checkpoint_extras;
 mod checkpoint_stream;
+mod layout;
 mod plan;
 mod proptest_plan;
