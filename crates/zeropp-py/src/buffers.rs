@@ -10,7 +10,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::prelude::*;
 use zeropp_quant::half::{bf16, f16};
 
-use crate::error;
+use crate::convert::error;
 
 /// One buffer argument, held (and so pinned by its exporter) for the call.
 pub(crate) struct Buf {

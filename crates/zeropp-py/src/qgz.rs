@@ -5,7 +5,7 @@ use zeropp_comm::Topology;
 use zeropp_comm::collectives::{QgzOptions, QgzStages, Reduce, qgz_bytes};
 
 use crate::buffers::{Buf, check_disjoint, f32_mut, f32_ref};
-use crate::{options, rust_err, spec};
+use crate::convert::{error, options, rust_err, spec};
 
 fn topology(world: usize, local_size: usize) -> PyResult<Topology> {
     Topology::ranks(world).per_node(local_size).map_err(rust_err)
@@ -151,7 +151,7 @@ impl Stages {
 fn qgz_slice_order(world: usize, local_size: usize, rank: usize) -> PyResult<Vec<Vec<usize>>> {
     let t = topology(world, local_size)?;
     if rank >= world {
-        return Err(crate::error(format!("rank {rank} outside a world of {world}")));
+        return Err(error(format!("rank {rank} outside a world of {world}")));
     }
     Ok((0..t.local_size()).map(|j| (0..t.nodes()).map(|m| t.rank_of(m, j)).collect()).collect())
 }

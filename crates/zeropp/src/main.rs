@@ -7,11 +7,16 @@ use std::process::ExitCode;
 mod checkpoint;
 mod compare;
 mod config;
+mod error;
 mod llama;
 mod models;
 mod print;
 mod quant;
+#[cfg(test)]
+mod test_util;
 mod train;
+
+pub(crate) use error::CliError;
 
 /// ZeRO++ in Rust: quantized collectives, training and tools.
 #[derive(Debug, Parser)]
@@ -35,9 +40,6 @@ enum Command {
     Compare(compare::CompareArgs),
 }
 
-/// Errors from any subcommand, printed as one line.
-type CliError = Box<dyn std::error::Error + Send + Sync>;
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result: Result<(), CliError> = match cli.command {
@@ -51,19 +53,6 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
-        }
-    }
-}
-
-/// Helpers of the unit tests of more than one module.
-#[cfg(test)]
-mod test_util {
-    /// Asserts that `parse` refuses every `(spec, says)` of `cases` with an
-    /// error whose message contains `says`.
-    pub(crate) fn refused<T>(parse: impl Fn(&str) -> Result<T, crate::CliError>, cases: &[(&str, &str)]) {
-        for (spec, says) in cases {
-            let err = parse(spec).err().map(|e| e.to_string()).unwrap_or_default();
-            assert!(err.contains(says), "{spec}: {err}");
         }
     }
 }

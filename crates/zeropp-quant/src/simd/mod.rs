@@ -15,7 +15,10 @@
 //! bodies (the `vector` module), AVX2 and AVX-512 also their dequantization
 //! loop (the `x86` module); each supplies only its lane operations.
 
+mod params;
 pub(crate) mod scalar;
+
+pub(crate) use params::{RoundParams, Stoch};
 
 /// Defines `dequant` and `dequant_add` in a vector kernel module from its
 /// `dequant_into::<ADD>` (one loop for both; `$feature` is the module's
@@ -194,33 +197,6 @@ pub fn available_kernels() -> Vec<Kernel> {
 /// `#[target_feature]` functions in `dispatch!` sound.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Dispatch(Kernel);
-
-/// How one block of f32 values becomes integers:
-/// `q = clamp(round((x - offset) * s), qmin, qmax)`, where `round` is
-/// round-to-nearest-even, or stochastic rounding when `stochastic` is set.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct RoundParams {
-    /// The multiplier `s` (the reciprocal of the stored scale).
-    pub(crate) s: f32,
-    /// Subtracted before scaling (0 for symmetric groups).
-    pub(crate) offset: f32,
-    /// The smallest integer, as f32.
-    pub(crate) qmin: f32,
-    /// The largest integer, as f32.
-    pub(crate) qmax: f32,
-    /// Stochastic rounding with these keys; nearest-even when `None`.
-    pub(crate) stochastic: Option<Stoch>,
-}
-
-/// Stochastic-rounding parameters for one block: keys and the low 32 bits
-/// of the first element's global index (the block never crosses a multiple
-/// of 2^32, so the high bits are folded into the keys).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Stoch {
-    pub(crate) k1: u32,
-    pub(crate) k2: u32,
-    pub(crate) lo: u32,
-}
 
 /// Calls kernel function `$f` of the module that `$d` (a [`Dispatch`])
 /// selects. Every kernel module defines every function, so this is the one

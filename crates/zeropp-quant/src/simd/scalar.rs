@@ -1,7 +1,7 @@
 //! Portable scalar reference kernels. Every SIMD kernel must match these
 //! bit for bit.
 
-use super::{RoundParams, Stoch};
+use super::params::{RoundParams, Stoch};
 use crate::rng;
 
 /// See [`super::Dispatch::abs_max`].
