@@ -12,6 +12,14 @@ Checks, each against an independent reference:
 2. The 1-D segments (excluded from qgZ) are reduced at float32 precision.
 3. QuantizedAllGather (qwZ) is within the INT8 bound of each rank's input, and
    every rank ends up with the same weights.
+5. Frozen and unused parameters: with a frozen norm weight, a trainable
+   parameter the forward never uses, or a LoRA fine-tune (frozen base, rank-4
+   adapters), FSDP2 reduce-scatters only the parameters with a gradient;
+   zeropp's gradients then match FSDP2's default ones (1-D parameters to
+   float32 rounding, the rest within INT4's error with groups per parameter),
+   and the others stay None. The same on 2 x 2 HSDP meshes (sharded within a
+   node and replicated across, or the other way round), where every rank's
+   shard group differs.
 4. Bytes: one training step of a small GPT under FSDP2 (bf16 mixed precision)
    with zeropp (qwZ + qgZ + hpZ) hands torch's collectives <= 0.27x the
    cross-node bytes of FSDP2's default collectives.
@@ -21,6 +29,7 @@ wrong-levels (defects.py) it must fail.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -231,8 +240,97 @@ def test_bytes(ls):
     return {"default": base, "zeropp": zpp, "inter_ratio": ratio}
 
 
+def _variant_model(case: str, cfg):
+    """The small GPT with what a fine-tune does to it (``case``)."""
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    if case in ("hsdp", "hsdp-across"):
+        pass
+    elif case == "frozen-norm":
+        model.blocks[0].ln1.weight.requires_grad_(False)
+    elif case == "unused":
+        model.blocks[1].unused = torch.nn.Parameter(torch.randn(16, 16) * 0.02)
+    elif case == "lora":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for blk in model.blocks:
+            blk.lora_a = torch.nn.Parameter(torch.randn(cfg.d, 4) * 0.02)
+            blk.lora_b = torch.nn.Parameter(torch.randn(4, cfg.d) * 0.02)
+            # Registered before fully_shard, so it runs while the block is unsharded.
+            blk.register_forward_hook(lambda m, inp, out: out + (inp[0] @ m.lora_a) @ m.lora_b)
+    return model
+
+
+def _grads(case: str, variant: str, ls: int, mesh=None):
+    """Each parameter's local gradient shard (None where FSDP2 left none) after
+    two forward+backward passes (the second into zeroed gradients), sharded
+    over ``mesh`` (all ranks when None)."""
+    cfg = gpt.Config(d=64, layers=2, heads=4, seq=32)
+    model = _variant_model(case, cfg)
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if variant == "zeropp":
+        # qgZ alone: the weights the forward sees are FSDP2's own.
+        zt.enable(model, local_size=ls, qwz=False)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = None
+        x = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g)
+        model(x, x).backward()
+    for name, p in model.named_parameters():
+        out[name] = None if p.grad is None else p.grad.to_local().detach().clone()
+    return out
+
+
+def _hsdp_mesh(kind: str):
+    """A 2 x 2 HSDP mesh (rows are the shard groups) on 2 nodes x 2: ``hsdp``
+    shards within a node and replicates across nodes; ``hsdp-across`` shards
+    across nodes and replicates within one."""
+    from torch.distributed.device_mesh import DeviceMesh
+    rows = [[0, 1], [2, 3]] if kind == "hsdp" else [[0, 2], [1, 3]]
+    return DeviceMesh("cpu", rows, mesh_dim_names=("replicate", "shard"))
+
+
+def test_partial_grads(ls):
+    cases = [("frozen-norm", None), ("unused", None), ("lora", None)]
+    if dist.get_world_size() == 4 and ls == 2:
+        cases += [("hsdp", "hsdp"), ("hsdp-across", "hsdp-across"), ("lora+hsdp", "hsdp")]
+    for case, mesh_kind in cases:
+        try:
+            mesh = _hsdp_mesh(mesh_kind) if mesh_kind else None
+            model_case = case.split("+")[0]
+            base = _grads(model_case, "default", ls, mesh)
+            zpp = _grads(model_case, "zeropp", ls, mesh)
+        except Exception as e:  # noqa: BLE001 - the message is the finding
+            check(all_ok(False), f"{case}: zeropp.torch raised {type(e).__name__}: {e}")
+            continue
+        ok, worst, why = True, 0.0, ""
+        for name, b in base.items():
+            z = zpp[name]
+            if b is None or z is None:
+                if (b is None) != (z is None):
+                    ok, why = False, f"{name}: default grad {'None' if b is None else 'set'}, zeropp's " \
+                                     f"{'None' if z is None else 'set'}"
+                continue
+            if b.dim() == 1:
+                if not torch.allclose(z, b, rtol=1e-5, atol=1e-8):
+                    ok, why = False, f"{name} (1-D) differs from FSDP2's: max {float((z - b).abs().max()):.3g}"
+            elif b.numel():
+                rel = float((z - b).norm() / b.norm().clamp_min(1e-30))
+                worst = max(worst, rel)
+                if rel > 0.2:
+                    ok, why = False, f"{name}: relative error {rel:.3f} > 0.2 (INT4, groups per parameter)"
+        check(all_ok(ok), f"{case}: zeropp's gradients match FSDP2's (1-D to float32, worst relative "
+                          f"error {worst:.3f} on rank 0){'; ' + why if why else ''}")
+
+
 def main():
-    dist.init_process_group("gloo")
+    # A collective (or a sub-group's creation) that waits 5 minutes is a hang
+    # to report, not to sit in until CI's limit.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     defect = defects.apply_from_env()
     ls = zt.local_size()
     topo = zt.Topology(dist.group.WORLD, ls)
@@ -240,6 +338,7 @@ def main():
         print(f"{topo.world} ranks as {topo.nodes} nodes x {ls}; seeded defect: {defect}", flush=True)
     test_reduce_scatter(topo)
     test_all_gather(topo)
+    test_partial_grads(ls)
     counts = test_bytes(ls)
     if dist.get_rank() == 0 and os.environ.get("ZEROPP_TORCH_OUT"):
         with open(os.environ["ZEROPP_TORCH_OUT"], "w") as f:

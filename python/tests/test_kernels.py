@@ -134,6 +134,15 @@ class Errors(unittest.TestCase):
         with self.assertRaisesRegex(zeropp.ZeroppError, "contiguous"):
             zeropp._zeropp.quantize(np.ones(20, np.float32)[::2], np.empty(64, np.uint8), dtype="float32")
 
+    @unittest.skipIf(torch is None, "torch is not installed")
+    def test_enable_refuses_what_it_cannot_quantize(self):
+        # Training on at full precision after a warning would hide the mistake.
+        import zeropp.torch as zt
+        with self.assertRaisesRegex(TypeError, "takes the model .* not a Tensor"):
+            zt.enable(torch.zeros(3))
+        with self.assertRaisesRegex(zeropp.ZeroppError, "no FSDP2 module.*fully_shard"):
+            zt.enable(torch.nn.Linear(4, 4))  # before fully_shard
+
     def test_qgz_helpers(self):
         self.assertEqual(zeropp.qgz_slice_order(8, 4, 5), [[0, 4], [1, 5], [2, 6], [3, 7]])
         intra, inter = zeropp.qgz_wire_bytes(8, 4, 8 * 1024)

@@ -80,48 +80,91 @@ def local_size() -> int:
 
 
 class Topology:
-    """A process group seen as nodes of ``local_size`` consecutive ranks, with
-    its sub-groups: one per node (intra-node) and one per local rank (the rail).
+    """A process group seen as nodes, with its sub-groups: one per node
+    (intra-node) and one per position within a node (the rail). A rank's node
+    is its global rank // ``local_size``; the group's members on each node must
+    be consecutive in the group and equal in number (``self.local_size`` of
+    them: ``local_size`` for a group of whole nodes, fewer for a group that
+    takes part of each node, as HSDP's and FSDP + TP's shard groups do).
 
     Creating one is a collective call: every rank of the default group must
     create the same topologies in the same order (``torch.distributed.new_group``).
+    Under HSDP (or FSDP + TP) each rank's shard group is a different one, so pass
+    ``all_groups``, every shard group's ranks (the same list on every rank): the
+    sub-groups of all of them are created on every rank, in one order.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, local_size: int | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None, local_size: int | None = None, *,
+                 all_groups=None):
         group = group if group is not None else dist.group.WORLD
         ls = local_size if local_size is not None else globals()["local_size"]()
-        ranks = dist.get_process_group_ranks(group)
-        world = len(ranks)
-        if ls < 1 or world % ls != 0:
-            raise _zeropp.ZeroppError(
-                f"local_size {ls} does not divide the group's {world} ranks into whole nodes"
-            )
+        if ls < 1:
+            raise _zeropp.ZeroppError(f"local_size {ls}: a node has at least one rank")
+        ranks = list(dist.get_process_group_ranks(group))
+        groups = [list(g) for g in all_groups] if all_groups is not None else [ranks]
+        if ranks not in groups:
+            raise _zeropp.ZeroppError(f"all_groups {groups} does not hold the group's ranks {ranks}")
         self.group = group
-        self.ranks = list(ranks)
-        self.world = world
-        self.local_size = ls
-        self.nodes = world // ls
+        self.ranks = ranks
+        self.world = len(ranks)
+        self.nodes, self.local_size = _node_layout(ranks, ls)
         me = dist.get_rank()
-        self.rank = self.ranks.index(me) if me in self.ranks else -1
+        self.rank = ranks.index(me) if me in ranks else -1
         self.intra = None
         self.rail = None
-        # Every rank creates every sub-group, in the same order.
-        for m in range(self.nodes):
-            g = dist.new_group([self.ranks[m * ls + j] for j in range(ls)])
-            if self.rank >= 0 and self.rank // ls == m:
-                self.intra = g
-        for j in range(ls):
-            g = dist.new_group([self.ranks[m * ls + j] for m in range(self.nodes)])
-            if self.rank >= 0 and self.rank % ls == j:
-                self.rail = g
+        # Every rank creates every sub-group of every group, in the same order.
+        layouts = [(g, _node_layout(g, ls)[1]) for g in groups]
+        for g, per in layouts:
+            for m in range(len(g) // per):
+                members = g[m * per:(m + 1) * per]
+                sub = dist.new_group(members)
+                if me in members and g == ranks:
+                    self.intra = sub
+        for g, per in layouts:
+            for j in range(per):
+                members = g[j::per]
+                sub = dist.new_group(members)
+                if me in members and g == ranks:
+                    self.rail = sub
 
     def node_of(self, global_rank: int) -> int:
-        """The node of a global rank (by its position in the group)."""
+        """The node of a member (by its position in the group), from 0."""
         return self.ranks.index(global_rank) // self.local_size
 
     def matches(self, group: dist.ProcessGroup) -> bool:
         """True when ``group`` has exactly this topology's ranks."""
         return dist.get_process_group_ranks(group) == self.ranks
+
+
+def _node_layout(ranks, ls: int):
+    """``(nodes, members per node)`` of a group whose ranks sit on nodes of
+    ``ls`` ranks (node = global rank // ls): each node's members consecutive in
+    the group and equal in number, or a :class:`ZeroppError` saying why not."""
+    runs = []
+    for r in ranks:
+        node = r // ls
+        if runs and runs[-1][0] == node:
+            runs[-1][1] += 1
+        elif any(n == node for n, _ in runs):
+            raise _zeropp.ZeroppError(
+                f"the group's ranks {list(ranks)} visit node {node} (of {ls} ranks) twice: zeropp needs "
+                f"each node's members consecutive in the group")
+        else:
+            runs.append([node, 1])
+    per = {k for _, k in runs}
+    if len(per) != 1:
+        raise _zeropp.ZeroppError(
+            f"the group's ranks {list(ranks)} take unequal numbers of ranks from the nodes of {ls} "
+            f"({', '.join(f'node {n}: {k}' for n, k in runs)}); zeropp needs the same number on every node")
+    return len(runs), per.pop()
+
+
+def _shard_groups(mesh_info):
+    """Every shard group of FSDP2's device mesh (the same list on every rank):
+    one group for plain FSDP, one per replica under HSDP."""
+    mesh = mesh_info.mesh.mesh
+    dim = mesh_info.shard_mesh_dim
+    return mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
 
 
 def _spans_nodes(group: dist.ProcessGroup, ls: int) -> bool:
@@ -262,39 +305,84 @@ class QuantizedReduceScatter(_Collective):
     input is FSDP2's rank-major buffer (chunk ``r`` holds what rank ``r``
     owns); the output is this rank's chunk of the mean (``ReduceOp.AVG``) or
     sum (``ReduceOp.SUM``). ``segments`` describes the chunk's layout as
-    ``[(elements, is_1d), ...]``: the 1-D segments (biases, norm weights) are
-    reduced by torch's reduce-scatter at the input's own precision, as the
-    Rust engine does by default; the rest goes through qgZ. Other ops (a
-    pre-multiplied sum) and non-float inputs fall back to torch's reduce-scatter.
+    ``[(elements, is_1d), ...]``, one entry per parameter: the 1-D segments
+    (biases, norm weights) are reduced by torch's reduce-scatter at the input's
+    own precision, and the rest goes through qgZ with each parameter in groups
+    of its own (padded to a group boundary, so no group holds two parameters),
+    as the Rust engine does by default. FSDP2 sends only the parameters that
+    have a gradient: :meth:`expect` says which before each call (:func:`enable`
+    does it). Other ops (a pre-multiplied sum) and non-float inputs fall back to
+    torch's reduce-scatter.
     """
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,
-                 local_bits: int = 8, stochastic: bool = True, seed: int = 0, shared: _Shared | None = None):
+                 local_bits: int = 8, stochastic: bool = True, seed: int = 0, shared: _Shared | None = None,
+                 names=None, module: str = ""):
         super().__init__(segments, bits, group_size)
         self.topology = topology
         self.local_bits = local_bits
         self.stochastic = stochastic
         self.shared = shared if shared is not None else _Shared(seed)
-        self._mask = None
+        # The parameters' names and the module's, for errors: lists and strings,
+        # or callables returning them (FSDP2 names them at its lazy init).
+        self.names = names
+        self.module = module
+        # Which of ``segments`` the next call carries (None: all of them).
+        self._sent = None
+        self._masks = {}
 
-    def _exact_mask(self, c: int):
-        """Boolean mask over one chunk: True where a 1-D parameter's elements are."""
+    def expect(self, sent):
+        """Tells the next call which of ``segments`` it carries: FSDP2
+        reduce-scatters only the parameters that have a gradient (frozen ones,
+        and trainable ones this backward did not reach, are left out), so
+        :func:`enable` calls this from the module's post-backward hook, with
+        FSDP2's own test, before FSDP2 builds the input."""
+        if self.segments is not None and len(sent) != len(self.segments):
+            raise _zeropp.ZeroppError(
+                f"qgZ: {len(sent)} flags for a layout of {len(self.segments)} parameters")
+        self._sent = tuple(bool(x) for x in sent)
+
+    def _plan(self, c: int):
+        """How one chunk of ``c`` elements is reduced: ``(mask, src, dst, cq)``.
+        ``mask`` marks the 1-D parameters' elements (reduced exactly; None when
+        there are none); qgZ reduces a vector of ``cq`` elements per rank in which
+        chunk position ``src[i]`` sits at ``dst[i]``, each parameter starting on a
+        group boundary so no quantization group holds two parameters (the Rust
+        engine's ``per_tensor_groups``). Without ``segments``: the whole chunk,
+        as it is (``src`` None)."""
         if not self.segments:
-            return None
-        if self._mask is None or self._mask.numel() != c:
-            total = sum(n for n, _ in self.segments)
+            return None, None, None, c
+        sent = self._sent if self._sent is not None else (True,) * len(self.segments)
+        key = (sent, c)
+        if key not in self._masks:
+            segs = [seg for seg, keep in zip(self.segments, sent) if keep]
+            total = sum(n for n, _ in segs)
             if total != c:
+                names = self.names() if callable(self.names) else self.names
+                names = list(names or [f"#{i}" for i in range(len(self.segments))])
+                carried = [n for n, keep in zip(names, sent) if keep]
+                module = self.module() if callable(self.module) else self.module
+                where = f" of module '{module}'" if module else ""
                 raise _zeropp.ZeroppError(
-                    f"qgZ: the parameter layout covers {total} elements per chunk, FSDP2 sent {c}"
-                )
+                    f"qgZ: FSDP2 sent {c} elements per rank for the reduce-scatter{where}, but the "
+                    f"parameters it reduces ({', '.join(carried) or 'none'}) cover {total} per rank in "
+                    f"zeropp's layout. A module given to QuantizedReduceScatter by hand needs expect() "
+                    f"before each call (enable() does this); otherwise pass exclude_1d=False to enable(), "
+                    f"which quantizes the chunk as one vector and needs no layout")
             mask = torch.zeros(c, dtype=torch.bool)
-            at = 0
-            for n, one_d in self.segments:
+            src, dst = [], []
+            at, cq, gs = 0, 0, self.group_size
+            for n, one_d in segs:
                 if one_d:
                     mask[at:at + n] = True
+                elif n:
+                    src.append(torch.arange(at, at + n))
+                    dst.append(torch.arange(cq, cq + n))
+                    cq += -(-n // gs) * gs
                 at += n
-            self._mask = mask if bool(mask.any()) else torch.zeros(0, dtype=torch.bool)
-        return self._mask if self._mask.numel() else None
+            cat = (lambda v: torch.cat(v)) if src else (lambda v: torch.zeros(0, dtype=torch.long))
+            self._masks[key] = (mask if bool(mask.any()) else None, cat(src), cat(dst), cq)
+        return self._masks[key]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
@@ -316,34 +404,43 @@ class QuantizedReduceScatter(_Collective):
         c = output_tensor.numel()
         if input_tensor.numel() != w * c:
             raise _zeropp.ZeroppError(f"qgZ: input has {input_tensor.numel()} elements, expected {w} x {c}")
-        mask = self._exact_mask(c)
-        if mask is not None and bool(mask.all()):
+        mask, src, dst, cq = self._plan(c)
+        if cq == 0:
             # Only 1-D parameters (a norm layer on its own): nothing for qgZ.
             return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         dev = input_tensor.device
-        # The quantized part in float32 (a copy: the 1-D columns are zeroed in it).
-        x = _host(input_tensor).reshape(w, c).to(torch.float32, copy=True)
+        x = _host(input_tensor).reshape(w, c)
         exact = None
         if mask is not None:
-            cols = x[:, mask].to(input_tensor.dtype).contiguous()
+            cols = x[:, mask].contiguous()
             exact = torch.empty(cols.shape[1], dtype=input_tensor.dtype, device=dev)
             dist.reduce_scatter_tensor(exact, cols.reshape(-1).to(dev), op=op, group=group)
-            x[:, mask] = 0.0
+        # The quantized part in float32, each parameter from a group boundary.
+        if src is None:
+            xq = x.to(torch.float32, copy=True)
+        else:
+            xq = torch.zeros(w, cq, dtype=torch.float32)
+            xq[:, dst] = x[:, src].to(torch.float32)
         seed = self.shared.next_seed() if self.stochastic else None
-        st = _zeropp.QgzStages(w, t.local_size, t.rank, w * c, bits=self.bits, group_size=self.group_size,
+        st = _zeropp.QgzStages(w, t.local_size, t.rank, w * cq, bits=self.bits, group_size=self.group_size,
                                local_bits=self.local_bits, seed=seed, mean=mean)
-        shard = torch.empty(c, dtype=torch.float32)
+        part = torch.empty(cq, dtype=torch.float32)
         intra_send = torch.zeros(t.local_size * st.intra_chunk_len, dtype=torch.uint8)
         own = torch.zeros(st.own_len, dtype=torch.uint8)
         inter_send = torch.zeros(t.nodes * st.inter_chunk_len, dtype=torch.uint8)
-        st.pack(x.reshape(-1).numpy(), intra_send.numpy(), own.numpy(), inter_send.numpy(), shard.numpy())
+        st.pack(xq.reshape(-1).numpy(), intra_send.numpy(), own.numpy(), inter_send.numpy(), part.numpy())
         if st.intra_chunk_len:
             intra_recv = _all_to_all(intra_send, t.intra, dev)
-            st.reduce_intra(intra_recv.numpy(), own.numpy(), inter_send.numpy(), shard.numpy())
+            st.reduce_intra(intra_recv.numpy(), own.numpy(), inter_send.numpy(), part.numpy())
         inter_recv = torch.zeros(0, dtype=torch.uint8)
         if st.inter_chunk_len:
             inter_recv = _all_to_all(inter_send, t.rail, dev)
-        st.finish(inter_recv.numpy(), shard.numpy())
+        st.finish(inter_recv.numpy(), part.numpy())
+        if src is None:
+            shard = part
+        else:
+            shard = torch.zeros(c, dtype=torch.float32)
+            shard[src] = part[dst]
         if mask is not None:
             shard[mask] = _host(exact).to(torch.float32)
         output_tensor.copy_(shard.view_as(output_tensor).to(dev))
@@ -363,9 +460,9 @@ def _param_group(module):
 
 
 def _segments(param_group, world: int):
-    """The per-rank chunk layout of a module's reduce-scatter: one (elements,
-    is_1d) per parameter, in FSDP2's order (dim 0 padded to a multiple of the
-    world, then split)."""
+    """The per-rank chunk layout of a module's collectives: one (elements,
+    is_1d) per parameter of ``param_group.fsdp_params``, in FSDP2's order (dim 0
+    padded to a multiple of the world, then split)."""
     segs = []
     for fp in param_group.fsdp_params:
         size = getattr(fp, "_orig_size", None)
@@ -382,6 +479,34 @@ def _segments(param_group, world: int):
     return segs
 
 
+def _names(param_group):
+    """The module's name and its parameters' (FSDP2 sets them at its lazy
+    init, so they are read when needed)."""
+    module = getattr(param_group, "_module_fqn", None) or "<root>"
+    return module, [getattr(fp, "_param_fqn", None) or f"#{i}" for i, fp in enumerate(param_group.fsdp_params)]
+
+
+def _has_grad(fsdp_param) -> bool:
+    """FSDP2's own test (``FSDPParamGroup.post_backward``) of whether a
+    parameter goes into the module's reduce-scatter."""
+    if not hasattr(fsdp_param, "_unsharded_param"):
+        return False
+    return fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.unsharded_param.grad is not None
+
+
+def _track_grads(param_group, rs: QuantizedReduceScatter):
+    """Makes the module's post-backward tell ``rs`` which parameters the coming
+    reduce-scatter carries, just before FSDP2 decides the same thing."""
+    original = getattr(param_group, "_zeropp_post_backward", None) or param_group.post_backward
+
+    def post_backward(*args, **kwargs):
+        rs.expect([_has_grad(fp) for fp in param_group.fsdp_params])
+        return original(*args, **kwargs)
+
+    param_group._zeropp_post_backward = original
+    param_group.post_backward = post_backward
+
+
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
            exclude_1d: bool = True, seed: int = 0) -> dict:
@@ -395,6 +520,14 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     """
     from torch.distributed.fsdp import FSDPModule
 
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zeropp.torch.enable takes the model (a torch.nn.Module after fully_shard), "
+                        f"not a {type(model).__name__}")
+    for hook in ("set_custom_all_gather", "set_custom_reduce_scatter"):
+        if not hasattr(FSDPModule, hook):
+            raise _zeropp.ZeroppError(
+                f"this torch ({torch.__version__}) has no FSDPModule.{hook}: zeropp.torch needs FSDP2's "
+                f"custom collectives (torch >= 2.9; tested with 2.9.1)")
     ls = local_size if local_size is not None else globals()["local_size"]()
     shared = _Shared(seed)
     summary = {"modules": 0, "world": None, "local_size": ls, "hpz": []}
@@ -405,24 +538,31 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         if pg is None:
             continue
         group = pg.mesh_info.shard_process_group
-        ranks = tuple(dist.get_process_group_ranks(group))
-        if ranks not in shared.topologies:
-            shared.topologies[ranks] = Topology(group, ls)
-        topo = shared.topologies[ranks]
+        all_groups = _shard_groups(pg.mesh_info)
+        key = tuple(tuple(g) for g in all_groups)
+        if key not in shared.topologies:
+            shared.topologies[key] = Topology(group, ls, all_groups=all_groups)
+        topo = shared.topologies[key]
         segs = _segments(pg, topo.world)
         if qwz:
             module.set_custom_all_gather(QuantizedAllGather(
                 ls, segments=segs, bits=qwz_bits, group_size=group_size, exclude_1d=exclude_1d))
         if qgz:
-            module.set_custom_reduce_scatter(QuantizedReduceScatter(
-                topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size, stochastic=stochastic,
-                shared=shared))
+            rs = QuantizedReduceScatter(
+                topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
+                stochastic=stochastic, shared=shared, names=lambda pg=pg: _names(pg)[1],
+                module=lambda pg=pg: _names(pg)[0])
+            module.set_custom_reduce_scatter(rs)
+            _track_grads(pg, rs)
         summary["modules"] += 1
         summary["world"] = topo.world
         post = getattr(pg, "post_forward_mesh_info", None)
         summary["hpz"].append(post is not None and post.shard_mesh_size <= ls)
     if summary["modules"] == 0:
-        warnings.warn("zeropp.torch.enable: no FSDP2 module found; call fully_shard first", stacklevel=2)
+        # Training on would silently run at full precision: refuse instead.
+        raise _zeropp.ZeroppError(
+            f"zeropp.torch.enable: {type(model).__name__} holds no FSDP2 module with parameters; call "
+            f"torch.distributed.fsdp.fully_shard on it (and on its blocks) first, then enable()")
     return summary
 
 

@@ -130,8 +130,13 @@ fn free_port() -> Result<u16, String> {
 /// `script` under torchrun, 4 processes as 2 nodes x 2, with the seeded defect
 /// `defect` (a name of python/tests/defects.py) or none.
 fn torchrun(venv: &Path, script: &str, args: &[&str], defect: Option<&str>) -> Result<Command, String> {
-    let mut c = Command::new(venv.join("bin/python"));
-    c.args(["-m", "torch.distributed.run", "--nproc-per-node", "4", "--local-ranks-filter", "0"])
+    // A hang (a collective some rank never joins, as mismatched sub-groups
+    // give) must fail the step, not sit until CI's limit: 20 minutes is several
+    // times the slowest run here.
+    let mut c = Command::new("timeout");
+    c.args(["--kill-after=10", "1200"])
+        .arg(venv.join("bin/python"))
+        .args(["-m", "torch.distributed.run", "--nproc-per-node", "4", "--local-ranks-filter", "0"])
         .arg(format!("--master-port={}", free_port()?))
         .arg(root().join(script))
         .args(args)
