@@ -26,19 +26,16 @@ failures=()
 pass() { passed=$((passed + 1)); echo "ok   $1"; }
 fail() { failed=$((failed + 1)); failures+=("$1"); echo "FAIL $1"; }
 
-echo "==> building the MPI test programs (cargo build --features mpi)"
-if ! cargo build -p zeropp-comm --features mpi --example mpi_conformance --example mpi_fault; then
-  echo "0 passed, 1 failed (build)"
-  exit 1
-fi
-echo "==> building the CLI with MPI support (cargo build -p zeropp --features mpi)"
-if ! cargo build -p zeropp --features mpi; then
-  echo "0 passed, 1 failed (build)"
-  exit 1
-fi
-
-echo "==> building the candle example with MPI support (one launch call, no MPI code of its own)"
-if ! cargo build -p zeropp-candle --features mpi --example train_your_model; then
+# One cargo invocation for every MPI program, so the features unify once: built one
+# package at a time, each build resolved other features for the crates below it
+# (zeropp-quant's `tools` for the CLI, the candle example's dev-dependencies) and
+# recompiled the whole stack three times (13 of this script's 14 minutes in CI).
+# xtask/src/cluster/mod.rs (`build_zeropp`) runs the same command, so the cluster
+# test reuses these binaries.
+echo "==> building the MPI programs: conformance and fault examples, the CLI, the candle example"
+if ! cargo build --locked -p zeropp-comm -p zeropp -p zeropp-candle \
+  --features zeropp-comm/mpi,zeropp/mpi,zeropp-candle/mpi \
+  --example mpi_conformance --example mpi_fault --example train_your_model --bin zeropp; then
   echo "0 passed, 1 failed (build)"
   exit 1
 fi

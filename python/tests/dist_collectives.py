@@ -17,7 +17,8 @@ Checks, each against an independent reference:
    adapters), FSDP2 reduce-scatters only the parameters with a gradient;
    zeropp's gradients then match FSDP2's default ones (1-D parameters to
    float32 rounding, the rest within INT4's error with groups per parameter),
-   and the others stay None; with bf16 mixed precision (bf16 reduces) too. The same on 2 x 2 HSDP meshes (sharded within a
+   and the others stay None, at both of two steps (a branch taken on the first
+   only drops out of the second's reduce-scatter); with bf16 reduces too. The same on 2 x 2 HSDP meshes (sharded within a
    node and replicated across, or the other way round), where every rank's
    shard group differs.
 4. Bytes: one training step of a small GPT under FSDP2 (bf16 mixed precision)
@@ -250,6 +251,13 @@ def _variant_model(case: str, cfg):
         model.blocks[0].ln1.weight.requires_grad_(False)
     elif case == "unused":
         model.blocks[1].unused = torch.nn.Parameter(torch.randn(16, 16) * 0.02)
+    elif case == "sometimes":
+        # A branch the forward takes on the first step only (its gradient is
+        # missing from the second step's reduce-scatter).
+        extra = model.blocks[0]
+        extra.side = torch.nn.Linear(cfg.d, cfg.d)
+        extra.use_side = True
+        extra.register_forward_hook(lambda m, inp, out: out + m.side(out) if m.use_side else out)
     elif case == "lora":
         for p in model.parameters():
             p.requires_grad_(False)
@@ -276,15 +284,17 @@ def _grads(case: str, variant: str, ls: int, mesh=None):
         # qgZ alone: the weights the forward sees are FSDP2's own.
         zt.enable(model, local_size=ls, qwz=False)
     g = torch.Generator().manual_seed(1)
-    out = {}
-    for _ in range(2):
+    steps = []
+    for step in range(2):
         for p in model.parameters():
             p.grad = None
+        if case == "sometimes":
+            model.blocks[0].use_side = step == 0
         x = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=g)
         model(x, x).backward()
-    for name, p in model.named_parameters():
-        out[name] = None if p.grad is None else p.grad.to_local().detach().clone()
-    return out
+        steps.append({name: None if p.grad is None else p.grad.to_local().detach().clone()
+                      for name, p in model.named_parameters()})
+    return steps
 
 
 def _hsdp_mesh(kind: str):
@@ -297,7 +307,7 @@ def _hsdp_mesh(kind: str):
 
 
 def test_partial_grads(ls):
-    cases = [("frozen-norm", None), ("unused", None), ("lora", None), ("bf16", None)]
+    cases = [("frozen-norm", None), ("unused", None), ("sometimes", None), ("lora", None), ("bf16", None)]
     if dist.get_world_size() == 4 and ls == 2:
         cases += [("hsdp", "hsdp"), ("hsdp-across", "hsdp-across"), ("lora+hsdp", "hsdp")]
     for case, mesh_kind in cases:
@@ -310,8 +320,9 @@ def test_partial_grads(ls):
             check(all_ok(False), f"{case}: zeropp.torch raised {type(e).__name__}: {e}")
             continue
         ok, worst, why = True, 0.0, ""
-        for name, b in base.items():
-            z = zpp[name]
+        pairs = [(f"step {k + 1} {name}", b, zs[name]) for k, (bs, zs) in enumerate(zip(base, zpp))
+                 for name, b in bs.items()]
+        for name, b, z in pairs:
             if b is None or z is None:
                 if (b is None) != (z is None):
                     ok, why = False, f"{name}: default grad {'None' if b is None else 'set'}, zeropp's " \

@@ -110,6 +110,8 @@ class Docs(unittest.TestCase):
 class Errors(unittest.TestCase):
     def test_rust_messages_become_exceptions(self):
         x = np.ones(10, np.float32)
+        # It prints as the package's own exception, not the extension module's.
+        self.assertEqual(f"{zeropp.ZeroppError.__module__}.{zeropp.ZeroppError.__qualname__}", "zeropp.ZeroppError")
         with self.assertRaisesRegex(zeropp.ZeroppError, "group"):
             zeropp.quantize(x, group_size=0)
         with self.assertRaisesRegex(zeropp.ZeroppError, "bit width"):

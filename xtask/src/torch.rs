@@ -155,16 +155,44 @@ fn shakespeare() -> PathBuf {
     root().join("../shared/data/tinyshakespeare.txt")
 }
 
-/// Runs `cmd`, which must fail (a seeded defect); returns an error if it passes.
-fn must_fail(step: &str, mut cmd: Command) -> Result<(), String> {
+/// Runs `cmd`, which must fail the way a test fails on a seeded defect: exit
+/// status 1 and a check's verdict in the output (`verdict`: a line starting
+/// with `FAIL ` from the collective checks, `: FAIL` from the parity summary).
+/// A pass is an error, and so is any other failure (a crash, an import error,
+/// the timeout): the check would then not have seen the defect.
+fn must_fail(step: &str, mut cmd: Command, verdict: &str) -> Result<(), String> {
     eprintln!("\n==> {step} (must fail): {cmd:?}");
-    let status = cmd.status().map_err(|e| format!("{step}: could not start: {e}"))?;
-    if status.success() {
-        Err(format!("{step}: passed with a seeded defect; the check cannot catch it"))
-    } else {
-        eprintln!("==> {step}: failed, as it must ({status})");
-        Ok(())
+    let out = cmd.output().map_err(|e| format!("{step}: could not start: {e}"))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let seen = seeded_failure(out.status.code(), &text, verdict);
+    if !seen {
+        eprintln!("{}", tail_lines(&text, 30));
     }
+    match (out.status.success(), seen) {
+        (true, _) => Err(format!("{step}: passed with a seeded defect; the check cannot catch it")),
+        (false, false) => Err(format!(
+            "{step}: failed ({}) without the check's verdict `{verdict}`: a crash is not the defect being caught",
+            out.status
+        )),
+        (false, true) => {
+            eprintln!("==> {step}: failed on its check, as it must ({})", out.status);
+            Ok(())
+        }
+    }
+}
+
+/// Whether a run ended as a test that caught its defect: exit 1 and `verdict`
+/// at the start of a line (`FAIL `) or inside one (`: FAIL`).
+fn seeded_failure(code: Option<i32>, output: &str, verdict: &str) -> bool {
+    code == Some(1)
+        && output
+            .lines()
+            .any(|l| if verdict.starts_with(':') { l.contains(verdict) } else { l.starts_with(verdict) })
+}
+
+fn tail_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// Installs the venv and the package; `None` when skipped outside CI.
@@ -224,6 +252,7 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
         must_fail(
             &format!("test 4a: collectives with the seeded defect {defect}"),
             torchrun(&venv, "python/tests/dist_collectives.py", &[], Some(defect))?,
+            "FAIL ",
         )?;
     }
 
@@ -272,7 +301,29 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
             &["--seeds", "1", "--steps", steps.as_str(), "--lr", lr, "--max-mean", max_mean.as_str()],
             Some("wrong-levels"),
         )?,
+        ": FAIL",
     )?;
     eprintln!("\ntest-torch: all green (parity figures in {})", json.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::seeded_failure;
+
+    /// Only exit 1 with the check's verdict counts as the seeded defect caught:
+    /// a pass, a crash (an import error, a signal, the timeout) does not.
+    #[test]
+    fn only_the_checks_own_failure_counts() {
+        let verdict = "ok   a\nFAIL qgZ reduce-scatter within the bound\n";
+        assert!(seeded_failure(Some(1), verdict, "FAIL "));
+        assert!(!seeded_failure(Some(0), verdict, "FAIL "));
+        assert!(!seeded_failure(Some(124), verdict, "FAIL "), "the timeout");
+        assert!(!seeded_failure(None, verdict, "FAIL "), "a signal");
+        let crash = "ModuleNotFoundError: No module named 'zeropp'\nFAILED (errors=1)\n";
+        assert!(!seeded_failure(Some(1), crash, "FAIL "));
+        let parity = "parity: mean ratio 1.0160 ... over 1 seeds: FAIL (bound 1.005)\n";
+        assert!(seeded_failure(Some(1), parity, ": FAIL"));
+        assert!(!seeded_failure(Some(1), "Traceback: RuntimeError\n", ": FAIL"));
+    }
 }

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use zeropp_quant::{Bits, Options, QuantSpec, Scheme};
 
 pyo3::create_exception!(
-    _zeropp,
+    zeropp,
     ZeroppError,
     pyo3::exceptions::PyValueError,
     "An error from zeropp's Rust core (bad arguments, a corrupt encoding), with its message."

@@ -117,12 +117,18 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from)
 }
 
-/// Builds `zeropp` with MPI support and returns the binary.
+/// Builds `zeropp` with MPI support and returns the binary. The debug build is
+/// the one xtask/mpi-tests.sh makes, with the same packages, features and
+/// targets (so features unify alike and `ci` builds the stack once).
 fn build_zeropp(release: bool) -> Result<PathBuf, String> {
     let mut c = cargo();
-    c.args(["build", "--locked", "-p", "zeropp", "--features", "mpi"]);
     if release {
-        c.arg("--release");
+        c.args(["build", "--locked", "--release", "-p", "zeropp", "--features", "mpi"]);
+    } else {
+        c.args(["build", "--locked", "-p", "zeropp-comm", "-p", "zeropp", "-p", "zeropp-candle"])
+            .args(["--features", "zeropp-comm/mpi,zeropp/mpi,zeropp-candle/mpi"])
+            .args(["--example", "mpi_conformance", "--example", "mpi_fault", "--example", "train_your_model"])
+            .args(["--bin", "zeropp"]);
     }
     run_step("build zeropp (mpi)", c)?;
     Ok(target_dir().join(if release { "release" } else { "debug" }).join("zeropp"))
