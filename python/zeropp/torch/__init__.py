@@ -1,0 +1,53 @@
+"""ZeRO++ for PyTorch FSDP2: qwZ and qgZ as FSDP2's custom collectives.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) lets a module replace its
+all-gather and reduce-scatter. This module fills those slots:
+
+- :class:`QuantizedAllGather` (qwZ): each rank quantizes its shard to INT8
+  (one scale per group of 256), the encodings travel through torch's
+  ``all_gather_into_tensor``, and every rank dequantizes all of them, its own
+  included, so all ranks compute with the same weights.
+- :class:`QuantizedReduceScatter` (qgZ): the gradient's shards are reordered
+  and quantized to INT4, exchanged inside the node (``all_to_all_single`` on a
+  node sub-group), summed and requantized, exchanged once more over the rail
+  (the ranks with the same local rank, one per node), and summed again. The
+  stages are the Rust engine's own (``zeropp.QgzStages``): same slice order,
+  same defaults (INT4 groups of 256 on the wire, INT8 for the chunk a rank
+  keeps, stochastic rounding, 1-D parameters such as biases and norms reduced
+  at their own precision).
+- hpZ is FSDP2's own ``reshard_after_forward=local_size``: after the forward,
+  each node keeps the weights sharded over its own ranks, so the backward
+  all-gather stays inside the node (and is not quantized again).
+
+The transport is torch.distributed itself (gloo on CPU, NCCL on GPU): you keep
+``torchrun`` and your process groups. Ranks must be numbered node by node
+(rank = node * local_size + local rank), as torchrun does.
+
+Five lines turn it on in an FSDP2 script::
+
+    import zeropp.torch as zt
+    local = zt.local_size()                       # ranks per node (torchrun's LOCAL_WORLD_SIZE)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=local)   # hpZ
+    fully_shard(model, reshard_after_forward=local)
+    zt.enable(model, local_size=local)            # qwZ + qgZ
+
+The kernels run on the CPU. Tensors on a GPU are staged through host memory
+(correct, not fast; zeropp's CUDA kernels are not wired to Python yet).
+"""
+
+from __future__ import annotations
+
+from .bytes import ByteCounter
+from .collectives import QuantizedAllGather, QuantizedReduceScatter
+from .enable import enable
+from .topology import Topology, local_size
+
+__all__ = [
+    "ByteCounter",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "Topology",
+    "enable",
+    "local_size",
+]

@@ -1,0 +1,297 @@
+"""qwZ and qgZ as FSDP2's custom all-gather and reduce-scatter."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import _as_buffer, _zeropp
+from .topology import Topology, _spans_nodes
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+# Kind keys of the stochastic-rounding streams (as the Rust engine's: qwZ 1, qgZ 2).
+_QGZ_STREAM = 2
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+@dataclass
+class _Shared:
+    """What the collectives of one :func:`enable` share: the stream counter
+    (the same on every rank, since all ranks run the same collectives in the
+    same order) and the topologies by group."""
+
+    seed: int
+    calls: int = 0
+    topologies: dict = field(default_factory=dict)
+
+    def next_seed(self) -> int:
+        self.calls += 1
+        return _zeropp.stream_seed(self.seed, [_QGZ_STREAM, self.calls])
+
+
+class _Collective:
+    """What both collectives share: the layout of the chunk FSDP2 sends
+    (``segments``), the quantizer's format, and the protocols' ``allocate``."""
+
+    def __init__(self, segments, bits: int, group_size: int):
+        self.segments = list(segments) if segments else None
+        self.bits = bits
+        self.group_size = group_size
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class QuantizedAllGather(_Collective):
+    """qwZ: FSDP2's all-gather with INT8 block-quantized payloads.
+
+    ``allocate`` and ``__call__`` follow ``torch.distributed.fsdp``'s
+    ``AllGather`` protocol. ``segments`` describes one rank's input as
+    ``[(elements, is_1d), ...]``, one entry per parameter shard (FSDP2
+    concatenates them): each parameter is quantized on its own, so no
+    quantization group mixes two parameters (a LayerNorm gain of 1.0 would
+    otherwise set the scale for the matrix weights beside it), and the 1-D
+    parameters travel unquantized (``exclude_1d``). Without ``segments`` the
+    whole input is one quantized vector. Gathers inside one node (hpZ's
+    backward gather under ``reshard_after_forward=local_size``) and inputs that
+    are not floats (FSDP2 sends mixed dtypes as uint8) go through torch's plain
+    all-gather; set ``quantize_intra=True`` to quantize those too.
+    """
+
+    def __init__(self, local_size: int, *, segments=None, bits: int = 8, group_size: int = 256,
+                 quantize_intra: bool = False, exclude_1d: bool = True):
+        super().__init__(segments, bits, group_size)
+        self.local_size = local_size
+        self.quantize_intra = quantize_intra
+        self.exclude_1d = exclude_1d
+
+    def _layout(self, n: int, itemsize: int):
+        """[(start, elements, exact, wire offset, wire bytes)] over one rank's input."""
+        segs = self.segments
+        if segs and sum(k for k, _ in segs) != n:
+            if not getattr(self, "_warned", False):
+                warnings.warn(f"qwZ: the parameter layout covers {sum(k for k, _ in segs)} elements, the "
+                              f"all-gather input has {n}; quantizing it as one vector", stacklevel=2)
+                self._warned = True
+            segs = None
+        segs = segs or [(n, False)]
+        out, at, off = [], 0, 0
+        for k, one_d in segs:
+            exact = one_d and self.exclude_1d
+            size = k * itemsize if exact else _zeropp.encoded_len(k, bits=self.bits, group_size=self.group_size)
+            out.append((at, k, exact, off, size))
+            at += k
+            off += size
+        return out, off
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        quantize = input_tensor.dtype in _FLOATS and (
+            self.quantize_intra or _spans_nodes(group, self.local_size)
+        )
+        if not quantize:
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        g = group.size()
+        n = input_tensor.numel()
+        if output_tensor.numel() != g * n:
+            raise _zeropp.ZeroppError(
+                f"qwZ all-gather: output has {output_tensor.numel()} elements, expected {g} x {n}"
+            )
+        layout, e = self._layout(n, input_tensor.element_size())
+        x = _host(input_tensor.contiguous()).reshape(-1)
+        send = torch.empty(e, dtype=torch.uint8)
+        sb = send.numpy()
+        xb, dtype = _as_buffer(x, "input_tensor")
+        xbytes = x.view(torch.uint8).numpy()
+        isz = x.element_size()
+        for at, k, exact, off, size in layout:
+            if exact:
+                sb[off:off + size] = xbytes[at * isz:(at + k) * isz]
+            else:
+                _zeropp.quantize(xb[at:at + k], sb[off:off + size], dtype=dtype, bits=self.bits,
+                                 group_size=self.group_size)
+        dev = input_tensor.device
+        recv = torch.empty(g * e, dtype=torch.uint8, device=dev)
+        dist.all_gather_into_tensor(recv, send.to(dev), group=group)
+        recv = _host(recv)
+        # Every rank dequantizes every shard, its own included, so all ranks compute
+        # with the same weights (the input may be a view of the output; it has been
+        # read already).
+        out = output_tensor if dev.type == "cpu" else torch.empty(g * n, dtype=output_tensor.dtype)
+        out = out.reshape(-1)
+        ob, odt = _as_buffer(out, "output_tensor")
+        obytes = out.view(torch.uint8).numpy()
+        rb = recv.numpy()
+        for j in range(g):
+            base = j * e
+            for at, k, exact, off, size in layout:
+                wire = rb[base + off:base + off + size]
+                if exact:
+                    obytes[(j * n + at) * isz:(j * n + at + k) * isz] = wire
+                else:
+                    _zeropp.dequantize(wire, ob[j * n + at:j * n + at + k], dtype=odt)
+        if dev.type != "cpu":
+            output_tensor.copy_(out.view_as(output_tensor))
+        return None
+
+
+class QuantizedReduceScatter(_Collective):
+    """qgZ: FSDP2's reduce-scatter as a two-hop INT4 all-to-all.
+
+    Follows ``torch.distributed.fsdp``'s ``ReduceScatter`` protocol. The
+    input is FSDP2's rank-major buffer (chunk ``r`` holds what rank ``r``
+    owns); the output is this rank's chunk of the mean (``ReduceOp.AVG``) or
+    sum (``ReduceOp.SUM``). ``segments`` describes the chunk's layout as
+    ``[(elements, is_1d), ...]``, one entry per parameter: the 1-D segments
+    (biases, norm weights) are reduced by torch's reduce-scatter at the input's
+    own precision, and the rest goes through qgZ with each parameter in groups
+    of its own (padded to a group boundary, so no group holds two parameters),
+    as the Rust engine does by default. FSDP2 sends only the parameters that
+    have a gradient: :meth:`expect` says which before each call (:func:`enable`
+    does it). Other ops (a pre-multiplied sum) and non-float inputs fall back to
+    torch's reduce-scatter.
+    """
+
+    def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,
+                 local_bits: int = 8, stochastic: bool = True, seed: int = 0, shared: _Shared | None = None,
+                 names=None, module: str = ""):
+        super().__init__(segments, bits, group_size)
+        self.topology = topology
+        self.local_bits = local_bits
+        self.stochastic = stochastic
+        self.shared = shared if shared is not None else _Shared(seed)
+        # The parameters' names and the module's, for errors: lists and strings,
+        # or callables returning them (FSDP2 names them at its lazy init).
+        self.names = names
+        self.module = module
+        # Which of ``segments`` the next call carries (None: all of them).
+        self._sent = None
+        self._masks = {}
+
+    def expect(self, sent):
+        """Tells the next call which of ``segments`` it carries: FSDP2
+        reduce-scatters only the parameters that have a gradient (frozen ones,
+        and trainable ones this backward did not reach, are left out), so
+        :func:`enable` calls this from the module's post-backward hook, with
+        FSDP2's own test, before FSDP2 builds the input."""
+        if self.segments is not None and len(sent) != len(self.segments):
+            raise _zeropp.ZeroppError(
+                f"qgZ: {len(sent)} flags for a layout of {len(self.segments)} parameters")
+        self._sent = tuple(bool(x) for x in sent)
+
+    def _plan(self, c: int):
+        """How one chunk of ``c`` elements is reduced: ``(mask, src, dst, cq)``.
+        ``mask`` marks the 1-D parameters' elements (reduced exactly; None when
+        there are none); qgZ reduces a vector of ``cq`` elements per rank in which
+        chunk position ``src[i]`` sits at ``dst[i]``, each parameter starting on a
+        group boundary so no quantization group holds two parameters (the Rust
+        engine's ``per_tensor_groups``). Without ``segments``: the whole chunk,
+        as it is (``src`` None)."""
+        if not self.segments:
+            return None, None, None, c
+        sent = self._sent if self._sent is not None else (True,) * len(self.segments)
+        key = (sent, c)
+        if key not in self._masks:
+            segs = [seg for seg, keep in zip(self.segments, sent) if keep]
+            total = sum(n for n, _ in segs)
+            if total != c:
+                names = self.names() if callable(self.names) else self.names
+                names = list(names or [f"#{i}" for i in range(len(self.segments))])
+                carried = [n for n, keep in zip(names, sent) if keep]
+                module = self.module() if callable(self.module) else self.module
+                where = f" of module '{module}'" if module else ""
+                raise _zeropp.ZeroppError(
+                    f"qgZ: FSDP2 sent {c} elements per rank for the reduce-scatter{where}, but the "
+                    f"parameters it reduces ({', '.join(carried) or 'none'}) cover {total} per rank in "
+                    f"zeropp's layout. A module given to QuantizedReduceScatter by hand needs expect() "
+                    f"before each call (enable() does this); otherwise pass exclude_1d=False to enable(), "
+                    f"which quantizes the chunk as one vector and needs no layout")
+            mask = torch.zeros(c, dtype=torch.bool)
+            src, dst = [], []
+            at, cq, gs = 0, 0, self.group_size
+            for n, one_d in segs:
+                if one_d:
+                    mask[at:at + n] = True
+                elif n:
+                    src.append(torch.arange(at, at + n))
+                    dst.append(torch.arange(cq, cq + n))
+                    cq += -(-n // gs) * gs
+                at += n
+            cat = (lambda v: torch.cat(v)) if src else (lambda v: torch.zeros(0, dtype=torch.long))
+            self._masks[key] = (mask if bool(mask.any()) else None, cat(src), cat(dst), cq)
+        return self._masks[key]
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False):
+        t = self.topology
+        if op == dist.ReduceOp.AVG:
+            mean = True
+        elif op == dist.ReduceOp.SUM:
+            mean = False
+        else:
+            mean = None
+        if mean is None or input_tensor.dtype not in _FLOATS or group.size() == 1:
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if not t.matches(group):
+            raise _zeropp.ZeroppError(
+                f"qgZ: FSDP2 reduces over ranks {dist.get_process_group_ranks(group)}, "
+                f"but the topology was built for {t.ranks}"
+            )
+        w = t.world
+        c = output_tensor.numel()
+        if input_tensor.numel() != w * c:
+            raise _zeropp.ZeroppError(f"qgZ: input has {input_tensor.numel()} elements, expected {w} x {c}")
+        mask, src, dst, cq = self._plan(c)
+        if cq == 0:
+            # Only 1-D parameters (a norm layer on its own): nothing for qgZ.
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        dev = input_tensor.device
+        x = _host(input_tensor).reshape(w, c)
+        exact = None
+        if mask is not None:
+            cols = x[:, mask].contiguous()
+            exact = torch.empty(cols.shape[1], dtype=input_tensor.dtype, device=dev)
+            dist.reduce_scatter_tensor(exact, cols.reshape(-1).to(dev), op=op, group=group)
+        # The quantized part in float32, each parameter from a group boundary.
+        if src is None:
+            xq = x.to(torch.float32, copy=True)
+        else:
+            xq = torch.zeros(w, cq, dtype=torch.float32)
+            xq[:, dst] = x[:, src].to(torch.float32)
+        seed = self.shared.next_seed() if self.stochastic else None
+        st = _zeropp.QgzStages(w, t.local_size, t.rank, w * cq, bits=self.bits, group_size=self.group_size,
+                               local_bits=self.local_bits, seed=seed, mean=mean)
+        part = torch.empty(cq, dtype=torch.float32)
+        intra_send = torch.zeros(t.local_size * st.intra_chunk_len, dtype=torch.uint8)
+        own = torch.zeros(st.own_len, dtype=torch.uint8)
+        inter_send = torch.zeros(t.nodes * st.inter_chunk_len, dtype=torch.uint8)
+        st.pack(xq.reshape(-1).numpy(), intra_send.numpy(), own.numpy(), inter_send.numpy(), part.numpy())
+        if st.intra_chunk_len:
+            intra_recv = _all_to_all(intra_send, t.intra, dev)
+            st.reduce_intra(intra_recv.numpy(), own.numpy(), inter_send.numpy(), part.numpy())
+        inter_recv = torch.zeros(0, dtype=torch.uint8)
+        if st.inter_chunk_len:
+            inter_recv = _all_to_all(inter_send, t.rail, dev)
+        st.finish(inter_recv.numpy(), part.numpy())
+        if src is None:
+            shard = part
+        else:
+            shard = torch.zeros(c, dtype=torch.float32)
+            shard[src] = part[dst]
+        if mask is not None:
+            shard[mask] = _host(exact).to(torch.float32)
+        output_tensor.copy_(shard.view_as(output_tensor).to(dev))
+        return None
+
+
+def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, dev: torch.device) -> torch.Tensor:
+    """An equal-split all-to-all of a uint8 buffer on ``group``, on ``dev``'s backend."""
+    recv = torch.empty_like(send, device=dev)
+    dist.all_to_all_single(recv, send.to(dev), group=group)
+    return _host(recv)

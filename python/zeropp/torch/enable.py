@@ -1,0 +1,122 @@
+""":func:`enable`: qwZ and qgZ on every FSDP2 module of a model."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _zeropp
+from .collectives import QuantizedAllGather, QuantizedReduceScatter, _Shared
+from .topology import Topology, _shard_groups
+from .topology import local_size as _env_local_size
+
+
+def _param_group(module):
+    state = module._get_fsdp_state()
+    return getattr(state, "_fsdp_param_group", None)
+
+
+def _segments(param_group, world: int):
+    """The per-rank chunk layout of a module's collectives: one (elements,
+    is_1d) per parameter of ``param_group.fsdp_params``, in FSDP2's order (dim 0
+    padded to a multiple of the world, then split)."""
+    segs = []
+    for fp in param_group.fsdp_params:
+        size = getattr(fp, "_orig_size", None)
+        if size is None:
+            raise _zeropp.ZeroppError(
+                f"zeropp.torch reads FSDP2's parameter layout (FSDPParam._orig_size), which this torch "
+                f"({torch.__version__}) does not have; the tested version is 2.9.1"
+            )
+        rows = -(-size[0] // world) if len(size) else 1
+        rest = 1
+        for d in size[1:]:
+            rest *= d
+        segs.append((rows * rest, len(size) == 1))
+    return segs
+
+
+def _names(param_group):
+    """The module's name and its parameters' (FSDP2 sets them at its lazy
+    init, so they are read when needed)."""
+    module = getattr(param_group, "_module_fqn", None) or "<root>"
+    return module, [getattr(fp, "_param_fqn", None) or f"#{i}" for i, fp in enumerate(param_group.fsdp_params)]
+
+
+def _has_grad(fsdp_param) -> bool:
+    """FSDP2's own test (``FSDPParamGroup.post_backward``) of whether a
+    parameter goes into the module's reduce-scatter."""
+    if not hasattr(fsdp_param, "_unsharded_param"):
+        return False
+    return fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.unsharded_param.grad is not None
+
+
+def _track_grads(param_group, rs: QuantizedReduceScatter):
+    """Makes the module's post-backward tell ``rs`` which parameters the coming
+    reduce-scatter carries, just before FSDP2 decides the same thing."""
+    original = getattr(param_group, "_zeropp_post_backward", None) or param_group.post_backward
+
+    def post_backward(*args, **kwargs):
+        rs.expect([_has_grad(fp) for fp in param_group.fsdp_params])
+        return original(*args, **kwargs)
+
+    param_group._zeropp_post_backward = original
+    param_group.post_backward = post_backward
+
+
+def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
+           qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
+           exclude_1d: bool = True, seed: int = 0) -> dict:
+    """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
+    ``fully_shard``, on every rank). Returns a summary: modules changed, their
+    sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
+
+    The defaults are the Rust engine's: INT8 weights and INT4 gradients in
+    groups of 256, stochastic rounding in qgZ (seeded by ``seed``; every call
+    draws its own stream), 1-D parameters reduced at their own precision.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"zeropp.torch.enable takes the model (a torch.nn.Module after fully_shard), "
+                        f"not a {type(model).__name__}")
+    for hook in ("set_custom_all_gather", "set_custom_reduce_scatter"):
+        if not hasattr(FSDPModule, hook):
+            raise _zeropp.ZeroppError(
+                f"this torch ({torch.__version__}) has no FSDPModule.{hook}: zeropp.torch needs FSDP2's "
+                f"custom collectives (torch >= 2.9; tested with 2.9.1)")
+    ls = local_size if local_size is not None else _env_local_size()
+    shared = _Shared(seed)
+    summary = {"modules": 0, "world": None, "local_size": ls, "hpz": []}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        pg = _param_group(module)
+        if pg is None:
+            continue
+        group = pg.mesh_info.shard_process_group
+        all_groups = _shard_groups(pg.mesh_info)
+        key = tuple(tuple(g) for g in all_groups)
+        if key not in shared.topologies:
+            shared.topologies[key] = Topology(group, ls, all_groups=all_groups)
+        topo = shared.topologies[key]
+        segs = _segments(pg, topo.world)
+        if qwz:
+            module.set_custom_all_gather(QuantizedAllGather(
+                ls, segments=segs, bits=qwz_bits, group_size=group_size, exclude_1d=exclude_1d))
+        if qgz:
+            rs = QuantizedReduceScatter(
+                topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
+                stochastic=stochastic, shared=shared, names=lambda pg=pg: _names(pg)[1],
+                module=lambda pg=pg: _names(pg)[0])
+            module.set_custom_reduce_scatter(rs)
+            _track_grads(pg, rs)
+        summary["modules"] += 1
+        summary["world"] = topo.world
+        post = getattr(pg, "post_forward_mesh_info", None)
+        summary["hpz"].append(post is not None and post.shard_mesh_size <= ls)
+    if summary["modules"] == 0:
+        # Training on would silently run at full precision: refuse instead.
+        raise _zeropp.ZeroppError(
+            f"zeropp.torch.enable: {type(model).__name__} holds no FSDP2 module with parameters; call "
+            f"torch.distributed.fsdp.fully_shard on it (and on its blocks) first, then enable()")
+    return summary
