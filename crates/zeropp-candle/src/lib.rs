@@ -34,6 +34,8 @@
 mod error;
 pub mod llama;
 pub mod model;
+pub mod nn;
+pub mod ops;
 mod params;
 
 pub use error::{CandleError, Result};

@@ -7,6 +7,7 @@
 
 mod errors;
 mod export;
+mod ops;
 mod protocol;
 mod training;
 
