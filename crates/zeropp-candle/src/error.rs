@@ -17,13 +17,34 @@ pub enum CandleError {
     #[error(
         "stage {stage:?}: parameter {param:?} received no gradient: an op on its path builds no backward graph \
          (candle-nn's fused ops do not: ops::rms_norm, ops::softmax_last_dim, ops::layer_norm and LayerNorm \
-         with a bias, the rotary_emb::rope* kernels); write that part with differentiable tensor ops"
+         with a bias, RmsNorm, the rotary_emb::rope* kernels); use zeropp_candle::ops and zeropp_candle::nn, \
+         which have a backward, or differentiable tensor ops"
     )]
     MissingGradient {
         /// The stage (gather unit).
         stage: String,
         /// The parameter, as the stage's VarBuilder named it.
         param: String,
+    },
+    /// Some elements of a parameter get no gradient in the build's trial
+    /// backward (others do): part of it sits behind an op with no backward
+    /// pass, such as the query and key rows of a fused q/k/v weight whose
+    /// scores go through candle-nn's `ops::softmax_last_dim`.
+    #[error(
+        "stage {stage:?}: parameter {param:?} {shape:?} has elements no gradient reaches: {zeros}; an op on \
+         their path builds no backward graph (candle-nn's fused ops: use zeropp_candle::ops and \
+         zeropp_candle::nn instead); if they are meant to get none (a pruning mask), declare it with \
+         `.allow_partial_gradient(\"{stage}.{param}\")`"
+    )]
+    PartialGradient {
+        /// The stage.
+        stage: String,
+        /// The parameter, as the stage's VarBuilder named it.
+        param: String,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// How many elements, and which ranges (rows where whole rows).
+        zeros: String,
     },
     /// The input of a stage past the first received no gradient: the stages
     /// below it would train on zeros. Same causes as [`CandleError::MissingGradient`].

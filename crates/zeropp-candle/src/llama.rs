@@ -36,6 +36,8 @@ pub struct LlamaConfig {
     pub rope_theta: f32,
     /// RMSNorm epsilon (`rms_norm_eps`).
     pub eps: f64,
+    /// The LM head is the input embedding (`tie_word_embeddings`).
+    pub tie_word_embeddings: bool,
 }
 
 impl LlamaConfig {
@@ -47,7 +49,8 @@ impl LlamaConfig {
 
     /// A decoder of hidden size `d`, `layers` layers, `heads` heads (`kv_heads`
     /// of them for keys and values) and sequences of `seq` tokens; SwiGLU width
-    /// `8d/3` rounded up to a multiple of 8, RoPE base 10000, eps 1e-5.
+    /// `8d/3` rounded up to a multiple of 8, RoPE base 10000, eps 1e-5, an
+    /// untied head.
     pub fn shape(vocab: usize, d: usize, layers: usize, heads: usize, kv_heads: usize, seq: usize) -> Self {
         let d_ff = (8 * d).div_ceil(3).div_ceil(8) * 8;
         Self {
@@ -60,6 +63,7 @@ impl LlamaConfig {
             seq_len: seq,
             rope_theta: 10_000.0,
             eps: 1e-5,
+            tie_word_embeddings: false,
         }
     }
 
@@ -103,7 +107,8 @@ impl LlamaConfig {
         let (d, hd) = (self.d_model, self.head_dim());
         let attn = d * self.n_head * hd * 2 + d * self.n_kv_head * hd * 2;
         let block = attn + 3 * d * self.d_ff + 2 * d;
-        2 * self.vocab * d + self.n_layer * block + d
+        let embeddings = if self.tie_word_embeddings { 1 } else { 2 };
+        embeddings * self.vocab * d + self.n_layer * block + d
     }
 
     /// Floats a decoder layer's recompute and backward keep alive per token, by
@@ -134,6 +139,9 @@ impl LlamaConfig {
         b = b
             .stage("model.norm", move |vb, x| rms_norm(x, &norm_weight(c.d_model, vb)?, c.eps))
             .stage("lm_head", move |vb, x| linear(c.d_model, c.vocab, vb)?.forward(x));
+        if c.tie_word_embeddings {
+            b = b.tie("model.embed_tokens.weight", "lm_head.weight");
+        }
         let cfg = *self;
         Ok(b.activation_bytes(move |batch, seq| {
             let tokens = batch * seq;
@@ -158,9 +166,15 @@ fn norm_weight(d: usize, vb: VarBuilder<'_>) -> candle_core::Result<Tensor> {
     vb.get_with_hints(d, "weight", Init::Const(1.0))
 }
 
-/// RMSNorm over the last dimension, `x / sqrt(mean(x²) + eps) * w`, with
-/// differentiable ops (candle-nn's `ops::rms_norm` has no backward pass).
+/// RMSNorm over the last dimension, `x / sqrt(mean(x²) + eps) * w`: candle-nn's
+/// fused kernel with [`crate::ops::rms_norm`]'s backward pass.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    crate::ops::rms_norm(x, w, eps as f32)
+}
+
+/// [`rms_norm`] written with composite tensor ops (the reference the fused
+/// form is checked against).
+pub fn rms_norm_composite(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (ms + eps)?.sqrt()?.recip()?;
     x.broadcast_mul(&inv)?.broadcast_mul(w)
@@ -183,8 +197,14 @@ pub fn rope_tables(
 }
 
 /// Rotary embedding of `x` (`[b, heads, seq, head_dim]`), "rotate half"
-/// convention: the first and second halves of each head are the pairs.
+/// convention: the first and second halves of each head are the pairs;
+/// candle-nn's fused kernel with [`crate::ops::rope`]'s backward pass.
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+    crate::ops::rope(x, cos, sin)
+}
+
+/// [`rope`] written with composite tensor ops (the reference).
+pub fn rope_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
     let half = x.dim(D::Minus1)? / 2;
     let (x1, x2) = (x.narrow(D::Minus1, 0, half)?, x.narrow(D::Minus1, half, half)?);
     let (t, _) = cos.dims2()?;
@@ -224,7 +244,7 @@ pub fn block(c: &LlamaConfig, vb: VarBuilder<'_>, x: &Tensor) -> candle_core::Re
     let mask: Vec<f32> =
         (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
     let mask = Tensor::from_vec(mask, (t, t), x.device())?;
-    let att = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?;
+    let att = crate::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
     let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
     let x = (x + linear(h * hd, d, attn_vb.pp("o_proj"))?.forward(&y)?)?;
     let mlp_vb = vb.pp("mlp");

@@ -45,11 +45,18 @@ impl ParamInfo {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Recorder {
     params: Arc<Mutex<Vec<ParamInfo>>>,
+    /// Names asked for more than once (same shape).
+    repeats: Arc<Mutex<Vec<String>>>,
 }
 
 impl Recorder {
     pub(crate) fn params(&self) -> Vec<ParamInfo> {
         self.params.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// The names asked for more than once, each once, in the order first repeated.
+    pub(crate) fn repeats(&self) -> Vec<String> {
+        self.repeats.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 }
 
@@ -71,7 +78,12 @@ impl SimpleBackend for Recorder {
                     s.dims()
                 )));
             }
-            Some(_) => {}
+            Some(_) => {
+                let mut repeats = self.repeats.lock().unwrap_or_else(PoisonError::into_inner);
+                if !repeats.iter().any(|r| r == name) {
+                    repeats.push(name.to_string());
+                }
+            }
             None => params.push(ParamInfo { name: name.to_string(), shape: s.dims().to_vec(), init }),
         }
         Tensor::zeros(s, dtype, dev)
@@ -130,7 +142,7 @@ impl SimpleBackend for Gathered {
 }
 
 /// A uniform draw in `[0, 1)` from a counter-based stream.
-fn uniform(key: u64, i: u64) -> f64 {
+pub(crate) fn uniform(key: u64, i: u64) -> f64 {
     (splitmix64(stream_seed(key, &[i])) >> 11) as f64 / (1u64 << 53) as f64
 }
 

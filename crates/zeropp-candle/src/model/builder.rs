@@ -5,7 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use zeropp_engine::model::LayerSpec;
 
-use super::{CandleModel, CandleModelBuilder, StageDef};
+use super::{Borrow, CandleModel, CandleModelBuilder, StageContext, StageDef};
 use crate::error::{CandleError, Result};
 use crate::params::{ParamInfo, Recorder};
 
@@ -18,7 +18,71 @@ impl CandleModelBuilder {
     where
         F: for<'a> Fn(VarBuilder<'a>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + 'static,
     {
+        self.stages.push((name.into(), Box::new(move |vb, x, _: &StageContext| run(vb, x))));
+        self
+    }
+
+    /// [`CandleModelBuilder::stage`] for a stage that needs its
+    /// [`StageContext`]: the mode (training or evaluation) and a seed that the
+    /// backward's recompute replays, for dropout ([`StageContext::dropout`])
+    /// or any other randomness.
+    pub fn stage_with<F>(mut self, name: impl Into<String>, run: F) -> Self
+    where
+        F: for<'a> Fn(VarBuilder<'a>, &Tensor, &StageContext) -> candle_core::Result<Tensor>
+            + Send
+            + Sync
+            + 'static,
+    {
         self.stages.push((name.into(), Box::new(run)));
+        self
+    }
+
+    /// Ties two parameters, each named `{stage}.{param}` (an input embedding
+    /// and an LM head, say): they become one parameter, stored and sharded
+    /// in the earlier stage under its name, whose gradient is the sum of both
+    /// uses. The later name disappears from the layers (and from checkpoints,
+    /// as Hugging Face exports tied weights). Both must be asked for with one
+    /// shape. Within one stage, the second name is an alias of the first.
+    ///
+    /// ```
+    /// use candle_nn::Module;
+    /// use zeropp_candle::CandleModel;
+    /// use zeropp_engine::Model;
+    /// let (vocab, d) = (16, 8);
+    /// let model = CandleModel::builder("tied", vocab, 4)
+    ///     .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
+    ///     .stage("head", move |vb, x| candle_nn::Linear::new(vb.get((vocab, d), "weight")?, None).forward(x))
+    ///     .tie("embed.weight", "head.weight")
+    ///     .build()?;
+    /// assert_eq!(model.layers()[0].params[0].name, "weight");
+    /// assert!(model.layers()[1].params.is_empty());
+    /// # Ok::<(), zeropp_candle::CandleError>(())
+    /// ```
+    pub fn tie(mut self, a: impl Into<String>, b: impl Into<String>) -> Self {
+        self.ties.push((a.into(), b.into()));
+        self
+    }
+
+    /// Declares that a stage asks for parameter `{stage}.{param}` more than
+    /// once on purpose (two modules on one `VarBuilder` path share it).
+    /// Undeclared, a repeated name is an error at `build()`: it is what a
+    /// copy-pasted `vb.pp(..)` does.
+    pub fn shared(mut self, name: impl Into<String>) -> Self {
+        self.shared.push(name.into());
+        self
+    }
+
+    /// Accepts elements of parameter `{stage}.{param}` that get no gradient
+    /// (a pruning mask, say), which `build()` otherwise refuses
+    /// ([`CandleError::PartialGradient`]).
+    pub fn allow_partial_gradient(mut self, name: impl Into<String>) -> Self {
+        self.partial_ok.push(name.into());
+        self
+    }
+
+    /// The seed behind every stage's [`StageContext::seed`] (default 0).
+    pub fn dropout_seed(mut self, seed: u64) -> Self {
+        self.dropout_seed = seed;
         self
     }
 
@@ -52,9 +116,12 @@ impl CandleModelBuilder {
 
     /// Builds the model: runs every stage once on zeros (a batch of one
     /// sequence of `seq_len` tokens) to learn its parameters (names, shapes,
-    /// candle-nn's init hints) and output widths. Errors: no stages, an empty
-    /// vocabulary or sequence length, a stage that fails, or a last stage that
-    /// does not return `[batch, seq, vocab]` logits.
+    /// candle-nn's init hints) and output widths, resolves the ties, then runs
+    /// the gradient check (a trial forward and backward of every stage, see
+    /// the [module docs](super)). Errors: no stages, an empty vocabulary or
+    /// sequence length, a stage that fails, a last stage that does not return
+    /// `[batch, seq, vocab]` logits, a bad tie, a name asked for twice
+    /// undeclared, and a parameter with elements no gradient reaches.
     pub fn build(self) -> Result<CandleModel> {
         if self.stages.is_empty() {
             return Err(CandleError::Config(format!("model {:?} has no stages", self.name)));
@@ -68,10 +135,11 @@ impl CandleModelBuilder {
         let mut x = Tensor::zeros((1, self.seq_len), DType::U32, &Device::Cpu)?;
         let mut stages = Vec::with_capacity(self.stages.len());
         let n = self.stages.len();
+        let ctx = StageContext::new(false, 0);
         for (i, (name, run)) in self.stages.into_iter().enumerate() {
             let rec = Recorder::default();
             let vb = VarBuilder::from_backend(Box::new(rec.clone()), DType::F32, Device::Cpu);
-            let y = run(vb, &x)
+            let y = run(vb, &x, &ctx)
                 .map_err(|e| CandleError::Config(format!("stage {name:?} failed on zeros: {e}")))?;
             let dims = y.dims().to_vec();
             if dims.len() < 2 || dims[0] != 1 || dims[1] != self.seq_len {
@@ -85,10 +153,27 @@ impl CandleModelBuilder {
                     self.seq_len, self.vocab
                 )));
             }
+            if let Some(r) = rec.repeats().into_iter().find(|r| !self.shared.contains(&format!("{name}.{r}")))
+            {
+                return Err(CandleError::Config(format!(
+                    "stage {name:?} asks for parameter {r:?} more than once, so the modules built on that path \
+                     share one weight (a copy-pasted `vb.pp(..)`?): give them different paths, or declare the \
+                     sharing with `.shared(\"{name}.{r}\")`"
+                )));
+            }
             let width = dims[2..].iter().product();
-            stages.push(StageDef { name, run, params: rec.params(), width });
+            stages.push(StageDef {
+                name,
+                run,
+                params: rec.params(),
+                width,
+                borrows: Vec::new(),
+                lends: Vec::new(),
+                aliases: Vec::new(),
+            });
             x = y;
         }
+        resolve_ties(&mut stages, &self.ties)?;
         let layers = stages
             .iter()
             .map(|s| LayerSpec {
@@ -105,8 +190,79 @@ impl CandleModelBuilder {
             keep_graph: self.keep_graph,
             threads: self.threads,
             activation: self.activation,
+            dropout_seed: self.dropout_seed,
         };
         zeropp_engine::engine::check_layers(&model)?;
+        model.check_gradient_paths(&self.partial_ok)?;
         Ok(model)
     }
+}
+
+/// `(stage, param)` of the full name `{stage}.{param}`.
+fn find(stages: &[StageDef], full: &str) -> Result<(usize, usize)> {
+    stages
+        .iter()
+        .enumerate()
+        .find_map(|(s, st)| {
+            let rest = full.strip_prefix(st.name.as_str())?.strip_prefix('.')?;
+            st.params.iter().position(|p| p.name == rest).map(|p| (s, p))
+        })
+        .ok_or_else(|| {
+            CandleError::Config(format!(
+                "tie: no stage asks for a parameter named {full:?} (names are `{{stage}}.{{param}}`)"
+            ))
+        })
+}
+
+/// Turns each tie into a borrow (across stages) or an alias (within one):
+/// the later parameter leaves its stage's list.
+fn resolve_ties(stages: &mut [StageDef], ties: &[(String, String)]) -> Result<()> {
+    // Resolve every name first: removing parameters shifts the indices.
+    let mut pairs = Vec::with_capacity(ties.len());
+    for (a, b) in ties {
+        let (pa, pb) = (find(stages, a)?, find(stages, b)?);
+        if pa == pb {
+            return Err(CandleError::Config(format!("tie: {a:?} is tied to itself")));
+        }
+        let (sa, sb) = (&stages[pa.0].params[pa.1], &stages[pb.0].params[pb.1]);
+        if sa.shape != sb.shape {
+            return Err(CandleError::Config(format!(
+                "tie: {a:?} has shape {:?} and {b:?} has shape {:?}",
+                sa.shape, sb.shape
+            )));
+        }
+        let (owner, user) = if pa < pb { (pa, pb) } else { (pb, pa) };
+        pairs.push((owner, user, if pa < pb { b } else { a }));
+    }
+    for (i, (_, user, name)) in pairs.iter().enumerate() {
+        if pairs.iter().enumerate().any(|(j, (o, u, _))| (j != i && u == user) || o == user) {
+            return Err(CandleError::Config(format!(
+                "tie: {name:?} is tied more than once or both ways; tie each parameter to one owner directly"
+            )));
+        }
+    }
+    // Remove the users, highest index first within a stage.
+    let mut users: Vec<(usize, usize)> = pairs.iter().map(|(_, u, _)| *u).collect();
+    users.sort_unstable_by(|x, y| y.cmp(x));
+    let removed: Vec<(usize, usize, String)> =
+        users.iter().map(|&(s, p)| (s, p, stages[s].params.remove(p).name)).collect();
+    // An owner's index after the removals in its own stage.
+    let shifted = |(s, p): (usize, usize)| p - users.iter().filter(|&&(us, up)| us == s && up < p).count();
+    for (owner, user, _) in pairs {
+        let local = removed
+            .iter()
+            .find(|(s, p, _)| (*s, *p) == user)
+            .map(|(_, _, n)| n.clone())
+            .ok_or_else(|| CandleError::Config("tie: lost a parameter".into()))?;
+        let param = shifted(owner);
+        if owner.0 == user.0 {
+            stages[owner.0].aliases.push((local, param));
+        } else {
+            stages[user.0].borrows.push(Borrow { local, owner: owner.0, param });
+            if !stages[owner.0].lends.contains(&param) {
+                stages[owner.0].lends.push(param);
+            }
+        }
+    }
+    Ok(())
 }

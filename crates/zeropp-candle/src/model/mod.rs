@@ -18,10 +18,29 @@
 //! keeps the forward's graph instead (no recompute, but every stage's weights
 //! stay alive until its backward).
 //!
-//! A weight (or, past the first stage, the stage input) that receives no
-//! gradient is an error naming the stage and the parameter
-//! ([`CandleError::MissingGradient`]): candle-nn's fused ops build no backward
-//! graph, and a silent zero gradient would train nothing.
+//! **No silent zero gradient.** candle-nn's fused ops build no backward graph
+//! ([`crate::ops`] and [`crate::nn`] have the same ops with one). `build()`
+//! runs a trial forward and backward of every stage, on perturbed weights, a
+//! batch that uses every token id and a random upstream gradient, and fails
+//! with [`CandleError::PartialGradient`] when any element of a weight gets an
+//! exact zero (a fused q/k/v weight whose query rows go through
+//! `candle_nn::ops::softmax_last_dim`, say), naming the stage, the parameter
+//! and the elements. During training, a weight (or, past the first stage, the
+//! stage input) that receives no gradient at all is an error naming the stage
+//! and the parameter ([`CandleError::MissingGradient`]).
+//!
+//! **Tied weights.** [`CandleModelBuilder::tie`] makes two names one
+//! parameter, such as an input embedding and an LM head: it is stored and
+//! sharded once, in the earlier stage, lent to the later stage from the
+//! earlier stage's gather (so it stays alive from the first stage's forward to
+//! the last use's backward, and the memory model counts it), and its gradient
+//! is the sum of both uses. Asking for one name twice within a stage without
+//! declaring it ([`CandleModelBuilder::shared`]) is an error: it is what a
+//! copy-pasted `vb.pp("fc")` does.
+//!
+//! **Dropout.** A stage written with [`CandleModelBuilder::stage_with`] gets a
+//! [`StageContext`]: the mode (evaluation in [`CandleModel::logits`] and the
+//! engine's validation) and a seed that the backward's recompute replays.
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -33,12 +52,18 @@ use crate::error::{CandleError, Result, to_engine};
 use crate::params::{ParamInfo, gathered, init_param};
 
 mod builder;
+mod context;
+mod gradcheck;
 mod run;
 
+pub use context::StageContext;
+use context::{batch_key, stage_key};
 use run::{loss_of, on_pool};
 
-/// A stage: builds its modules from `vb` and runs them on its input.
-pub type StageFn = dyn for<'a> Fn(VarBuilder<'a>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync;
+/// A stage: builds its modules from `vb` and runs them on its input, in the
+/// run that `ctx` describes.
+pub type StageFn =
+    dyn for<'a> Fn(VarBuilder<'a>, &Tensor, &StageContext) -> candle_core::Result<Tensor> + Send + Sync;
 
 /// The activation bytes of one micro-batch of `(batch, seq)` (for the memory model).
 pub type ActivationFn = dyn Fn(usize, usize) -> usize + Send + Sync;
@@ -49,6 +74,21 @@ struct StageDef {
     params: Vec<ParamInfo>,
     /// Output elements per token, from the build's trial run.
     width: usize,
+    /// Parameters of earlier stages this stage uses under its own names (ties).
+    borrows: Vec<Borrow>,
+    /// Indices into `params` of the parameters later stages borrow.
+    lends: Vec<usize>,
+    /// Other names of this stage's own parameters (ties within the stage).
+    aliases: Vec<(String, usize)>,
+}
+
+/// A tied parameter as the later stage sees it: its own name for parameter
+/// `param` of stage `owner`.
+#[derive(Debug, Clone)]
+struct Borrow {
+    local: String,
+    owner: usize,
+    param: usize,
 }
 
 /// A candle model as an engine [`Model`] (see the [module docs](self)); make
@@ -62,6 +102,7 @@ pub struct CandleModel {
     keep_graph: bool,
     threads: usize,
     activation: Option<Box<ActivationFn>>,
+    dropout_seed: u64,
 }
 
 impl std::fmt::Debug for CandleModel {
@@ -86,6 +127,10 @@ pub struct CandleModelBuilder {
     keep_graph: bool,
     threads: usize,
     activation: Option<Box<ActivationFn>>,
+    ties: Vec<(String, String)>,
+    shared: Vec<String>,
+    partial_ok: Vec<String>,
+    dropout_seed: u64,
 }
 
 impl CandleModel {
@@ -119,6 +164,10 @@ impl CandleModel {
             keep_graph: false,
             threads: 1,
             activation: None,
+            ties: Vec::new(),
+            shared: Vec::new(),
+            partial_ok: Vec::new(),
+            dropout_seed: 0,
         }
     }
 
@@ -151,10 +200,13 @@ impl CandleModel {
                 self.stages.len()
             )));
         }
+        let key = batch_key(self.dropout_seed, inputs, batch, seq);
         let mut x = Tensor::from_slice(inputs, (batch, seq), &Device::Cpu)?;
-        for (stage, p) in self.stages.iter().zip(params) {
-            let (g, _) = gathered(&stage.name, &stage.params, p, false)?;
-            x = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), &x)?;
+        for (l, (stage, p)) in self.stages.iter().zip(params).enumerate() {
+            let (mut g, _) = gathered(&stage.name, &stage.params, p, false)?;
+            self.add_ties(stage, &mut g, |b| self.lent_slice(params, b))?;
+            let ctx = StageContext::new(false, stage_key(key, l));
+            x = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), &x, &ctx)?;
         }
         Ok(x.flatten_all()?.to_vec1::<f32>()?)
     }
@@ -172,12 +224,22 @@ impl CandleModel {
                 self.stages.len()
             )));
         }
+        let key = batch_key(self.dropout_seed, &batch.inputs, batch.batch, batch.seq_len);
         let mut x = Tensor::from_slice(&batch.inputs, (batch.batch, batch.seq_len), &Device::Cpu)?;
         let targets = Tensor::from_slice(&batch.targets, batch.batch * batch.seq_len, &Device::Cpu)?;
-        let mut all_vars = Vec::with_capacity(self.stages.len());
-        for (stage, p) in self.stages.iter().zip(params) {
-            let (g, vars) = gathered(&stage.name, &stage.params, p, true)?;
-            x = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), &x)?;
+        let mut all_vars: Vec<Vec<Var>> = Vec::with_capacity(self.stages.len());
+        for (l, (stage, p)) in self.stages.iter().zip(params).enumerate() {
+            let (mut g, vars) = gathered(&stage.name, &stage.params, p, true)?;
+            // A tied parameter is the owner's own Var: autograd sums both uses.
+            self.add_ties(stage, &mut g, |b| {
+                all_vars
+                    .get(b.owner)
+                    .and_then(|v| v.get(b.param))
+                    .map(|v| v.as_tensor().clone())
+                    .ok_or_else(|| CandleError::Config(format!("tie {:?}: owner not built", b.local)))
+            })?;
+            let ctx = StageContext::new(true, stage_key(key, l));
+            x = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), &x, &ctx)?;
             all_vars.push(vars);
         }
         let loss = loss_of(&x, &targets)?;
@@ -204,6 +266,8 @@ struct Kept {
     out: Tensor,
     vars: Vec<Var>,
     input: Option<Var>,
+    /// The tied parameters the stage borrows, as Vars (in `borrows` order).
+    borrowed: Vec<Var>,
 }
 
 /// One micro-batch's state between forward and backward (its `Debug` shows
@@ -221,6 +285,40 @@ pub struct CandleTape {
     /// d(loss)/d(output) of the stage whose backward is next.
     upstream: Option<Tensor>,
     loss: f32,
+    /// Training (dropout on) or evaluation.
+    train: bool,
+    /// The micro-batch's key (the stages' seeds derive from it).
+    key: u64,
+    /// Tied parameters, by `(owner stage, parameter)`: the owner's gathered
+    /// values from its forward, and the later stages' gradients of them.
+    lent: std::collections::HashMap<(usize, usize), Tensor>,
+    lent_grads: std::collections::HashMap<(usize, usize), Tensor>,
+}
+
+impl CandleModel {
+    fn start_tape(&self, batch: &Batch, train: bool) -> std::result::Result<CandleTape, EngineError> {
+        validate_batch(batch, self.vocab, self.seq_len)?;
+        let model = |e: candle_core::Error| to_engine(&self.name, "start", e.into());
+        let ids =
+            Tensor::from_slice(&batch.inputs, (batch.batch, batch.seq_len), &Device::Cpu).map_err(model)?;
+        let targets =
+            Tensor::from_slice(&batch.targets, batch.batch * batch.seq_len, &Device::Cpu).map_err(model)?;
+        let n = self.stages.len();
+        Ok(CandleTape {
+            order: CallOrder::new(n),
+            ids,
+            targets,
+            inputs: (0..n).map(|_| None).collect(),
+            act: None,
+            kept: (0..n).map(|_| None).collect(),
+            upstream: None,
+            loss: f32::NAN,
+            train,
+            key: batch_key(self.dropout_seed, &batch.inputs, batch.batch, batch.seq_len),
+            lent: Default::default(),
+            lent_grads: Default::default(),
+        })
+    }
 }
 
 impl Model for CandleModel {
@@ -252,23 +350,12 @@ impl Model for CandleModel {
     }
 
     fn start(&self, batch: &Batch) -> std::result::Result<CandleTape, EngineError> {
-        validate_batch(batch, self.vocab, self.seq_len)?;
-        let model = |e: candle_core::Error| to_engine(&self.name, "start", e.into());
-        let ids =
-            Tensor::from_slice(&batch.inputs, (batch.batch, batch.seq_len), &Device::Cpu).map_err(model)?;
-        let targets =
-            Tensor::from_slice(&batch.targets, batch.batch * batch.seq_len, &Device::Cpu).map_err(model)?;
-        let n = self.stages.len();
-        Ok(CandleTape {
-            order: CallOrder::new(n),
-            ids,
-            targets,
-            inputs: (0..n).map(|_| None).collect(),
-            act: None,
-            kept: (0..n).map(|_| None).collect(),
-            upstream: None,
-            loss: f32::NAN,
-        })
+        self.start_tape(batch, true)
+    }
+
+    /// Evaluation: the stages run with [`StageContext::is_train`] false.
+    fn start_eval(&self, batch: &Batch) -> std::result::Result<CandleTape, EngineError> {
+        self.start_tape(batch, false)
     }
 
     fn forward(
@@ -301,13 +388,14 @@ impl Model for CandleModel {
     }
 
     /// The tape's stage inputs and a stage's recompute (the builder's
-    /// `activation_bytes`, else the stage inputs and the logits), plus candle's
-    /// matmul workspace ([`CandleModel::matmul_workspace_bytes`]).
+    /// `activation_bytes`, else the stage inputs and the logits), the tied
+    /// parameters the tape holds (values and gradients), plus candle's matmul
+    /// workspace ([`CandleModel::matmul_workspace_bytes`]).
     fn activation_bytes(&self, batch: usize, seq: usize) -> usize {
         let own = match &self.activation {
             Some(f) => f(batch, seq),
             None => self.boundary_bytes(batch, seq),
         };
-        own + self.matmul_workspace_bytes()
+        own + self.lent_bytes() + self.matmul_workspace_bytes()
     }
 }

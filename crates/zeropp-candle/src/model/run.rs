@@ -9,9 +9,9 @@ use candle_nn::VarBuilder;
 use zeropp_engine::EngineError;
 use zeropp_engine::model::kit::split_params_mut;
 
-use super::{CandleModel, CandleTape, Kept, StageDef};
+use super::{Borrow, CandleModel, CandleTape, Kept, StageContext, StageDef, stage_key};
 use crate::error::{CandleError, Result};
-use crate::params::gathered;
+use crate::params::{Gathered, gathered};
 
 thread_local! {
     /// This thread's pool for candle's matmuls, and its size.
@@ -77,6 +77,66 @@ impl CandleModel {
         self.stages.get(layer).ok_or(EngineError::LayerOutOfRange { layer, layers: self.stages.len() })
     }
 
+    /// Adds the stage's tied names to `g`: its aliases (its own tensors under
+    /// a second name) and its borrows (`lookup` gives the owner's tensor).
+    pub(super) fn add_ties(
+        &self,
+        stage: &StageDef,
+        g: &mut Gathered,
+        mut lookup: impl FnMut(&Borrow) -> Result<Tensor>,
+    ) -> Result<()> {
+        for (alias, i) in &stage.aliases {
+            let own =
+                stage.params.get(*i).and_then(|p| g.tensors.get(&p.name)).cloned().ok_or_else(|| {
+                    CandleError::Config(format!(
+                        "stage {:?}: alias {alias:?} of a missing parameter",
+                        stage.name
+                    ))
+                })?;
+            g.tensors.insert(alias.clone(), own);
+        }
+        for b in &stage.borrows {
+            let t = lookup(b)?;
+            g.tensors.insert(b.local.clone(), t);
+        }
+        Ok(())
+    }
+
+    /// Parameter `b.param` of stage `b.owner`, cut from `params` (one flat
+    /// vector per stage), as a plain tensor.
+    pub(super) fn lent_slice(&self, params: &[Vec<f32>], b: &Borrow) -> Result<Tensor> {
+        let owner = self.stage(b.owner)?;
+        let at: usize = owner.params.iter().take(b.param).map(|p| p.numel()).sum();
+        let info =
+            owner.params.get(b.param).ok_or_else(|| CandleError::Config("tie: no such parameter".into()))?;
+        let flat = params.get(b.owner).and_then(|p| p.get(at..at + info.numel())).ok_or_else(|| {
+            CandleError::Config(format!("tie {:?}: the owner's parameters are too short", b.local))
+        })?;
+        Ok(Tensor::from_slice(flat, info.shape.as_slice(), &Device::Cpu)?)
+    }
+
+    /// The tape's copy of a lent parameter (the owner's forward stored it).
+    fn lent_of(tape: &CandleTape, stage: &StageDef, b: &Borrow) -> Result<Tensor> {
+        tape.lent.get(&(b.owner, b.param)).cloned().ok_or_else(|| {
+            CandleError::Config(format!(
+                "stage {:?}: tied parameter {:?} before its owner's forward",
+                stage.name, b.local
+            ))
+        })
+    }
+
+    /// Bytes of the tied parameters a tape holds at most: each lent value
+    /// and its gradient.
+    pub(super) fn lent_bytes(&self) -> usize {
+        let floats: usize = self
+            .stages
+            .iter()
+            .flat_map(|s| s.lends.iter().filter_map(|&i| s.params.get(i)))
+            .map(|p| p.numel())
+            .sum();
+        8 * floats
+    }
+
     pub(super) fn forward_stage(&self, layer: usize, params: &[f32], tape: &mut CandleTape) -> Result<()> {
         let stage = self.stage(layer)?;
         let last = layer + 1 == self.stages.len();
@@ -87,18 +147,36 @@ impl CandleModel {
                 .take()
                 .ok_or_else(|| CandleError::Config("forward without the previous stage's output".into()))?
         };
+        let ctx = StageContext::new(tape.train, stage_key(tape.key, layer));
+        let (mut g, vars) = gathered(&stage.name, &stage.params, params, self.keep_graph)?;
+        for &i in &stage.lends {
+            if let Some(t) = stage.params.get(i).and_then(|p| g.tensors.get(&p.name)) {
+                // A copy: the tape must not hold the gathered buffer's Var.
+                tape.lent.insert((layer, i), t.detach().copy()?);
+            }
+        }
+        let mut borrowed = Vec::new();
+        self.add_ties(stage, &mut g, |b| {
+            let t = Self::lent_of(tape, stage, b)?;
+            if !self.keep_graph {
+                return Ok(t);
+            }
+            let v = Var::from_tensor(&t)?;
+            let t = v.as_tensor().clone();
+            borrowed.push(v);
+            Ok(t)
+        })?;
+        let vb = VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu);
         let out = if self.keep_graph {
-            let (g, vars) = gathered(&stage.name, &stage.params, params, true)?;
             let input_var = if layer == 0 { None } else { Some(Var::from_tensor(&input)?) };
             let x = input_var.as_ref().map_or(&input, |v| v.as_tensor());
-            let out = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), x)?;
+            let out = (stage.run)(vb, x, &ctx)?;
             if let Some(k) = tape.kept.get_mut(layer) {
-                *k = Some(Kept { out: out.clone(), vars, input: input_var });
+                *k = Some(Kept { out: out.clone(), vars, input: input_var, borrowed });
             }
             out
         } else {
-            let (g, _) = gathered(&stage.name, &stage.params, params, false)?;
-            let out = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), &input)?;
+            let out = (stage.run)(vb, &input, &ctx)?;
             if layer > 0
                 && let Some(slot) = tape.inputs.get_mut(layer)
             {
@@ -123,10 +201,17 @@ impl CandleModel {
     ) -> Result<()> {
         let stage = self.stage(layer)?;
         let last = layer + 1 == self.stages.len();
-        let (out, vars, input) = match tape.kept.get_mut(layer).and_then(Option::take) {
-            Some(k) => (k.out, k.vars, k.input),
+        let (out, vars, input, borrowed) = match tape.kept.get_mut(layer).and_then(Option::take) {
+            Some(k) => (k.out, k.vars, k.input, k.borrowed),
             None => {
-                let (g, vars) = gathered(&stage.name, &stage.params, params, true)?;
+                let (mut g, vars) = gathered(&stage.name, &stage.params, params, true)?;
+                let mut borrowed = Vec::new();
+                self.add_ties(stage, &mut g, |b| {
+                    let v = Var::from_tensor(&Self::lent_of(tape, stage, b)?)?;
+                    let t = v.as_tensor().clone();
+                    borrowed.push(v);
+                    Ok(t)
+                })?;
                 let input = if layer == 0 {
                     None
                 } else {
@@ -136,8 +221,11 @@ impl CandleModel {
                     Some(Var::from_tensor(&x)?)
                 };
                 let x = input.as_ref().map_or(&tape.ids, |v| v.as_tensor());
-                let out = (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), x)?;
-                (out, vars, input)
+                // The forward's context again: dropout replays its masks.
+                let ctx = StageContext::new(tape.train, stage_key(tape.key, layer));
+                let out =
+                    (stage.run)(VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu), x, &ctx)?;
+                (out, vars, input, borrowed)
             }
         };
         let objective = if last {
@@ -160,14 +248,32 @@ impl CandleModel {
             (&out * &up)?.sum_all()?
         };
         let grads = objective.backward()?;
+        let missing = |param: &str| CandleError::MissingGradient {
+            stage: stage.name.clone(),
+            param: param.to_string(),
+        };
+        for (b, v) in stage.borrows.iter().zip(&borrowed) {
+            let g = grads.get(v.as_tensor()).ok_or_else(|| missing(&b.local))?.detach();
+            let sum = match tape.lent_grads.remove(&(b.owner, b.param)) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            tape.lent_grads.insert((b.owner, b.param), sum);
+        }
         let mut parts = split_params_mut(&self.layers[layer], grad)?;
-        for ((var, info), dst) in vars.iter().zip(&stage.params).zip(parts.iter_mut()) {
-            let g = grads.get(var.as_tensor()).ok_or_else(|| CandleError::MissingGradient {
-                stage: stage.name.clone(),
-                param: info.name.clone(),
-            })?;
+        for (i, ((var, info), dst)) in vars.iter().zip(&stage.params).zip(parts.iter_mut()).enumerate() {
+            let g = grads.get(var.as_tensor()).ok_or_else(|| missing(&info.name))?;
             let v = g.flatten_all()?.to_vec1::<f32>()?;
             dst.copy_from_slice(&v);
+            if stage.lends.contains(&i) {
+                tape.lent.remove(&(layer, i));
+                // The later stages' uses of a tied parameter.
+                if let Some(extra) = tape.lent_grads.remove(&(layer, i)) {
+                    for (d, e) in dst.iter_mut().zip(extra.flatten_all()?.to_vec1::<f32>()?) {
+                        *d += e;
+                    }
+                }
+            }
         }
         if let Some(input) = input {
             let g = grads

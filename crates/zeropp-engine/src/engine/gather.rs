@@ -158,7 +158,7 @@ impl<M: Model> ZeroEngine<'_, M> {
         let model = self.model;
         let n = self.num_layers();
         self.refresh_persistent(comm, if eval { tags::EVAL } else { tags::PERSIST_GATHER })?;
-        let mut tape = model.start(batch)?;
+        let mut tape = if eval { model.start_eval(batch)? } else { model.start(batch)? };
         // Prefetch only world gathers of the primary shards (hpZ-sourced gathers
         // are intra-node and cheap; they run inline).
         let can_prefetch =

@@ -87,6 +87,13 @@ impl Model for BuiltIn {
         }
     }
 
+    fn start_eval(&self, batch: &Batch) -> Result<BuiltInTape, EngineError> {
+        match self {
+            Self::Gpt(m) => m.start_eval(batch).map(BuiltInTape::Gpt),
+            Self::Mlp(m) => m.start_eval(batch).map(BuiltInTape::Mlp),
+        }
+    }
+
     fn forward(&self, layer: usize, params: &[f32], tape: &mut BuiltInTape) -> Result<(), EngineError> {
         on_model_tape!(self, tape, m, t => m.forward(layer, params, t), else Err(foreign_tape()))
     }

@@ -308,6 +308,12 @@ pub trait Model: Send + Sync {
     fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError>;
     /// Starts a micro-batch (validates token ids < vocab, shapes).
     fn start(&self, batch: &Batch) -> Result<Self::Tape, EngineError>;
+    /// Starts a micro-batch that is only evaluated (forward, no backward): a
+    /// model with train-only behaviour (dropout) switches it off here. The
+    /// default is [`Model::start`].
+    fn start_eval(&self, batch: &Batch) -> Result<Self::Tape, EngineError> {
+        self.start(batch)
+    }
     /// Runs layer `layer` forward with its gathered flat params; layers are called in order 0..L.
     fn forward(&self, layer: usize, params: &[f32], tape: &mut Self::Tape) -> Result<(), EngineError>;
     /// After the last forward: the mean softmax cross-entropy over all tokens

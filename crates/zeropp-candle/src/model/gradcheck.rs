@@ -1,0 +1,161 @@
+//! The build-time gradient check: every element of every weight must be
+//! reachable by the backward pass. A weight partly behind an op with no
+//! backward (candle-nn's fused kernels) would otherwise train those elements
+//! on a silent zero.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::VarBuilder;
+use zeropp_engine::model::kit::split_params_mut;
+use zeropp_quant::rng::stream_seed;
+
+use super::{CandleModel, StageContext, stage_key};
+use crate::error::{CandleError, Result};
+use crate::params::{gathered, init_param, uniform};
+
+/// The seed of the check's weights, inputs and upstream gradients.
+const PROBE_SEED: u64 = 0x6E_AD_C4_EC;
+
+/// Rows of a later stage's trial input (the first stage sees every token id).
+const LATER_ROWS: usize = 2;
+
+/// `n` values uniform in `[-scale, scale)` from stream `key`.
+fn noise(key: u64, n: usize, scale: f64) -> impl Iterator<Item = f32> {
+    (0..n as u64).map(move |i| ((2.0 * uniform(key, i) - 1.0) * scale) as f32)
+}
+
+/// The zero elements of a parameter of shape `shape`, as ranges (rows where
+/// a range covers whole rows).
+fn describe(zeros: &[usize], shape: &[usize]) -> String {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for &i in zeros {
+        match runs.last_mut() {
+            Some((_, end)) if *end == i => *end += 1,
+            _ => runs.push((i, i + 1)),
+        }
+    }
+    let row = if shape.len() >= 2 { shape[1..].iter().product::<usize>() } else { 0 };
+    let mut parts: Vec<String> = runs
+        .iter()
+        .take(4)
+        .map(|&(a, b)| {
+            if row > 0 && a % row == 0 && b % row == 0 {
+                format!("rows {}..{}", a / row, b / row)
+            } else {
+                format!("elements {a}..{b}")
+            }
+        })
+        .collect();
+    if runs.len() > 4 {
+        parts.push(format!("{} more ranges", runs.len() - 4));
+    }
+    let total: usize = shape.iter().product();
+    format!("{} of {total} elements ({})", zeros.len(), parts.join(", "))
+}
+
+impl CandleModel {
+    /// Runs every stage once forward and backward, on weights perturbed from
+    /// their init (so no element is zero by construction, such as a LoRA
+    /// factor initialised to zero), a first batch that uses every token id and
+    /// a random upstream gradient; fails on a weight with no gradient, a
+    /// stage input with none, or a weight element whose gradient is exactly
+    /// zero (unless its name is in `allowed`).
+    pub(super) fn check_gradient_paths(&self, allowed: &[String]) -> Result<()> {
+        let rows = self.vocab.div_ceil(self.seq_len).max(1);
+        let ids: Vec<u32> = (0..rows * self.seq_len).map(|i| (i % self.vocab) as u32).collect();
+        let mut params = Vec::with_capacity(self.stages.len());
+        for (l, layer) in self.layers.iter().enumerate() {
+            let mut flat = vec![0.0f32; layer.numel()];
+            for (i, (p, dst)) in
+                self.stages[l].params.iter().zip(split_params_mut(layer, &mut flat)?).enumerate()
+            {
+                init_param(&p.init, &p.shape, PROBE_SEED, l, i, dst);
+                let key = stream_seed(PROBE_SEED, &[1, l as u64, i as u64]);
+                for (d, n) in dst.iter_mut().zip(noise(key, p.numel(), 0.05)) {
+                    *d += n;
+                }
+            }
+            params.push(flat);
+        }
+        let mut x = Tensor::from_vec(ids, (rows, self.seq_len), &Device::Cpu)?;
+        // Per stage and parameter, the gradient (a tied owner's includes its other uses).
+        let mut grads: Vec<Vec<Vec<f32>>> = Vec::with_capacity(self.stages.len());
+        let mut lent: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
+        for (l, stage) in self.stages.iter().enumerate() {
+            let (mut g, vars) = gathered(&stage.name, &stage.params, &params[l], true)?;
+            let mut borrowed = Vec::new();
+            self.add_ties(stage, &mut g, |b| {
+                let v = Var::from_tensor(&self.lent_slice(&params, b)?)?;
+                let t = v.as_tensor().clone();
+                borrowed.push(v);
+                Ok(t)
+            })?;
+            let input = if l == 0 { None } else { Some(Var::from_tensor(&x)?) };
+            let ctx = StageContext::new(true, stage_key(PROBE_SEED, l));
+            let vb = VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu);
+            let out = (stage.run)(vb, input.as_ref().map_or(&x, |v| v.as_tensor()), &ctx).map_err(|e| {
+                CandleError::Config(format!(
+                    "stage {:?} failed in the gradient check (a batch of {} sequences): {e}",
+                    stage.name,
+                    x.dim(0).unwrap_or(0)
+                ))
+            })?;
+            let key = stream_seed(PROBE_SEED, &[2, l as u64]);
+            let up =
+                Tensor::from_iter(noise(key, out.elem_count(), 1.0), &Device::Cpu)?.reshape(out.shape())?;
+            let store = (out.to_dtype(DType::F32)? * up)?.sum_all()?.backward()?;
+            let missing =
+                |param: &str| CandleError::MissingGradient { stage: stage.name.clone(), param: param.into() };
+            let mut own = Vec::with_capacity(vars.len());
+            for (v, info) in vars.iter().zip(&stage.params) {
+                let gv = store.get(v.as_tensor()).ok_or_else(|| missing(&info.name))?;
+                own.push(gv.flatten_all()?.to_vec1::<f32>()?);
+            }
+            for (b, v) in stage.borrows.iter().zip(&borrowed) {
+                let gv = store.get(v.as_tensor()).ok_or_else(|| missing(&b.local))?;
+                let gv = gv.flatten_all()?.to_vec1::<f32>()?;
+                match lent.get_mut(&(b.owner, b.param)) {
+                    Some(acc) => acc.iter_mut().zip(&gv).for_each(|(a, g)| *a += g),
+                    None => {
+                        lent.insert((b.owner, b.param), gv);
+                    }
+                }
+            }
+            if let Some(input) = &input
+                && store.get(input.as_tensor()).is_none()
+            {
+                return Err(CandleError::MissingInputGradient { stage: stage.name.clone() });
+            }
+            grads.push(own);
+            x = out.detach();
+            if x.dim(0)? > LATER_ROWS {
+                x = x.narrow(0, 0, LATER_ROWS)?;
+            }
+        }
+        for (l, stage) in self.stages.iter().enumerate() {
+            for (i, info) in stage.params.iter().enumerate() {
+                let full = format!("{}.{}", stage.name, info.name);
+                if allowed.contains(&full) {
+                    continue;
+                }
+                let extra = lent.get(&(l, i));
+                let zeros: Vec<usize> = grads[l][i]
+                    .iter()
+                    .enumerate()
+                    .filter(|&(j, &g)| g + extra.map_or(0.0, |e| e[j]) == 0.0)
+                    .map(|(j, _)| j)
+                    .collect();
+                if !zeros.is_empty() {
+                    return Err(CandleError::PartialGradient {
+                        stage: stage.name.clone(),
+                        param: info.name.clone(),
+                        shape: info.shape.clone(),
+                        zeros: describe(&zeros, &info.shape),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
