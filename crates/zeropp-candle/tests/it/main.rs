@@ -9,6 +9,7 @@ mod errors;
 mod export;
 mod ops;
 mod protocol;
+mod ties;
 mod training;
 
 use zeropp_candle::{CandleModel, LlamaConfig};
