@@ -79,6 +79,8 @@ impl CandleModel {
             params.push(flat);
         }
         let mut x = Tensor::from_vec(ids, (rows, self.seq_len), &Device::Cpu)?;
+        // Each stage's trial input and output, for the influence test below.
+        let mut trial: Vec<(Tensor, Tensor)> = Vec::with_capacity(self.stages.len());
         // Per stage and parameter, the gradient (a tied owner's includes its other uses).
         let mut grads: Vec<Vec<Vec<f32>>> = Vec::with_capacity(self.stages.len());
         let mut lent: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
@@ -130,6 +132,7 @@ impl CandleModel {
                 return Err(CandleError::MissingInputGradient { stage: stage.name.clone() });
             }
             grads.push(own);
+            trial.push((x.clone(), out.detach()));
             x = out.detach();
             if x.dim(0)? > LATER_ROWS {
                 x = x.narrow(0, 0, LATER_ROWS)?;
@@ -148,7 +151,7 @@ impl CandleModel {
                     .filter(|&(j, &g)| g + extra.map_or(0.0, |e| e[j]) == 0.0)
                     .map(|(j, _)| j)
                     .collect();
-                if !zeros.is_empty() {
+                if !zeros.is_empty() && self.influences(&params, &trial, (l, i), &zeros)? {
                     return Err(CandleError::PartialGradient {
                         stage: stage.name.clone(),
                         param: info.name.clone(),
@@ -159,5 +162,54 @@ impl CandleModel {
             }
         }
         Ok(())
+    }
+
+    /// Whether moving elements `zeros` of parameter `(stage, param)` changes
+    /// the output of a stage that uses it (its own, or a stage it is tied
+    /// into): a zero gradient of an element that matters is a cut path; one
+    /// of an element that does not (a key bias, whose shift the attention's
+    /// softmax cancels) is the true gradient.
+    fn influences(
+        &self,
+        params: &[Vec<f32>],
+        trial: &[(Tensor, Tensor)],
+        (owner, param): (usize, usize),
+        zeros: &[usize],
+    ) -> Result<bool> {
+        let stage = &self.stages[owner];
+        let at: usize = stage.params.iter().take(param).map(|p| p.numel()).sum();
+        let n = stage.params[param].numel();
+        let mut moved = params.to_vec();
+        let slice = &mut moved[owner][at..at + n];
+        let rms = (slice.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n.max(1) as f64).sqrt();
+        let step = 0.1 * rms.max(0.1);
+        let key = stream_seed(PROBE_SEED, &[3, owner as u64, param as u64]);
+        for (&j, u) in zeros.iter().zip(noise(key, zeros.len(), 1.0)) {
+            slice[j] += (step * f64::from(u.signum())) as f32;
+        }
+        let users = std::iter::once(owner).chain(
+            self.stages
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.borrows.iter().any(|b| (b.owner, b.param) == (owner, param)))
+                .map(|(u, _)| u),
+        );
+        for u in users {
+            let s = &self.stages[u];
+            let (input, base) = &trial[u];
+            let (mut g, _) = gathered(&s.name, &s.params, &moved[u], false)?;
+            self.add_ties(s, &mut g, |b| self.lent_slice(&moved, b))?;
+            let ctx = StageContext::new(false, stage_key(PROBE_SEED, u));
+            let vb = VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu);
+            let out = (s.run)(vb, input, &ctx)?.to_dtype(DType::F32)?;
+            let base = base.to_dtype(DType::F32)?;
+            let scale = base.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
+            let change = (out - base)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            // Rounding moves an output by ~1e-7 of its scale; a real use by far more.
+            if change > 1e-4 * scale {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 }

@@ -22,10 +22,13 @@
 //! ([`crate::ops`] and [`crate::nn`] have the same ops with one). `build()`
 //! runs a trial forward and backward of every stage, on perturbed weights, a
 //! batch that uses every token id and a random upstream gradient, and fails
-//! with [`CandleError::PartialGradient`] when any element of a weight gets an
-//! exact zero (a fused q/k/v weight whose query rows go through
+//! with [`CandleError::PartialGradient`] when elements of a weight get an
+//! exact zero gradient although moving them changes the stage's output (a
+//! fused q/k/v weight whose query and key rows go through
 //! `candle_nn::ops::softmax_last_dim`, say), naming the stage, the parameter
-//! and the elements. During training, a weight (or, past the first stage, the
+//! and the elements. A zero of an element that changes nothing (an attention
+//! key bias, whose shift the softmax cancels) is the true gradient and
+//! passes. The check runs in evaluation mode (dropout off). During training, a weight (or, past the first stage, the
 //! stage input) that receives no gradient at all is an error naming the stage
 //! and the parameter ([`CandleError::MissingGradient`]).
 //!
