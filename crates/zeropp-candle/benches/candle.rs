@@ -111,6 +111,7 @@ fn main() {
     let shape = LlamaConfig::shape(vocab, g.d_model, g.n_layer, g.n_head, g.n_head, g.seq_len);
     let llama = shape.build().unwrap();
     let keep = shape.builder().unwrap().keep_graph(true).build().unwrap();
+    let composite = LlamaConfig { fused_ops: false, ..shape }.build().unwrap();
     let z3 = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
     let mut md = String::from("# bench `candle`\n\n");
     let _ = writeln!(
@@ -129,15 +130,28 @@ fn main() {
     );
     let _ = writeln!(
         md,
-        "## Step time\n\n| ranks | native GPT (s) | candle Llama (s) | Llama / GPT | keep_graph / recompute |\n|---|---|---|---|---|"
+        "## Step time\n\n| ranks | native GPT (s) | candle Llama (s) | Llama / GPT | keep_graph / recompute | \
+         fused ops / composite |\n|---|---|---|---|---|---|"
     );
     for (w, l) in [(1, 1), (8, 4)] {
         let c = cfg(w, l, z3, steps);
-        let (tn, tc, tk) =
-            (step_time(&native, &data, &c), step_time(&llama, &data, &c), step_time(&keep, &data, &c));
-        let _ =
-            writeln!(md, "| {w} = {}x{l} | {tn:.4} | {tc:.4} | {:.2}x | {:.2} |", w / l, tc / tn, tk / tc);
-        eprintln!("candle bench: {w} ranks: GPT {tn:.4} s, Llama {tc:.4} s, keep_graph {tk:.4} s");
+        let (tn, tc, tk, tx) = (
+            step_time(&native, &data, &c),
+            step_time(&llama, &data, &c),
+            step_time(&keep, &data, &c),
+            step_time(&composite, &data, &c),
+        );
+        let _ = writeln!(
+            md,
+            "| {w} = {}x{l} | {tn:.4} | {tc:.4} | {:.2}x | {:.2} | {:.2} |",
+            w / l,
+            tc / tn,
+            tk / tc,
+            tc / tx
+        );
+        eprintln!(
+            "candle bench: {w} ranks: GPT {tn:.4} s, Llama {tc:.4} s, keep_graph {tk:.4} s, composite ops {tx:.4} s"
+        );
     }
     let (full, mm) = block_split(&shape, 2);
     let _ = writeln!(

@@ -9,7 +9,7 @@
 //! ```
 #![allow(clippy::unwrap_used)] // an example: failures abort
 use candle_nn::{Module, VarBuilder};
-use zeropp_candle::CandleModel;
+use zeropp_candle::{CandleModel, StageContext};
 use zeropp_engine::train::{DataChoice, load_data};
 use zeropp_engine::{RunConfig, launch};
 
@@ -17,16 +17,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Your tokenizer's ids work too: TextDataset::from_tokens(vocab, ids, 0.1).
     let (data, _) = load_data(&DataChoice::Markov { seed: 0, chars: 100_000 })?;
     let (vocab, d, seq) = (data.vocab_size(), 64, 32);
-    let mlp = move |vb: VarBuilder<'_>, x: &candle_core::Tensor| {
-        let h = candle_nn::linear(d, 4 * d, vb.pp("up"))?.forward(x)?.gelu()?;
-        x + candle_nn::linear(4 * d, d, vb.pp("down"))?.forward(&h)?
+    // A pre-norm MLP block: LayerNorm (zeropp_candle::nn: candle-nn's, with a
+    // backward pass), dropout that the backward's recompute replays.
+    let mlp = move |vb: VarBuilder<'_>, x: &candle_core::Tensor, ctx: &StageContext| {
+        let h = zeropp_candle::nn::layer_norm(d, 1e-5, vb.pp("ln"))?.forward(x)?;
+        let h = candle_nn::linear(d, 4 * d, vb.pp("up"))?.forward(&h)?.gelu()?;
+        x + ctx.dropout(&candle_nn::linear(4 * d, d, vb.pp("down"))?.forward(&h)?, 0.1)?
     };
     // One stage per gather unit; the last returns [batch, seq, vocab] logits.
+    // The head is tied to the embedding: one parameter, both uses' gradients.
     let model = CandleModel::builder("my-model", vocab, seq)
         .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
-        .stage("block0", mlp)
-        .stage("block1", mlp)
-        .stage("head", move |vb, x| candle_nn::linear(d, vocab, vb)?.forward(x))
+        .stage_with("block0", mlp)
+        .stage_with("block1", mlp)
+        .stage("head", move |vb, x| candle_nn::Linear::new(vb.get((vocab, d), "weight")?, None).forward(x))
+        .tie("embed.weight", "head.weight")
         .build()?;
     // ZeRO++ (qwZ, hpZ, qgZ) by default, on 8 ranks as 2 simulated nodes of 4;
     // under mpirun, mpiexec or srun, one rank per process on the job's nodes.

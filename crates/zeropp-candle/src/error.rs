@@ -33,7 +33,7 @@ pub enum CandleError {
     #[error(
         "stage {stage:?}: parameter {param:?} {shape:?} has elements no gradient reaches: {zeros}; an op on \
          their path builds no backward graph (candle-nn's fused ops: use zeropp_candle::ops and \
-         zeropp_candle::nn instead); if they are meant to get none (a pruning mask), declare it with \
+         zeropp_candle::nn instead); if they are meant to get none (rows frozen by `detach`), declare it with \
          `.allow_partial_gradient(\"{stage}.{param}\")`"
     )]
     PartialGradient {

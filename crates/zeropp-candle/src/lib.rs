@@ -40,7 +40,7 @@ mod params;
 
 pub use error::{CandleError, Result};
 pub use llama::LlamaConfig;
-pub use model::{CandleModel, CandleModelBuilder, CandleTape};
+pub use model::{CandleModel, CandleModelBuilder, CandleTape, StageContext};
 
 /// The candle crates this adapter is built on (pinned versions), for users who
 /// want exactly the types the stages see.

@@ -38,6 +38,10 @@ pub struct LlamaConfig {
     pub eps: f64,
     /// The LM head is the input embedding (`tie_word_embeddings`).
     pub tie_word_embeddings: bool,
+    /// RMSNorm, RoPE and the attention softmax on candle-nn's fused kernels
+    /// (through [`crate::ops`], the default), or written with composite
+    /// tensor ops (slower; the reference they are checked against).
+    pub fused_ops: bool,
 }
 
 impl LlamaConfig {
@@ -50,7 +54,7 @@ impl LlamaConfig {
     /// A decoder of hidden size `d`, `layers` layers, `heads` heads (`kv_heads`
     /// of them for keys and values) and sequences of `seq` tokens; SwiGLU width
     /// `8d/3` rounded up to a multiple of 8, RoPE base 10000, eps 1e-5, an
-    /// untied head.
+    /// untied head, fused ops.
     pub fn shape(vocab: usize, d: usize, layers: usize, heads: usize, kv_heads: usize, seq: usize) -> Self {
         let d_ff = (8 * d).div_ceil(3).div_ceil(8) * 8;
         Self {
@@ -64,6 +68,7 @@ impl LlamaConfig {
             rope_theta: 10_000.0,
             eps: 1e-5,
             tie_word_embeddings: false,
+            fused_ops: true,
         }
     }
 
@@ -121,6 +126,10 @@ impl LlamaConfig {
         2 * (12 * d + attn + mlp)
     }
 
+    fn norm(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        if self.fused_ops { rms_norm(x, w, self.eps) } else { rms_norm_composite(x, w, self.eps) }
+    }
+
     /// The model: one stage per gather unit.
     pub fn build(&self) -> Result<CandleModel> {
         self.builder()?.build()
@@ -133,11 +142,15 @@ impl LlamaConfig {
         let c = *self;
         let mut b = CandleModel::builder("llama", c.vocab, c.seq_len)
             .stage("model.embed_tokens", move |vb, ids| embedding(c.vocab, c.d_model, vb)?.forward(ids));
+        // The RoPE tables and the causal mask, once for the longest sequence
+        // (each call narrows them to its length).
+        let tables = std::sync::Arc::new(Tables::new(&c, c.seq_len, &Device::Cpu)?);
         for i in 0..c.n_layer {
-            b = b.stage(format!("model.layers.{i}"), move |vb, x| block(&c, vb, x));
+            let tables = std::sync::Arc::clone(&tables);
+            b = b.stage(format!("model.layers.{i}"), move |vb, x| block_with(&c, &tables, vb, x));
         }
         b = b
-            .stage("model.norm", move |vb, x| rms_norm(x, &norm_weight(c.d_model, vb)?, c.eps))
+            .stage("model.norm", move |vb, x| c.norm(x, &norm_weight(c.d_model, vb)?))
             .stage("lm_head", move |vb, x| linear(c.d_model, c.vocab, vb)?.forward(x));
         if c.tie_word_embeddings {
             b = b.tie("model.embed_tokens.weight", "lm_head.weight");
@@ -215,13 +228,44 @@ pub fn rope_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Re
     Tensor::cat(&[a, b], D::Minus1)
 }
 
+/// What every decoder layer uses and no weight holds: the RoPE tables and
+/// the causal mask, for sequences up to some length.
+#[derive(Debug, Clone)]
+pub struct Tables {
+    cos: Tensor,
+    sin: Tensor,
+    /// `[seq, seq]`: 0 on and below the diagonal, -inf above.
+    mask: Tensor,
+}
+
+impl Tables {
+    /// The tables of `c`'s heads for sequences of up to `seq` tokens.
+    pub fn new(c: &LlamaConfig, seq: usize, device: &Device) -> candle_core::Result<Self> {
+        let (cos, sin) = rope_tables(c.head_dim(), seq, c.rope_theta, device)?;
+        let mask: Vec<f32> = (0..seq)
+            .flat_map(|i| (0..seq).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        Ok(Self { cos, sin, mask: Tensor::from_vec(mask, (seq, seq), device)? })
+    }
+}
+
 /// One decoder layer (`model.layers.{i}`), pre-norm: attention then SwiGLU,
 /// each added to the residual stream.
 pub fn block(c: &LlamaConfig, vb: VarBuilder<'_>, x: &Tensor) -> candle_core::Result<Tensor> {
+    block_with(c, &Tables::new(c, x.dim(1)?, x.device())?, vb, x)
+}
+
+/// [`block`] with tables made ahead (for sequences at least as long as `x`'s).
+pub fn block_with(
+    c: &LlamaConfig,
+    tables: &Tables,
+    vb: VarBuilder<'_>,
+    x: &Tensor,
+) -> candle_core::Result<Tensor> {
     let (b, t, d) = x.dims3()?;
     let (h, kv, hd) = (c.n_head, c.n_kv_head, c.head_dim());
     let attn_vb = vb.pp("self_attn");
-    let xn = rms_norm(x, &norm_weight(d, vb.pp("input_layernorm"))?, c.eps)?;
+    let xn = c.norm(x, &norm_weight(d, vb.pp("input_layernorm"))?)?;
     let heads = |proj: &str, n: usize| -> candle_core::Result<Tensor> {
         linear(d, n * hd, attn_vb.pp(proj))?
             .forward(&xn)?
@@ -230,8 +274,9 @@ pub fn block(c: &LlamaConfig, vb: VarBuilder<'_>, x: &Tensor) -> candle_core::Re
             .contiguous()
     };
     let (q, k, v) = (heads("q_proj", h)?, heads("k_proj", kv)?, heads("v_proj", kv)?);
-    let (cos, sin) = rope_tables(hd, t, c.rope_theta, x.device())?;
-    let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
+    let (cos, sin) = (tables.cos.narrow(0, 0, t)?, tables.sin.narrow(0, 0, t)?);
+    let rot = if c.fused_ops { rope } else { rope_composite };
+    let (q, k) = (rot(&q, &cos, &sin)?, rot(&k, &cos, &sin)?);
     // Grouped-query attention: each key/value head serves h / kv query heads.
     let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
         if h == kv {
@@ -241,14 +286,17 @@ pub fn block(c: &LlamaConfig, vb: VarBuilder<'_>, x: &Tensor) -> candle_core::Re
     };
     let (k, v) = (repeat(k)?, repeat(v)?);
     let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-    let mask: Vec<f32> =
-        (0..t).flat_map(|i| (0..t).map(move |j| if j > i { f32::NEG_INFINITY } else { 0.0 })).collect();
-    let mask = Tensor::from_vec(mask, (t, t), x.device())?;
-    let att = crate::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+    let mask = tables.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+    let scores = scores.broadcast_add(&mask)?;
+    let att = if c.fused_ops {
+        crate::ops::softmax_last_dim(&scores)?
+    } else {
+        candle_nn::ops::softmax(&scores, D::Minus1)?
+    };
     let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
     let x = (x + linear(h * hd, d, attn_vb.pp("o_proj"))?.forward(&y)?)?;
     let mlp_vb = vb.pp("mlp");
-    let xn = rms_norm(&x, &norm_weight(d, vb.pp("post_attention_layernorm"))?, c.eps)?;
+    let xn = c.norm(&x, &norm_weight(d, vb.pp("post_attention_layernorm"))?)?;
     let gate = linear(d, c.d_ff, mlp_vb.pp("gate_proj"))?.forward(&xn)?.silu()?;
     let up = linear(d, c.d_ff, mlp_vb.pp("up_proj"))?.forward(&xn)?;
     x + linear(c.d_ff, d, mlp_vb.pp("down_proj"))?.forward(&(gate * up)?)?

@@ -1,4 +1,4 @@
-//! `--model llama[:d=,layers=,heads=,kv_heads=,seq=,ff=]`: the candle Llama
+//! `--model llama[:d=,layers=,heads=,kv_heads=,seq=,ff=,tie=]`: the candle Llama
 //! decoder of `zeropp-candle`, parsed here (the CLI only parses; the model and
 //! its training are `zeropp-candle`'s and the engine's).
 
@@ -15,6 +15,8 @@ pub(crate) struct LlamaShape {
     kv_heads: usize,
     seq: usize,
     ff: Option<usize>,
+    /// `tie=1`: the LM head is the input embedding (`tie_word_embeddings`).
+    tie: bool,
 }
 
 impl LlamaShape {
@@ -24,17 +26,20 @@ impl LlamaShape {
         if let Some(ff) = self.ff {
             c.d_ff = ff;
         }
+        c.tie_word_embeddings = self.tie;
         Ok(c.build()?)
     }
 
     /// Parameters at a byte vocabulary of 256 (for the help).
     fn params(&self) -> usize {
-        LlamaConfig::shape(256, self.d, self.layers, self.heads, self.kv_heads, self.seq).num_params()
+        let c = LlamaConfig::shape(256, self.d, self.layers, self.heads, self.kv_heads, self.seq);
+        LlamaConfig { tie_word_embeddings: self.tie, ..c }.num_params()
     }
 }
 
 /// The default shape: about the native default GPT's size.
-const DEFAULT: LlamaShape = LlamaShape { d: 64, layers: 2, heads: 4, kv_heads: 2, seq: 64, ff: None };
+const DEFAULT: LlamaShape =
+    LlamaShape { d: 64, layers: 2, heads: 4, kv_heads: 2, seq: 64, ff: None, tie: false };
 
 /// `Some(shape)` when `spec` names the Llama (`llama` or `llama:KEY=VALUE,...`).
 pub(crate) fn parse(spec: &str) -> Result<Option<LlamaShape>, CliError> {
@@ -51,6 +56,14 @@ pub(crate) fn parse(spec: &str) -> Result<Option<LlamaShape>, CliError> {
             return Err(format!("--model: `{kv}` in `{spec}` is not key=value").into());
         };
         let (k, v) = (k.trim(), v.trim());
+        if matches!(k.to_ascii_lowercase().as_str(), "tie" | "tie_word_embeddings") {
+            s.tie = match v {
+                "1" | "true" => true,
+                "0" | "false" => false,
+                _ => return Err(format!("--model: `{k}={v}` must be 0 or 1").into()),
+            };
+            continue;
+        }
         let value = v
             .parse::<usize>()
             .ok()
@@ -65,7 +78,7 @@ pub(crate) fn parse(spec: &str) -> Result<Option<LlamaShape>, CliError> {
             "ff" | "intermediate_size" => s.ff = Some(value),
             _ => {
                 return Err(format!(
-                    "--model: unknown key `{k}` in `{spec}` (expected d, layers, heads, kv_heads, seq or ff)"
+                    "--model: unknown key `{k}` in `{spec}` (expected d, layers, heads, kv_heads, seq, ff or tie)"
                 )
                 .into());
             }
@@ -82,7 +95,7 @@ pub(crate) fn parse(spec: &str) -> Result<Option<LlamaShape>, CliError> {
 pub(crate) fn help() -> String {
     format!(
         "  llama       d {:>3}, {:>2} layers, {:>2} heads, seq {:>4}: {:>6.2}M  (zeropp-candle's Llama decoder: RMSNorm, RoPE,\n\
-         \x20             SwiGLU, {} key/value heads; `llama:d=,layers=,heads=,kv_heads=,seq=,ff=`; Hugging Face names)\n",
+         \x20             SwiGLU, {} key/value heads; `llama:d=,layers=,heads=,kv_heads=,seq=,ff=,tie=`; Hugging Face names)\n",
         DEFAULT.d,
         DEFAULT.layers,
         DEFAULT.heads,
@@ -102,6 +115,9 @@ mod tests {
         assert_eq!(parse("llama")?, Some(DEFAULT));
         let s = parse("llama:d=128,layers=3,heads=8,kv_heads=4,seq=32,ff=256")?.ok_or("llama")?;
         assert_eq!((s.d, s.layers, s.heads, s.kv_heads, s.seq, s.ff), (128, 3, 8, 4, 32, Some(256)));
+        assert!(!s.tie && parse("llama:tie=1")?.ok_or("llama")?.tie);
+        // A tied head is not stored: the parameter count drops by vocab x d.
+        assert_eq!(DEFAULT.params() - parse("llama:tie=1")?.ok_or("llama")?.params(), 256 * DEFAULT.d);
         crate::test_util::refused(
             parse,
             &[
@@ -110,6 +126,7 @@ mod tests {
                 ("llama:depth=3", "unknown key `depth`"),
                 ("llama:d=x", "not a positive integer"),
                 ("llama:d", "not key=value"),
+                ("llama:tie=2", "must be 0 or 1"),
             ],
         );
         assert!(help().contains("llama"));

@@ -72,9 +72,11 @@ impl CandleModelBuilder {
         self
     }
 
-    /// Accepts elements of parameter `{stage}.{param}` that get no gradient
-    /// (a pruning mask, say), which `build()` otherwise refuses
-    /// ([`CandleError::PartialGradient`]).
+    /// Accepts elements of parameter `{stage}.{param}` that change the output
+    /// yet get no gradient on purpose (rows of a weight frozen by `detach`,
+    /// say), which `build()` otherwise refuses ([`CandleError::PartialGradient`]).
+    /// Elements that change nothing (masked by a pruning mask) need no
+    /// declaration: their zero gradient is the true one.
     pub fn allow_partial_gradient(mut self, name: impl Into<String>) -> Self {
         self.partial_ok.push(name.into());
         self

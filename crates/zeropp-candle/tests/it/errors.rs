@@ -86,24 +86,34 @@ fn a_fused_qkv_behind_softmax_last_dim_fails_at_build_with_its_rows() {
     }
 }
 
-/// A pruning mask gives exact zeros on purpose: declared, it builds.
+/// Freezing part of a weight on purpose (the old token rows of an extended
+/// embedding, detached) cuts their gradient: refused, and accepted once
+/// declared. A pruning mask (`w * mask`) needs no declaration: the masked
+/// elements change nothing, so their zero gradient is the true one.
 #[test]
 fn a_declared_partial_gradient_builds() {
     let (vocab, d) = (10, 8);
-    let masked = move |vb: candle_nn::VarBuilder<'_>, x: &Tensor| {
-        let w = vb.get((vocab, d), "weight")?;
-        let mask: Vec<f32> = (0..vocab * d).map(|i| if i % 3 == 0 { 0.0 } else { 1.0 }).collect();
-        let w = (w * Tensor::from_vec(mask, (vocab, d), x.device())?)?;
-        x.broadcast_matmul(&w.t()?)
-    };
     let builder = move |allow: bool| {
-        let b = CandleModel::builder("pruned", vocab, 4)
-            .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
-            .stage("head", masked);
-        if allow { b.allow_partial_gradient("head.weight") } else { b }
+        let b = CandleModel::builder("frozen-rows", vocab, 4)
+            .stage("embed", move |vb, ids| {
+                let w = vb.get((vocab, d), "weight")?;
+                let w = Tensor::cat(&[w.narrow(0, 0, 6)?.detach(), w.narrow(0, 6, vocab - 6)?], 0)?;
+                candle_nn::Embedding::new(w, d).forward(ids)
+            })
+            .stage("head", move |vb, x| {
+                let w = vb.get((vocab, d), "weight")?;
+                let mask: Vec<f32> = (0..vocab * d).map(|i| if i % 3 == 0 { 0.0 } else { 1.0 }).collect();
+                let w = (w * Tensor::from_vec(mask, (vocab, d), x.device())?)?;
+                x.broadcast_matmul(&w.t()?)
+            });
+        if allow { b.allow_partial_gradient("embed.weight") } else { b }
     };
     let err = builder(false).build().unwrap_err().to_string();
-    assert!(err.contains("allow_partial_gradient(\"head.weight\")") && err.contains("27 of 80"), "{err}");
+    assert!(
+        err.contains("allow_partial_gradient(\"embed.weight\")")
+            && err.contains("48 of 80 elements (rows 0..6)"),
+        "{err}"
+    );
     builder(true).build().unwrap();
 }
 

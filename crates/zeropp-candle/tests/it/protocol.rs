@@ -81,3 +81,22 @@ fn the_tape_keeps_no_weights_and_calls_come_in_order() {
     assert!(model.forward(2, &params[2], &mut tape).is_err(), "layer 1 is next");
     assert!(model.loss(&tape).is_nan(), "no loss before the last forward");
 }
+
+/// The Llama on candle-nn's fused kernels (through zeropp's ops) gives the
+/// loss and gradients of its composite-op form.
+#[test]
+fn the_fused_llama_equals_its_composite_form() {
+    let c = LlamaConfig::shape(24, 16, 2, 4, 2, 8);
+    let fused = c.build().unwrap();
+    let composite = LlamaConfig { fused_ops: false, ..c }.build().unwrap();
+    let params = init_params(&fused, 2).unwrap();
+    let b = batch(24, 3, 8, 4);
+    let (la, ga) = full_forward_backward(&fused, &params, &b).unwrap();
+    let (lb, gb) = full_forward_backward(&composite, &params, &b).unwrap();
+    assert!((la - lb).abs() <= 1e-6 * lb.abs(), "{la} vs {lb}");
+    for (l, (a, r)) in ga.iter().zip(&gb).enumerate() {
+        let scale = r.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        let w = a.iter().zip(r).map(|(x, y)| (x - y).abs() / scale).fold(0.0, f32::max);
+        assert!(w <= 1e-5, "stage {l}: fused and composite gradients differ by {w} of the largest");
+    }
+}
