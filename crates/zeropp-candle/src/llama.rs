@@ -285,13 +285,12 @@ pub fn block_with(
         x.unsqueeze(2)?.broadcast_as((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
     };
     let (k, v) = (repeat(k)?, repeat(v)?);
-    let scores = (q.matmul(&k.t()?)? / (hd as f64).sqrt())?;
-    let mask = tables.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-    let scores = scores.broadcast_add(&mask)?;
+    let scores = q.matmul(&k.t()?)?;
     let att = if c.fused_ops {
-        crate::ops::softmax_last_dim(&scores)?
+        crate::ops::softmax_causal(&scores, 1.0 / (hd as f64).sqrt())?
     } else {
-        candle_nn::ops::softmax(&scores, D::Minus1)?
+        let mask = tables.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        candle_nn::ops::softmax(&(scores / (hd as f64).sqrt())?.broadcast_add(&mask)?, D::Minus1)?
     };
     let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
     let x = (x + linear(h * hd, d, attn_vb.pp("o_proj"))?.forward(&y)?)?;

@@ -14,7 +14,8 @@
 //! | `rope*(x, cos, sin)` (a rotation per pair) | dx = rope*(g, cos, −sin) (its transpose) |
 //!
 //! (Σ and mean run over the last dimension for dx, over every other one for
-//! dα and dβ.) RoPE's `cos` and `sin` are tables, not weights: they get no
+//! dα and dβ.) [`softmax_causal`] adds the scale and the causal mask of
+//! attention scores to the softmax, in one pass, with its own kernels. RoPE's `cos` and `sin` are tables, not weights: they get no
 //! gradient. The gradient is computed in f32 for bf16 and f16 inputs, as the
 //! kernels compute their forward.
 //!
@@ -300,4 +301,110 @@ pub fn rope_i(x: &Tensor, cos: &Tensor, sin: &Tensor) -> CResult<Tensor> {
 /// with a backward pass for `x` (any layout).
 pub fn rope_thd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> CResult<Tensor> {
     rope_with(Rope::Thd, x, cos, sin)
+}
+
+/// `softmax(scale · x)` over the last dimension of attention scores `x`
+/// (`[.., t_q, t_k]`) under the causal mask: row `i` sees keys `0..=i + t_k −
+/// t_q` and gives the rest 0. One pass forward and one backward (dx = scale ·
+/// y ⊙ (g − Σ g⊙y)), where the composite form (scale, add a −∞ mask,
+/// softmax) makes three each. f32 on the CPU runs these kernels; other dtypes
+/// the composite form.
+///
+/// ```
+/// use candle_core::{D, Device, Tensor};
+/// let x = Tensor::new(&[[1f32, 2.0, 3.0], [0.5, -1.0, 2.0], [0.0, 0.0, 0.0]], &Device::Cpu)?;
+/// let y = zeropp_candle::ops::softmax_causal(&x, 0.5)?.to_vec2::<f32>()?;
+/// assert_eq!(y[0], [1.0, 0.0, 0.0]);
+/// assert!((y[1][0] - 1.0 / (1.0 + (-0.75f32).exp())).abs() < 1e-6 && y[1][2] == 0.0);
+/// # Ok::<(), candle_core::Error>(())
+/// ```
+pub fn softmax_causal(x: &Tensor, scale: f64) -> CResult<Tensor> {
+    let dims = x.dims();
+    if dims.len() < 2 || dims[dims.len() - 2] > dims[dims.len() - 1] {
+        candle_core::bail!("softmax_causal: scores {dims:?} must be [.., t_q, t_k] with t_q <= t_k");
+    }
+    if x.dtype() != DType::F32 || !x.device().is_cpu() {
+        let (tq, tk) = (dims[dims.len() - 2], dims[dims.len() - 1]);
+        let mask: Vec<f32> = (0..tq)
+            .flat_map(|i| (0..tk).map(move |j| if j > i + tk - tq { f32::NEG_INFINITY } else { 0.0 }))
+            .collect();
+        let mask = Tensor::from_vec(mask, (tq, tk), x.device())?.to_dtype(x.dtype())?;
+        return candle_nn::ops::softmax(&(x * scale)?.broadcast_add(&mask)?, D::Minus1);
+    }
+    x.contiguous()?.apply_op1(Causal { scale: scale as f32 })
+}
+
+/// The causal softmax's forward (one op with a backward).
+struct Causal {
+    scale: f32,
+}
+
+/// The causal softmax's backward: `(y, g)` → dx.
+struct CausalBackward {
+    scale: f32,
+}
+
+/// Rows of `[.., t_q, t_k]` data: (t_q, t_k, contiguous slice).
+fn rows<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<(usize, usize, &'a [f32])> {
+    let CpuStorage::F32(v) = s else { candle_core::bail!("{op}: f32 only") };
+    let (a, b) =
+        l.contiguous_offsets().ok_or_else(|| candle_core::Error::Msg(format!("{op}: not contiguous")))?;
+    let d = l.dims();
+    Ok((d[d.len() - 2], d[d.len() - 1], &v[a..b]))
+}
+
+impl candle_core::CustomOp1 for Causal {
+    fn name(&self) -> &'static str {
+        "zeropp-softmax-causal"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> CResult<(CpuStorage, Shape)> {
+        let (tq, tk, x) = rows(s, l, "softmax_causal")?;
+        let mut y = vec![0f32; x.len()];
+        for (r, (xr, yr)) in x.chunks_exact(tk).zip(y.chunks_exact_mut(tk)).enumerate() {
+            let seen = (r % tq + tk - tq + 1).min(tk);
+            let (xr, yr) = (&xr[..seen], &mut yr[..seen]);
+            let m = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * self.scale));
+            let mut sum = 0f32;
+            for (yv, &xv) in yr.iter_mut().zip(xr) {
+                *yv = (xv * self.scale - m).exp();
+                sum += *yv;
+            }
+            let inv = 1.0 / sum;
+            yr.iter_mut().for_each(|v| *v *= inv);
+        }
+        Ok((CpuStorage::F32(y), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, y: &Tensor, g: &Tensor) -> CResult<Option<Tensor>> {
+        Ok(Some(y.apply_op2_no_bwd(&g.contiguous()?, &CausalBackward { scale: self.scale })?))
+    }
+}
+
+impl candle_core::CustomOp2 for CausalBackward {
+    fn name(&self) -> &'static str {
+        "zeropp-softmax-causal-backward"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        let (_, tk, y) = rows(s1, l1, "softmax_causal backward")?;
+        let (_, _, g) = rows(s2, l2, "softmax_causal backward")?;
+        if y.len() != g.len() {
+            candle_core::bail!("softmax_causal backward: {} outputs, {} gradients", y.len(), g.len());
+        }
+        let mut dx = vec![0f32; y.len()];
+        for ((yr, gr), dr) in y.chunks_exact(tk).zip(g.chunks_exact(tk)).zip(dx.chunks_exact_mut(tk)) {
+            let dot: f32 = yr.iter().zip(gr).map(|(a, b)| a * b).sum();
+            for ((d, &yv), &gv) in dr.iter_mut().zip(yr).zip(gr) {
+                *d = self.scale * yv * (gv - dot);
+            }
+        }
+        Ok((CpuStorage::F32(dx), l1.shape().clone()))
+    }
 }

@@ -107,6 +107,22 @@ fn cases() -> Vec<Case> {
             wants: vec![true, true, true],
         });
     }
+    for (k, shape) in [[2usize, 3, 5, 5], [1, 2, 3, 7], [1, 1, 1, 4]].into_iter().enumerate() {
+        out.push(Case {
+            name: "softmax_causal",
+            fused: |a| ops::softmax_causal(&a[0], 0.35),
+            composite: |a| {
+                let (tq, tk) = (a[0].dim(2)?, a[0].dim(3)?);
+                let mask: Vec<f64> = (0..tq)
+                    .flat_map(|i| (0..tk).map(move |j| if j > i + tk - tq { f64::NEG_INFINITY } else { 0.0 }))
+                    .collect();
+                let mask = Tensor::from_vec(mask, (tq, tk), a[0].device())?.to_dtype(a[0].dtype())?;
+                candle_nn::ops::softmax(&(&a[0] * 0.35)?.broadcast_add(&mask)?, D::Minus1)
+            },
+            args: vec![tensor(&shape, 200 + k as u64, 3.0, 0.0)],
+            wants: vec![true],
+        });
+    }
     for (k, (b, h, t, hd)) in [(1usize, 2usize, 3usize, 4usize), (2, 3, 5, 8)].into_iter().enumerate() {
         let seed = 100 + 10 * k as u64;
         let (cos, sin) = rope_tables(t, hd / 2, seed);
