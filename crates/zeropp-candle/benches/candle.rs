@@ -19,7 +19,10 @@
 //!    seed (skipped with a message without `../shared/data`).
 //!
 //! Writes markdown to `target/bench-report/candle.md`. Knobs:
-//! `ZEROPP_BENCH_STEPS` (timed steps, default 20), `ZEROPP_CANDLE_SEEDS`
+//! `ZEROPP_BENCH_STEPS` (timed steps, default 20), `ZEROPP_CANDLE_ROUNDS`
+//! (alternating step-time rounds, median taken, default 3),
+//! `ZEROPP_CANDLE_GLIBC_DEFAULT=1` (glibc's malloc settings, not
+//! `alloc::retain_freed_memory`'s), `ZEROPP_CANDLE_SEEDS`
 //! (default 5), `ZEROPP_CANDLE_FIDELITY_STEPS` (default 1500; 0 skips it).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark may unwrap
@@ -102,8 +105,18 @@ fn block_split(c: &LlamaConfig, b: usize) -> (f64, f64) {
     (full, mm)
 }
 
+/// The median of `v` (not empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn main() {
     let steps = env_usize("ZEROPP_BENCH_STEPS", 20);
+    let rounds = env_usize("ZEROPP_CANDLE_ROUNDS", 3).max(1);
+    // As `zeropp train` runs (ZEROPP_CANDLE_GLIBC_DEFAULT=1: glibc's defaults).
+    let retained =
+        env_usize("ZEROPP_CANDLE_GLIBC_DEFAULT", 0) == 0 && zeropp_candle::alloc::retain_freed_memory();
     let (data, _) = load_data(&DataChoice::Markov { seed: 0, chars: 200_000 }).unwrap();
     let vocab = data.vocab_size();
     let g = GptConfig::default_small().with_vocab(vocab);
@@ -118,7 +131,8 @@ fn main() {
         md,
         "Native GPT (d {}, {} layers, {} heads, seq {}, MLP 4d: {} params) and the candle Llama of the same width, \
          depth, heads (as many key/value heads) and seq (SwiGLU {}: {} params); ZeRO-3 at f32, thread backend, \
-         no link model, {} timed steps, global batch 16. Ratios within this run.\n",
+         no link model, {} timed steps, global batch 16, median of {} alternating rounds, freed memory retained \
+         (`alloc::retain_freed_memory`): {}. Ratios within this run.\n",
         g.d_model,
         g.n_layer,
         g.n_head,
@@ -126,7 +140,9 @@ fn main() {
         native.num_params(),
         shape.d_ff,
         shape.num_params(),
-        steps
+        steps,
+        rounds,
+        retained
     );
     let _ = writeln!(
         md,
@@ -135,12 +151,16 @@ fn main() {
     );
     for (w, l) in [(1, 1), (8, 4)] {
         let c = cfg(w, l, z3, steps);
-        let (tn, tc, tk, tx) = (
-            step_time(&native, &data, &c),
-            step_time(&llama, &data, &c),
-            step_time(&keep, &data, &c),
-            step_time(&composite, &data, &c),
-        );
+        // Alternating rounds, the median of each: this machine's noise moves
+        // one run by 20%.
+        let mut runs: [Vec<f64>; 4] = Default::default();
+        for _ in 0..rounds {
+            runs[0].push(step_time(&native, &data, &c));
+            runs[1].push(step_time(&llama, &data, &c));
+            runs[2].push(step_time(&keep, &data, &c));
+            runs[3].push(step_time(&composite, &data, &c));
+        }
+        let [tn, tc, tk, tx] = runs.map(median);
         let _ = writeln!(
             md,
             "| {w} = {}x{l} | {tn:.4} | {tc:.4} | {:.2}x | {:.2} | {:.2} |",

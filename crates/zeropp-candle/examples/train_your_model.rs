@@ -14,6 +14,7 @@ use zeropp_engine::train::{DataChoice, load_data};
 use zeropp_engine::{RunConfig, launch};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    zeropp_candle::alloc::retain_freed_memory(); // candle allocates per op
     // Your tokenizer's ids work too: TextDataset::from_tokens(vocab, ids, 0.1).
     let (data, _) = load_data(&DataChoice::Markov { seed: 0, chars: 100_000 })?;
     let (vocab, d, seq) = (data.vocab_size(), 64, 32);

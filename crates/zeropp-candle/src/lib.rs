@@ -31,6 +31,7 @@
 //! SwiGLU, grouped-query attention) with Hugging Face's tensor names, so its
 //! checkpoints load into candle-transformers' Llama.
 
+pub mod alloc;
 mod error;
 pub mod llama;
 pub mod model;

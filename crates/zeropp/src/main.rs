@@ -45,8 +45,15 @@ fn main() -> ExitCode {
     let result: Result<(), CliError> = match cli.command {
         Command::Quant(args) => quant::run(&args),
         Command::Checkpoint(args) => checkpoint::run(&args),
-        Command::Train(args) => train::run(&args),
-        Command::Compare(args) => compare::run(&args),
+        Command::Train(args) => {
+            // Training allocates per op (candle's Llama most): keep freed memory.
+            zeropp_candle::alloc::retain_freed_memory();
+            train::run(&args)
+        }
+        Command::Compare(args) => {
+            zeropp_candle::alloc::retain_freed_memory();
+            compare::run(&args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
