@@ -296,7 +296,8 @@ pub fn block_with(
     let x = (x + linear(h * hd, d, attn_vb.pp("o_proj"))?.forward(&y)?)?;
     let mlp_vb = vb.pp("mlp");
     let xn = c.norm(&x, &norm_weight(d, vb.pp("post_attention_layernorm"))?)?;
-    let gate = linear(d, c.d_ff, mlp_vb.pp("gate_proj"))?.forward(&xn)?.silu()?;
+    let gate = linear(d, c.d_ff, mlp_vb.pp("gate_proj"))?.forward(&xn)?;
     let up = linear(d, c.d_ff, mlp_vb.pp("up_proj"))?.forward(&xn)?;
-    x + linear(c.d_ff, d, mlp_vb.pp("down_proj"))?.forward(&(gate * up)?)?
+    let h = if c.fused_ops { crate::ops::silu_mul(&gate, &up)? } else { (gate.silu()? * up)? };
+    x + linear(c.d_ff, d, mlp_vb.pp("down_proj"))?.forward(&h)?
 }

@@ -148,7 +148,10 @@ impl CandleModel {
                 .ok_or_else(|| CandleError::Config("forward without the previous stage's output".into()))?
         };
         let ctx = StageContext::new(tape.train, stage_key(tape.key, layer));
-        let (mut g, vars) = gathered(&stage.name, &stage.params, params, self.keep_graph)?;
+        // The last stage's backward comes right after its forward: keeping its
+        // graph saves the recompute and holds its weights no longer.
+        let keep = self.keep_graph || (last && tape.train);
+        let (mut g, vars) = gathered(&stage.name, &stage.params, params, keep)?;
         for &i in &stage.lends {
             if let Some(t) = stage.params.get(i).and_then(|p| g.tensors.get(&p.name)) {
                 // A copy: the tape must not hold the gathered buffer's Var.
@@ -158,7 +161,7 @@ impl CandleModel {
         let mut borrowed = Vec::new();
         self.add_ties(stage, &mut g, |b| {
             let t = Self::lent_of(tape, stage, b)?;
-            if !self.keep_graph {
+            if !keep {
                 return Ok(t);
             }
             let v = Var::from_tensor(&t)?;
@@ -167,7 +170,7 @@ impl CandleModel {
             Ok(t)
         })?;
         let vb = VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu);
-        let out = if self.keep_graph {
+        let out = if keep {
             let input_var = if layer == 0 { None } else { Some(Var::from_tensor(&input)?) };
             let x = input_var.as_ref().map_or(&input, |v| v.as_tensor());
             let out = (stage.run)(vb, x, &ctx)?;

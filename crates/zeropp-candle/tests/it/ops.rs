@@ -107,6 +107,15 @@ fn cases() -> Vec<Case> {
             wants: vec![true, true, true],
         });
     }
+    for (k, shape) in [[2usize, 3, 7], [1, 4, 33]].into_iter().enumerate() {
+        out.push(Case {
+            name: "silu_mul",
+            fused: |a| ops::silu_mul(&a[0], &a[1]),
+            composite: |a| a[0].silu()? * &a[1],
+            args: vec![tensor(&shape, 300 + k as u64, 4.0, 0.0), tensor(&shape, 310 + k as u64, 2.0, 0.0)],
+            wants: vec![true, true],
+        });
+    }
     for (k, shape) in [[2usize, 3, 5, 5], [1, 2, 3, 7], [1, 1, 1, 4]].into_iter().enumerate() {
         out.push(Case {
             name: "softmax_causal",
