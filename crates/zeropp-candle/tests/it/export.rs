@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use candle_transformers::models::llama::{Cache, Config, Llama};
+use candle_transformers::models::llama::{Cache, Llama};
 use zeropp_candle::LlamaConfig;
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::ZeroConfig;
@@ -42,22 +42,7 @@ fn an_export_loads_into_candle_transformers_llama_with_the_same_logits() {
     let tensors = candle_core::safetensors::load(&out, &dev).unwrap();
     assert!(tensors.contains_key("model.layers.1.self_attn.k_proj.weight"), "{:?}", tensors.keys());
     let vb = VarBuilder::from_tensors(tensors, DType::F32, &dev);
-    let hf = Config {
-        hidden_size: c.d_model,
-        intermediate_size: c.d_ff,
-        vocab_size: c.vocab,
-        num_hidden_layers: c.n_layer,
-        num_attention_heads: c.n_head,
-        num_key_value_heads: c.n_kv_head,
-        use_flash_attn: false,
-        rms_norm_eps: c.eps,
-        rope_theta: c.rope_theta,
-        bos_token_id: None,
-        eos_token_id: None,
-        rope_scaling: None,
-        max_position_embeddings: c.seq_len,
-        tie_word_embeddings: false,
-    };
+    let hf = crate::hf_config(&c, false);
     let llama = Llama::load(vb, &hf).unwrap();
     let params = report.params.unwrap();
     let ids: Vec<u32> = (0..c.seq_len as u32).map(|i| (i * 7 + 3) % c.vocab as u32).collect();

@@ -30,3 +30,23 @@ fn batch(vocab: usize, b: usize, t: usize, salt: u32) -> Batch {
         seq_len: t,
     }
 }
+
+/// candle-transformers' Llama config for `c` (Hugging Face's fields).
+fn hf_config(c: &LlamaConfig, tie_word_embeddings: bool) -> candle_transformers::models::llama::Config {
+    candle_transformers::models::llama::Config {
+        hidden_size: c.d_model,
+        intermediate_size: c.d_ff,
+        vocab_size: c.vocab,
+        num_hidden_layers: c.n_layer,
+        num_attention_heads: c.n_head,
+        num_key_value_heads: c.n_kv_head,
+        use_flash_attn: false,
+        rms_norm_eps: c.eps,
+        rope_theta: c.rope_theta,
+        bos_token_id: None,
+        eos_token_id: None,
+        rope_scaling: None,
+        max_position_embeddings: c.seq_len,
+        tie_word_embeddings,
+    }
+}

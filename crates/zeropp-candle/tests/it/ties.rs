@@ -5,7 +5,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, VarBuilder};
-use candle_transformers::models::llama::{Cache, Config, Llama};
+use candle_transformers::models::llama::{Cache, Llama};
 use zeropp_candle::model::CandleModelBuilder;
 use zeropp_candle::{CandleModel, LlamaConfig};
 use zeropp_engine::config::{CommDtype, ZeroConfig};
@@ -129,22 +129,7 @@ fn a_tied_llama_exports_as_hugging_face_ties_it() {
     let tensors = candle_core::safetensors::load(&out, &Device::Cpu).unwrap();
     assert!(!tensors.contains_key("lm_head.weight"), "a tied head is not stored");
     let vb = VarBuilder::from_tensors(tensors, DType::F32, &Device::Cpu);
-    let hf = Config {
-        hidden_size: c.d_model,
-        intermediate_size: c.d_ff,
-        vocab_size: c.vocab,
-        num_hidden_layers: c.n_layer,
-        num_attention_heads: c.n_head,
-        num_key_value_heads: c.n_kv_head,
-        use_flash_attn: false,
-        rms_norm_eps: c.eps,
-        rope_theta: c.rope_theta,
-        bos_token_id: None,
-        eos_token_id: None,
-        rope_scaling: None,
-        max_position_embeddings: c.seq_len,
-        tie_word_embeddings: true,
-    };
+    let hf = crate::hf_config(&c, true);
     let llama = Llama::load(vb, &hf).unwrap();
     let params = report.params.unwrap();
     let ids: Vec<u32> = (0..c.seq_len as u32).map(|i| (i * 5 + 1) % c.vocab as u32).collect();
