@@ -121,7 +121,11 @@ impl LlamaConfig {
     /// allocator, `tests/memory.rs`).
     fn block_floats_per_token(&self, seq: usize) -> usize {
         let (d, h, kv, hd, ff) = (self.d_model, self.n_head, self.n_kv_head, self.head_dim(), self.d_ff);
-        let attn = 3 * (h + 2 * kv) * hd + 4 * h * hd + 6 * h * seq;
+        // The fused attention keeps one [seq, seq] probability matrix per head
+        // (P, for its backward); the composite form keeps scores, masked
+        // scores and probabilities, and their gradients.
+        let scores = if self.fused_ops { 2 } else { 6 };
+        let attn = 3 * (h + 2 * kv) * hd + 4 * h * hd + scores * h * seq;
         let mlp = 5 * ff;
         2 * (12 * d + attn + mlp)
     }
@@ -266,33 +270,33 @@ pub fn block_with(
     let (h, kv, hd) = (c.n_head, c.n_kv_head, c.head_dim());
     let attn_vb = vb.pp("self_attn");
     let xn = c.norm(x, &norm_weight(d, vb.pp("input_layernorm"))?)?;
-    let heads = |proj: &str, n: usize| -> candle_core::Result<Tensor> {
-        linear(d, n * hd, attn_vb.pp(proj))?
-            .forward(&xn)?
-            .reshape((b, t, n, hd))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    let (q, k, v) = (heads("q_proj", h)?, heads("k_proj", kv)?, heads("v_proj", kv)?);
     let (cos, sin) = (tables.cos.narrow(0, 0, t)?, tables.sin.narrow(0, 0, t)?);
-    let rot = if c.fused_ops { rope } else { rope_composite };
-    let (q, k) = (rot(&q, &cos, &sin)?, rot(&k, &cos, &sin)?);
-    // Grouped-query attention: each key/value head serves h / kv query heads.
-    let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
-        if h == kv {
-            return Ok(x);
-        }
-        x.unsqueeze(2)?.broadcast_as((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
+    let project = |proj: &str, n: usize| -> candle_core::Result<Tensor> {
+        linear(d, n * hd, attn_vb.pp(proj))?.forward(&xn)?.reshape((b, t, n, hd))
     };
-    let (k, v) = (repeat(k)?, repeat(v)?);
-    let scores = q.matmul(&k.t()?)?;
-    let att = if c.fused_ops {
-        crate::ops::softmax_causal(&scores, 1.0 / (hd as f64).sqrt())?
+    let (q, k, v) = (project("q_proj", h)?, project("k_proj", kv)?, project("v_proj", kv)?);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let y = if c.fused_ops {
+        // [b, t, heads, hd] throughout: RoPE and attention need no transpose.
+        let (q, k) = (crate::ops::rope_thd(&q, &cos, &sin)?, crate::ops::rope_thd(&k, &cos, &sin)?);
+        crate::ops::causal_attention(&q, &k, &v, scale)?
     } else {
+        let heads = |x: Tensor| x.transpose(1, 2)?.contiguous();
+        let (q, k, v) = (heads(q)?, heads(k)?, heads(v)?);
+        let (q, k) = (rope_composite(&q, &cos, &sin)?, rope_composite(&k, &cos, &sin)?);
+        // Grouped-query attention: each key/value head serves h / kv query heads.
+        let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
+            if h == kv {
+                return Ok(x);
+            }
+            x.unsqueeze(2)?.broadcast_as((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
         let mask = tables.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
-        candle_nn::ops::softmax(&(scores / (hd as f64).sqrt())?.broadcast_add(&mask)?, D::Minus1)?
+        let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
+        candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v)?.transpose(1, 2)?
     };
-    let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h * hd))?;
+    let y = y.reshape((b, t, h * hd))?;
     let x = (x + linear(h * hd, d, attn_vb.pp("o_proj"))?.forward(&y)?)?;
     let mlp_vb = vb.pp("mlp");
     let xn = c.norm(&x, &norm_weight(d, vb.pp("post_attention_layernorm"))?)?;

@@ -14,7 +14,8 @@
 //! | `rope*(x, cos, sin)` (a rotation per pair) | dx = rope*(g, cos, −sin) (its transpose) |
 //!
 //! (Σ and mean run over the last dimension for dx, over every other one for
-//! dα and dβ.) [`softmax_causal`] adds the scale and the causal mask of
+//! dα and dβ.) [`causal_attention`] is a whole causal attention (scores,
+//! mask, softmax, values) in one op each way. [`softmax_causal`] adds the scale and the causal mask of
 //! attention scores to the softmax, in one pass, with its own kernels. RoPE's `cos` and `sin` are tables, not weights: they get no
 //! gradient. The gradient is computed in f32 for bf16 and f16 inputs, as the
 //! kernels compute their forward.
@@ -48,8 +49,11 @@ use std::sync::{Mutex, PoisonError};
 
 use candle_core::{CpuStorage, D, DType, Layout, Shape, Tensor};
 
+mod attention;
+mod attention_kernel;
 mod kernels;
 
+pub use attention::{causal_attention, causal_attention_composite};
 pub use kernels::{silu_mul, softmax_causal};
 
 type CResult<T> = candle_core::Result<T>;

@@ -132,6 +132,26 @@ fn cases() -> Vec<Case> {
             wants: vec![true],
         });
     }
+    // Multi-head, grouped-query (2 query heads per key/value head), and a
+    // query window shorter than the keys (t_q 3 of t_k 5).
+    for (k, (b, tq, tk, h, kv, d)) in
+        [(2usize, 5usize, 5usize, 2usize, 2usize, 4usize), (1, 6, 6, 4, 2, 8), (2, 3, 5, 3, 1, 2)]
+            .into_iter()
+            .enumerate()
+    {
+        let seed = 400 + 10 * k as u64;
+        out.push(Case {
+            name: "causal_attention",
+            fused: |a| ops::causal_attention(&a[0], &a[1], &a[2], 0.4),
+            composite: |a| ops::causal_attention_composite(&a[0], &a[1], &a[2], 0.4),
+            args: vec![
+                tensor(&[b, tq, h, d], seed + 1, 2.0, 0.0),
+                tensor(&[b, tk, kv, d], seed + 2, 2.0, 0.0),
+                tensor(&[b, tk, kv, d], seed + 3, 1.0, 0.0),
+            ],
+            wants: vec![true, true, true],
+        });
+    }
     for (k, (b, h, t, hd)) in [(1usize, 2usize, 3usize, 4usize), (2, 3, 5, 8)].into_iter().enumerate() {
         let seed = 100 + 10 * k as u64;
         let (cos, sin) = rope_tables(t, hd / 2, seed);
@@ -290,5 +310,29 @@ fn nn_modules_are_drop_in_and_differentiable() {
         for v in map.all_vars() {
             assert!(g.get(v.as_tensor()).is_some(), "rms {rms}: a parameter without a gradient");
         }
+    }
+}
+
+/// The attention's backward uses the probabilities its forward kept; a
+/// second backward of the same graph (nothing kept any more) recomputes
+/// them and must give the same gradients.
+#[test]
+fn causal_attention_backward_recomputes_what_was_not_kept() {
+    let t = |shape: &[usize], seed| {
+        Var::from_tensor(&tensor(shape, seed, 1.5, 0.0).to_dtype(DType::F32).unwrap()).unwrap()
+    };
+    let (q, k, v) = (t(&[2, 5, 4, 8], 501), t(&[2, 7, 2, 8], 502), t(&[2, 7, 2, 8], 503));
+    let w = tensor(&[2, 5, 4, 8], 504, 1.0, 0.0).to_dtype(DType::F32).unwrap();
+    let y = ops::causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), 0.3).unwrap();
+    let loss = (y * &w).unwrap().sum_all().unwrap();
+    let (first, second) = (loss.backward().unwrap(), loss.backward().unwrap());
+    for x in [&q, &k, &v] {
+        let a = first.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let b = second.get(x.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let e = worst(
+            &a.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+            &b.iter().map(|&v| v as f64).collect::<Vec<_>>(),
+        );
+        assert!(e < 1e-5, "kept and recomputed probabilities give gradients {e} apart");
     }
 }
