@@ -41,7 +41,7 @@ mod params;
 
 pub use error::{CandleError, Result};
 pub use llama::LlamaConfig;
-pub use model::{CandleModel, CandleModelBuilder, CandleTape, StageContext};
+pub use model::{CandleModel, CandleModelBuilder, CandleTape, DEFAULT_KEEP_GRAPH_BYTES, StageContext};
 
 /// The candle crates this adapter is built on (pinned versions), for users who
 /// want exactly the types the stages see.

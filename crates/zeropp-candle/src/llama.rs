@@ -160,10 +160,17 @@ impl LlamaConfig {
             b = b.tie("model.embed_tokens.weight", "lm_head.weight");
         }
         let cfg = *self;
-        Ok(b.activation_bytes(move |batch, seq| {
+        Ok(b.activation_bytes(move |batch, seq, kept_stages| {
             let tokens = batch * seq;
             let kept = (cfg.n_layer + 2) * cfg.d_model + 3 * cfg.vocab;
-            4 * tokens * (kept + cfg.block_floats_per_token(seq))
+            // Kept stages are the head, the final norm, then decoder layers from
+            // the top. A layer's backward holds its graph and as much again in
+            // gradients (`block_floats_per_token`, one layer at a time); each
+            // other kept layer holds its graph, half of that, until its turn.
+            let block = cfg.block_floats_per_token(seq);
+            let kept_layers = kept_stages.saturating_sub(2).min(cfg.n_layer);
+            let graphs = if kept_layers == 0 { block } else { (kept_layers + 1) * block / 2 };
+            4 * tokens * (kept + graphs)
         }))
     }
 }

@@ -88,11 +88,49 @@ impl CandleModelBuilder {
         self
     }
 
-    /// Keep the forward's graph for backward instead of recomputing each stage
-    /// (faster, but every stage's gathered weights stay alive from its forward
-    /// to its backward: not ZeRO-3's memory). Off by default.
-    pub fn keep_graph(mut self, on: bool) -> Self {
-        self.keep_graph = on;
+    /// Keep every stage's forward graph for its backward (`true`: no
+    /// recompute, but every stage's gathered weights stay alive from its
+    /// forward to its backward, which is not ZeRO-3's memory), or none but the
+    /// last stage's (`false`: ZeRO-3's memory, every stage recomputed).
+    /// Shorthand for [`CandleModelBuilder::keep_graph_bytes`] with no limit
+    /// or 0.
+    pub fn keep_graph(self, on: bool) -> Self {
+        self.keep_graph_bytes(if on { usize::MAX } else { 0 })
+    }
+
+    /// Keep the forward graphs of the last stages, whose backward comes
+    /// first, as long as the weights they hold fit in `bytes` per rank
+    /// (default [`DEFAULT_KEEP_GRAPH_BYTES`](super::DEFAULT_KEEP_GRAPH_BYTES),
+    /// 64 MiB); the stages before them are recomputed in backward. A kept
+    /// stage skips its recompute (a forward, about a sixth of a step each),
+    /// at the cost of its gathered weights (f32) and its graph's activations
+    /// staying alive from its forward to its backward. The values are the
+    /// same either way, bit for bit: only memory and time change. The memory
+    /// model counts the kept weights exactly; the graphs' activations come
+    /// from [`CandleModelBuilder::activation_bytes`].
+    ///
+    /// ```
+    /// use candle_nn::Module;
+    /// use zeropp_candle::CandleModel;
+    /// let stage = |vb: candle_nn::VarBuilder, x: &candle_core::Tensor| {
+    ///     candle_nn::linear_no_bias(8, 8, vb)?.forward(x)
+    /// };
+    /// let builder = || {
+    ///     CandleModel::builder("kept", 8, 4)
+    ///         .stage("embed", |vb, ids| candle_nn::embedding(8, 8, vb)?.forward(ids))
+    ///         .stage("a", stage)
+    ///         .stage("b", stage)
+    /// };
+    /// // 256 bytes per 8x8 weight: room for stage b only; a and embed recompute.
+    /// let m = builder().keep_graph_bytes(300).build()?;
+    /// assert_eq!(m.kept_stages(), 1..3);
+    /// assert_eq!(m.kept_weight_bytes(), 256);
+    /// assert_eq!(builder().keep_graph(false).build()?.kept_stages(), 2..3);
+    /// assert!(builder().build()?.keeps_graph());
+    /// # Ok::<(), zeropp_candle::CandleError>(())
+    /// ```
+    pub fn keep_graph_bytes(mut self, bytes: usize) -> Self {
+        self.keep_bytes = bytes;
         self
     }
 
@@ -109,9 +147,16 @@ impl CandleModelBuilder {
     }
 
     /// The activation bytes of a micro-batch of `(batch, seq)`, for the memory
-    /// model. Without it the model counts the stage inputs the tape keeps and
-    /// the logits, not a stage's own temporaries while it recomputes.
-    pub fn activation_bytes(mut self, f: impl Fn(usize, usize) -> usize + Send + Sync + 'static) -> Self {
+    /// model: `f(batch, seq, kept)`, where the last `kept` stages keep their
+    /// forward graphs (activations included) until their backward and the
+    /// others recompute ([`CandleModel::kept_stages`]). The kept weights are
+    /// counted apart. Without it the model counts the stage inputs the tape
+    /// keeps and the logits, not a stage's own temporaries while it
+    /// recomputes, nor the kept graphs' activations.
+    pub fn activation_bytes(
+        mut self,
+        f: impl Fn(usize, usize, usize) -> usize + Send + Sync + 'static,
+    ) -> Self {
         self.activation = Some(Box::new(f));
         self
     }
@@ -176,20 +221,21 @@ impl CandleModelBuilder {
             x = y;
         }
         resolve_ties(&mut stages, &self.ties)?;
-        let layers = stages
+        let layers: Vec<LayerSpec> = stages
             .iter()
             .map(|s| LayerSpec {
                 name: s.name.clone(),
                 params: s.params.iter().map(ParamInfo::spec).collect(),
             })
             .collect();
+        let kept_from = super::kept_from(&layers, self.keep_bytes);
         let model = CandleModel {
             name: self.name,
             vocab: self.vocab,
             seq_len: self.seq_len,
             stages,
             layers,
-            keep_graph: self.keep_graph,
+            kept_from,
             threads: self.threads,
             activation: self.activation,
             dropout_seed: self.dropout_seed,

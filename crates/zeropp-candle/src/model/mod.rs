@@ -68,8 +68,14 @@ use run::{loss_of, on_pool};
 pub type StageFn =
     dyn for<'a> Fn(VarBuilder<'a>, &Tensor, &StageContext) -> candle_core::Result<Tensor> + Send + Sync;
 
-/// The activation bytes of one micro-batch of `(batch, seq)` (for the memory model).
-pub type ActivationFn = dyn Fn(usize, usize) -> usize + Send + Sync;
+/// The activation bytes of one micro-batch of `(batch, seq)` when the last
+/// `kept` stages keep their forward graphs until their backward (for the
+/// memory model; see [`CandleModelBuilder::activation_bytes`]).
+pub type ActivationFn = dyn Fn(usize, usize, usize) -> usize + Send + Sync;
+
+/// The default of [`CandleModelBuilder::keep_graph_bytes`]: 64 MiB of kept
+/// weights per rank.
+pub const DEFAULT_KEEP_GRAPH_BYTES: usize = 64 << 20;
 
 struct StageDef {
     name: String,
@@ -102,7 +108,9 @@ pub struct CandleModel {
     seq_len: usize,
     stages: Vec<StageDef>,
     layers: Vec<LayerSpec>,
-    keep_graph: bool,
+    /// The first stage whose forward graph is kept for its backward (the
+    /// stages from here to the last; `stages.len() - 1` keeps the last only).
+    kept_from: usize,
     threads: usize,
     activation: Option<Box<ActivationFn>>,
     dropout_seed: u64,
@@ -115,7 +123,7 @@ impl std::fmt::Debug for CandleModel {
             .field("vocab", &self.vocab)
             .field("seq_len", &self.seq_len)
             .field("layers", &self.layers)
-            .field("keep_graph", &self.keep_graph)
+            .field("kept_from", &self.kept_from)
             .field("threads", &self.threads)
             .finish_non_exhaustive()
     }
@@ -127,7 +135,7 @@ pub struct CandleModelBuilder {
     vocab: usize,
     seq_len: usize,
     stages: Vec<(String, Box<StageFn>)>,
-    keep_graph: bool,
+    keep_bytes: usize,
     threads: usize,
     activation: Option<Box<ActivationFn>>,
     ties: Vec<(String, String)>,
@@ -164,7 +172,7 @@ impl CandleModel {
             vocab,
             seq_len,
             stages: Vec::new(),
-            keep_graph: false,
+            keep_bytes: DEFAULT_KEEP_GRAPH_BYTES,
             threads: 1,
             activation: None,
             ties: Vec::new(),
@@ -174,9 +182,29 @@ impl CandleModel {
         }
     }
 
-    /// Whether backward keeps the forward's graph instead of recomputing.
+    /// Whether backward keeps every stage's forward graph (none is recomputed).
     pub fn keeps_graph(&self) -> bool {
-        self.keep_graph
+        self.kept_from == 0
+    }
+
+    /// The stages whose forward graph a training step keeps for their
+    /// backward (a suffix, always holding the last stage); the others are
+    /// recomputed. See [`CandleModelBuilder::keep_graph_bytes`].
+    pub fn kept_stages(&self) -> std::ops::Range<usize> {
+        self.kept_from..self.stages.len()
+    }
+
+    /// The bytes of gathered weights the kept graphs hold past the engine's
+    /// gather (every kept stage's but the last, whose backward follows its
+    /// forward at once).
+    pub fn kept_weight_bytes(&self) -> usize {
+        let last = self.stages.len().saturating_sub(1);
+        self.layers
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i >= self.kept_from && *i < last)
+            .map(|(_, l)| stage_bytes(l))
+            .sum()
     }
 
     /// Threads of candle's CPU matmuls per rank.
@@ -263,7 +291,29 @@ impl CandleModel {
     }
 }
 
-/// What the forward of one stage keeps with [`CandleModelBuilder::keep_graph`].
+/// f32 bytes of a stage's own weights.
+fn stage_bytes(l: &LayerSpec) -> usize {
+    4 * l.params.iter().map(|p| p.shape.iter().product::<usize>()).sum::<usize>()
+}
+
+/// The first stage to keep: walking down from the last stage (always kept:
+/// its weights are still gathered when its backward starts), each earlier
+/// stage is kept while the kept weights stay within `budget` bytes.
+fn kept_from(layers: &[LayerSpec], budget: usize) -> usize {
+    let mut used = 0usize;
+    let mut from = layers.len().saturating_sub(1);
+    while from > 0 {
+        used = used.saturating_add(stage_bytes(&layers[from - 1]));
+        if used > budget {
+            break;
+        }
+        from -= 1;
+    }
+    from
+}
+
+/// What the forward of one stage keeps for its backward (the stages in
+/// [`CandleModel::kept_stages`]).
 #[derive(Debug)]
 struct Kept {
     out: Tensor,
@@ -390,15 +440,16 @@ impl Model for CandleModel {
             .map_err(|e| to_engine(&self.name, name, e))
     }
 
-    /// The tape's stage inputs and a stage's recompute (the builder's
-    /// `activation_bytes`, else the stage inputs and the logits), the tied
+    /// The tape's stage inputs, a stage's recompute and the kept graphs (the
+    /// builder's `activation_bytes`, else the stage inputs and the logits),
+    /// the weights the kept graphs hold, the tied
     /// parameters the tape holds (values and gradients), plus candle's matmul
     /// workspace ([`CandleModel::matmul_workspace_bytes`]).
     fn activation_bytes(&self, batch: usize, seq: usize) -> usize {
         let own = match &self.activation {
-            Some(f) => f(batch, seq),
+            Some(f) => f(batch, seq, self.kept_stages().len()),
             None => self.boundary_bytes(batch, seq),
         };
-        own + self.lent_bytes() + self.matmul_workspace_bytes()
+        own + self.kept_weight_bytes() + self.lent_bytes() + self.matmul_workspace_bytes()
     }
 }

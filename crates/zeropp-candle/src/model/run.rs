@@ -148,9 +148,9 @@ impl CandleModel {
                 .ok_or_else(|| CandleError::Config("forward without the previous stage's output".into()))?
         };
         let ctx = StageContext::new(tape.train, stage_key(tape.key, layer));
-        // The last stage's backward comes right after its forward: keeping its
-        // graph saves the recompute and holds its weights no longer.
-        let keep = self.keep_graph || (last && tape.train);
+        // The kept stages (a suffix, the last always: its backward comes right
+        // after its forward, so keeping its graph holds its weights no longer).
+        let keep = tape.train && self.kept_stages().contains(&layer);
         let (mut g, vars) = gathered(&stage.name, &stage.params, params, keep)?;
         for &i in &stage.lends {
             if let Some(t) = stage.params.get(i).and_then(|p| g.tensors.get(&p.name)) {
