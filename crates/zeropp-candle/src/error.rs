@@ -46,6 +46,24 @@ pub enum CandleError {
         /// How many elements, and which ranges (rows where whole rows).
         zeros: String,
     },
+    /// A parameter's gradient disagrees with finite differences of the stage
+    /// along a random direction in the build's trial: every element gets a
+    /// gradient, but one of the paths from the parameter to the output has no
+    /// backward pass (a weight used twice, once through candle-nn's
+    /// `ops::softmax_last_dim`, say), so part of the gradient is missing.
+    #[error(
+        "stage {stage:?}: parameter {param:?}: the backward's derivative along a random direction is          {backward:.6e}, finite differences give {differences:.6e}: a path from it to the output builds no          backward graph (candle-nn's fused ops: use zeropp_candle::ops and zeropp_candle::nn instead); if that          is meant (a `detach` on purpose), declare it with `.allow_partial_gradient(\"{stage}.{param}\")`"
+    )]
+    WrongGradient {
+        /// The stage.
+        stage: String,
+        /// The parameter, as the stage's VarBuilder named it.
+        param: String,
+        /// `g · u` from the backward pass.
+        backward: f64,
+        /// `(F(w + εu) − F(w − εu)) / 2ε`.
+        differences: f64,
+    },
     /// The input of a stage past the first received no gradient: the stages
     /// below it would train on zeros. Same causes as [`CandleError::MissingGradient`].
     #[error(

@@ -22,7 +22,7 @@
 use crate::EngineError;
 use crate::config::EngineConfig;
 use crate::data::{TextDataset, shard};
-use crate::model::{Model, full_forward_backward, init_params};
+use crate::model::{Model, full_forward_backward_at, init_params};
 use crate::optim::{AdamW, clip_factor};
 
 /// How a micro-batch's gradient is summed.
@@ -85,7 +85,7 @@ pub fn train_sequential<M: Model>(
             let b = data.global_batch(step as u64, m, micro, model.seq_len(), e.seed)?;
             match summation {
                 Summation::Batch => {
-                    let (l, g) = full_forward_backward(model, &params, &b)?;
+                    let (l, g) = full_forward_backward_at(model, &params, &b, step as u64, m)?;
                     loss += l / e.grad_accum as f32;
                     add(&mut acc, &g);
                 }
@@ -95,8 +95,13 @@ pub fn train_sequential<M: Model>(
                     for node in 0..nodes {
                         let mut partial = zeros(&params);
                         for j in 0..local {
-                            let (l, g) =
-                                full_forward_backward(model, &params, &shard(&b, node * local + j, w)?)?;
+                            let (l, g) = full_forward_backward_at(
+                                model,
+                                &params,
+                                &shard(&b, node * local + j, w)?,
+                                step as u64,
+                                m,
+                            )?;
                             loss += l / (e.grad_accum * w) as f32;
                             add(&mut partial, &g);
                         }

@@ -16,8 +16,10 @@ use zeropp_quant::rng::{splitmix64, stream_seed};
 /// [`StageContext::next_seed`]) draws the same stream in the same order, so
 /// the recompute drops exactly the forward's elements. The seed is derived
 /// from the model's [`dropout_seed`](crate::CandleModelBuilder::dropout_seed),
-/// the stage and the micro-batch's tokens: it changes from step to step and
-/// rank to rank with the data, and is the same on every run of the same job.
+/// the stage, the micro-batch's tokens and its step and micro-batch index
+/// (the engine's, restored on resume): it changes from step to step (also
+/// for a batch seen again, in a later epoch) and rank to rank, and is the
+/// same on every run of the same job.
 ///
 /// ```
 /// use candle_nn::Module;
@@ -85,10 +87,12 @@ impl StageContext {
     }
 }
 
-/// The key of a micro-batch: `seed`, its shape and its tokens.
-pub(crate) fn batch_key(seed: u64, inputs: &[u32], batch: usize, seq: usize) -> u64 {
+/// The key of a micro-batch: `seed`, its shape, its tokens, and where it
+/// runs (micro-batch `micro` of step `step`; `(0, 0)` outside training), so
+/// a batch seen again in a later step draws new masks.
+pub(crate) fn batch_key(seed: u64, inputs: &[u32], batch: usize, seq: usize, at: (u64, usize)) -> u64 {
     let tokens = inputs.iter().fold(splitmix64(inputs.len() as u64), |h, &t| splitmix64(h ^ u64::from(t)));
-    stream_seed(seed, &[tokens, batch as u64, seq as u64])
+    stream_seed(seed, &[tokens, batch as u64, seq as u64, at.0, at.1 as u64])
 }
 
 /// The key of stage `layer` within a micro-batch of key `key`.

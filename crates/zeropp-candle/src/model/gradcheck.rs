@@ -79,8 +79,9 @@ impl CandleModel {
             params.push(flat);
         }
         let mut x = Tensor::from_vec(ids, (rows, self.seq_len), &Device::Cpu)?;
-        // Each stage's trial input and output, for the influence test below.
-        let mut trial: Vec<(Tensor, Tensor)> = Vec::with_capacity(self.stages.len());
+        // Each stage's trial input, output and upstream gradient, for the
+        // influence and direction tests below.
+        let mut trial: Vec<(Tensor, Tensor, Tensor)> = Vec::with_capacity(self.stages.len());
         // Per stage and parameter, the gradient (a tied owner's includes its other uses).
         let mut grads: Vec<Vec<Vec<f32>>> = Vec::with_capacity(self.stages.len());
         let mut lent: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
@@ -108,7 +109,7 @@ impl CandleModel {
             let key = stream_seed(PROBE_SEED, &[2, l as u64]);
             let up =
                 Tensor::from_iter(noise(key, out.elem_count(), 1.0), &Device::Cpu)?.reshape(out.shape())?;
-            let store = (out.to_dtype(DType::F32)? * up)?.sum_all()?.backward()?;
+            let store = (out.to_dtype(DType::F32)? * &up)?.sum_all()?.backward()?;
             let missing =
                 |param: &str| CandleError::MissingGradient { stage: stage.name.clone(), param: param.into() };
             let mut own = Vec::with_capacity(vars.len());
@@ -132,7 +133,7 @@ impl CandleModel {
                 return Err(CandleError::MissingInputGradient { stage: stage.name.clone() });
             }
             grads.push(own);
-            trial.push((x.clone(), out.detach()));
+            trial.push((x.clone(), out.detach(), up));
             x = out.detach();
             if x.dim(0)? > LATER_ROWS {
                 x = x.narrow(0, 0, LATER_ROWS)?;
@@ -159,6 +160,18 @@ impl CandleModel {
                         zeros: describe(&zeros, &info.shape),
                     });
                 }
+                let total: Vec<f32> = match extra {
+                    Some(e) => grads[l][i].iter().zip(e).map(|(g, e)| g + e).collect(),
+                    None => grads[l][i].clone(),
+                };
+                if let Some((backward, differences)) = self.disagrees(&params, &trial, (l, i), &total)? {
+                    return Err(CandleError::WrongGradient {
+                        stage: stage.name.clone(),
+                        param: info.name.clone(),
+                        backward,
+                        differences,
+                    });
+                }
             }
         }
         Ok(())
@@ -172,7 +185,7 @@ impl CandleModel {
     fn influences(
         &self,
         params: &[Vec<f32>],
-        trial: &[(Tensor, Tensor)],
+        trial: &[(Tensor, Tensor, Tensor)],
         (owner, param): (usize, usize),
         zeros: &[usize],
     ) -> Result<bool> {
@@ -187,21 +200,9 @@ impl CandleModel {
         for (&j, u) in zeros.iter().zip(noise(key, zeros.len(), 1.0)) {
             slice[j] += (step * f64::from(u.signum())) as f32;
         }
-        let users = std::iter::once(owner).chain(
-            self.stages
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.borrows.iter().any(|b| (b.owner, b.param) == (owner, param)))
-                .map(|(u, _)| u),
-        );
-        for u in users {
-            let s = &self.stages[u];
-            let (input, base) = &trial[u];
-            let (mut g, _) = gathered(&s.name, &s.params, &moved[u], false)?;
-            self.add_ties(s, &mut g, |b| self.lent_slice(&moved, b))?;
-            let ctx = StageContext::new(false, stage_key(PROBE_SEED, u));
-            let vb = VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu);
-            let out = (s.run)(vb, input, &ctx)?.to_dtype(DType::F32)?;
+        for u in self.users(owner, param) {
+            let (_, base, _) = &trial[u];
+            let out = self.rerun(&moved, trial, u)?;
             let base = base.to_dtype(DType::F32)?;
             let scale = base.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
             let change = (out - base)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -211,5 +212,76 @@ impl CandleModel {
             }
         }
         Ok(false)
+    }
+
+    /// The stages that use parameter `(owner, param)`: its own, and those it
+    /// is tied into.
+    fn users(&self, owner: usize, param: usize) -> Vec<usize> {
+        std::iter::once(owner)
+            .chain(
+                self.stages
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.borrows.iter().any(|b| (b.owner, b.param) == (owner, param)))
+                    .map(|(u, _)| u),
+            )
+            .collect()
+    }
+
+    /// Stage `u`'s output on its trial input with weights `params` (no graph).
+    fn rerun(&self, params: &[Vec<f32>], trial: &[(Tensor, Tensor, Tensor)], u: usize) -> Result<Tensor> {
+        let s = &self.stages[u];
+        let (mut g, _) = gathered(&s.name, &s.params, &params[u], false)?;
+        self.add_ties(s, &mut g, |b| self.lent_slice(params, b))?;
+        let ctx = StageContext::new(false, stage_key(PROBE_SEED, u));
+        let vb = VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu);
+        Ok((s.run)(vb, &trial[u].0, &ctx)?.to_dtype(DType::F32)?)
+    }
+
+    /// The directional test: with `F = Σ_users ⟨out, upstream⟩` and a random
+    /// ±1 direction `u`, compares the backward's `g · u` with central
+    /// differences of `F` along `u` (in f64 sums over f32 outputs). A path
+    /// cut while another still reaches every element shows as a mismatch;
+    /// `Some((g · u, differences))` when they disagree by more than 5% of the
+    /// larger, beyond the differences' rounding noise.
+    fn disagrees(
+        &self,
+        params: &[Vec<f32>],
+        trial: &[(Tensor, Tensor, Tensor)],
+        (owner, param): (usize, usize),
+        grad: &[f32],
+    ) -> Result<Option<(f64, f64)>> {
+        let stage = &self.stages[owner];
+        let at: usize = stage.params.iter().take(param).map(|p| p.numel()).sum();
+        let n = stage.params[param].numel();
+        let w = &params[owner][at..at + n];
+        let rms = (w.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n.max(1) as f64).sqrt();
+        // Small enough that few ReLU-like kinks are crossed, large enough for f32.
+        let eps = 1e-3 * rms.max(0.01);
+        let key = stream_seed(PROBE_SEED, &[4, owner as u64, param as u64]);
+        let dir: Vec<f64> = noise(key, n, 1.0).map(|u| f64::from(u.signum())).collect();
+        let backward: f64 = grad.iter().zip(&dir).map(|(&g, &u)| f64::from(g) * u).sum();
+        let users = self.users(owner, param);
+        // F at w + s·eps·u, and Σ|out ⊙ up| (the scale of F's rounding).
+        let objective = |s: f64| -> Result<(f64, f64)> {
+            let mut moved = params.to_vec();
+            for (v, &u) in moved[owner][at..at + n].iter_mut().zip(&dir) {
+                *v = (f64::from(*v) + s * eps * u) as f32;
+            }
+            let (mut f, mut size) = (0.0, 0.0);
+            for &u in &users {
+                let out = self.rerun(&moved, trial, u)?.to_dtype(DType::F64)?;
+                let prod = (out * trial[u].2.to_dtype(DType::F64)?)?;
+                f += prod.sum_all()?.to_scalar::<f64>()?;
+                size += prod.abs()?.sum_all()?.to_scalar::<f64>()?;
+            }
+            Ok((f, size))
+        };
+        let ((plus, size), (minus, _)) = (objective(1.0)?, objective(-1.0)?);
+        let differences = (plus - minus) / (2.0 * eps);
+        // f32 outputs carry ~1e-7 relative rounding each; kept well clear of it.
+        let noise = 1e-5 * size / eps;
+        let gap = (differences - backward).abs();
+        Ok((gap > 0.05 * differences.abs().max(backward.abs()) + noise).then_some((backward, differences)))
     }
 }

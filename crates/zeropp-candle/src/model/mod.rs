@@ -28,7 +28,11 @@
 //! `candle_nn::ops::softmax_last_dim`, say), naming the stage, the parameter
 //! and the elements. A zero of an element that changes nothing (an attention
 //! key bias, whose shift the softmax cancels) is the true gradient and
-//! passes. The check runs in evaluation mode (dropout off). During training, a weight (or, past the first stage, the
+//! passes. Then each weight's gradient along a random ±1 direction is
+//! compared with central differences of the stage along it: a weight used
+//! twice, once behind an op with no backward, gets a gradient on every element
+//! but a wrong one, and fails with [`CandleError::WrongGradient`] when the cut
+//! use carries more than 5% of that derivative. The check runs in evaluation mode (dropout off). During training, a weight (or, past the first stage, the
 //! stage input) that receives no gradient at all is an error naming the stage
 //! and the parameter ([`CandleError::MissingGradient`]).
 //!
@@ -231,7 +235,7 @@ impl CandleModel {
                 self.stages.len()
             )));
         }
-        let key = batch_key(self.dropout_seed, inputs, batch, seq);
+        let key = batch_key(self.dropout_seed, inputs, batch, seq, (0, 0));
         let mut x = Tensor::from_slice(inputs, (batch, seq), &Device::Cpu)?;
         for (l, (stage, p)) in self.stages.iter().zip(params).enumerate() {
             let (mut g, _) = gathered(&stage.name, &stage.params, p, false)?;
@@ -255,7 +259,7 @@ impl CandleModel {
                 self.stages.len()
             )));
         }
-        let key = batch_key(self.dropout_seed, &batch.inputs, batch.batch, batch.seq_len);
+        let key = batch_key(self.dropout_seed, &batch.inputs, batch.batch, batch.seq_len, (0, 0));
         let mut x = Tensor::from_slice(&batch.inputs, (batch.batch, batch.seq_len), &Device::Cpu)?;
         let targets = Tensor::from_slice(&batch.targets, batch.batch * batch.seq_len, &Device::Cpu)?;
         let mut all_vars: Vec<Vec<Var>> = Vec::with_capacity(self.stages.len());
@@ -316,6 +320,8 @@ fn kept_from(layers: &[LayerSpec], budget: usize) -> usize {
 /// [`CandleModel::kept_stages`]).
 #[derive(Debug)]
 struct Kept {
+    /// The stage's output, or for the last stage the loss (computed once,
+    /// in the forward, and differentiated in the backward).
     out: Tensor,
     vars: Vec<Var>,
     input: Option<Var>,
@@ -349,7 +355,12 @@ pub struct CandleTape {
 }
 
 impl CandleModel {
-    fn start_tape(&self, batch: &Batch, train: bool) -> std::result::Result<CandleTape, EngineError> {
+    fn start_tape(
+        &self,
+        batch: &Batch,
+        train: bool,
+        at: (u64, usize),
+    ) -> std::result::Result<CandleTape, EngineError> {
         validate_batch(batch, self.vocab, self.seq_len)?;
         let model = |e: candle_core::Error| to_engine(&self.name, "start", e.into());
         let ids =
@@ -367,7 +378,7 @@ impl CandleModel {
             upstream: None,
             loss: f32::NAN,
             train,
-            key: batch_key(self.dropout_seed, &batch.inputs, batch.batch, batch.seq_len),
+            key: batch_key(self.dropout_seed, &batch.inputs, batch.batch, batch.seq_len, at),
             lent: Default::default(),
             lent_grads: Default::default(),
         })
@@ -402,13 +413,26 @@ impl Model for CandleModel {
         Ok(())
     }
 
+    /// A training micro-batch at step 0, micro-batch 0 (the masks
+    /// [`CandleModel::reference_gradients`] draws).
     fn start(&self, batch: &Batch) -> std::result::Result<CandleTape, EngineError> {
-        self.start_tape(batch, true)
+        self.start_tape(batch, true, (0, 0))
     }
 
     /// Evaluation: the stages run with [`StageContext::is_train`] false.
     fn start_eval(&self, batch: &Batch) -> std::result::Result<CandleTape, EngineError> {
-        self.start_tape(batch, false)
+        self.start_tape(batch, false, (0, 0))
+    }
+
+    /// Training micro-batch `micro` of step `step`: its dropout masks are
+    /// keyed on both, so a batch seen again draws new ones.
+    fn start_train(
+        &self,
+        batch: &Batch,
+        step: u64,
+        micro: usize,
+    ) -> std::result::Result<CandleTape, EngineError> {
+        self.start_tape(batch, true, (step, micro))
     }
 
     fn forward(

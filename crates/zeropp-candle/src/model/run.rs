@@ -174,6 +174,15 @@ impl CandleModel {
             let input_var = if layer == 0 { None } else { Some(Var::from_tensor(&input)?) };
             let x = input_var.as_ref().map_or(&input, |v| v.as_tensor());
             let out = (stage.run)(vb, x, &ctx)?;
+            if last {
+                // The loss, once: the backward differentiates this tensor.
+                let loss = loss_of(&out, &tape.targets)?;
+                tape.loss = loss.to_scalar::<f32>()?;
+                if let Some(k) = tape.kept.get_mut(layer) {
+                    *k = Some(Kept { out: loss, vars, input: input_var, borrowed });
+                }
+                return Ok(());
+            }
             if let Some(k) = tape.kept.get_mut(layer) {
                 *k = Some(Kept { out: out.clone(), vars, input: input_var, borrowed });
             }
@@ -204,7 +213,13 @@ impl CandleModel {
     ) -> Result<()> {
         let stage = self.stage(layer)?;
         let last = layer + 1 == self.stages.len();
+        // `Some(loss)` where the last stage's forward kept it.
+        let mut kept_loss = None;
         let (out, vars, input, borrowed) = match tape.kept.get_mut(layer).and_then(Option::take) {
+            Some(k) if last => {
+                kept_loss = Some(k.out.clone());
+                (k.out, k.vars, k.input, k.borrowed)
+            }
             Some(k) => (k.out, k.vars, k.input, k.borrowed),
             None => {
                 let (mut g, vars) = gathered(&stage.name, &stage.params, params, true)?;
@@ -231,7 +246,9 @@ impl CandleModel {
                 (out, vars, input, borrowed)
             }
         };
-        let objective = if last {
+        let objective = if let Some(loss) = kept_loss {
+            loss
+        } else if last {
             loss_of(&out, &tape.targets)?
         } else {
             let up = tape.upstream.take().ok_or_else(|| {

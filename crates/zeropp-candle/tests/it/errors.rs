@@ -143,23 +143,23 @@ fn a_name_asked_for_twice_is_an_error_unless_declared() {
 #[test]
 fn the_per_step_check_catches_a_gradient_lost_after_build() {
     let (vocab, d) = (10, 8);
-    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let seen = calls.clone();
+    let built = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let switched = built.clone();
     let model = CandleModel::builder("switch", vocab, 4)
         .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
         .stage("norm", move |vb, x| {
             let w = vb.get(d, "gain")?;
-            // The build's trial run and check call the stage twice.
-            if seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < 2 {
-                zeropp_candle::ops::rms_norm(x, &w, 1e-5)
-            } else {
+            // The build's runs see the op with a backward; training, after it, candle-nn's.
+            if switched.load(std::sync::atomic::Ordering::SeqCst) {
                 candle_nn::ops::rms_norm(x, &w, 1e-5)
+            } else {
+                zeropp_candle::ops::rms_norm(x, &w, 1e-5)
             }
         })
         .stage("head", move |vb, x| candle_nn::linear(d, vocab, vb)?.forward(x))
         .build()
         .unwrap();
-    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    built.store(true, std::sync::atomic::Ordering::SeqCst);
     let params = init_params(&model, 1).unwrap();
     let err = full_forward_backward(&model, &params, &batch(vocab, 2, 4, 0)).unwrap_err().to_string();
     assert!(err.contains("\"norm\"") && err.contains("\"gain\"") && err.contains("no gradient"), "{err}");
@@ -208,4 +208,31 @@ fn a_true_zero_gradient_is_not_a_cut_path() {
         })
         .build()
         .unwrap();
+}
+
+/// A weight used twice, once through candle-nn's `softmax_last_dim` (no
+/// backward): every element still gets a gradient (through the other use),
+/// a wrong one. The build's directional test names it; the same model on
+/// `zeropp_candle::ops` builds, and a declaration accepts the cut.
+#[test]
+fn a_weight_with_one_of_two_paths_cut_fails_at_build() {
+    let (vocab, d) = (10, 8);
+    let model = |softmax: fn(&Tensor) -> candle_core::Result<Tensor>| {
+        CandleModel::builder("two-paths", vocab, 4)
+            .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
+            .stage("mix", move |vb, x| {
+                let h = candle_nn::linear_no_bias(d, d, vb.pp("fc"))?.forward(x)?;
+                (&h + softmax(&(&h * 3.0)?)?)? + x
+            })
+            .stage("head", move |vb, x| candle_nn::linear(d, vocab, vb)?.forward(x))
+    };
+    let err = model(candle_nn::ops::softmax_last_dim).build().unwrap_err();
+    let CandleError::WrongGradient { stage, param, backward, differences } = &err else {
+        panic!("expected WrongGradient, got {err}")
+    };
+    assert_eq!((stage.as_str(), param.as_str()), ("mix", "fc.weight"), "{err}");
+    assert!((backward - differences).abs() > 0.05 * differences.abs(), "{err}");
+    assert!(err.to_string().contains("allow_partial_gradient(\"mix.fc.weight\")"), "{err}");
+    model(zeropp_candle::ops::softmax_last_dim).build().unwrap();
+    model(candle_nn::ops::softmax_last_dim).allow_partial_gradient("mix.fc.weight").build().unwrap();
 }

@@ -15,9 +15,18 @@ fn worst_rel(a: &[f32], b: &[f32], floor: f32) -> f32 {
 
 #[test]
 fn stage_by_stage_equals_one_graph() {
-    for keep in [false, true] {
-        let model =
-            LlamaConfig::shape(24, 16, 2, 4, 2, 8).builder().unwrap().keep_graph(keep).build().unwrap();
+    // Budgets: recompute everything, keep one decoder layer (plus the norm and
+    // head, which hold few bytes), keep everything.
+    let layer_bytes = 4 * (2 * 16 * 16 + 2 * 16 * 8 + 3 * 16 * 48 + 2 * 16);
+    for (budget, kept) in [(0, 4..5), (layer_bytes + 4 * 16, 2..5), (usize::MAX, 0..5)] {
+        let model = LlamaConfig::shape(24, 16, 2, 4, 2, 8)
+            .builder()
+            .unwrap()
+            .keep_graph_bytes(budget)
+            .build()
+            .unwrap();
+        assert_eq!(model.kept_stages(), kept, "budget {budget}");
+        let keep = budget;
         let params = init_params(&model, 5).unwrap();
         let b = batch(24, 3, 8, 1);
         let (loss, grads) = full_forward_backward(&model, &params, &b).unwrap();

@@ -200,3 +200,68 @@ fn standard_candle_nn_layers_train_like_their_composite_twin() {
     assert!(b.steps[29].loss < b.steps[0].loss - 0.2, "the twin did not train");
     assert!(worst <= 1e-4, "worst relative loss difference {worst}");
 }
+
+/// A residual MLP with dropout 0.2 between an embedding and a head.
+fn dropout_model(vocab: usize) -> CandleModel {
+    use candle_nn::Module;
+    let d = 16;
+    CandleModel::builder("dropout", vocab, 16)
+        .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
+        .stage_with("mlp", move |vb, x, ctx| {
+            let h = candle_nn::linear(d, 32, vb.pp("fc"))?.forward(x)?.relu()?;
+            candle_nn::linear(32, d, vb.pp("proj"))?.forward(&ctx.dropout(&h, 0.2)?)? + x
+        })
+        .stage("head", move |vb, x| candle_nn::linear(d, vocab, vb)?.forward(x))
+        .build()
+        .unwrap()
+}
+
+/// Dropout masks are keyed on the step and the micro-batch: the same batch
+/// draws the same masks at the same place, new ones in another step or
+/// micro-batch, and none in evaluation.
+#[test]
+fn dropout_masks_follow_the_step_and_micro_batch() {
+    use zeropp_engine::model::{Model, full_forward_backward_at, init_params};
+    let data = data();
+    let model = dropout_model(data.vocab_size());
+    let params = init_params(&model, 3).unwrap();
+    let b = data.global_batch(0, 0, 4, 16, 7).unwrap();
+    let loss = |step, micro| full_forward_backward_at(&model, &params, &b, step, micro).unwrap().0;
+    assert_eq!(loss(1, 0).to_bits(), loss(1, 0).to_bits(), "same step, same masks");
+    for (s, m) in [(2, 0), (1, 1), (0, 0)] {
+        assert_ne!(loss(1, 0), loss(s, m), "step {s} micro {m} repeated step 1's masks");
+    }
+    let eval = |_| {
+        let mut tape = model.start_eval(&b).unwrap();
+        for (i, p) in params.iter().enumerate() {
+            model.forward(i, p, &mut tape).unwrap();
+        }
+        model.loss(&tape)
+    };
+    assert_eq!(eval(0).to_bits(), eval(1).to_bits());
+    assert_ne!(eval(0), loss(1, 0), "evaluation drops nothing");
+}
+
+/// With dropout, ZeRO-3 at f32 on 2 x 2 equals the sequential reference
+/// step for step (both key the masks on the step and micro-batch), and a
+/// resumed run draws the masks the uninterrupted run drew.
+#[test]
+fn zero3_with_dropout_equals_the_reference_and_resumes() {
+    let data = data();
+    let model = dropout_model(data.vocab_size());
+    let zero = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
+    let (ref_losses, _) = reference(&model, &data, &run(4, 2, zero, 10), 2, 2);
+    let full = launch(&model, &data, &run(4, 2, zero, 10)).unwrap();
+    for (i, (s, want)) in full.steps.iter().zip(&ref_losses).enumerate() {
+        let e = (s.loss - want).abs() / want.abs();
+        assert!(e <= 1e-5, "step {i}: loss {} vs the reference's {want}", s.loss);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let save = RunConfig { save: Some(dir.path().into()), save_every: 4, ..run(4, 2, zero, 4) };
+    launch(&model, &data, &save).unwrap();
+    let resumed =
+        launch(&model, &data, &RunConfig { resume: Some(dir.path().into()), ..run(4, 2, zero, 10) }).unwrap();
+    let bits =
+        |r: &[zeropp_engine::metrics::StepRecord]| r.iter().map(|s| s.loss.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&resumed.steps), bits(&full.steps[4..]), "the resumed steps' masks");
+}

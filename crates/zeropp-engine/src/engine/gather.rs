@@ -147,18 +147,24 @@ impl<M: Model> ZeroEngine<'_, M> {
     }
 
     /// Forward pass of one micro-batch, with prefetch of the next layer's gather
-    /// on `prefetch` when given. Returns the tape.
+    /// on `prefetch` when given: training micro-batch `micro` of step `step`
+    /// for `train_at: Some((step, micro))`, an evaluation for `None`. Returns
+    /// the tape.
     pub(super) fn forward_pass<C: Communicator + ?Sized>(
         &mut self,
         comm: &mut C,
         mut prefetch: Option<&mut Prefetcher>,
         batch: &Batch,
-        eval: bool,
+        train_at: Option<(u64, usize)>,
     ) -> Result<M::Tape, EngineError> {
         let model = self.model;
         let n = self.num_layers();
+        let eval = train_at.is_none();
         self.refresh_persistent(comm, if eval { tags::EVAL } else { tags::PERSIST_GATHER })?;
-        let mut tape = if eval { model.start_eval(batch)? } else { model.start(batch)? };
+        let mut tape = match train_at {
+            None => model.start_eval(batch)?,
+            Some((step, micro)) => model.start_train(batch, step, micro)?,
+        };
         // Prefetch only world gathers of the primary shards (hpZ-sourced gathers
         // are intra-node and cheap; they run inline).
         let can_prefetch =

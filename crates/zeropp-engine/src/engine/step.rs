@@ -61,7 +61,7 @@ impl<M: Model> ZeroEngine<'_, M> {
         batch: &Batch,
     ) -> Result<f32, EngineError> {
         self.comms.start_step(self.steps, false);
-        let tape = self.forward_pass(comm, prefetch, batch, true)?;
+        let tape = self.forward_pass(comm, prefetch, batch, None)?;
         comm.traffic_mut().set_op(tags::OTHER);
         Ok(self.model.loss(&tape))
     }
@@ -100,7 +100,8 @@ impl<M: Model> ZeroEngine<'_, M> {
         // ranks agree to skip the step.
         let mut non_finite = false;
         for (mi, batch) in micro_batches.iter().enumerate() {
-            let mut tape = self.forward_pass(comm, prefetch.as_deref_mut(), batch, false)?;
+            let mut tape =
+                self.forward_pass(comm, prefetch.as_deref_mut(), batch, Some((self.steps as u64, mi)))?;
             if inject == Inject::FailMidStep && mi == 0 {
                 return Err(EngineError::Training("injected failure in the middle of a step".into()));
             }

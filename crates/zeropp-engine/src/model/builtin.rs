@@ -94,6 +94,13 @@ impl Model for BuiltIn {
         }
     }
 
+    fn start_train(&self, batch: &Batch, step: u64, micro: usize) -> Result<BuiltInTape, EngineError> {
+        match self {
+            Self::Gpt(m) => m.start_train(batch, step, micro).map(BuiltInTape::Gpt),
+            Self::Mlp(m) => m.start_train(batch, step, micro).map(BuiltInTape::Mlp),
+        }
+    }
+
     fn forward(&self, layer: usize, params: &[f32], tape: &mut BuiltInTape) -> Result<(), EngineError> {
         on_model_tape!(self, tape, m, t => m.forward(layer, params, t), else Err(foreign_tape()))
     }

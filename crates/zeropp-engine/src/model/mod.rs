@@ -314,6 +314,16 @@ pub trait Model: Send + Sync {
     fn start_eval(&self, batch: &Batch) -> Result<Self::Tape, EngineError> {
         self.start(batch)
     }
+    /// Starts a training micro-batch: micro-batch `micro` of optimizer step
+    /// `step` (the engine's step count, restored on resume; the same on
+    /// every rank). A model with per-step randomness (dropout) keys it on
+    /// these, so a batch seen again in a later step draws fresh randomness.
+    /// The engine calls this; [`full_forward_backward`] calls
+    /// [`Model::start`]. The default is [`Model::start`].
+    fn start_train(&self, batch: &Batch, step: u64, micro: usize) -> Result<Self::Tape, EngineError> {
+        let _ = (step, micro);
+        self.start(batch)
+    }
     /// Runs layer `layer` forward with its gathered flat params; layers are called in order 0..L.
     fn forward(&self, layer: usize, params: &[f32], tape: &mut Self::Tape) -> Result<(), EngineError>;
     /// After the last forward: the mean softmax cross-entropy over all tokens
@@ -376,7 +386,32 @@ pub fn full_forward_backward<M: Model>(
     params: &[Vec<f32>],
     batch: &Batch,
 ) -> Result<(f32, Vec<Vec<f32>>), EngineError> {
-    let (loss, mut tape) = full_forward(model, params, batch)?;
+    check_param_count(model, params)?;
+    backward_all(model, params, model.start(batch)?)
+}
+
+/// [`full_forward_backward`] of micro-batch `micro` of step `step`, started
+/// as the engine starts it ([`Model::start_train`]).
+pub fn full_forward_backward_at<M: Model>(
+    model: &M,
+    params: &[Vec<f32>],
+    batch: &Batch,
+    step: u64,
+    micro: usize,
+) -> Result<(f32, Vec<Vec<f32>>), EngineError> {
+    check_param_count(model, params)?;
+    backward_all(model, params, model.start_train(batch, step, micro)?)
+}
+
+fn backward_all<M: Model>(
+    model: &M,
+    params: &[Vec<f32>],
+    mut tape: M::Tape,
+) -> Result<(f32, Vec<Vec<f32>>), EngineError> {
+    for (i, p) in params.iter().enumerate() {
+        model.forward(i, p, &mut tape)?;
+    }
+    let loss = model.loss(&tape);
     let mut grads: Vec<Vec<f32>> = model.layers().iter().map(|l| vec![0.0; l.numel()]).collect();
     for i in (0..params.len()).rev() {
         model.backward(i, &params[i], &mut tape, &mut grads[i])?;
