@@ -38,7 +38,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import defects  # noqa: E402
@@ -245,7 +245,7 @@ def _variant_model(case: str, cfg):
     """The small GPT with what a fine-tune does to it (``case``)."""
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
-    if case in ("hsdp", "hsdp-across", "bf16"):
+    if case in ("hsdp", "hsdp-across", "bf16", "divide"):
         pass
     elif case == "frozen-norm":
         model.blocks[0].ln1.weight.requires_grad_(False)
@@ -283,6 +283,12 @@ def _grads(case: str, variant: str, ls: int, mesh=None):
     if variant == "zeropp":
         # qgZ alone: the weights the forward sees are FSDP2's own.
         zt.enable(model, local_size=ls, qwz=False)
+        if case == "divide":
+            # FSDP2 then sends PREMUL_SUM(1 / DIVIDE) (gloo itself has no PREMUL_SUM,
+            # so the default run keeps its mean; the check rescales it).
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_gradient_divide_factor(DIVIDE)
     g = torch.Generator().manual_seed(1)
     steps = []
     for step in range(2):
@@ -306,8 +312,13 @@ def _hsdp_mesh(kind: str):
     return DeviceMesh("cpu", rows, mesh_dim_names=("replicate", "shard"))
 
 
+# The gradient divide factor of the "divide" case (world 4: a sum scaled by 1/2).
+DIVIDE = 2.0
+
+
 def test_partial_grads(ls):
-    cases = [("frozen-norm", None), ("unused", None), ("sometimes", None), ("lora", None), ("bf16", None)]
+    cases = [("frozen-norm", None), ("unused", None), ("sometimes", None), ("lora", None), ("bf16", None),
+             ("divide", None)]
     if dist.get_world_size() == 4 and ls == 2:
         cases += [("hsdp", "hsdp"), ("hsdp-across", "hsdp-across"), ("lora+hsdp", "hsdp")]
     for case, mesh_kind in cases:
@@ -320,8 +331,10 @@ def test_partial_grads(ls):
             check(all_ok(False), f"{case}: zeropp.torch raised {type(e).__name__}: {e}")
             continue
         ok, worst, why = True, 0.0, ""
-        pairs = [(f"step {k + 1} {name}", b, zs[name]) for k, (bs, zs) in enumerate(zip(base, zpp))
-                 for name, b in bs.items()]
+        # PREMUL_SUM's definition: the sum over ranks / DIVIDE = the mean x world / DIVIDE.
+        scale = dist.get_world_size() / DIVIDE if case == "divide" else 1.0
+        pairs = [(f"step {k + 1} {name}", None if b is None else b * scale, zs[name])
+                 for k, (bs, zs) in enumerate(zip(base, zpp)) for name, b in bs.items()]
         for name, b, z in pairs:
             if b is None or z is None:
                 if (b is None) != (z is None):

@@ -154,14 +154,18 @@ class QuantizedReduceScatter(_Collective):
     of its own (padded to a group boundary, so no group holds two parameters),
     as the Rust engine does by default. FSDP2 sends only the parameters that
     have a gradient: :meth:`expect` says which before each call (:func:`enable`
-    does it). Other ops (a pre-multiplied sum) and non-float inputs fall back to
-    torch's reduce-scatter.
+    does it). A pre-multiplied sum (``ReduceOp.PREMUL_SUM``, what FSDP2 sends
+    after ``set_gradient_divide_factor``) is the sum scaled by the factor's
+    inverse, read from ``divide_factor`` (a number, or a callable returning
+    it; :func:`enable` passes the module's). Any other op, and a non-float
+    input, is a :class:`ZeroppError`: never a silent fallback.
     """
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,
                  local_bits: int = 8, stochastic: bool = True, seed: int = 0, shared: _Shared | None = None,
-                 names=None, module: str = ""):
+                 names=None, module: str = "", divide_factor=None):
         super().__init__(segments, bits, group_size)
+        self.divide_factor = divide_factor
         self.topology = topology
         self.local_bits = local_bits
         self.stochastic = stochastic
@@ -230,14 +234,14 @@ class QuantizedReduceScatter(_Collective):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
         t = self.topology
-        if op == dist.ReduceOp.AVG:
-            mean = True
-        elif op == dist.ReduceOp.SUM:
-            mean = False
-        else:
-            mean = None
-        if mean is None or input_tensor.dtype not in _FLOATS or group.size() == 1:
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        mean, op, post = self._op(op)
+        if input_tensor.dtype not in _FLOATS + (torch.float64,):
+            raise _zeropp.ZeroppError(
+                f"qgZ: FSDP2 reduce-scatters {input_tensor.dtype}; zeropp quantizes float gradients only "
+                f"(float32, bfloat16, float16, float64)")
+        if group.size() == 1:
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            return self._scale(output_tensor, post)
         if not t.matches(group):
             raise _zeropp.ZeroppError(
                 f"qgZ: FSDP2 reduces over ranks {dist.get_process_group_ranks(group)}, "
@@ -250,7 +254,8 @@ class QuantizedReduceScatter(_Collective):
         mask, src, dst, cq = self._plan(c)
         if cq == 0:
             # Only 1-D parameters (a norm layer on its own): nothing for qgZ.
-            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            return self._scale(output_tensor, post)
         dev = input_tensor.device
         x = _host(input_tensor).reshape(w, c)
         exact = None
@@ -287,6 +292,31 @@ class QuantizedReduceScatter(_Collective):
         if mask is not None:
             shard[mask] = _host(exact).to(torch.float32)
         output_tensor.copy_(shard.view_as(output_tensor).to(dev))
+        return self._scale(output_tensor, post)
+
+    def _op(self, op):
+        """``(mean, op for torch's own reduce-scatters, post-scale or None)``
+        for FSDP2's ``op``."""
+        if op == dist.ReduceOp.AVG:
+            return True, dist.ReduceOp.AVG, None
+        if op == dist.ReduceOp.SUM:
+            return False, dist.ReduceOp.SUM, None
+        if op == dist.ReduceOp.PREMUL_SUM:
+            factor = self.divide_factor() if callable(self.divide_factor) else self.divide_factor
+            if factor is None or not factor:
+                raise _zeropp.ZeroppError(
+                    "qgZ: FSDP2 sent a pre-multiplied sum (ReduceOp.PREMUL_SUM, from "
+                    "set_gradient_divide_factor), but no divide factor is known to zeropp: torch does not "
+                    "expose it on the op. enable() reads it from the module; a QuantizedReduceScatter made by "
+                    "hand needs divide_factor=")
+            return False, dist.ReduceOp.SUM, 1.0 / float(factor)
+        raise _zeropp.ZeroppError(
+            f"qgZ: FSDP2 sent ReduceOp {op}; zeropp reduces SUM, AVG and PREMUL_SUM (what FSDP2 sends)")
+
+    @staticmethod
+    def _scale(output_tensor: torch.Tensor, post):
+        if post is not None:
+            output_tensor.mul_(post)
         return None
 
 

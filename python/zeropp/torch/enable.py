@@ -107,7 +107,8 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             rs = QuantizedReduceScatter(
                 topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
                 stochastic=stochastic, shared=shared, names=lambda pg=pg: _names(pg)[1],
-                module=lambda pg=pg: _names(pg)[0])
+                module=lambda pg=pg: _names(pg)[0],
+                divide_factor=lambda pg=pg: getattr(pg, "gradient_divide_factor", None))
             module.set_custom_reduce_scatter(rs)
             _track_grads(pg, rs)
         summary["modules"] += 1
