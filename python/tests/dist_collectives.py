@@ -245,7 +245,7 @@ def _variant_model(case: str, cfg):
     """The small GPT with what a fine-tune does to it (``case``)."""
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
-    if case in ("hsdp", "hsdp-across", "bf16", "divide"):
+    if case in ("hsdp", "hsdp-across", "bf16", "fp16", "divide"):
         pass
     elif case == "frozen-norm":
         model.blocks[0].ln1.weight.requires_grad_(False)
@@ -275,7 +275,9 @@ def _grads(case: str, variant: str, ls: int, mesh=None):
     over ``mesh`` (all ranks when None)."""
     cfg = gpt.Config(d=64, layers=2, heads=4, seq=32)
     model = _variant_model(case, cfg)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if case == "bf16" else None
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(case)
+    # fp16 reduces: FSDP2 pre- and post-divides around a SUM (overflow), bf16 sends AVG.
+    mp = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low) if low else None
     kw = {"mesh": mesh, **({"mp_policy": mp} if mp else {})}
     for blk in model.blocks:
         fully_shard(blk, **kw)
@@ -318,7 +320,7 @@ DIVIDE = 2.0
 
 def test_partial_grads(ls):
     cases = [("frozen-norm", None), ("unused", None), ("sometimes", None), ("lora", None), ("bf16", None),
-             ("divide", None)]
+             ("fp16", None), ("divide", None)]
     if dist.get_world_size() == 4 and ls == 2:
         cases += [("hsdp", "hsdp"), ("hsdp-across", "hsdp-across"), ("lora+hsdp", "hsdp")]
     for case, mesh_kind in cases:
@@ -343,7 +345,7 @@ def test_partial_grads(ls):
                 continue
             if b.dim() == 1:
                 # bf16 reduces: both sum in bf16, maybe in another order.
-                rtol, atol = (2e-2, 1e-5) if case == "bf16" else (1e-5, 1e-8)
+                rtol, atol = {"bf16": (2e-2, 1e-5), "fp16": (2e-3, 1e-6)}.get(case, (1e-5, 1e-8))
                 if not torch.allclose(z.float(), b.float(), rtol=rtol, atol=atol):
                     ok, why = False, f"{name} (1-D) differs from FSDP2's: max {float((z - b).abs().max()):.3g}"
             elif b.numel():
@@ -351,8 +353,41 @@ def test_partial_grads(ls):
                 worst = max(worst, rel)
                 if rel > 0.2:
                     ok, why = False, f"{name}: relative error {rel:.3f} > 0.2 (INT4, groups per parameter)"
-        check(all_ok(ok), f"{case}: zeropp's gradients match FSDP2's (1-D to {'bf16' if case == 'bf16' else 'float32'} rounding, worst relative "
+        precision = case if case in ("bf16", "fp16") else "float32"
+        check(all_ok(ok), f"{case}: zeropp's gradients match FSDP2's (1-D to {precision} rounding, worst relative "
                           f"error {worst:.3f} on rank 0){'; ' + why if why else ''}")
+
+
+def _group_count() -> int:
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def test_groups_reused(ls):
+    """A second enable() (another model, same mesh) creates no sub-groups;
+    release() destroys the ones enable() made, and enable() works after it."""
+    def enabled():
+        cfg = gpt.Config(d=32, layers=1, heads=2, seq=8)
+        torch.manual_seed(0)
+        model = gpt.GPT(cfg)
+        for blk in model.blocks:
+            fully_shard(blk)
+        fully_shard(model)
+        zt.enable(model, local_size=ls)
+        return model, cfg
+    enabled()
+    before = _group_count()
+    model, cfg = enabled()
+    x = torch.randint(0, cfg.vocab, (2, cfg.seq))
+    model(x, x).backward()
+    after = _group_count()
+    destroyed = zt.release()
+    released = _group_count()
+    model, _ = enabled()
+    model(x, x).backward()
+    check(all_ok(after == before and destroyed > 0 and released == after - destroyed),
+          f"a second enable() reuses its sub-groups ({before} groups before it, {after} after), release() "
+          f"destroys them ({destroyed} destroyed, {released} left), and enable() works after it")
+    zt.release()
 
 
 def main():
@@ -367,6 +402,7 @@ def main():
     test_reduce_scatter(topo)
     test_all_gather(topo)
     test_partial_grads(ls)
+    test_groups_reused(ls)
     counts = test_bytes(ls)
     if dist.get_rank() == 0 and os.environ.get("ZEROPP_TORCH_OUT"):
         with open(os.environ["ZEROPP_TORCH_OUT"], "w") as f:

@@ -41,7 +41,7 @@ from __future__ import annotations
 from .bytes import ByteCounter
 from .collectives import QuantizedAllGather, QuantizedReduceScatter
 from .enable import enable
-from .topology import Topology, local_size
+from .topology import Topology, local_size, release
 
 __all__ = [
     "ByteCounter",
@@ -50,4 +50,5 @@ __all__ = [
     "Topology",
     "enable",
     "local_size",
+    "release",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,11 +24,10 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 class _Shared:
     """What the collectives of one :func:`enable` share: the stream counter
     (the same on every rank, since all ranks run the same collectives in the
-    same order) and the topologies by group."""
+    same order)."""
 
     seed: int
     calls: int = 0
-    topologies: dict = field(default_factory=dict)
 
     def next_seed(self) -> int:
         self.calls += 1

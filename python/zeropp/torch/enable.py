@@ -6,7 +6,7 @@ import torch
 
 from .. import _zeropp
 from .collectives import QuantizedAllGather, QuantizedReduceScatter, _Shared
-from .topology import Topology, _shard_groups
+from .topology import _shard_groups, shared_topology
 from .topology import local_size as _env_local_size
 
 
@@ -95,10 +95,8 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             continue
         group = pg.mesh_info.shard_process_group
         all_groups = _shard_groups(pg.mesh_info)
-        key = tuple(tuple(g) for g in all_groups)
-        if key not in shared.topologies:
-            shared.topologies[key] = Topology(group, ls, all_groups=all_groups)
-        topo = shared.topologies[key]
+        # Reused across enable() calls (created once per mesh; see release()).
+        topo = shared_topology(group, ls, all_groups)
         segs = _segments(pg, topo.world)
         if qwz:
             module.set_custom_all_gather(QuantizedAllGather(

@@ -59,20 +59,26 @@ class Topology:
         self.rank = ranks.index(me) if me in ranks else -1
         self.intra = None
         self.rail = None
+        # The sub-groups this rank is a member of (what release() destroys).
+        self._members_of = []
         # Every rank creates every sub-group of every group, in the same order.
         layouts = [(g, _node_layout(g, ls)[1]) for g in groups]
         for g, per in layouts:
             for m in range(len(g) // per):
                 members = g[m * per:(m + 1) * per]
                 sub = dist.new_group(members)
-                if me in members and g == ranks:
-                    self.intra = sub
+                if me in members:
+                    self._members_of.append(sub)
+                    if g == ranks:
+                        self.intra = sub
         for g, per in layouts:
             for j in range(per):
                 members = g[j::per]
                 sub = dist.new_group(members)
-                if me in members and g == ranks:
-                    self.rail = sub
+                if me in members:
+                    self._members_of.append(sub)
+                    if g == ranks:
+                        self.rail = sub
 
     def node_of(self, global_rank: int) -> int:
         """The node of a member (by its position in the group), from 0."""
@@ -81,6 +87,47 @@ class Topology:
     def matches(self, group: dist.ProcessGroup) -> bool:
         """True when ``group`` has exactly this topology's ranks."""
         return dist.get_process_group_ranks(group) == self.ranks
+
+
+# Topologies by (default group, local size, every shard group's ranks): what
+# enable() reuses, so that enabling again (another model, or the same one
+# after a change) creates no new sub-groups.
+_CACHE: dict = {}
+
+
+def shared_topology(group: dist.ProcessGroup, local_size: int, all_groups) -> Topology:
+    """The :class:`Topology` of ``group`` among ``all_groups``, created on the
+    first call (a collective call, on every rank in the same order) and
+    reused by later calls with the same groups and local size, until
+    :func:`release`."""
+    groups = tuple(tuple(g) for g in all_groups)
+    key = (id(dist.distributed_c10d._get_default_group()), local_size, groups)
+    for cached in _CACHE.get(key, []):
+        if cached.matches(group):
+            return cached
+    topo = Topology(group, local_size, all_groups=[list(g) for g in groups])
+    _CACHE.setdefault(key, []).append(topo)
+    return topo
+
+
+def release() -> int:
+    """Destroys the sub-groups that :func:`enable` created (every cached
+    topology's node and rail groups this rank belongs to) and forgets them;
+    returns how many groups it destroyed. Call it after training, before
+    ``torch.distributed.destroy_process_group()``, when the process goes on
+    (a notebook, several trainings in one job); a model enabled before it must
+    be enabled again. Like creating groups, it is a collective call: every
+    rank calls it."""
+    destroyed = 0
+    for topos in _CACHE.values():
+        for topo in topos:
+            for sub in topo._members_of:
+                dist.destroy_process_group(sub)
+                destroyed += 1
+            topo._members_of = []
+            topo.intra = topo.rail = None
+    _CACHE.clear()
+    return destroyed
 
 
 def _node_layout(ranks, ls: int):
