@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import torch
 
 import zeropp
 from zeropp import _zeropp
@@ -95,6 +96,17 @@ def apply_from_env() -> bool:
         def finish(self, inter_recv, shard):
             return self._s.finish(_roll_chunks(inter_recv, self._s.inter_chunk_len, brk), shard)
 
+    # The device path (zeropp.torch.kernels): each row of a decoded batch is one encoding.
+    from zeropp.torch import kernels
+
+    real_rows = kernels.dequantize_rows
+
+    def dequantize_rows(wire, n, *, bits, group_size, checks=None):
+        rows = [torch.from_numpy(brk(row.cpu().numpy())).to(wire.device) for row in wire]
+        broken = torch.stack(rows) if rows else wire
+        return real_rows(broken, n, bits=bits, group_size=group_size, checks=checks)
+
+    kernels.dequantize_rows = dequantize_rows
     _zeropp.dequantize = dequantize
     _zeropp.QgzStages = QgzStages
     zeropp.QgzStages = QgzStages

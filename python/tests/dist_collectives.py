@@ -45,6 +45,8 @@ import defects  # noqa: E402
 import gpt  # noqa: E402
 import zeropp  # noqa: E402
 import zeropp.torch as zt  # noqa: E402
+from zeropp.torch import kernels as K  # noqa: E402
+from zeropp.torch.stages import TorchQgzStages  # noqa: E402
 
 FAILURES: list[str] = []
 # zeropp's own stages, taken before a seeded defect can replace them.
@@ -106,12 +108,30 @@ def qgz_bound(inputs, w, nodes, local, shard, mean, bits=4, local_bits=8, gs=256
     return (e + 1e-5 * total + 1e-30) * ((1.0 / w) if mean else 1.0)
 
 
+class _TensorArgs:
+    """Stages that take tensors, called with numpy arrays (shared memory)."""
+
+    def __init__(self, st):
+        self._st = st
+
+    def __getattr__(self, name):
+        attr = getattr(self._st, name)
+        if not callable(attr):
+            return attr
+        return lambda *a: attr(*(torch.from_numpy(x) for x in a))
+
+
 def by_hand(inputs, w, local, seed, mean):
     """All ranks' qgZ shards from zeropp's stages in this process, with the two
     all-to-alls done by copying bytes (the comm crate's qgz_stages test does the same)."""
     nodes = w // local
     n = len(inputs[0])
-    st = [REAL_STAGES(w, local, r, n, seed=seed, mean=mean) for r in range(w)]
+    if K.mode() == "torch":
+        # The device path's own stages (their rounding streams are torch's), on
+        # tensors that share the numpy buffers below.
+        st = [_TensorArgs(TorchQgzStages(w, local, r, n, seed=seed, mean=mean)) for r in range(w)]
+    else:
+        st = [REAL_STAGES(w, local, r, n, seed=seed, mean=mean) for r in range(w)]
     ia, ie = st[0].intra_chunk_len, st[0].inter_chunk_len
     intra = [np.zeros(local * ia, np.uint8) for _ in range(w)]
     own = [np.zeros(st[0].own_len, np.uint8) for _ in range(w)]

@@ -148,7 +148,15 @@ fn torchrun(venv: &Path, script: &str, args: &[&str], defect: Option<&str>) -> R
         Some(name) => c.env("ZEROPP_SEEDED_DEFECT", name),
         None => c.env_remove("ZEROPP_SEEDED_DEFECT"),
     };
+    // The kernels are the test's choice (`on_device_path`), not the caller's shell's.
+    c.env_remove("ZEROPP_TORCH_KERNELS");
     Ok(c)
+}
+
+/// `cmd` with the device path's torch-op kernels forced on CPU tensors.
+fn on_device_path(mut cmd: Command) -> Command {
+    cmd.env("ZEROPP_TORCH_KERNELS", "torch");
+    cmd
 }
 
 fn shakespeare() -> PathBuf {
@@ -242,6 +250,9 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
         .current_dir(root().join("target"))
         .env("ZEROPP_GOLDEN", &golden);
     run("test 1: kernels from Python == Rust", t1)?;
+    let mut t4 = Command::new(venv.join("bin/python"));
+    t4.arg(root().join("python/tests/test_torch_kernels.py")).arg("-v").current_dir(root().join("target"));
+    run("test 4: the device path's torch-op kernels == the Rust kernels (bitwise, nearest rounding)", t4)?;
 
     // 2. Collectives on a 2 x 2 gloo group; 4. with the seeded defect.
     run(
@@ -255,6 +266,16 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
             "FAIL ",
         )?;
     }
+    // The same checks on the device path (torch ops on CPU tensors).
+    run(
+        "test 2, device path: collectives with ZEROPP_TORCH_KERNELS=torch",
+        on_device_path(torchrun(&venv, "python/tests/dist_collectives.py", &[], None)?),
+    )?;
+    must_fail(
+        "test 4a, device path: collectives with the seeded defect wrong-levels",
+        on_device_path(torchrun(&venv, "python/tests/dist_collectives.py", &[], Some("wrong-levels"))?),
+        "FAIL ",
+    )?;
 
     // 3. Training parity; 4. with the seeded defect.
     if !shakespeare().is_file() {

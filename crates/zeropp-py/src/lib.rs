@@ -140,6 +140,25 @@ fn encoded_len(n: usize, bits: u32, group_size: usize, symmetric: bool) -> PyRes
     Ok(zeropp_quant::encoded_len(spec(bits, group_size, symmetric)?, n))
 }
 
+/// wire_header(n, *, bits, group_size=256, symmetric=True) -> bytes
+///
+/// The 32-byte header of the encoding of `n` elements (what `quantize` writes
+/// first). zeropp.torch's torch-op kernels, which run on the tensor's own
+/// device, prepend it to their scales and data, so their encodings are these
+/// kernels' bytes.
+#[pyfunction]
+#[pyo3(signature = (n, *, bits, group_size = 256, symmetric = true))]
+fn wire_header(
+    py: Python<'_>,
+    n: usize,
+    bits: u32,
+    group_size: usize,
+    symmetric: bool,
+) -> PyResult<Bound<'_, pyo3::types::PyBytes>> {
+    let h = zeropp_quant::wire::header(&spec(bits, group_size, symmetric)?, n).map_err(rust_err)?;
+    Ok(pyo3::types::PyBytes::new(py, &h))
+}
+
 /// wire_info(wire) -> (bits, symmetric, group_size, n)
 ///
 /// Parses and checks one encoding's header (magic, version, checksum, sizes)
@@ -179,6 +198,7 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dequant_reduce_quant, m)?)?;
     m.add_function(wrap_pyfunction!(encoded_len, m)?)?;
     m.add_function(wrap_pyfunction!(wire_info, m)?)?;
+    m.add_function(wrap_pyfunction!(wire_header, m)?)?;
     m.add_function(wrap_pyfunction!(stream_seed, m)?)?;
     m.add_function(wrap_pyfunction!(best_kernel, m)?)?;
     qgz::register(m)?;

@@ -77,6 +77,26 @@ pub fn encoded_len(spec: QuantSpec, len: usize) -> usize {
     checked_encoded_len(&spec, len).unwrap_or(usize::MAX)
 }
 
+/// The 32-byte header of the wire encoding of `len` elements under `spec`:
+/// what [`crate::quantize_to_wire`] writes before the scales. Callers that
+/// produce the payload elsewhere (zeropp.torch's torch-op kernels, on a GPU)
+/// prepend it, so their encodings are byte-for-byte the Rust kernels'.
+///
+/// ```
+/// use zeropp_quant::{Options, QuantSpec, encoded_len, quantize_to_wire, wire};
+/// let spec = QuantSpec::int4(64)?;
+/// let x = [0.5f32; 100];
+/// let mut buf = vec![0u8; encoded_len(spec, x.len())];
+/// quantize_to_wire(&x[..], spec, &Options::default(), &mut buf)?;
+/// assert_eq!(wire::header(&spec, x.len())?[..], buf[..wire::HEADER_LEN]);
+/// # Ok::<(), zeropp_quant::QuantError>(())
+/// ```
+pub fn header(spec: &QuantSpec, len: usize) -> Result<[u8; HEADER_LEN]> {
+    let mut h = [0u8; HEADER_LEN];
+    write_header(&mut h, spec, len)?;
+    Ok(h)
+}
+
 fn scheme_code(s: Scheme) -> u8 {
     match s {
         Scheme::Symmetric => 0,

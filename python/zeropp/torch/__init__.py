@@ -32,8 +32,14 @@ Five lines turn it on in an FSDP2 script::
     fully_shard(model, reshard_after_forward=local)
     zt.enable(model, local_size=local)            # qwZ + qgZ
 
-The kernels run on the CPU. Tensors on a GPU are staged through host memory
-(correct, not fast; zeropp's CUDA kernels are not wired to Python yet).
+Kernels: CPU tensors go through zeropp's Rust kernels. Tensors on another
+device (a GPU) are quantized, reduced and dequantized there, with torch ops
+that follow the Rust kernels' formula (:mod:`zeropp.torch.kernels`; with
+round-to-nearest their bytes are the Rust kernels'), so NCCL moves the INT8 and
+INT4 payloads from device to device. ``ZEROPP_TORCH_KERNELS`` chooses: ``auto``
+(the default), ``torch`` (the torch ops everywhere) or ``rust`` (everything
+through host memory). The device path has been tested on CPU tensors only, not
+on a GPU.
 """
 
 from __future__ import annotations

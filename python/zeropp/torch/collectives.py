@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _as_buffer, _zeropp
+from . import kernels as K
+from .stages import TorchQgzStages
 from .topology import Topology, _spans_nodes
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -103,6 +105,8 @@ class QuantizedAllGather(_Collective):
                 f"qwZ all-gather: output has {output_tensor.numel()} elements, expected {g} x {n}"
             )
         layout, e = self._layout(n, input_tensor.element_size())
+        if K.use_torch(input_tensor):
+            return self._gather_on_device(output_tensor, input_tensor, group, layout, e)
         x = _host(input_tensor.contiguous()).reshape(-1)
         send = torch.empty(e, dtype=torch.uint8)
         sb = send.numpy()
@@ -137,6 +141,30 @@ class QuantizedAllGather(_Collective):
                     _zeropp.dequantize(wire, ob[j * n + at:j * n + at + k], dtype=odt)
         if dev.type != "cpu":
             output_tensor.copy_(out.view_as(output_tensor))
+        return None
+
+    def _gather_on_device(self, output_tensor, input_tensor, group, layout, e):
+        """The gather with the torch-op kernels (:mod:`.kernels`): the
+        encodings are made, sent and decoded on the input's device."""
+        g, n = group.size(), input_tensor.numel()
+        x = input_tensor.contiguous().reshape(-1)
+        parts = [x[at:at + k].view(torch.uint8) if exact else
+                 K.quantize_rows(x[at:at + k][None], bits=self.bits, group_size=self.group_size)[0]
+                 for at, k, exact, _, _ in layout]
+        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=x.device)
+        recv = torch.empty(g * e, dtype=torch.uint8, device=x.device)
+        dist.all_gather_into_tensor(recv, send, group=group)
+        rows = recv.view(g, e)
+        out = output_tensor.view(g, n)
+        checks: list = []
+        for at, k, exact, off, size in layout:
+            wire = rows[:, off:off + size].contiguous()
+            if exact:
+                out[:, at:at + k] = wire.view(out.dtype)
+            else:
+                out[:, at:at + k] = K.dequantize_rows(wire, k, bits=self.bits, group_size=self.group_size,
+                                                      checks=checks).to(out.dtype)
+        K.raise_unless(checks, "qwZ all-gather: a peer's encoding")
         return None
 
 
@@ -256,7 +284,13 @@ class QuantizedReduceScatter(_Collective):
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return self._scale(output_tensor, post)
         dev = input_tensor.device
-        x = _host(input_tensor).reshape(w, c)
+        # The torch-op kernels keep everything on the input's device; the Rust
+        # kernels work in host memory.
+        on_dev = K.use_torch(input_tensor)
+        home = dev if on_dev else torch.device("cpu")
+        if on_dev and src is not None:
+            mask, src, dst = (None if mask is None else mask.to(dev)), src.to(dev), dst.to(dev)
+        x = (input_tensor if on_dev else _host(input_tensor)).reshape(w, c)
         exact = None
         if mask is not None:
             cols = x[:, mask].contiguous()
@@ -266,30 +300,32 @@ class QuantizedReduceScatter(_Collective):
         if src is None:
             xq = x.to(torch.float32, copy=True)
         else:
-            xq = torch.zeros(w, cq, dtype=torch.float32)
+            xq = torch.zeros(w, cq, dtype=torch.float32, device=home)
             xq[:, dst] = x[:, src].to(torch.float32)
         seed = self.shared.next_seed() if self.stochastic else None
-        st = _zeropp.QgzStages(w, t.local_size, t.rank, w * cq, bits=self.bits, group_size=self.group_size,
-                               local_bits=self.local_bits, seed=seed, mean=mean)
-        part = torch.empty(cq, dtype=torch.float32)
-        intra_send = torch.zeros(t.local_size * st.intra_chunk_len, dtype=torch.uint8)
-        own = torch.zeros(st.own_len, dtype=torch.uint8)
-        inter_send = torch.zeros(t.nodes * st.inter_chunk_len, dtype=torch.uint8)
-        st.pack(xq.reshape(-1).numpy(), intra_send.numpy(), own.numpy(), inter_send.numpy(), part.numpy())
+        stages = TorchQgzStages if on_dev else _zeropp.QgzStages
+        st = stages(w, t.local_size, t.rank, w * cq, bits=self.bits, group_size=self.group_size,
+                    local_bits=self.local_bits, seed=seed, mean=mean)
+        arg = (lambda b: b) if on_dev else (lambda b: b.numpy())
+        part = torch.empty(cq, dtype=torch.float32, device=home)
+        intra_send = torch.zeros(t.local_size * st.intra_chunk_len, dtype=torch.uint8, device=home)
+        own = torch.zeros(st.own_len, dtype=torch.uint8, device=home)
+        inter_send = torch.zeros(t.nodes * st.inter_chunk_len, dtype=torch.uint8, device=home)
+        st.pack(arg(xq.reshape(-1)), arg(intra_send), arg(own), arg(inter_send), arg(part))
         if st.intra_chunk_len:
-            intra_recv = _all_to_all(intra_send, t.intra, dev)
-            st.reduce_intra(intra_recv.numpy(), own.numpy(), inter_send.numpy(), part.numpy())
-        inter_recv = torch.zeros(0, dtype=torch.uint8)
+            intra_recv = _all_to_all(intra_send, t.intra, dev, home)
+            st.reduce_intra(arg(intra_recv), arg(own), arg(inter_send), arg(part))
+        inter_recv = torch.zeros(0, dtype=torch.uint8, device=home)
         if st.inter_chunk_len:
-            inter_recv = _all_to_all(inter_send, t.rail, dev)
-        st.finish(inter_recv.numpy(), part.numpy())
+            inter_recv = _all_to_all(inter_send, t.rail, dev, home)
+        st.finish(arg(inter_recv), arg(part))
         if src is None:
             shard = part
         else:
-            shard = torch.zeros(c, dtype=torch.float32)
+            shard = torch.zeros(c, dtype=torch.float32, device=home)
             shard[src] = part[dst]
         if mask is not None:
-            shard[mask] = _host(exact).to(torch.float32)
+            shard[mask] = exact.to(home).to(torch.float32)
         output_tensor.copy_(shard.view_as(output_tensor).to(dev))
         return self._scale(output_tensor, post)
 
@@ -319,8 +355,10 @@ class QuantizedReduceScatter(_Collective):
         return None
 
 
-def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, dev: torch.device) -> torch.Tensor:
-    """An equal-split all-to-all of a uint8 buffer on ``group``, on ``dev``'s backend."""
+def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, dev: torch.device,
+                home: torch.device) -> torch.Tensor:
+    """An equal-split all-to-all of a uint8 buffer on ``group``, through
+    ``dev`` (the backend's device); the result on ``home``."""
     recv = torch.empty_like(send, device=dev)
     dist.all_to_all_single(recv, send.to(dev), group=group)
-    return _host(recv)
+    return recv.to(home)
