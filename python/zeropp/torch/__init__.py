@@ -15,6 +15,10 @@ all-gather and reduce-scatter. This module fills those slots:
   same defaults (INT4 groups of 256 on the wire, INT8 for the chunk a rank
   keeps, stochastic rounding, 1-D parameters such as biases and norms reduced
   at their own precision).
+- :class:`QuantizedAllReduce`: HSDP's replica all-reduce (the traffic that
+  crosses nodes when each replica is a node) as two INT4 hops, through
+  FSDP2's all-reduce hook on a model sharded over the shard dimension of the
+  mesh (``enable(model, replicate=mesh["replicate"])``).
 - hpZ is FSDP2's own ``reshard_after_forward=local_size``: after the forward,
   each node keeps the weights sharded over its own ranks, so the backward
   all-gather stays inside the node (and is not quantized again).
@@ -44,6 +48,7 @@ on a GPU.
 
 from __future__ import annotations
 
+from .allreduce import QuantizedAllReduce
 from .bytes import ByteCounter
 from .collectives import QuantizedAllGather, QuantizedReduceScatter
 from .enable import enable
@@ -51,6 +56,7 @@ from .topology import Topology, local_size, release
 
 __all__ = [
     "ByteCounter",
+    "QuantizedAllReduce",
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "Topology",

@@ -185,13 +185,17 @@ class QuantizedReduceScatter(_Collective):
     after ``set_gradient_divide_factor``) is the sum scaled by the factor's
     inverse, read from ``divide_factor`` (a number, or a callable returning
     it; :func:`enable` passes the module's). Any other op, and a non-float
-    input, is a :class:`ZeroppError`: never a silent fallback.
+    input, is a :class:`ZeroppError`: never a silent fallback. A group inside
+    one node (HSDP's shard group when a replica is a node, or a one-node job)
+    sends no byte across nodes, so it goes through torch's reduce-scatter at
+    full precision; ``quantize_intra=True`` quantizes it too.
     """
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,
                  local_bits: int = 8, stochastic: bool = True, seed: int = 0, shared: _Shared | None = None,
-                 names=None, module: str = "", divide_factor=None):
+                 names=None, module: str = "", divide_factor=None, quantize_intra: bool = False):
         super().__init__(segments, bits, group_size)
+        self.quantize_intra = quantize_intra
         self.divide_factor = divide_factor
         self.topology = topology
         self.local_bits = local_bits
@@ -274,6 +278,11 @@ class QuantizedReduceScatter(_Collective):
                 f"qgZ: FSDP2 reduces over ranks {dist.get_process_group_ranks(group)}, "
                 f"but the topology was built for {t.ranks}"
             )
+        if t.nodes == 1 and not self.quantize_intra:
+            # A shard group inside one node (HSDP's, or a one-node job): no byte
+            # crosses a node, so torch's reduce-scatter keeps full precision.
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            return self._scale(output_tensor, post)
         w = t.world
         c = output_tensor.numel()
         if input_tensor.numel() != w * c:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _zeropp
+from .allreduce import QuantizedAllReduce
 from .collectives import QuantizedAllGather, QuantizedReduceScatter, _Shared
 from .topology import _shard_groups, shared_topology
 from .topology import local_size as _env_local_size
@@ -63,9 +64,37 @@ def _track_grads(param_group, rs: QuantizedReduceScatter):
     param_group.post_backward = post_backward
 
 
+def _replica_group(replicate):
+    """The process group of ``replicate`` (None, a group or a 1-D DeviceMesh)."""
+    if replicate is None:
+        return None
+    get_group = getattr(replicate, "get_group", None)
+    if get_group is not None:
+        if replicate.ndim != 1:
+            raise _zeropp.ZeroppError(
+                f"zeropp.torch.enable(replicate=...) takes a 1-D mesh (the replicate dimension), got "
+                f"{replicate.ndim} dimensions")
+        return get_group()
+    if isinstance(replicate, torch.distributed.ProcessGroup):
+        return replicate
+    raise TypeError(f"zeropp.torch.enable(replicate=...) takes a ProcessGroup or a 1-D DeviceMesh, not a "
+                    f"{type(replicate).__name__}")
+
+
+def _check_replicas(shard_group, replica_group):
+    """The replica group and the shard group meet in this rank only."""
+    shard = set(torch.distributed.get_process_group_ranks(shard_group))
+    reps = set(torch.distributed.get_process_group_ranks(replica_group))
+    if shard & reps != {torch.distributed.get_rank()}:
+        raise _zeropp.ZeroppError(
+            f"zeropp.torch.enable(replicate=...): the replica group {sorted(reps)} and the shard group "
+            f"{sorted(shard)} must share exactly this rank; pass mesh['replicate'] of the mesh whose "
+            f"mesh['shard'] the model is sharded over")
+
+
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
-           exclude_1d: bool = True, seed: int = 0) -> dict:
+           exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False) -> dict:
     """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
     ``fully_shard``, on every rank). Returns a summary: modules changed, their
     sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
@@ -73,6 +102,16 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     The defaults are the Rust engine's: INT8 weights and INT4 gradients in
     groups of 256, stochastic rounding in qgZ (seeded by ``seed``; every call
     draws its own stream), 1-D parameters reduced at their own precision.
+    Collectives whose group lies inside one node send nothing across nodes
+    and run at full precision (torch's own) unless ``quantize_intra``.
+
+    ``replicate`` (a process group or a 1-D ``DeviceMesh``: this rank's
+    replicas, one rank each) turns on the quantized HSDP all-reduce
+    (:class:`QuantizedAllReduce`, through FSDP2's all-reduce hook) for a model
+    sharded over a 1-D mesh of the shard dimension: ``fully_shard(m,
+    mesh=mesh["shard"])`` and ``enable(model, replicate=mesh["replicate"])``.
+    On a native HSDP mesh torch runs its own all-reduce, which cannot be taken
+    over; there ``replicate`` is an error and the all-reduce stays torch's.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -86,7 +125,9 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
                 f"custom collectives (torch >= 2.9; tested with 2.9.1)")
     ls = local_size if local_size is not None else _env_local_size()
     shared = _Shared(seed)
-    summary = {"modules": 0, "world": None, "local_size": ls, "hpz": []}
+    replica_group = _replica_group(replicate)
+    summary = {"modules": 0, "world": None, "local_size": ls, "hpz": [],
+               "replicas": 1 if replica_group is None else replica_group.size()}
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -100,15 +141,30 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         segs = _segments(pg, topo.world)
         if qwz:
             module.set_custom_all_gather(QuantizedAllGather(
-                ls, segments=segs, bits=qwz_bits, group_size=group_size, exclude_1d=exclude_1d))
-        if qgz:
-            rs = QuantizedReduceScatter(
-                topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
-                stochastic=stochastic, shared=shared, names=lambda pg=pg: _names(pg)[1],
-                module=lambda pg=pg: _names(pg)[0],
-                divide_factor=lambda pg=pg: getattr(pg, "gradient_divide_factor", None))
-            module.set_custom_reduce_scatter(rs)
+                ls, segments=segs, bits=qwz_bits, group_size=group_size, exclude_1d=exclude_1d,
+            quantize_intra=quantize_intra))
+        factor = (lambda pg=pg: getattr(pg, "gradient_divide_factor", None))
+        rs = QuantizedReduceScatter(
+            topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
+            stochastic=stochastic, shared=shared, names=lambda pg=pg: _names(pg)[1],
+            module=lambda pg=pg: _names(pg)[0], divide_factor=factor, quantize_intra=quantize_intra)
+        if qgz or replica_group is not None:
+            # The reduce-scatter's layout (which parameters this backward sends)
+            # serves the replica all-reduce too.
             _track_grads(pg, rs)
+        if qgz:
+            module.set_custom_reduce_scatter(rs)
+        if replica_group is not None:
+            if getattr(pg, "_is_hsdp", False):
+                raise _zeropp.ZeroppError(
+                    f"zeropp.torch.enable(replicate=...): module '{_names(pg)[0]}' is sharded over a native "
+                    f"HSDP mesh, whose all-reduce torch runs itself (FSDP2 has no way to replace it). Shard "
+                    f"over the shard dimension only, fully_shard(m, mesh=mesh['shard']), and pass "
+                    f"replicate=mesh['replicate']")
+            _check_replicas(group, replica_group)
+            module.set_all_reduce_hook(QuantizedAllReduce(
+                replica_group, bits=qgz_bits, group_size=group_size, stochastic=stochastic, shared=shared,
+                plan=rs._plan if exclude_1d else None, divide_factor=factor))
         summary["modules"] += 1
         summary["world"] = topo.world
         post = getattr(pg, "post_forward_mesh_info", None)

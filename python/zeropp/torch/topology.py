@@ -155,10 +155,22 @@ def _node_layout(ranks, ls: int):
 
 def _shard_groups(mesh_info):
     """Every shard group of FSDP2's device mesh (the same list on every rank):
-    one group for plain FSDP, one per replica under HSDP."""
+    one group for plain FSDP, one per replica under HSDP. A mesh that does not
+    cover the world (a 1-D slice such as ``mesh["shard"]``, whose tensor holds
+    this rank's row only) does not show the other ranks' groups, so they are
+    gathered from every rank (a collective call, like the groups' creation)."""
     mesh = mesh_info.mesh.mesh
     dim = mesh_info.shard_mesh_dim
-    return mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
+    if mesh.numel() == dist.get_world_size():
+        return mesh.movedim(dim, -1).reshape(-1, mesh.shape[dim]).tolist()
+    mine = list(dist.get_process_group_ranks(mesh_info.shard_process_group))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    groups = []
+    for g in every:
+        if g not in groups:
+            groups.append(g)
+    return groups
 
 
 def _spans_nodes(group: dist.ProcessGroup, ls: int) -> bool:
