@@ -314,6 +314,27 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
         "test 3: FSDP2 training parity (zeropp / default)",
         torchrun(&venv, "python/tests/parity.py", &args, None)?,
     )?;
+    // HSDP 2 x 2 (a replica per node): the default's native mesh against zeropp's
+    // take-over of the replica all-reduce (1.0022 on seed 1 here).
+    let hsdp_json = out.join("parity-hsdp.json").display().to_string();
+    let hsdp_seeds = std::env::var("ZEROPP_TORCH_HSDP_SEEDS").unwrap_or_else(|_| "3".into());
+    let hsdp_args = [
+        "--hsdp",
+        "--seeds",
+        hsdp_seeds.as_str(),
+        "--steps",
+        steps.as_str(),
+        "--lr",
+        lr,
+        "--max-mean",
+        max_mean.as_str(),
+        "--out",
+        hsdp_json.as_str(),
+    ];
+    run(
+        "test 3b: HSDP 2 x 2 training parity (zeropp's all-reduce take-over / native HSDP)",
+        torchrun(&venv, "python/tests/parity.py", &hsdp_args, None)?,
+    )?;
     must_fail(
         "test 4b: training parity with the seeded defect wrong-levels",
         torchrun(
