@@ -107,6 +107,18 @@ def apply_from_env() -> bool:
         return real_rows(broken, n, bits=bits, group_size=group_size, checks=checks)
 
     kernels.dequantize_rows = dequantize_rows
+    real_segments = _zeropp.dequantize_segments
+
+    def dequantize_segments(wire, out, table, *, ranks=1, wire_stride=0, **kw):
+        w = np.array(wire, dtype=np.uint8, copy=True)
+        for j in range(ranks):
+            for _, _, exact, off, size in table:
+                if not exact:
+                    at = j * wire_stride + off
+                    w[at:at + size] = brk(w[at:at + size])
+        return real_segments(w, out, table, ranks=ranks, wire_stride=wire_stride, **kw)
+
+    _zeropp.dequantize_segments = dequantize_segments
     _zeropp.dequantize = dequantize
     _zeropp.QgzStages = QgzStages
     zeropp.QgzStages = QgzStages

@@ -22,6 +22,7 @@ import unittest
 import numpy as np
 
 import zeropp
+from zeropp import _zeropp
 
 try:
     import torch
@@ -152,6 +153,64 @@ class Errors(unittest.TestCase):
         self.assertEqual((intra, inter), (3 * 2 * e, e))
         with self.assertRaises(zeropp.ZeroppError):
             zeropp.QgzStages(6, 4, 0, 100)  # 4 does not divide 6
+
+
+class Segments(unittest.TestCase):
+    """qwZ's one-call-per-collective tables equal one call per segment."""
+
+    def _table(self, sizes, bits, gs, isz):
+        table, at, off = [], 0, 0
+        for k, exact in sizes:
+            size = k * isz if exact else zeropp.encoded_len(k, bits=bits, group_size=gs)
+            table.append((at, k, exact, off, size))
+            at, off = at + k, off + size
+        return table, at, off
+
+    def test_tables_equal_calls_per_segment(self):
+        rng = np.random.default_rng(3)
+        sizes = [(1001, False), (37, True), (5, False), (256, False), (3, True), (1, False)]
+        for bits, gs in ((8, 256), (4, 64), (4, 7)):
+            table, n, e = self._table(sizes, bits, gs, 4)
+            ranks = 3
+            x = rng.standard_normal(n).astype(np.float32)
+            send = np.zeros(e, np.uint8)
+            _zeropp.quantize_segments(x, send, table, dtype="float32", bits=bits, group_size=gs)
+            want = np.zeros(e, np.uint8)
+            for at, k, exact, off, size in table:
+                if exact:
+                    want[off:off + size] = x[at:at + k].view(np.uint8)
+                else:
+                    _zeropp.quantize(x[at:at + k], want[off:off + size], dtype="float32", bits=bits,
+                                     group_size=gs)
+            self.assertTrue(np.array_equal(send, want), f"INT{bits}/{gs}: the send buffers differ")
+            wire = np.concatenate([send] * ranks)
+            out = np.full(ranks * n, np.nan, np.float32)
+            _zeropp.dequantize_segments(wire, out, table, dtype="float32", bits=bits, group_size=gs,
+                                        ranks=ranks, wire_stride=e, out_stride=n)
+            ref = np.zeros(n, np.float32)
+            for at, k, exact, off, size in table:
+                if exact:
+                    ref[at:at + k] = x[at:at + k]
+                else:
+                    _zeropp.dequantize(send[off:off + size], ref[at:at + k], dtype="float32")
+            self.assertTrue(np.array_equal(out.view(np.uint32), np.tile(ref, ranks).view(np.uint32)))
+
+    def test_bad_tables_are_errors(self):
+        table, n, e = self._table([(100, False), (10, True)], 8, 32, 4)
+        x, send = np.ones(n, np.float32), np.zeros(e, np.uint8)
+        for bad in ([(0, 100, False, 0, table[0][4] - 1)], [(15, 100, False, 0, table[0][4])],
+                    [(0, 10, True, e - 8, 40)]):
+            with self.subTest(table=bad), self.assertRaises(zeropp.ZeroppError):
+                _zeropp.quantize_segments(x, send, bad, dtype="float32", bits=8, group_size=32)
+        _zeropp.quantize_segments(x, send, table, dtype="float32", bits=8, group_size=32)
+        out = np.zeros(2 * n, np.float32)
+        with self.assertRaises(zeropp.ZeroppError):  # a second rank past the end of the wire
+            _zeropp.dequantize_segments(send, out, table, dtype="float32", bits=8, group_size=32, ranks=2,
+                                        wire_stride=e, out_stride=n)
+        broken = send.copy()
+        broken[0] ^= 1  # the first encoding's magic
+        with self.assertRaises(zeropp.ZeroppError):
+            _zeropp.dequantize_segments(broken, out[:n], table, dtype="float32", bits=8, group_size=32)
 
 
 if __name__ == "__main__":

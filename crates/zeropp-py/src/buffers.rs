@@ -120,7 +120,7 @@ impl Dtype {
         }
     }
 
-    fn size(self) -> usize {
+    pub(crate) fn size(self) -> usize {
         match self {
             Self::F32 => 4,
             Self::Bf16 | Self::F16 => 2,

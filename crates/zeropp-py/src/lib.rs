@@ -6,6 +6,8 @@
 //!
 //! - zeropp-quant's kernels: `quantize`, `dequantize` and the fused
 //!   `dequant_reduce_quant`, in zeropp's versioned wire format;
+//! - qwZ's segment tables (`quantize_segments`, `dequantize_segments`): a
+//!   whole all-gather's parameters in one call each way;
 //! - qgZ's transport-free stages (the class `QgzStages`, over
 //!   `zeropp_comm::collectives::QgzStages`), its slice order and its wire sizes,
 //!   which `zeropp.torch` runs around `torch.distributed`'s all-to-alls.
@@ -28,6 +30,7 @@ use zeropp_quant::{
 mod buffers;
 mod convert;
 mod qgz;
+mod segments;
 
 use buffers::{Buf, Dtype, Elems, ElemsMut, check_disjoint, elems, elems_mut, f32_mut};
 use convert::{ZeroppError, error, options, rust_err, spec};
@@ -202,5 +205,6 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stream_seed, m)?)?;
     m.add_function(wrap_pyfunction!(best_kernel, m)?)?;
     qgz::register(m)?;
+    segments::register(m)?;
     Ok(())
 }

@@ -48,6 +48,16 @@ class _Collective:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def _buffer(self, name: str, n: int, device: torch.device) -> torch.Tensor:
+        """A uint8 work buffer of ``n`` bytes, kept across steps (the same
+        module gathers the same sizes every step). Only for buffers no caller
+        holds after the collective returns."""
+        bufs = self.__dict__.setdefault("_bufs", {})
+        key = (name, n, device)
+        if key not in bufs:
+            bufs[key] = torch.empty(n, dtype=torch.uint8, device=device)
+        return bufs[key]
+
 
 class QuantizedAllGather(_Collective):
     """qwZ: FSDP2's all-gather with INT8 block-quantized payloads.
@@ -108,18 +118,13 @@ class QuantizedAllGather(_Collective):
         if K.use_torch(input_tensor):
             return self._gather_on_device(output_tensor, input_tensor, group, layout, e)
         x = _host(input_tensor.contiguous()).reshape(-1)
-        send = torch.empty(e, dtype=torch.uint8)
-        sb = send.numpy()
+        # One Rust call each way for the whole gather (the GIL released inside).
+        send = self._buffer("send", e, torch.device("cpu"))
         xb, dtype = _as_buffer(x, "input_tensor")
-        xbytes = x.view(torch.uint8).numpy()
-        isz = x.element_size()
-        for at, k, exact, off, size in layout:
-            if exact:
-                sb[off:off + size] = xbytes[at * isz:(at + k) * isz]
-            else:
-                _zeropp.quantize(xb[at:at + k], sb[off:off + size], dtype=dtype, bits=self.bits,
-                                 group_size=self.group_size)
+        _zeropp.quantize_segments(xb, send.numpy(), layout, dtype=dtype, bits=self.bits,
+                                  group_size=self.group_size)
         dev = input_tensor.device
+        # (Not kept: it holds the whole module's weights, which ZeRO-3 does not keep.)
         recv = torch.empty(g * e, dtype=torch.uint8, device=dev)
         dist.all_gather_into_tensor(recv, send.to(dev), group=group)
         recv = _host(recv)
@@ -129,16 +134,8 @@ class QuantizedAllGather(_Collective):
         out = output_tensor if dev.type == "cpu" else torch.empty(g * n, dtype=output_tensor.dtype)
         out = out.reshape(-1)
         ob, odt = _as_buffer(out, "output_tensor")
-        obytes = out.view(torch.uint8).numpy()
-        rb = recv.numpy()
-        for j in range(g):
-            base = j * e
-            for at, k, exact, off, size in layout:
-                wire = rb[base + off:base + off + size]
-                if exact:
-                    obytes[(j * n + at) * isz:(j * n + at + k) * isz] = wire
-                else:
-                    _zeropp.dequantize(wire, ob[j * n + at:j * n + at + k], dtype=odt)
+        _zeropp.dequantize_segments(recv.numpy(), ob, layout, dtype=odt, bits=self.bits,
+                                    group_size=self.group_size, ranks=g, wire_stride=e, out_stride=n)
         if dev.type != "cpu":
             output_tensor.copy_(out.view_as(output_tensor))
         return None
