@@ -48,11 +48,12 @@ def run_variant(name: str, cfg: gpt.Config, args, ls: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(1)
     model = gpt.GPT(cfg)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    kw = {} if args.fp32 else {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                   reduce_dtype=torch.bfloat16)}
     reshard = ls if name.endswith("hpz") else True
     for blk in model.blocks:
-        fully_shard(blk, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(blk, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=reshard, **kw)
     if name != "default":
         zt.enable(model, local_size=ls)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -103,17 +104,34 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--fp32", action="store_true", help="no mixed precision (the default is bf16)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variants this many times, alternating; the step is the median over all")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     ls = zt.local_size()
     cfg = gpt.Config(d=args.d, layers=args.layers)
-    rows = [run_variant(v, cfg, args, ls) for v in ("default", "qwz+qgz", "qwz+qgz+hpz")]
+    names = ("default", "qwz+qgz", "qwz+qgz+hpz")
+    runs = {v: [] for v in names}
+    for _ in range(args.rounds):
+        for v in names:
+            runs[v].append(run_variant(v, cfg, args, ls))
+    rows = []
+    for v in names:
+        r = dict(runs[v][-1])
+        r["step_s_all"] = [t for x in runs[v] for t in x["step_s_all"]]
+        r["step_s"] = statistics.median(r["step_s_all"])
+        r["round_medians"] = [x["step_s"] for x in runs[v]]
+        rows.append(r)
+    for r in rows:
+        r["step_vs_default"] = r["step_s"] / rows[0]["step_s"]
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
-            json.dump({"world": dist.get_world_size(), "local_size": ls, "config": vars(cfg), "rows": rows}, f,
-                      indent=1)
+            json.dump({"world": dist.get_world_size(), "local_size": ls, "config": vars(cfg), "fp32": args.fp32,
+                       "rounds": args.rounds, "rows": rows}, f, indent=1)
         for r in rows:
-            print(f"{r['variant']}: {r['step_s']:.3f} s/step, {r['inter_bytes_per_rank']:.0f} B/rank to other nodes, "
+            print(f"{r['variant']}: {r['step_s']:.3f} s/step ({r['step_vs_default']:.3f}x the default), "
+                  f"{r['inter_bytes_per_rank']:.0f} B/rank to other nodes, "
                   f"uplinks {r['uplink_tx_bytes_per_step']:.0f} B/step", flush=True)
     dist.destroy_process_group()
 

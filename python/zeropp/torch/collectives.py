@@ -297,11 +297,9 @@ class QuantizedReduceScatter(_Collective):
         if on_dev and src is not None:
             mask, src, dst = (None if mask is None else mask.to(dev)), src.to(dev), dst.to(dev)
         x = (input_tensor if on_dev else _host(input_tensor)).reshape(w, c)
-        exact = None
-        if mask is not None:
-            cols = x[:, mask].contiguous()
-            exact = torch.empty(cols.shape[1], dtype=input_tensor.dtype, device=dev)
-            dist.reduce_scatter_tensor(exact, cols.reshape(-1).to(dev), op=op, group=group)
+        # The 1-D parameters' columns ride along qgZ's two all-to-alls as raw float32
+        # (no collective of their own): [node, local rank, elements], by owning rank.
+        ones = None if mask is None else x[:, mask].to(torch.float32).reshape(t.nodes, t.local_size, -1)
         # The quantized part in float32, each parameter from a group boundary.
         if src is None:
             xq = x.to(torch.float32, copy=True)
@@ -318,20 +316,37 @@ class QuantizedReduceScatter(_Collective):
         own = torch.zeros(st.own_len, dtype=torch.uint8, device=home)
         inter_send = torch.zeros(t.nodes * st.inter_chunk_len, dtype=torch.uint8, device=home)
         st.pack(arg(xq.reshape(-1)), arg(intra_send), arg(own), arg(inter_send), arg(part))
+        # partial[m]: this node's float32 sum of the 1-D columns of shard (m, my local rank).
+        partial = None if ones is None else ones[:, t.rank % t.local_size]
         if st.intra_chunk_len:
-            intra_recv = _all_to_all(intra_send, t.intra, dev, home)
+            # Local peer j gets the columns of shards (m, j), m = 0..N, after its qgZ chunk.
+            extra = None if ones is None else ones.transpose(0, 1).reshape(t.local_size, -1)
+            intra_recv, got = _all_to_all_with(intra_send, extra, t.local_size, t.intra, dev, home)
+            if got is not None:
+                got = got.view(t.local_size, t.nodes, -1)
+                partial = got[0].clone()
+                for k in range(1, t.local_size):
+                    partial += got[k]
             st.reduce_intra(arg(intra_recv), arg(own), arg(inter_send), arg(part))
         inter_recv = torch.zeros(0, dtype=torch.uint8, device=home)
+        exact = None if partial is None else partial[t.rank // t.local_size]
         if st.inter_chunk_len:
-            inter_recv = _all_to_all(inter_send, t.rail, dev, home)
+            # Rail peer m gets partial[m]; this rank's shard is the sum of what every node sends.
+            inter_recv, got = _all_to_all_with(inter_send, partial, t.nodes, t.rail, dev, home)
+            if got is not None:
+                exact = got[0].clone()
+                for m in range(1, t.nodes):
+                    exact += got[m]
         st.finish(arg(inter_recv), arg(part))
+        if exact is not None and mean:
+            exact /= float(w)
         if src is None:
             shard = part
         else:
             shard = torch.zeros(c, dtype=torch.float32, device=home)
             shard[src] = part[dst]
         if mask is not None:
-            shard[mask] = exact.to(home).to(torch.float32)
+            shard[mask] = exact
         output_tensor.copy_(shard.view_as(output_tensor).to(dev))
         return self._scale(output_tensor, post)
 
@@ -359,6 +374,20 @@ class QuantizedReduceScatter(_Collective):
         if post is not None:
             output_tensor.mul_(post)
         return None
+
+
+def _all_to_all_with(send: torch.Tensor, extra, peers: int, group: dist.ProcessGroup, dev: torch.device,
+                     home: torch.device):
+    """:func:`_all_to_all` of ``send`` (``peers`` equal chunks) with ``extra``
+    (float32 ``[peers, k]``, row ``j`` for peer ``j``) appended to each chunk;
+    returns what arrived of both (the second as float32 ``[peers, k]``, or None
+    without ``extra``)."""
+    if extra is None:
+        return _all_to_all(send, group, dev, home), None
+    chunk = send.numel() // peers
+    both = torch.cat([send.view(peers, chunk), extra.contiguous().view(torch.uint8)], dim=1)
+    recv = _all_to_all(both.reshape(-1), group, dev, home).view(peers, -1)
+    return recv[:, :chunk].contiguous().reshape(-1), recv[:, chunk:].contiguous().view(torch.float32)
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, dev: torch.device,
