@@ -16,6 +16,7 @@ mod gpu_check;
 mod ptx;
 mod scale;
 mod torch;
+mod torch_floor;
 
 const HELP: &str = "\
 cargo xtask <task>

@@ -18,7 +18,10 @@
 //! 4. tests 2 and 3 again with seeded defects (python/tests/defects.py), which must
 //!    fail: test 2 with `wrong-scale` and with `wrong-levels`, test 3 with
 //!    `wrong-levels` (`wrong-scale` costs training less than any parity bound
-//!    can see).
+//!    can see); and `python/tests/test_torch_kernels.py`: the device path's
+//!    torch-op kernels equal the Rust kernels byte for byte;
+//! 5. test 2 on the device path (`ZEROPP_TORCH_KERNELS=torch`) and on the floor
+//!    release, torch 2.9.0 (`torch_floor.rs`); test 3 under HSDP (3b).
 //!
 //! Without a venv or Python, or without tinyshakespeare, the tests skip with one
 //! line, except under `CI=true`, where they fail.
@@ -113,7 +116,7 @@ fn ensure_venv_logged(log: Option<&std::fs::File>) -> Result<PathBuf, String> {
 }
 
 /// `PATH` with `dir` in front.
-fn path_with(dir: &Path) -> std::ffi::OsString {
+pub(crate) fn path_with(dir: &Path) -> std::ffi::OsString {
     let mut parts = vec![dir.to_path_buf()];
     if let Some(p) = std::env::var_os("PATH") {
         parts.extend(std::env::split_paths(&p));
@@ -266,6 +269,12 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
             "FAIL ",
         )?;
     }
+    // The floor: test 2 on the oldest torch with FSDP2's custom collectives.
+    let floor = crate::torch_floor::venv(&venv)?;
+    run(
+        &format!("test 2 on the floor release ({})", crate::torch_floor::FLOOR),
+        torchrun(&floor, "python/tests/dist_collectives.py", &[], None)?,
+    )?;
     // The same checks on the device path (torch ops on CPU tensors).
     run(
         "test 2, device path: collectives with ZEROPP_TORCH_KERNELS=torch",

@@ -1,0 +1,67 @@
+//! The oldest torch zeropp.torch supports, tested: `cargo xtask test-torch`'s
+//! floor step.
+//!
+//! FSDP2's custom collectives (`FSDPModule.set_custom_all_gather` and
+//! `set_custom_reduce_scatter`, pytorch#155189) first shipped in torch 2.9.0;
+//! 2.8.0 has neither (its `_fully_shard.py` was read for this). So
+//! `python/pyproject.toml` asks for `torch>=2.9`, and this step runs the
+//! collective test (test 2) on exactly 2.9.0.
+//!
+//! The floor venv (`torch-floor-venv` beside the main one) holds only torch
+//! 2.9.0 and the zeropp package; a `.pth` file puts the main venv's
+//! site-packages after its own, so torch's other dependencies (the NVIDIA
+//! wheels among them, the same versions for 2.9.0 and 2.9.1) are not
+//! downloaded twice: about 900 MB and a minute on a new machine.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::{root, run};
+
+/// The floor release.
+pub(crate) const FLOOR: &str = "torch==2.9.0";
+
+fn purelib(venv: &Path) -> Result<PathBuf, String> {
+    let out = Command::new(venv.join("bin/python"))
+        .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+        .output()
+        .map_err(|e| format!("{}: {e}", venv.display()))?;
+    if !out.status.success() {
+        return Err(format!("{}: could not read its site-packages", venv.display()));
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+/// The floor venv, made (or checked by its stamp) beside `main`, with the
+/// package installed from this checkout.
+pub(crate) fn venv(main: &Path) -> Result<PathBuf, String> {
+    let venv = main.with_file_name("torch-floor-venv");
+    let stamp = venv.join("zeropp-pins.txt");
+    let want = format!("{FLOOR}\n{}", main.display());
+    if !(venv.join("bin/python").is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want)) {
+        let mut c = Command::new("python3");
+        c.args(["-m", "venv", "--clear"]).arg(&venv);
+        run("floor venv", c)?;
+        let mut c = Command::new(venv.join("bin/pip"));
+        c.args(["install", "--quiet", "--disable-pip-version-check", "--no-deps", FLOOR]);
+        run("pip install the floor torch (its dependencies come from the main venv)", c)?;
+        let pth = purelib(&venv)?.join("zeropp-main-venv.pth");
+        std::fs::write(&pth, format!("{}\n", purelib(main)?.display()))
+            .map_err(|e| format!("{}: {e}", pth.display()))?;
+        std::fs::write(&stamp, want).map_err(|e| format!("{}: {e}", stamp.display()))?;
+    }
+    let mut c = Command::new(venv.join("bin/pip"));
+    c.args(["install", "--quiet", "--disable-pip-version-check", "--no-build-isolation", "--no-deps"])
+        .arg("--force-reinstall")
+        .arg(root().join("python"))
+        .current_dir(root())
+        .env("PATH", crate::torch::path_with(&main.join("bin")));
+    run("pip install ./python into the floor venv", c)?;
+    // The step must test the floor, not whatever torch the path resolves to.
+    let version = FLOOR.trim_start_matches("torch==");
+    let mut c = Command::new(venv.join("bin/python"));
+    c.args(["-c", &format!("import torch, sys; sys.exit(torch.__version__.split('+')[0] != '{version}')")])
+        .current_dir(root().join("target"));
+    run(&format!("the floor venv imports torch {version}"), c)?;
+    Ok(venv)
+}
