@@ -6,7 +6,8 @@ of tests/gpt.py at bf16 mixed precision, in one run:
 
 - ``default``: FSDP2's own collectives (reshard_after_forward=True);
 - ``qwz+qgz``: zeropp.torch.enable (INT8 weights, two-hop INT4 gradients);
-- ``qwz+qgz+hpz``: the same plus reshard_after_forward=local_size (hpZ).
+- ``qwz+qgz+hpz``: the same plus reshard_after_forward=local_size (hpZ);
+- ``hpz`` (with ``--hpz-alone``): FSDP2's own collectives with hpZ's resharding.
 
 Per variant: the median step time over the timed steps (after warm-up), the bytes
 each rank handed to torch's collectives for other nodes (zeropp.torch.ByteCounter)
@@ -54,7 +55,7 @@ def run_variant(name: str, cfg: gpt.Config, args, ls: int) -> dict:
     for blk in model.blocks:
         fully_shard(blk, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
-    if name != "default":
+    if name.startswith("qwz"):
         zt.enable(model, local_size=ls)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
@@ -105,13 +106,16 @@ def main():
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--fp32", action="store_true", help="no mixed precision (the default is bf16)")
+    ap.add_argument("--hpz-alone", action="store_true", help="also FSDP2's collectives with hpZ's resharding")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the variants this many times, alternating; the step is the median over all")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     ls = zt.local_size()
     cfg = gpt.Config(d=args.d, layers=args.layers)
-    names = ("default", "qwz+qgz", "qwz+qgz+hpz")
+    # "hpz": FSDP2's own collectives with reshard_after_forward=local_size, what hpZ
+    # costs FSDP2 without zeropp (on localhost its second copy is pure overhead).
+    names = ("default", "qwz+qgz", "qwz+qgz+hpz") + (("hpz",) if args.hpz_alone else ())
     runs = {v: [] for v in names}
     for _ in range(args.rounds):
         for v in names:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -26,14 +26,31 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 class _Shared:
     """What the collectives of one :func:`enable` share: the stream counter
     (the same on every rank, since all ranks run the same collectives in the
-    same order)."""
+    same order) and qgZ's host work buffers."""
 
     seed: int
     calls: int = 0
+    pool: dict = field(default_factory=dict)
 
     def next_seed(self) -> int:
         self.calls += 1
         return _zeropp.stream_seed(self.seed, [_QGZ_STREAM, self.calls])
+
+    def zeros(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed work buffer. In host memory it is kept across steps and shared by
+        the modules whose buffers have the same size (a model's blocks), so a step
+        does not map fresh pages for it (a large allocation is an mmap that faults
+        its pages in, every time); the collectives are synchronous, so no two calls
+        hold it at once. On a device, torch's caching allocator already does this."""
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        key = (name, tuple(shape), dtype)
+        buf = self.pool.get(key)
+        if buf is None:
+            buf = self.pool[key] = torch.zeros(shape, dtype=dtype)
+        else:
+            buf.zero_()
+        return buf
 
 
 class _Collective:
@@ -304,17 +321,18 @@ class QuantizedReduceScatter(_Collective):
         if src is None:
             xq = x.to(torch.float32, copy=True)
         else:
-            xq = torch.zeros(w, cq, dtype=torch.float32, device=home)
+            xq = self.shared.zeros("xq", (w, cq), torch.float32, home)
             xq[:, dst] = x[:, src].to(torch.float32)
         seed = self.shared.next_seed() if self.stochastic else None
         stages = TorchQgzStages if on_dev else _zeropp.QgzStages
         st = stages(w, t.local_size, t.rank, w * cq, bits=self.bits, group_size=self.group_size,
                     local_bits=self.local_bits, seed=seed, mean=mean)
         arg = (lambda b: b) if on_dev else (lambda b: b.numpy())
-        part = torch.empty(cq, dtype=torch.float32, device=home)
-        intra_send = torch.zeros(t.local_size * st.intra_chunk_len, dtype=torch.uint8, device=home)
-        own = torch.zeros(st.own_len, dtype=torch.uint8, device=home)
-        inter_send = torch.zeros(t.nodes * st.inter_chunk_len, dtype=torch.uint8, device=home)
+        zeros = self.shared.zeros
+        part = zeros("part", (cq,), torch.float32, home)
+        intra_send = zeros("intra_send", (t.local_size * st.intra_chunk_len,), torch.uint8, home)
+        own = zeros("own", (st.own_len,), torch.uint8, home)
+        inter_send = zeros("inter_send", (t.nodes * st.inter_chunk_len,), torch.uint8, home)
         st.pack(arg(xq.reshape(-1)), arg(intra_send), arg(own), arg(inter_send), arg(part))
         # partial[m]: this node's float32 sum of the 1-D columns of shard (m, my local rank).
         partial = None if ones is None else ones[:, t.rank % t.local_size]
