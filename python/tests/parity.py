@@ -90,9 +90,11 @@ def main():
     ap.add_argument("--min-mean", type=float, default=0.99,
                     help="fail below this mean ratio too: far better than the default measures luck")
     ap.add_argument("--out", default="")
-    ap.add_argument("--enable", default="", help="zeropp.torch.enable options, e.g. qwz=0,stochastic=0")
+    ap.add_argument("--enable", default="", help="zeropp.torch.enable options, e.g. qwz=0,stochastic=0,qgz_bits=8")
     args = ap.parse_args()
-    args.enable = {k: bool(int(v)) for k, v in (kv.split("=") for kv in args.enable.split(",") if kv)}
+    # Widths and sizes are numbers (qgz_bits=8), the switches booleans (stochastic=0).
+    args.enable = {k: int(v) if k.endswith(("_bits", "group_size")) else bool(int(v))
+                   for k, v in (kv.split("=") for kv in args.enable.split(",") if kv)}
 
     dist.init_process_group("gloo")
     defect = defects.apply_from_env()
