@@ -30,6 +30,7 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::torch_floor::path_with;
 use crate::{cargo, root, run};
 
 /// The pinned versions: torch's PyPI wheel, numpy, maturin (pyo3 is pinned in the
@@ -113,15 +114,6 @@ fn ensure_venv_logged(log: Option<&std::fs::File>) -> Result<PathBuf, String> {
     quiet("pip install (pinned torch, numpy, maturin; ~7 GB with torch's CUDA wheels)", c)?;
     std::fs::write(&stamp, want).map_err(|e| format!("{}: {e}", stamp.display()))?;
     Ok(venv)
-}
-
-/// `PATH` with `dir` in front.
-pub(crate) fn path_with(dir: &Path) -> std::ffi::OsString {
-    let mut parts = vec![dir.to_path_buf()];
-    if let Some(p) = std::env::var_os("PATH") {
-        parts.extend(std::env::split_paths(&p));
-    }
-    std::env::join_paths(parts).unwrap_or_default()
 }
 
 /// A free localhost TCP port for torchrun's rendezvous.

@@ -55,7 +55,7 @@ pub(crate) fn venv(main: &Path) -> Result<PathBuf, String> {
         .arg("--force-reinstall")
         .arg(root().join("python"))
         .current_dir(root())
-        .env("PATH", crate::torch::path_with(&main.join("bin")));
+        .env("PATH", path_with(&main.join("bin")));
     run("pip install ./python into the floor venv", c)?;
     // The step must test the floor, not whatever torch the path resolves to.
     let version = FLOOR.trim_start_matches("torch==");
@@ -64,4 +64,13 @@ pub(crate) fn venv(main: &Path) -> Result<PathBuf, String> {
         .current_dir(root().join("target"));
     run(&format!("the floor venv imports torch {version}"), c)?;
     Ok(venv)
+}
+
+/// `PATH` with `dir` in front.
+pub(crate) fn path_with(dir: &Path) -> std::ffi::OsString {
+    let mut parts = vec![dir.to_path_buf()];
+    if let Some(p) = std::env::var_os("PATH") {
+        parts.extend(std::env::split_paths(&p));
+    }
+    std::env::join_paths(parts).unwrap_or_default()
 }
