@@ -2,7 +2,9 @@
 //!
 //! Groups `quant/single_thread` and `quant/all_threads`; functions `memcpy`,
 //! `quantize_int8`, `quantize_int4`, `dequantize_int8`,
-//! `dequant_reduce_quant_k4`, `dequant_reduce_quant_k8`; parameter = size
+//! `dequant_reduce_quant_k4`, `dequant_reduce_quant_k8`, and qgZ's group of
+//! 256 with and without the Hadamard rotation (`quantize_int4_g256`,
+//! `quantize_hadamard_int4_g256`, `dequantize_hadamard_int4_g256`); parameter = size
 //! label (`64KiB`, `4MiB`, `256MiB`) of the f32 vector.
 //!
 //! Throughput counts f32-equivalent bytes processed: `len * 4` for quantize
@@ -17,8 +19,10 @@ use criterion::{BenchmarkId, Criterion, SamplingMode, Throughput, criterion_grou
 use rayon::prelude::*;
 use std::hint::black_box;
 use std::time::Duration;
+use zeropp_quant::hadamard::{dequantize_hadamard_into, quantize_hadamard_to_wire};
 use zeropp_quant::{
-    Options, QuantSpec, Quantized, dequant_reduce_quant_into, dequantize_into, quantize, quantize_into, tools,
+    Hadamard, Options, QuantSpec, Quantized, QuantizedRef, dequant_reduce_quant_into, dequantize_into,
+    encoded_len, quantize, quantize_into, tools,
 };
 
 const SIZES: [(&str, usize); 3] = [("64KiB", 64 << 10), ("4MiB", 4 << 20), ("256MiB", 256 << 20)];
@@ -83,6 +87,23 @@ fn bench(c: &mut Criterion) {
             });
             g.bench_function(BenchmarkId::new("dequantize_int8", label), |b| {
                 b.iter(|| dequantize_into(black_box(&q8), &mut deq_out[..len], &opts).unwrap());
+            });
+            // qgZ's format (INT4, groups of 256), plain and rotated (SDP4Bit's smoothing).
+            let g256 = QuantSpec::int4(256).unwrap();
+            let h = Hadamard::for_spec(&g256, 7).unwrap();
+            let mut w256 = vec![0u8; encoded_len(g256, len)];
+            g.bench_function(BenchmarkId::new("quantize_int4_g256", label), |b| {
+                b.iter(|| zeropp_quant::quantize_to_wire(black_box(x), g256, &opts, &mut w256).unwrap());
+            });
+            g.bench_function(BenchmarkId::new("quantize_hadamard_int4_g256", label), |b| {
+                b.iter(|| quantize_hadamard_to_wire(black_box(x), g256, &h, 0, &opts, &mut w256).unwrap());
+            });
+            quantize_hadamard_to_wire(x, g256, &h, 0, &opts, &mut w256).unwrap();
+            let rotated = QuantizedRef::from_bytes(&w256).unwrap();
+            g.bench_function(BenchmarkId::new("dequantize_hadamard_int4_g256", label), |b| {
+                b.iter(|| {
+                    dequantize_hadamard_into(black_box(&rotated), &mut deq_out[..len], &h, 0, &opts).unwrap()
+                });
             });
             // Fused kernel over INT4 inputs of `len` elements each (prefix views
             // are re-quantized slices of the big inputs).

@@ -56,6 +56,24 @@ pub enum QuantError {
     /// The size of a quantized buffer overflows `usize`.
     #[error("length {0} is too large to quantize on this platform")]
     TooLarge(u64),
+    /// A Hadamard rotation needs a power-of-two group of at most
+    /// [`crate::hadamard::MAX_GROUP`] elements.
+    #[error(
+        "a Hadamard rotation needs a power-of-two group size of at most {max}, got {0}",
+        max = crate::hadamard::MAX_GROUP
+    )]
+    HadamardGroupSize(usize),
+    /// A Hadamard rotation's groups differ from the quantization groups it is
+    /// used with.
+    #[error(
+        "the Hadamard rotation's groups ({rotation} elements) differ from the quantization groups ({spec})"
+    )]
+    HadamardMismatch {
+        /// The rotation's group size.
+        rotation: usize,
+        /// The spec's group size.
+        spec: usize,
+    },
     /// Wire decoding failed: the buffer is not a valid encoding.
     #[error("invalid quantized encoding: {0}")]
     Decode(#[from] DecodeError),

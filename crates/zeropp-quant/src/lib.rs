@@ -48,6 +48,14 @@
 //! [`Quantized`] or a zero-copy [`QuantizedRef`] parsed from received wire
 //! bytes. The wire layout is documented byte by byte in [`wire`].
 //!
+//! ## Hadamard smoothing
+//!
+//! [`hadamard`] rotates each group by a seeded, randomized Walsh–Hadamard
+//! transform before quantizing ([`hadamard::quantize_hadamard_to_wire`]) and
+//! back after dequantizing, which spreads an outlier's mass over its group
+//! (SDP4Bit's gradient smoothing). It is linear, so encodings of the same
+//! positions are summed in the rotated domain by the ordinary fused kernel.
+//!
 //! ## GPU
 //!
 //! With the `cuda` feature, `zeropp_quant::cuda` runs the same operations on an NVIDIA GPU,
@@ -77,6 +85,7 @@ mod core;
 pub mod cuda;
 mod element;
 mod error;
+pub mod hadamard;
 mod ops;
 mod quantized;
 pub mod rng;
@@ -89,6 +98,7 @@ mod wire_header;
 
 pub use element::Element;
 pub use error::{DecodeError, QuantError, Result};
+pub use hadamard::Hadamard;
 pub use ops::{
     dequant_reduce_quant, dequant_reduce_quant_into, dequant_reduce_quant_to_wire, dequantize,
     dequantize_add, dequantize_into, quantize, quantize_into, quantize_to_wire,

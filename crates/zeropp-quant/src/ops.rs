@@ -51,7 +51,7 @@ pub fn quantize_into<T: Element>(input: &[T], opts: &Options, out: &mut Quantize
 }
 
 /// Splits a wire buffer into the kernel destination after writing the header.
-fn wire_out<'a>(buf: &'a mut [u8], spec: &QuantSpec, len: usize) -> Result<(QOut<'a>, usize)> {
+pub(crate) fn wire_out<'a>(buf: &'a mut [u8], spec: &QuantSpec, len: usize) -> Result<(QOut<'a>, usize)> {
     let total = wire::checked_encoded_len(spec, len).ok_or(QuantError::TooLarge(len as u64))?;
     if buf.len() < total {
         return Err(QuantError::BufferTooSmall { what: "wire encoding", needed: total, actual: buf.len() });

@@ -28,6 +28,46 @@ x86_kernels! {
     deq: [_mm_loadl_epi64, _mm256_cvtepi8_epi32],
 }
 
+vector_fwht!("avx2");
+
+/// Stores 8 words to `out[at..at + 8]`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn store_u32(out: &mut [u32], at: usize, v: __m256i) {
+    assert!(at + 8 <= out.len());
+    // SAFETY: the assert keeps the 32-byte unaligned store in bounds.
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr().add(at).cast::<__m256i>(), v) }
+}
+
+/// Flips the sign of lane `k` where bit `k` of `bits` is set (an exact xor of
+/// the sign bit).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn fwht_flip(v: __m256, bits: u32) -> __m256 {
+    let ids = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    let set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits as i32), ids), ids);
+    let sign = _mm256_and_si256(set, _mm256_set1_epi32(i32::MIN));
+    _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(v), sign))
+}
+
+/// One butterfly stage inside a vector: `p` is `v` with each lane swapped for
+/// its partner; lanes in `MASK` (the upper of each pair) take `p - v` (the
+/// scalar `a - b`), the others `v + p` (`a + b`).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn fwht_stage<const MASK: i32>(v: __m256, p: __m256) -> __m256 {
+    _mm256_blend_ps::<MASK>(_mm256_add_ps(v, p), _mm256_sub_ps(p, v))
+}
+
+/// The butterfly stages h = 1, 2, 4 inside one vector of 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn fwht_lanes(v: __m256) -> __m256 {
+    let v = fwht_stage::<0b1010_1010>(v, _mm256_permute_ps::<0b10_11_00_01>(v));
+    let v = fwht_stage::<0b1100_1100>(v, _mm256_permute_ps::<0b01_00_11_10>(v));
+    fwht_stage::<0b1111_0000>(v, _mm256_permute2f128_ps::<0x01>(v, v))
+}
+
 /// Defines a horizontal reduction of 8 lanes with one 4-lane op and its
 /// lowest-lane (`_ss`) form: halves, then quarters, then the last pair.
 macro_rules! horizontal {

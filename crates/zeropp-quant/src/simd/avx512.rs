@@ -27,6 +27,45 @@ x86_kernels! {
     deq: [_mm_loadu_si128, _mm512_cvtepi8_epi32],
 }
 
+vector_fwht!("avx512f");
+
+/// Stores 16 words to `out[at..at + 16]`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn store_u32(out: &mut [u32], at: usize, v: __m512i) {
+    assert!(at + 16 <= out.len());
+    // SAFETY: the assert keeps the 64-byte unaligned store in bounds.
+    unsafe { _mm512_storeu_si512(out.as_mut_ptr().add(at).cast::<__m512i>(), v) }
+}
+
+/// Flips the sign of lane `k` where bit `k` of `bits` is set (an exact xor of
+/// the sign bit, masked).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn fwht_flip(v: __m512, bits: u32) -> __m512 {
+    let vi = _mm512_castps_si512(v);
+    _mm512_castsi512_ps(_mm512_mask_xor_epi32(vi, bits as __mmask16, vi, _mm512_set1_epi32(i32::MIN)))
+}
+
+/// One butterfly stage inside a vector: `p` is `v` with each lane swapped for
+/// its partner; lanes in `mask` (the upper of each pair) take `p - v` (the
+/// scalar `a - b`), the others `v + p` (`a + b`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn fwht_stage(v: __m512, p: __m512, mask: __mmask16) -> __m512 {
+    _mm512_mask_blend_ps(mask, _mm512_add_ps(v, p), _mm512_sub_ps(p, v))
+}
+
+/// The butterfly stages h = 1, 2, 4, 8 inside one vector of 16 lanes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn fwht_lanes(v: __m512) -> __m512 {
+    let v = fwht_stage(v, _mm512_permute_ps::<0b10_11_00_01>(v), 0xAAAA);
+    let v = fwht_stage(v, _mm512_permute_ps::<0b01_00_11_10>(v), 0xCCCC);
+    let v = fwht_stage(v, _mm512_shuffle_f32x4::<0b10_11_00_01>(v, v), 0xF0F0);
+    fwht_stage(v, _mm512_shuffle_f32x4::<0b01_00_11_10>(v, v), 0xFF00)
+}
+
 /// Stores 16 clamped integral floats as i8 to `out[at..at + 16]`.
 #[inline]
 #[target_feature(enable = "avx512f")]

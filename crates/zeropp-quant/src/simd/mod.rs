@@ -10,7 +10,7 @@
 //!
 //! Every kernel module has the same functions with the same signatures
 //! (`abs_max`, `min_max`, `round_nearest`, `round_stochastic`, `dequant`,
-//! `dequant_add`, `pack4`, `unpack4`), so [`Dispatch`] forwards each call
+//! `dequant_add`, `pack4`, `unpack4`, `fwht`), so [`Dispatch`] forwards each call
 //! with one macro. The vector ISAs share their reduction and rounding
 //! bodies (the `vector` module), AVX2 and AVX-512 also their dequantization
 //! loop (the `x86` module); each supplies only its lane operations.
@@ -104,6 +104,34 @@ macro_rules! float_load_store {
             assert!(at + $lanes <= c.len());
             // SAFETY: the assert above keeps the unaligned store in bounds.
             unsafe { $st(c.as_mut_ptr().add(at), v) }
+        }
+
+        /// The unchecked accesses of a hot loop that proves its own bounds
+        /// (the Hadamard kernel's passes).
+        mod raw {
+            use super::*;
+
+            #[doc = concat!("Loads ", $lanes, " floats at `p + at`.")]
+            ///
+            /// # Safety
+            #[doc = concat!("`p + at .. p + at + ", $lanes, "` lies in one live allocation of f32.")]
+            #[inline]
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn load(p: *const f32, at: usize) -> $v {
+                // SAFETY: the caller keeps the range in bounds.
+                unsafe { $ld(p.add(at)) }
+            }
+
+            #[doc = concat!("Stores ", $lanes, " floats at `p + at`.")]
+            ///
+            /// # Safety
+            #[doc = concat!("`p + at .. p + at + ", $lanes, "` lies in one live, writable allocation of f32.")]
+            #[inline]
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn store(p: *mut f32, at: usize, v: $v) {
+                // SAFETY: the caller keeps the range in bounds.
+                unsafe { $st(p.add(at), v) }
+            }
         }
     };
 }
@@ -219,6 +247,11 @@ macro_rules! dispatch {
 }
 
 impl Dispatch {
+    /// The portable scalar kernel (always available).
+    pub(crate) const fn scalar() -> Self {
+        Self(Kernel::Scalar)
+    }
+
     /// Checks `requested` (or picks the best kernel when `None`).
     pub(crate) fn resolve(requested: Option<Kernel>) -> Result<Self> {
         match requested {
@@ -252,6 +285,24 @@ impl Dispatch {
             None => dispatch!(self, round_nearest(x, p, out)),
             Some(st) => dispatch!(self, round_stochastic(x, p, st, out)),
         }
+    }
+
+    /// The randomized Walsh–Hadamard transform of one group `x` (a power-of-two
+    /// length), in place: forward, flip the sign of `x[k]` where bit `k` of
+    /// `signs` is set, then the butterfly stages `h = 1, 2, …, n/2`, then
+    /// multiply by `scale`; inverse, the stages, the scale, then the flip.
+    #[inline]
+    pub(crate) fn fwht(self, x: &mut [f32], signs: &[u32], scale: f32, inverse: bool) {
+        debug_assert!(x.len().is_power_of_two());
+        debug_assert!(signs.len() * 32 >= x.len());
+        dispatch!(self, fwht(x, signs, scale, inverse))
+    }
+
+    /// `out[i] = hash32(k1, k2, lo + i)` (wrapping), the sign words of the
+    /// Hadamard rotation (see [`crate::rng`] for `hash32`).
+    #[inline]
+    pub(crate) fn hash_words(self, k1: u32, k2: u32, lo: u32, out: &mut [u32]) {
+        dispatch!(self, hash_words(k1, k2, lo, out))
     }
 
     /// Asks the CPU to start loading `x` into the cache (a hint: no effect on

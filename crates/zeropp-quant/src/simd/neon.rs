@@ -13,6 +13,7 @@ vector_rounding!("neon");
 /// The lane vocabulary of the shared bodies (see `super::vector`), on 4 lanes.
 mod lanes {
     pub(super) use super::{load4 as load, store16 as store};
+    pub(super) use std::arch::aarch64::vaddq_f32 as add_f;
     use std::arch::aarch64::*;
     pub(super) use std::arch::aarch64::{float32x4_t as F, uint32x4_t as I, uint32x4_t as M};
     pub(super) use std::arch::aarch64::{vabsq_f32 as abs_f, vandq_u32 as and_m, vcleq_f32 as le_f};
@@ -68,6 +69,49 @@ mod lanes {
 }
 
 float_load_store!("neon", float32x4_t, 4, load4: vld1q_f32, store4: vst1q_f32);
+
+vector_fwht!("neon");
+
+/// Stores 4 words to `out[at..at + 4]`.
+#[inline]
+#[target_feature(enable = "neon")]
+fn store_u32(out: &mut [u32], at: usize, v: uint32x4_t) {
+    assert!(at + 4 <= out.len());
+    // SAFETY: the assert keeps the 16-byte unaligned store in bounds.
+    unsafe { vst1q_u32(out.as_mut_ptr().add(at), v) }
+}
+
+/// Flips the sign of lane `k` where bit `k` of `bits` is set (an exact xor of
+/// the sign bit).
+#[inline]
+#[target_feature(enable = "neon")]
+fn fwht_flip(v: float32x4_t, bits: u32) -> float32x4_t {
+    let ids: [u32; 4] = [1, 2, 4, 8];
+    // SAFETY: `ids` holds exactly the 4 u32 read.
+    let ids = unsafe { vld1q_u32(ids.as_ptr()) };
+    let set = vceqq_u32(vandq_u32(vdupq_n_u32(bits), ids), ids);
+    let sign = vandq_u32(set, vdupq_n_u32(0x8000_0000));
+    vreinterpretq_f32_u32(veorq_u32(vreinterpretq_u32_f32(v), sign))
+}
+
+/// One butterfly stage inside a vector: `p` is `v` with each lane swapped for
+/// its partner; lanes set in `upper` take `p - v` (the scalar `a - b`), the
+/// others `v + p` (`a + b`).
+#[inline]
+#[target_feature(enable = "neon")]
+fn fwht_stage(v: float32x4_t, p: float32x4_t, upper: [u32; 4]) -> float32x4_t {
+    // SAFETY: `upper` holds exactly the 4 u32 read.
+    let m = unsafe { vld1q_u32(upper.as_ptr()) };
+    vbslq_f32(m, vsubq_f32(p, v), vaddq_f32(v, p))
+}
+
+/// The butterfly stages h = 1, 2 inside one vector of 4 lanes.
+#[inline]
+#[target_feature(enable = "neon")]
+fn fwht_lanes(v: float32x4_t) -> float32x4_t {
+    let v = fwht_stage(v, vrev64q_f32(v), [0, u32::MAX, 0, u32::MAX]);
+    fwht_stage(v, vextq_f32::<2>(v, v), [0, 0, u32::MAX, u32::MAX])
+}
 
 /// Narrows four vectors of 4 clamped integral floats to 16 i8 at `out[at..]`.
 #[inline]

@@ -102,3 +102,48 @@ pub(crate) fn unpack4(data: &[u8], out: &mut [u8]) {
         o[1] = (((b << 4) as i8) >> 4) as u8;
     }
 }
+
+/// Flips the sign of `x[k]` where bit `k` of `signs` (bit `k % 32` of word
+/// `k / 32`) is set: an exact operation (the sign bit alone changes).
+pub(crate) fn flip_signs(x: &mut [f32], signs: &[u32]) {
+    for (k, v) in x.iter_mut().enumerate() {
+        let bit = (signs.get(k / 32).copied().unwrap_or(0) >> (k % 32)) & 1;
+        *v = f32::from_bits(v.to_bits() ^ (bit << 31));
+    }
+}
+
+/// See [`super::Dispatch::fwht`]: the randomized Walsh–Hadamard transform of
+/// one group of a power-of-two length. Forward: flip the signs, butterfly
+/// stages `h = 1, 2, 4, …, n/2` (`(a, b) → (a + b, a − b)`), multiply by
+/// `scale`. Inverse: the stages, the scale, then the flip.
+pub(crate) fn fwht(x: &mut [f32], signs: &[u32], scale: f32, inverse: bool) {
+    if !inverse {
+        flip_signs(x, signs);
+    }
+    let n = x.len();
+    let mut h = 1;
+    while h < n {
+        for block in x.chunks_exact_mut(2 * h) {
+            let (lo, hi) = block.split_at_mut(h);
+            for (a, b) in lo.iter_mut().zip(hi.iter_mut()) {
+                let (x0, x1) = (*a, *b);
+                *a = x0 + x1;
+                *b = x0 - x1;
+            }
+        }
+        h *= 2;
+    }
+    for v in x.iter_mut() {
+        *v *= scale;
+    }
+    if inverse {
+        flip_signs(x, signs);
+    }
+}
+
+/// See [`super::Dispatch::hash_words`].
+pub(crate) fn hash_words(k1: u32, k2: u32, lo: u32, out: &mut [u32]) {
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = rng::hash32(k1, k2, lo.wrapping_add(i as u32));
+    }
+}

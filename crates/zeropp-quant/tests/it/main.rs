@@ -17,6 +17,7 @@ mod gpu;
 mod gpu_cases;
 #[cfg(feature = "cuda")]
 mod gpu_emu;
+mod hadamard;
 mod int4;
 mod properties;
 mod stochastic;
