@@ -69,6 +69,12 @@
 //! | [`world_qwz_all_gather`], [`world_qwz_gather_encoded`] ([`world_qwz_bytes`]) | flat | `(L-1)·E` | `(W-L)·E` |
 //! | | hierarchical | `(L-1)·N·E` | `(N-1)·E` |
 //!
+//! qwZ-Δ's exchange ([`qwz_delta_exchange`], [`qwz_delta_bytes`]; hpZ groups of
+//! `H` ranks, `E` the encoding of one shard's difference): `E` across nodes to
+//! each of the `N-1` other nodes (to the holder of the shard there), `E` to each
+//! other holder in the own node (`L/H` of them, the sender possibly among them),
+//! and with `H < L` a forwarding hop inside each node.
+//!
 //! The group collectives' formulas are [`group_all_gather_bytes`],
 //! [`group_reduce_scatter_bytes`] and [`group_qwz_bytes`].
 //!
@@ -84,6 +90,7 @@ mod baseline;
 mod hierarchical;
 mod qgz;
 mod qwz;
+mod qwz_delta;
 mod ring;
 mod world_qwz;
 
@@ -103,6 +110,9 @@ pub use qgz::{
     qgz_reduce_scatter_with_feedback,
 };
 pub use qwz::{QwzOptions, group_qwz_bytes, qwz_all_gather};
+pub use qwz_delta::{
+    DeltaOptions, delta_apply, delta_apply_timed, delta_encode, qwz_delta_bytes, qwz_delta_exchange,
+};
 pub use ring::{RingOptions, ring_quantized_reduce_scatter};
 pub use world_qwz::{dequantize_encodings, world_qwz_all_gather, world_qwz_bytes, world_qwz_gather_encoded};
 

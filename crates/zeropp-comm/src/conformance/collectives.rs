@@ -231,6 +231,12 @@ pub fn check_world_collectives<C: Communicator + ?Sized>(comm: &mut C, case: &Ca
 /// the second hop (bounded by its members' amax over the shard plus their first-hop
 /// error). `inputs[r]` is rank `r`'s full gradient; the bound is returned for the
 /// `⌈n/W⌉` elements of shard `shard` (the output of rank `shard`).
+///
+/// With [`QgzOptions::hadamard`], a whole group `B` of `g` elements is quantized
+/// in the rotated basis, where no value exceeds `‖x_B‖₂` (the rotation is
+/// orthonormal): the same sum, with `‖x_B‖₂` for the amax, bounds each rotated
+/// error, and rotating back multiplies an elementwise bound by at most `√g`
+/// (`|(R⁻¹e)_i| ≤ Σ|e_j|/√g`). A partial last group is not rotated.
 pub fn qgz_error_bound(
     topology: &Topology,
     inputs: &[Vec<f32>],
@@ -243,12 +249,26 @@ pub fn qgz_error_bound(
     let s = shard_len(n, w);
     let step = |spec: &QuantSpec| 1.0 / f64::from(1u32 << (spec.bits().bits() - 1));
     let get = |x: &Vec<f32>, i: usize| f64::from(x.get(i).copied().unwrap_or(0.0)).abs();
-    // amax over the quantization block (of size gs, aligned at the shard start) containing element i.
-    let block_amax = |x: &Vec<f32>, i: usize, gs: usize| {
+    // The quantization block (of size gs, aligned at the shard start) containing element i.
+    let block = |i: usize, gs: usize| {
         let (part, k) = (i / s.max(1), i % s.max(1));
         let lo = part * s + (k / gs) * gs;
-        let hi = (lo + gs).min(part * s + s);
-        (lo..hi).map(|j| get(x, j)).fold(0.0f64, f64::max)
+        (lo, (lo + gs).min(part * s + s))
+    };
+    let g = opts.intra_spec.group_size();
+    // Whether element i sits in a rotated (whole) group.
+    let rotated = |i: usize| {
+        let (lo, hi) = block(i, g);
+        opts.hadamard.is_some() && hi - lo == g
+    };
+    // The largest value the quantizer sees in i's block: amax, or ‖x_B‖₂ when rotated.
+    let block_max = |x: &Vec<f32>, i: usize, gs: usize| {
+        let (lo, hi) = block(i, gs);
+        if rotated(i) {
+            (lo..hi).map(|j| get(x, j).powi(2)).sum::<f64>().sqrt()
+        } else {
+            (lo..hi).map(|j| get(x, j)).fold(0.0f64, f64::max)
+        }
     };
     let scale = if opts.reduce == Reduce::Mean { 1.0 / w as f64 } else { 1.0 };
     let shard_amax: Vec<f64> =
@@ -258,6 +278,7 @@ pub fn qgz_error_bound(
             if w == 1 {
                 return 0.0;
             }
+            let rot = rotated(i);
             let mut e = 0.0f64;
             let mut total_amax = 0.0f64;
             for m in 0..nodes {
@@ -277,12 +298,19 @@ pub fn qgz_error_bound(
                         &opts.intra_spec
                     };
                     let e1 = step(spec);
-                    e += block_amax(x, i, spec.group_size()) * e1;
-                    partial_amax += shard_amax[r] * (1.0 + e1);
+                    e += block_max(x, i, spec.group_size()) * e1;
+                    partial_amax += if rot {
+                        block_max(x, i, g) * (1.0 + e1 * (g as f64).sqrt())
+                    } else {
+                        shard_amax[r] * (1.0 + e1)
+                    };
                 }
                 if nodes > 1 && local > 1 && m != mt {
                     e += partial_amax * step(&opts.inter_spec);
                 }
+            }
+            if rot {
+                e *= (g as f64).sqrt();
             }
             ((e + 1e-5 * total_amax + 1e-30) * scale) as f32
         })
@@ -305,6 +333,9 @@ pub fn check_qgz<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<
         QgzOptions::default().with_spec(
             QuantSpec::new(Bits::Int8, zeropp_quant::Scheme::Symmetric, 5).map_err(|e| e.to_string())?,
         ),
+        // SDP4Bit's two levels with the Hadamard rotation (groups of 8, so short
+        // shards hold whole, rotated groups).
+        QgzOptions::two_level(8).map_err(|e| e.to_string())?.with_hadamard(case.seed),
     ]
     .iter()
     .enumerate()

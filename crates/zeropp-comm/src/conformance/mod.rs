@@ -18,11 +18,13 @@ use crate::Communicator;
 
 mod collectives;
 mod common;
+mod delta;
 mod errors;
 mod primitives;
 
 pub use collectives::*;
 pub use common::{Case, groups, rank_bytes, rank_data};
+pub use delta::check_qwz_delta;
 pub use errors::*;
 pub use primitives::*;
 
@@ -36,6 +38,7 @@ pub fn run_all<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<()
     check_baselines(comm, case)?;
     check_qwz(comm, case)?;
     check_qgz(comm, case)?;
+    check_qwz_delta(comm, case)?;
     check_world_collectives(comm, case)?;
     check_duplicate_async(comm, case)
 }

@@ -346,6 +346,15 @@ fn qgz_impl<C: DeviceCommunicator + ?Sized>(
     opts: &QgzOptions,
     feedback: Option<&mut DeviceFeedback<C::Device>>,
 ) -> Result<(), CommError> {
+    if opts.hadamard.is_some() {
+        // The rotation has a CUDA kernel in zeropp-quant, but these device
+        // collectives do not call it yet: refuse rather than skip it.
+        return Err(CommError::Mismatch(
+            "qgz on device buffers: the Hadamard rotation (QgzOptions::hadamard) is not supported here yet; \
+             use the host collective"
+                .into(),
+        ));
+    }
     let topo = *comm.topology();
     let (w, nodes, local) = (topo.world(), topo.nodes(), topo.local_size());
     let rank = comm.rank();

@@ -73,9 +73,14 @@ proptest! {
         shape in prop::sample::select(vec![(1, 1), (1, 3), (3, 1), (2, 2), (2, 3), (3, 2)]),
         n in 1usize..3000,
         seed in prop::option::of(any::<u64>()),
+        hadamard in prop::option::of(any::<u64>()),
     ) {
         let t = Topology::ranks(shape.0 * shape.1).per_node(shape.1).unwrap();
         let mut opts = QgzOptions::default();
+        if let Some(h) = hadamard {
+            // SDP4Bit's two levels, rotated (groups of 64: short shards still rotate).
+            opts = QgzOptions::two_level(64).unwrap().with_hadamard(h);
+        }
         if let Some(seed) = seed {
             opts.quant = opts.quant.stochastic(seed);
         }
@@ -100,4 +105,15 @@ fn stages_name_the_buffer_that_does_not_fit() {
     let recv = vec![7u8; 2 * st.intra_chunk_len()];
     assert!(st.reduce_intra(&recv, &own, &mut inter, &mut shard).is_err());
     assert!(QgzStages::new(&t, 4, 1000, &QgzOptions::default()).is_err());
+    // The rotation needs one power-of-two group size on every hop.
+    let mixed = QgzOptions {
+        local_spec: zeropp_quant::QuantSpec::int8(128).unwrap(),
+        ..QgzOptions::two_level(64).unwrap()
+    };
+    let e = QgzStages::new(&t, 1, 1000, &mixed.with_hadamard(1)).unwrap_err().to_string();
+    assert!(e.contains("one group size for every hop (intra 64, inter 64, local 128)"), "{e}");
+    let odd = QgzOptions::default().with_spec(zeropp_quant::QuantSpec::int4(100).unwrap());
+    let odd = QgzOptions { local_spec: zeropp_quant::QuantSpec::int8(100).unwrap(), ..odd };
+    let e = QgzStages::new(&t, 1, 1000, &odd.with_hadamard(1)).unwrap_err().to_string();
+    assert!(e.contains("power-of-two group size"), "{e}");
 }

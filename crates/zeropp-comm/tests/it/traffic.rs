@@ -376,3 +376,31 @@ fn the_quantization_clock_moves_only_for_quantized_collectives() {
         assert_eq!(after_reset, qgz, "rank {rank}: reset must keep the clock");
     }
 }
+
+/// qwZ-Δ's exchange sends what [`qwz_delta_bytes`] says, on every rank, for
+/// every hpZ size (one hop when hpZ spans the node, two when a node holds
+/// several copies), and only `N - 1` encodings per rank cross nodes.
+#[test]
+fn qwz_delta_counters_match_the_formula() {
+    use zeropp_comm::collectives::{qwz_delta_bytes, qwz_delta_exchange};
+    for (nodes, local) in [(1, 1), (2, 1), (1, 4), (2, 2), (2, 4), (3, 4), (4, 2)] {
+        let t = Topology::ranks(nodes * local).per_node(local).unwrap();
+        for hpz in (1..=local).filter(|h| local % h == 0) {
+            let e = 37;
+            let snaps = ThreadCluster::new(t, ThreadOptions::default())
+                .run(|comm| {
+                    comm.set_op("delta");
+                    qwz_delta_exchange(comm, hpz, &vec![comm.rank() as u8; e])?;
+                    Ok::<_, zeropp_comm::CommError>(comm.traffic().snapshot())
+                })
+                .unwrap();
+            for (rank, snap) in snaps.iter().enumerate() {
+                let got = snap.op("delta");
+                let want = qwz_delta_bytes(&t, hpz, rank, e).unwrap();
+                let ctx = format!("{nodes}x{local} H={hpz} rank {rank}");
+                assert_eq!((got.intra.bytes_sent, got.inter.bytes_sent), (want.intra, want.inter), "{ctx}");
+                assert_eq!(got.inter.bytes_sent, ((nodes - 1) * e) as u64, "{ctx}");
+            }
+        }
+    }
+}

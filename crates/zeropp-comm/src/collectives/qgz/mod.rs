@@ -74,6 +74,20 @@ pub struct QgzOptions {
     pub reduce: Reduce,
     /// Kernel options (rounding, threading).
     pub quant: Options,
+    /// SDP4Bit's gradient smoothing: a randomized Hadamard rotation of every
+    /// quantization group before the first quantization
+    /// ([`zeropp_quant::hadamard`]), with this seed for its sign stream (`None`,
+    /// the default: off). Every rank must pass the same seed. The rotation is
+    /// keyed by position (shard `p` starts at `p·⌈n/W⌉`), so every rank's
+    /// encoding of a shard is in the same rotated basis: the fused
+    /// dequantize-sum-requantize of hop 2 works on rotated values unchanged,
+    /// and each owner rotates its shard back once, after the last sum. The
+    /// inverse of hop 1's rotation and the forward one before hop 2 cancel
+    /// exactly in exact arithmetic, so they are not run. Needs one power-of-two
+    /// group size for the three specs. With error feedback the residuals live
+    /// in the rotated basis: keep the seed fixed across calls for them to mean
+    /// anything.
+    pub hadamard: Option<u64>,
 }
 
 impl QgzOptions {
@@ -93,6 +107,32 @@ impl QgzOptions {
         self.inter_spec = spec;
         self
     }
+
+    /// These options with the Hadamard rotation on, with sign-stream seed `seed`
+    /// (see [`QgzOptions::hadamard`]).
+    pub fn with_hadamard(mut self, seed: u64) -> Self {
+        self.hadamard = Some(seed);
+        self
+    }
+
+    /// SDP4Bit's two levels: INT8 inside the node (`intra_spec`) and INT4
+    /// between nodes (`inter_spec`), both with `group_size` elements per scale.
+    ///
+    /// ```
+    /// use zeropp_comm::collectives::QgzOptions;
+    /// use zeropp_comm::quant::Bits;
+    /// let o = QgzOptions::two_level(256)?.with_hadamard(7);
+    /// assert_eq!((o.intra_spec.bits(), o.inter_spec.bits()), (Bits::Int8, Bits::Int4));
+    /// # Ok::<(), zeropp_comm::CommError>(())
+    /// ```
+    pub fn two_level(group_size: usize) -> Result<Self, CommError> {
+        Ok(Self {
+            intra_spec: QuantSpec::int8(group_size)?,
+            inter_spec: QuantSpec::int4(group_size)?,
+            local_spec: QuantSpec::int8(group_size)?,
+            ..Self::default()
+        })
+    }
 }
 
 impl Default for QgzOptions {
@@ -107,6 +147,7 @@ impl Default for QgzOptions {
             local_spec,
             reduce: Reduce::Mean,
             quant: Options::default(),
+            hadamard: None,
         }
     }
 }

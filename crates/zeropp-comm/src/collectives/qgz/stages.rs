@@ -8,9 +8,10 @@
 //! `all_to_all_single`), so both paths reorder, quantize and reduce with the
 //! same code and give bit-identical shards for the same inputs and seed.
 
+use zeropp_quant::hadamard::quantize_hadamard_to_wire;
 use zeropp_quant::rng::stream_seed;
 use zeropp_quant::{
-    Options, QuantSpec, QuantizedRef, Rounding, dequant_reduce_quant_to_wire, dequantize_add,
+    Hadamard, Options, QuantSpec, QuantizedRef, Rounding, dequant_reduce_quant_to_wire, dequantize_add,
     dequantize_into, encoded_len, quantize_to_wire,
 };
 
@@ -41,6 +42,10 @@ use crate::{CommError, Topology};
 /// lengths and every received encoding's header and length, and names the
 /// culprit in its error.
 ///
+/// With [`QgzOptions::hadamard`], stage 1 rotates every shard before it
+/// quantizes it (shard `p` at stream position `p·s`), stages 3 and 5 sum in the
+/// rotated basis, and stage 5 rotates this rank's shard back before the mean.
+///
 /// ```
 /// use zeropp_comm::collectives::{QgzOptions, QgzStages};
 /// use zeropp_comm::Topology;
@@ -61,6 +66,8 @@ pub struct QgzStages {
     n: usize,
     s: usize,
     opts: QgzOptions,
+    /// The Hadamard rotation of [`QgzOptions::hadamard`].
+    rot: Option<Hadamard>,
 }
 
 /// Stage 1's output buffers, as [`QgzStages::pack`] names them.
@@ -87,7 +94,27 @@ impl QgzStages {
                 topology.world()
             )));
         }
-        Ok(Self { topo: *topology, rank, n, s: shard_len(n, topology.world()), opts: *opts })
+        let rot = match opts.hadamard {
+            None => None,
+            Some(seed) => {
+                let g = opts.intra_spec.group_size();
+                if opts.inter_spec.group_size() != g || opts.local_spec.group_size() != g {
+                    return Err(CommError::Mismatch(format!(
+                        "qgz: the Hadamard rotation needs one group size for every hop (intra {g}, inter {}, \
+                         local {})",
+                        opts.inter_spec.group_size(),
+                        opts.local_spec.group_size()
+                    )));
+                }
+                Some(Hadamard::new(g, seed)?)
+            }
+        };
+        Ok(Self { topo: *topology, rank, n, s: shard_len(n, topology.world()), opts: *opts, rot })
+    }
+
+    /// Where shard `part` starts in the rotation's stream.
+    fn rotated(&self, part: usize) -> Option<(Hadamard, u64)> {
+        self.rot.map(|h| (h, (part as u64).wrapping_mul(self.s as u64)))
     }
 
     /// Elements of the output shard: `⌈n/W⌉`.
@@ -174,6 +201,11 @@ impl QgzStages {
                 dequantize_add(&x, shard, q)?;
             }
         }
+        if self.topo.world() > 1
+            && let Some((h, at)) = self.rotated(self.rank)
+        {
+            h.inverse(shard, at, &self.opts.quant)?;
+        }
         finish_shard(shard, self.n, self.topo.world(), self.rank, self.opts.reduce, self.topo.world());
         Ok(())
     }
@@ -241,7 +273,15 @@ impl QgzStages {
                     let out = out.ok_or_else(|| CommError::Mismatch("qgz: send buffer too small".into()))?;
                     let kq = keyed(q, self.rank, 1, part);
                     let res = feedback.as_deref_mut().map(|f| &mut *f.hop1);
-                    encode_part(grad, s, part, spec, &kq, out, res, beta)?;
+                    encode_part(
+                        grad,
+                        s,
+                        part,
+                        Encode { spec, opts: &kq, rot: self.rotated(part) },
+                        out,
+                        res,
+                        beta,
+                    )?;
                 }
             }
         } else {
@@ -257,11 +297,16 @@ impl QgzStages {
                         res.fill_zero();
                     }
                     with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
+                    // The sum runs in the rotated basis; stage 5 rotates it back.
+                    if let Some((h, at)) = self.rotated(part) {
+                        h.forward(shard, at, q)?;
+                    }
                 } else {
                     let out = inter_slot(inter_send, ei, m)?;
                     let kq = keyed(q, self.rank, 1, part);
                     let res = feedback.as_deref_mut().map(|f| &mut *f.hop1);
-                    encode_part(grad, s, part, self.opts.inter_spec, &kq, out, res, beta)?;
+                    let enc = Encode { spec: self.opts.inter_spec, opts: &kq, rot: self.rotated(part) };
+                    encode_part(grad, s, part, enc, out, res, beta)?;
                 }
             }
         }
@@ -326,7 +371,9 @@ impl QgzStages {
                         dequantize_add(x, &mut partial, q)?;
                     }
                     let r = fb.hop2.slice_mut(m * s..(m + 1) * s).ok_or_else(|| residual_oob(m, s))?;
-                    encode_with_feedback(&partial, self.opts.inter_spec, &kq, out, Some((r, fb.beta)))?;
+                    // Already in the rotated basis (the inputs were rotated at stage 1).
+                    let enc = Encode { spec: self.opts.inter_spec, opts: &kq, rot: None };
+                    encode_with_feedback(&partial, enc, out, Some((r, fb.beta)))?;
                 }
             }
         }
@@ -363,21 +410,33 @@ fn keyed(q: &Options, rank: usize, hop: u64, slot: usize) -> Options {
     }
 }
 
-/// Quantizes `x` into `out`; with a residual `res` (same length as `x`), quantizes
-/// `c = x + res` instead and updates `res ← β·res + (1 − β)·(c − deq)` (in f32,
+/// How one part is encoded: its spec, its kernel options, and (with the
+/// Hadamard rotation) the rotation and the part's stream position.
+struct Encode<'a> {
+    spec: QuantSpec,
+    opts: &'a Options,
+    rot: Option<(Hadamard, u64)>,
+}
+
+/// Quantizes `x` into `out` (rotated first when `enc.rot` says so); with a
+/// residual `res` (same length as `x`), quantizes `c = x' + res` instead, `x'`
+/// the (rotated) input, and updates `res ← β·res + (1 − β)·(c − deq)` (in f32,
 /// stored in the residual's precision).
 fn encode_with_feedback(
     x: &[f32],
-    spec: QuantSpec,
-    opts: &Options,
+    enc: Encode<'_>,
     out: &mut [u8],
     feedback: Option<(ResidualMut<'_>, f32)>,
 ) -> Result<(), CommError> {
-    match feedback {
-        None => {
+    let Encode { spec, opts, rot } = enc;
+    match (feedback, rot) {
+        (None, None) => {
             quantize_to_wire(x, spec, opts, out)?;
         }
-        Some((mut res, beta)) => {
+        (None, Some((h, at))) => {
+            quantize_hadamard_to_wire(x, spec, &h, at, opts, out)?;
+        }
+        (Some((mut res, beta)), rot) => {
             if res.len() != x.len() {
                 return Err(CommError::Mismatch(format!(
                     "qgz: error-feedback residual of {} elements for {} gradient elements",
@@ -385,7 +444,11 @@ fn encode_with_feedback(
                     x.len()
                 )));
             }
-            let comp: Vec<f32> = x.iter().enumerate().map(|(i, a)| a + res.get(i)).collect();
+            let mut comp = x.to_vec();
+            if let Some((h, at)) = rot {
+                h.forward(&mut comp, at, opts)?;
+            }
+            comp.iter_mut().enumerate().for_each(|(i, c)| *c += res.get(i));
             quantize_to_wire(&comp, spec, opts, out)?;
             let mut deq = vec![0.0f32; comp.len()];
             dequantize_into(&QuantizedRef::from_bytes(out)?, &mut deq, opts)?;
@@ -397,15 +460,13 @@ fn encode_with_feedback(
     Ok(())
 }
 
-/// Quantizes shard `part` of `grad` (padded to `s`) into `out`, with the hop-1
+/// Encodes shard `part` of `grad` (padded to `s`) into `out`, with the hop-1
 /// residual of that shard when there is one.
-#[allow(clippy::too_many_arguments)] // one call site; the arguments are the hop's state
 fn encode_part(
     grad: &[f32],
     s: usize,
     part: usize,
-    spec: QuantSpec,
-    opts: &Options,
+    enc: Encode<'_>,
     out: &mut [u8],
     residual: Option<&mut Residual>,
     beta: f32,
@@ -414,7 +475,7 @@ fn encode_part(
         Some(r) => Some((r.slice_mut(part * s..(part + 1) * s).ok_or_else(|| residual_oob(part, s))?, beta)),
         None => None,
     };
-    with_part(grad, s, part, |x| encode_with_feedback(x, spec, opts, out, res))?
+    with_part(grad, s, part, |x| encode_with_feedback(x, enc, out, res))?
 }
 
 fn residual_oob(part: usize, s: usize) -> CommError {
