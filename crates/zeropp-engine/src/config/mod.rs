@@ -5,7 +5,7 @@
 //! from the CLI flags, or from a DeepSpeed JSON file ([`crate::deepspeed`]). One
 //! file per part: `zero.rs` ([`ZeroConfig`]: the stage, the techniques and
 //! DeepSpeed's bucket knobs), `qgz.rs` (qgZ's options: [`QgzConfig`],
-//! [`LocoConfig`]), `spec.rs` (quantization specs as ZeRO++ checks them, and
+//! [`LocoConfig`]), `delta.rs` (qwZ-Δ's [`DeltaConfig`]), `spec.rs` (quantization specs as ZeRO++ checks them, and
 //! their serde), `wire.rs` (the element types on the wire: [`CommDtype`],
 //! [`HpzWire`]); this file holds the run-level [`EngineConfig`] and
 //! [`AdamWConfig`].
@@ -16,11 +16,13 @@ pub use zeropp_comm::quant::QuantSpec;
 
 use crate::EngineError;
 
+mod delta;
 mod qgz;
 mod spec;
 mod wire;
 mod zero;
 
+pub use delta::DeltaConfig;
 pub use qgz::{LocoConfig, QgzConfig};
 pub use spec::{DEFAULT_GROUP_SIZE, quant_spec};
 pub use wire::{CommDtype, HpzWire};

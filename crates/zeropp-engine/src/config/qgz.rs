@@ -66,13 +66,31 @@ pub struct QgzConfig {
     /// qwZ's too.)
     #[serde(default)]
     pub stochastic: bool,
+    /// SDP4Bit's two levels: the intra-node hop in INT8 (same group size) and
+    /// [`QgzConfig::spec`] only for the inter-node hop. Off: both hops in `spec`.
+    #[serde(default)]
+    pub two_level: bool,
+    /// SDP4Bit's smoothing: each quantization group rotated by a seeded,
+    /// randomized Hadamard transform before its first quantization and back after
+    /// the last dequantization (`zeropp_comm::collectives::QgzOptions::hadamard`;
+    /// the seed is drawn per call from the run's seed, the same on every rank).
+    /// Needs a power-of-two group size; not with error feedback.
+    #[serde(default)]
+    pub hadamard: bool,
 }
 
 impl QgzConfig {
     /// qgZ as the ZeRO++ paper describes it: `spec` alone, no error feedback,
     /// the 1-D parameters quantized like the matrices, round to nearest.
     pub fn plain(spec: QuantSpec) -> Self {
-        Self { spec, error_feedback: None, exclude_1d: false, stochastic: false }
+        Self {
+            spec,
+            error_feedback: None,
+            exclude_1d: false,
+            stochastic: false,
+            two_level: false,
+            hadamard: false,
+        }
     }
 
     /// qgZ with the default options of [`ZeroConfig::zeropp`](super::ZeroConfig::zeropp): the 1-D
@@ -80,14 +98,40 @@ impl QgzConfig {
     /// feedback (the variant that met the fidelity rule on every corpus
     /// measured; docs/PERFORMANCE.md, "Fidelity").
     pub fn with_options(spec: QuantSpec) -> Self {
-        Self { spec, error_feedback: None, exclude_1d: true, stochastic: true }
+        Self {
+            spec,
+            error_feedback: None,
+            exclude_1d: true,
+            stochastic: true,
+            two_level: false,
+            hadamard: false,
+        }
     }
 
     /// qgZ as DeepSpeed's LoCo-ZeRO++ configures it: LoCo error feedback (its
     /// defaults), the 1-D parameters at the baseline precision, round to nearest
     /// (this crate's default before the fidelity study; opt-in now).
     pub fn loco(spec: QuantSpec) -> Self {
-        Self { spec, error_feedback: Some(LocoConfig::default()), exclude_1d: true, stochastic: false }
+        Self {
+            spec,
+            error_feedback: Some(LocoConfig::default()),
+            exclude_1d: true,
+            stochastic: false,
+            two_level: false,
+            hadamard: false,
+        }
+    }
+
+    /// [`QgzConfig::with_options`] plus SDP4Bit's two levels and Hadamard
+    /// smoothing (the qgZ of [`ZeroConfig::zeropp_delta`](super::ZeroConfig::zeropp_delta)).
+    pub fn sdp4bit(spec: QuantSpec) -> Self {
+        Self { two_level: true, hadamard: true, ..Self::with_options(spec) }
+    }
+
+    /// The format of the intra-node hop: INT8 with `spec`'s group size when
+    /// [`QgzConfig::two_level`], else `spec`.
+    pub fn intra_spec(&self) -> QuantSpec {
+        if self.two_level { QuantSpec::int8(self.spec.group_size()).unwrap_or(self.spec) } else { self.spec }
     }
 }
 

@@ -7,7 +7,7 @@ use zeropp_comm::quant::{Bits, QuantSpec};
 
 use super::spec::{check_spec, default_spec, spec_serde};
 use super::wire::routing_serde;
-use super::{CommDtype, DEFAULT_GROUP_SIZE, HpzWire, LocoConfig, QgzConfig};
+use super::{CommDtype, DEFAULT_GROUP_SIZE, DeltaConfig, HpzWire, LocoConfig, QgzConfig};
 use crate::EngineError;
 
 /// The ZeRO stage and the ZeRO++ techniques, each switchable on its own; a
@@ -26,6 +26,11 @@ pub struct ZeroConfig {
     /// qgZ and its options; `None` = off.
     #[serde(default)]
     pub qgz: Option<QgzConfig>,
+    /// qwZ-Δ: the hpZ copy kept current across steps by quantized weight
+    /// differences, so the forward gather stays inside the node too (see
+    /// [`DeltaConfig`]); `None` = off. Needs hpZ (dense wire).
+    #[serde(default)]
+    pub qwz_delta: Option<DeltaConfig>,
     /// Element type of the baseline collectives.
     pub comm_dtype: CommDtype,
     /// Routing of every world collective (the dense ZeRO-3 gathers and
@@ -95,6 +100,7 @@ impl ZeroConfig {
             qwz: None,
             hpz_size: 1,
             qgz: None,
+            qwz_delta: None,
             comm_dtype: CommDtype::Bf16,
             routing: Routing::Hierarchical,
             hpz_wire: HpzWire::Dense,
@@ -130,6 +136,20 @@ impl ZeroConfig {
     /// ([`QgzConfig::plain`]).
     pub fn zeropp_plain(local_size: usize) -> Self {
         Self { qgz: Some(QgzConfig::default()), ..Self::zeropp(local_size) }
+    }
+
+    /// ZeRO++ with SDP4Bit's techniques on top (the `zeropp-delta` mode): the
+    /// defaults of [`ZeroConfig::zeropp`], plus qwZ-Δ (INT4 weight differences
+    /// into the hpZ copy, [`DeltaConfig::default`]), and qgZ in two levels (INT8
+    /// inside the node, INT4 across) with Hadamard smoothing
+    /// ([`QgzConfig::sdp4bit`]). Across nodes a step then sends INT4 weight
+    /// differences and INT4 gradients (docs/PERFORMANCE.md, "Beyond ZeRO++").
+    pub fn zeropp_delta(local_size: usize) -> Self {
+        Self {
+            qgz: Some(QgzConfig::sdp4bit(Self::default_qgz_spec())),
+            qwz_delta: Some(DeltaConfig::default()),
+            ..Self::zeropp(local_size)
+        }
     }
 
     /// qwZ's default spec: symmetric INT8, groups of [`DEFAULT_GROUP_SIZE`].
@@ -179,16 +199,32 @@ impl ZeroConfig {
     }
 
     /// The group sizes the shards are aligned to: qwZ's and qgZ's, or
-    /// [`DEFAULT_GROUP_SIZE`] for a technique that is off.
+    /// [`DEFAULT_GROUP_SIZE`] for a technique that is off (qwZ-Δ's differences
+    /// are weights too: the least common multiple of its group and qwZ's).
     pub fn group_sizes(&self) -> (usize, usize) {
+        fn gcd(a: usize, b: usize) -> usize {
+            if b == 0 { a } else { gcd(b, a % b) }
+        }
+        let qwz = self.qwz.map_or(DEFAULT_GROUP_SIZE, |s| s.group_size());
         (
-            self.qwz.map_or(DEFAULT_GROUP_SIZE, |s| s.group_size()),
+            self.qwz_delta.map_or(qwz, |d| {
+                let g = d.spec.group_size();
+                qwz / gcd(qwz, g).max(1) * g
+            }),
             self.qgz.map_or(DEFAULT_GROUP_SIZE, |q| q.spec.group_size()),
         )
     }
 
-    /// A short label: `zero3`, `zeropp`, or the enabled techniques (`qwz+hpz`).
+    /// A short label: `zero3`, `zeropp`, `zeropp-delta`, or the enabled
+    /// techniques (`qwz+hpz`, `zeropp+delta`).
     pub fn label(&self) -> String {
+        if self.qwz_delta.is_some()
+            && self.qwz.is_some()
+            && self.hpz()
+            && self.qgz.is_some_and(|q| q.two_level && q.hadamard)
+        {
+            return "zeropp-delta".to_string();
+        }
         let mut parts = Vec::new();
         if self.qwz.is_some() {
             parts.push("qwz");
@@ -199,11 +235,15 @@ impl ZeroConfig {
         if self.qgz.is_some() {
             parts.push("qgz");
         }
-        match parts.len() {
+        let mut label = match parts.len() {
             0 => "zero3".to_string(),
             3 => "zeropp".to_string(),
             _ => parts.join("+"),
+        };
+        if self.qwz_delta.is_some() {
+            label.push_str("+delta");
         }
+        label
     }
 
     /// Checks the switches against a cluster of `world` ranks, `local_size` per node.
@@ -233,6 +273,36 @@ impl ZeroConfig {
         }
         if let Some(q) = &self.qgz {
             check_spec("qgZ", &q.spec)?;
+            if q.hadamard && !q.spec.group_size().is_power_of_two() {
+                return Err(EngineError::InvalidConfig(format!(
+                    "qgZ's Hadamard smoothing rotates whole groups: the group size must be a power of two, got {} \
+                     (set --qgz-group-size to 256, say)",
+                    q.spec.group_size()
+                )));
+            }
+            if q.hadamard && q.error_feedback.is_some() {
+                return Err(EngineError::InvalidConfig(
+                    "qgZ's Hadamard smoothing and error feedback do not go together (the rotation changes every \
+                     step, the residuals would be in last step's basis): turn one of them off"
+                        .into(),
+                ));
+            }
+        }
+        if let Some(d) = &self.qwz_delta {
+            check_spec("qwZ-delta", &d.spec)?;
+            if !self.hpz() {
+                return Err(EngineError::InvalidConfig(format!(
+                    "qwZ-delta keeps the hpZ copy current across steps, so it needs hpZ: set the hpZ size \
+                     (--hpz) to a divisor of the node size {local_size} above 1, or turn qwZ-delta off"
+                )));
+            }
+            if self.hpz_wire != HpzWire::Dense {
+                return Err(EngineError::InvalidConfig(
+                    "qwZ-delta updates the hpZ copy in place: it needs the dense hpZ wire (--hpz-wire dense), \
+                     not the INT8 encodings"
+                        .into(),
+                ));
+            }
         }
         if let Some(l) = self.error_feedback()
             && !(l.err_beta.is_finite() && (0.0..1.0).contains(&l.err_beta))

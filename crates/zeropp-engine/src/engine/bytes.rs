@@ -15,6 +15,13 @@
 //! | `grad_reduce` | `A` world reduce-scatters of `P` elements (dense, routed), or `A` qgZ calls: `N·E(s)` to each of the `L-1` local peers, `E(s)` to each of the `N-1` rail peers, plus, with the 1-D exclusion, the 1-D elements of each rank's shard to that rank |
 //! | `grad_norm` | one all-gather of an f64: 8 bytes to each of the `W-1` peers |
 //!
+//! With qwZ-Δ a step is one of two kinds ([`StepKind`]): a **full** step
+//! gathers as above (the first of a run, every `refresh_every`-th, the one after
+//! a skipped step or a checkpoint), a **difference** step replaces the forward
+//! world gather by `fwd_delta`, qwZ-Δ's exchange of one INT4 encoding per shard
+//! (`zeropp_comm::collectives::qwz_delta_bytes`), and gathers every micro-batch's
+//! forward from the hpZ copy (`A` hpZ gathers under `fwd_gather`).
+//!
 //! Flat routing sends `(W-L)·s·b` across nodes per world collective, hierarchical
 //! `(N-1)·s·b`: a hierarchical ZeRO-3 step sends `3·M·(N-1)/W` across nodes per
 //! rank (`M = P·b` summed over layers), ZeRO++ about a quarter of that.
@@ -61,8 +68,19 @@ impl ByteModel {
     }
 }
 
+/// Which gathers a step runs: all of them ([`StepKind::Full`], every step
+/// without qwZ-Δ), or qwZ-Δ's difference step ([`StepKind::Delta`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    /// The forward gather over the world (rebuilding the hpZ copies).
+    Full,
+    /// qwZ-Δ: differences into the hpZ copies, the forward gather from them.
+    Delta,
+}
+
 /// The analytic bytes per rank per step of `cfg` on `plan`, with `micro_batches`
-/// micro-batches per step (the gradient accumulation).
+/// micro-batches per step (the gradient accumulation): a full step
+/// ([`step_bytes_of`] with [`StepKind::Full`]).
 ///
 /// ```
 /// use zeropp_comm::Topology;
@@ -83,7 +101,18 @@ pub fn step_bytes(
     cfg: &EngineConfig,
     micro_batches: usize,
 ) -> Result<ByteModel, EngineError> {
+    step_bytes_of(plan, cfg, micro_batches, StepKind::Full)
+}
+
+/// [`step_bytes`] of a step of `kind` (without qwZ-Δ both kinds are the same).
+pub fn step_bytes_of(
+    plan: &PartitionPlan,
+    cfg: &EngineConfig,
+    micro_batches: usize,
+    kind: StepKind,
+) -> Result<ByteModel, EngineError> {
     let t = plan.topology();
+    let delta_step = kind == StepKind::Delta && cfg.zero.qwz_delta.is_some() && cfg.zero.hpz();
     let (w, z) = (t.world(), &cfg.zero);
     let dense = z.comm_dtype.wire();
     let b = dense.bytes();
@@ -128,7 +157,18 @@ pub fn step_bytes(
                     }
                     _ => collectives::group_all_gather_bytes(&t, r, g, b, padded / z.hpz_size),
                 };
-                add(tags::FWD_GATHER, world_gather + sec.scaled(a - 1));
+                match z.qwz_delta {
+                    Some(d) if delta_step => {
+                        let e = encoded_len(d.spec, s);
+                        let delta =
+                            collectives::qwz_delta_bytes(&t, z.hpz_size, r, e).map_err(EngineError::Comm)?;
+                        if delta.total() > 0 {
+                            add(tags::FWD_DELTA, delta);
+                        }
+                        add(tags::FWD_GATHER, sec.scaled(a));
+                    }
+                    _ => add(tags::FWD_GATHER, world_gather + sec.scaled(a - 1)),
+                }
                 add(tags::BWD_GATHER, sec.scaled(a));
             }
         } else {
@@ -138,10 +178,9 @@ pub fn step_bytes(
         for c in super::layer_comm::reduce_chunks(plan, cfg, l)? {
             let call = c.len() * w;
             if let Some(qgz) = z.qgz {
-                let wire = qgz.spec;
                 let opts = collectives::QgzOptions {
-                    intra_spec: wire,
-                    inter_spec: wire,
+                    intra_spec: qgz.intra_spec(),
+                    inter_spec: qgz.spec,
                     ..collectives::QgzOptions::default()
                 };
                 add(tags::GRAD_REDUCE, collectives::qgz_bytes(&t, &opts, call).scaled(a * wu));

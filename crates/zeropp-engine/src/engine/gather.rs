@@ -30,9 +30,13 @@ impl<M: Model> ZeroEngine<'_, M> {
         Ok(())
     }
 
+    /// Drops the hpZ copies (and qwZ-Δ's `Ŵ`, which describes them).
     pub(super) fn invalidate_secondary(&mut self) {
         for s in &mut self.secondary {
             *s = None;
+        }
+        for w in &mut self.w_hat {
+            *w = None;
         }
     }
 
@@ -61,6 +65,16 @@ impl<M: Model> ZeroEngine<'_, M> {
         if !self.gathered(l) {
             return Ok(Vec::new());
         }
+        if self.needs_delta(l, eval)
+            && let (Some(g), Some(mut sec)) = (self.hpz_group.clone(), self.secondary[l].take())
+        {
+            let enc = self.encode_delta(comm, l)?;
+            let s = self.plan.shard_len(l)?;
+            let full = self.comms.delta_gather(comm, &g, &enc, &mut sec, s)?;
+            comm.traffic_mut().set_op(tags::OTHER);
+            self.landed(l, &full, Some(sec), false)?;
+            return Ok(full);
+        }
         if !eval && let (Some(g), Some(sec)) = (&self.hpz_group, &self.secondary[l]) {
             comm.traffic_mut().set_op(tags::FWD_GATHER);
             return self.comms.gather_secondary(comm, g, sec);
@@ -68,9 +82,7 @@ impl<M: Model> ZeroEngine<'_, M> {
         comm.traffic_mut().set_op(if eval { tags::EVAL } else { tags::FWD_GATHER });
         let keep = self.keep_range(l, eval)?;
         let (full, sec) = self.comms.gather_weights(comm, &self.master[l], keep)?;
-        if sec.is_some() {
-            self.secondary[l] = sec;
-        }
+        self.landed(l, &full, sec, true)?;
         Ok(full)
     }
 
@@ -165,19 +177,20 @@ impl<M: Model> ZeroEngine<'_, M> {
             None => model.start_eval(batch)?,
             Some((step, micro)) => model.start_train(batch, step, micro)?,
         };
-        // Prefetch only world gathers of the primary shards (hpZ-sourced gathers
-        // are intra-node and cheap; they run inline).
-        let can_prefetch =
-            |this: &Self, l: usize| eval || this.hpz_group.is_none() || this.secondary[l].is_none();
-        let mut pending: Option<(usize, PendingGather)> = None;
+        // Prefetch world gathers of the primary shards and qwZ-Δ's difference
+        // steps (both cross nodes); gathers from an up-to-date hpZ copy are
+        // intra-node and cheap, they run inline.
+        let can_prefetch = |this: &Self, l: usize| {
+            eval || this.hpz_group.is_none() || this.secondary[l].is_none() || this.needs_delta(l, eval)
+        };
+        // (layer, gather, whether it is a full gather)
+        let mut pending: Option<(usize, PendingGather, bool)> = None;
         for l in 0..n {
             let t = std::time::Instant::now();
             let full = match pending.take() {
-                Some((pl, p)) if pl == l => {
+                Some((pl, p, full_gather)) if pl == l => {
                     let (full, sec) = p.wait()?;
-                    if sec.is_some() {
-                        self.secondary[l] = sec;
-                    }
+                    self.landed(l, &full, sec, full_gather)?;
                     full
                 }
                 _ => self.gather_forward(comm, l, eval)?,
@@ -187,19 +200,33 @@ impl<M: Model> ZeroEngine<'_, M> {
                 && can_prefetch(self, l + 1)
                 && self.may_prefetch(l, l + 1)
             {
-                let tag = if eval { tags::EVAL } else { tags::FWD_GATHER };
-                let keep = self.keep_range(l + 1, eval)?;
-                let p = self.comms.prefetch_weights(pf, &self.master[l + 1], keep, tag);
+                let next = l + 1;
+                let p = match (self.needs_delta(next, eval), self.hpz_group.clone()) {
+                    (true, Some(g)) => {
+                        let enc = self.encode_delta(comm, next)?;
+                        let sec = self.secondary[next].take().ok_or_else(|| {
+                            EngineError::Training(format!("qwZ-delta: layer {next}'s hpZ copy vanished"))
+                        })?;
+                        let s = self.plan.shard_len(next)?;
+                        (self.comms.prefetch_delta(pf, &g, enc, sec, s)?, false)
+                    }
+                    _ => {
+                        let tag = if eval { tags::EVAL } else { tags::FWD_GATHER };
+                        let keep = self.keep_range(next, eval)?;
+                        (self.comms.prefetch_weights(pf, &self.master[next], keep, tag), true)
+                    }
+                };
                 self.prefetched += 1;
-                pending = Some((l + 1, p));
+                pending = Some((next, p.0, p.1));
             }
             let t = self.lap(t, Lap::Comm);
             model.forward(l, &self.model_view(l, &full)?, &mut tape)?;
             drop(full);
             self.lap(t, Lap::Compute);
         }
-        if let Some((_, p)) = pending {
-            p.wait()?;
+        if let Some((l, p, full_gather)) = pending {
+            let (full, sec) = p.wait()?;
+            self.landed(l, &full, sec, full_gather)?;
         }
         Ok(tape)
     }

@@ -22,6 +22,7 @@
 
 pub mod bytes;
 pub mod checkpoint;
+mod delta;
 mod gather;
 mod layer_comm;
 pub mod memory;
@@ -45,6 +46,9 @@ pub use plan::{PERSISTENT_BUCKET, build_plan, check_layers, shard_align};
 pub mod tags {
     /// Forward weight all-gathers.
     pub const FWD_GATHER: &str = "fwd_gather";
+    /// qwZ-Δ's exchange of quantized weight differences into the hpZ copies
+    /// (before a forward gather from them).
+    pub const FWD_DELTA: &str = "fwd_delta";
     /// Backward weight re-gathers.
     pub const BWD_GATHER: &str = "bwd_gather";
     /// Gradient reduce-scatters.
@@ -123,6 +127,19 @@ pub struct ZeroEngine<'m, M: Model> {
     optim: Vec<AdamW>,
     grad_acc: Vec<Vec<f32>>,
     secondary: Vec<Option<Secondary>>,
+    /// qwZ-Δ: this rank's `Ŵ` of each layer's primary shard (what every hpZ copy
+    /// holds of it), kept across steps; `None` until a full gather sets it.
+    w_hat: Vec<Option<Secondary>>,
+    /// qwZ-Δ: whether layer `l`'s hpZ copy was brought up to date this step.
+    synced: Vec<bool>,
+    /// qwZ-Δ: the next step rebuilds the hpZ copies by a full gather (after a
+    /// skipped step or a checkpoint).
+    refresh_next: bool,
+    /// Per bucket, the ranges of this rank's primary shard that hold no
+    /// parameter (padding): their reduced gradients are set to zero, so the
+    /// padding weights stay zero whatever a reduction leaves there (qgZ's
+    /// Hadamard rotation spreads quantization noise over whole groups).
+    padding: Vec<Vec<std::ops::Range<usize>>>,
     comms: LayerComm,
     steps: usize,
     skipped: usize,
@@ -136,6 +153,27 @@ pub struct ZeroEngine<'m, M: Model> {
     prefetched: usize,
     /// Time split of the step in progress.
     times: StepTimes,
+}
+
+/// The ranges of `rank`'s primary shard of `bucket` that no parameter covers.
+fn padding_of(
+    plan: &PartitionPlan,
+    rank: usize,
+    bucket: usize,
+) -> Result<Vec<std::ops::Range<usize>>, EngineError> {
+    let s = plan.shard_len(bucket)?;
+    let mut out = Vec::new();
+    let mut at = 0;
+    for p in plan.shard_pieces(rank, bucket)? {
+        if p.in_shard.start > at {
+            out.push(at..p.in_shard.start);
+        }
+        at = at.max(p.in_shard.end);
+    }
+    if at < s {
+        out.push(at..s);
+    }
+    Ok(out)
 }
 
 impl<'m, M: Model> ZeroEngine<'m, M> {
@@ -191,6 +229,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         let comms = LayerComm::new(cfg, rank, &plan)?;
         let grad_acc = master.iter().map(|m| vec![0.0; m.len()]).collect();
         let n = master.len();
+        let padding = (0..n).map(|b| padding_of(&plan, rank, b)).collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             model,
             cfg: cfg.clone(),
@@ -203,6 +242,10 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             optim,
             grad_acc,
             secondary: vec![None; n],
+            w_hat: vec![None; n],
+            synced: vec![false; n],
+            refresh_next: true,
+            padding,
             steps: 0,
             skipped: 0,
             inject: Inject::None,
@@ -319,8 +362,22 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
         self.steps = steps;
         self.skipped = skipped;
         self.invalidate_secondary();
+        self.refresh_next = true;
         self.persist_full = None;
         Ok(())
+    }
+
+    /// Tells the engine a checkpoint of its state was just saved: with qwZ-Δ,
+    /// the next step rebuilds the hpZ copies by a full gather, as a run resumed
+    /// from that checkpoint does, so the two stay bit-identical. A no-op
+    /// otherwise.
+    pub fn note_checkpoint(&mut self) {
+        self.refresh_next = true;
+    }
+
+    /// Bytes of qwZ-Δ's `Ŵ` held now (0 without qwZ-Δ), for the memory report.
+    pub fn delta_bytes(&self) -> usize {
+        self.w_hat.iter().flatten().map(Secondary::bytes).sum()
     }
 
     /// Restores a rank's state from a checkpoint (see [`checkpoint::load`]): the

@@ -53,6 +53,15 @@ impl<M: Model> ZeroEngine<'_, M> {
         now
     }
 
+    /// Sets the padding of bucket `b`'s reduced gradient shard to zero.
+    fn zero_padding(&self, b: usize, shard: &mut [f32]) {
+        for r in self.padding.get(b).into_iter().flatten() {
+            if let Some(x) = shard.get_mut(r.clone()) {
+                x.fill(0.0);
+            }
+        }
+    }
+
     /// Mean loss of `batch` (this rank's share of an evaluation batch), forward only.
     pub fn evaluate<C: Communicator + ?Sized>(
         &mut self,
@@ -89,6 +98,7 @@ impl<M: Model> ZeroEngine<'_, M> {
         let model = self.model;
         let n = self.num_layers();
         self.comms.start_step(self.steps, true);
+        self.start_delta_step();
         self.times = StepTimes::default();
         let quant_before = comm.traffic().quant_time();
         let prefetched_before = self.prefetched;
@@ -168,6 +178,7 @@ impl<M: Model> ZeroEngine<'_, M> {
                 comm.traffic_mut().set_op(tags::GRAD_REDUCE);
                 let mut shard = vec![0.0f32; self.master[l].len()];
                 self.comms.reduce_grads(comm, l, &mut grad, &mut shard)?;
+                self.zero_padding(l, &mut shard);
                 for (a, g) in self.grad_acc[l].iter_mut().zip(&shard) {
                     *a += g;
                 }
@@ -181,6 +192,7 @@ impl<M: Model> ZeroEngine<'_, M> {
                 comm.traffic_mut().set_op(tags::GRAD_REDUCE);
                 let mut shard = vec![0.0f32; self.master[pb].len()];
                 self.comms.reduce_grads(comm, pb, &mut grad, &mut shard)?;
+                self.zero_padding(pb, &mut shard);
                 for (a, g) in self.grad_acc[pb].iter_mut().zip(&shard) {
                     *a += g;
                 }
@@ -221,7 +233,13 @@ impl<M: Model> ZeroEngine<'_, M> {
             g.fill(0.0);
         }
         self.lap(t, Lap::Optim);
-        self.invalidate_secondary();
+        if !self.comms.delta_on() {
+            // Stale after the update: rebuilt at the next forward gather.
+            self.invalidate_secondary();
+        } else if skipped {
+            // qwZ-Δ keeps its copies across steps; after a skip it rebuilds them.
+            self.refresh_next = true;
+        }
         self.persist_full = None;
         self.steps += 1;
         let mut times = std::mem::take(&mut self.times);

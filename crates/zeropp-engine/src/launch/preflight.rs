@@ -8,7 +8,7 @@ use zeropp_partition::PartitionPlan;
 use crate::EngineError;
 use crate::data::TextDataset;
 use crate::engine::build_plan;
-use crate::engine::bytes::{ByteModel, step_bytes};
+use crate::engine::bytes::{ByteModel, StepKind, step_bytes_of};
 use crate::model::Model;
 
 use super::{RunConfig, Work};
@@ -21,8 +21,8 @@ pub(crate) struct Prepared {
     pub(crate) tokens: usize,
     /// The partition plan of the model on the cluster.
     pub(crate) plan: PartitionPlan,
-    /// The analytic bytes per step.
-    pub(crate) analytic: ByteModel,
+    /// The analytic bytes per step: of a full step, and of a qwZ-Δ difference step.
+    pub(crate) analytic: [ByteModel; 2],
 }
 
 /// [`check_run`], then the plan on `topo` and its analytic bytes.
@@ -30,7 +30,11 @@ pub(crate) fn prepare<M: Model>(work: &Work<'_, M>, topo: Topology) -> Result<Pr
     let cfg = work.run;
     let (seq_len, micro) = check_run(work.model, work.data, cfg)?;
     let plan = build_plan(work.model, &cfg.engine, topo)?;
-    let analytic = step_bytes(&plan, &cfg.engine, cfg.engine.grad_accum)?;
+    let a = cfg.engine.grad_accum;
+    let analytic = [
+        step_bytes_of(&plan, &cfg.engine, a, StepKind::Full)?,
+        step_bytes_of(&plan, &cfg.engine, a, StepKind::Delta)?,
+    ];
     let tokens = micro * cfg.world * cfg.engine.grad_accum * seq_len;
     Ok(Prepared { seq_len, tokens, plan, analytic })
 }

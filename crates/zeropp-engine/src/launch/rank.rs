@@ -139,6 +139,8 @@ pub(crate) fn run_rank<M: Model, C: Communicator + ?Sized>(
             && ((cfg.save_every > 0 && done.is_multiple_of(cfg.save_every)) || done == cfg.steps)
         {
             checkpoint::save(comm, &engine, dir, done, &cfg.engine)?;
+            // qwZ-Δ: the next step refreshes, as a run resumed from here will.
+            engine.note_checkpoint();
         }
     }
     let mut val_losses = Vec::new();

@@ -3,12 +3,57 @@
 
 use std::collections::BTreeMap;
 
-use crate::engine::bytes::ByteModel;
+use crate::engine::bytes::{ByteModel, StepKind};
 use crate::metrics::{LinkBytes, StepRecord, Summary};
 use crate::model::Model;
 
 use super::RunConfig;
 use crate::data::DataInfo;
+
+/// The kind of each recorded step, by the engine's rule for qwZ-Δ (every step
+/// is full without it): full at the run's first step, at every
+/// `refresh_every`-th step, after a skipped step and after a step whose end
+/// saved a checkpoint; a difference step otherwise.
+pub(crate) fn step_kinds(records: &[StepRecord], cfg: &RunConfig) -> Vec<StepKind> {
+    let z = &cfg.engine.zero;
+    let Some(every) = z.qwz_delta.filter(|_| z.hpz()).map(|d| d.refresh_every) else {
+        return vec![StepKind::Full; records.len()];
+    };
+    let mut refresh = true;
+    records
+        .iter()
+        .map(|r| {
+            let full = refresh || (every > 0 && r.step.is_multiple_of(every));
+            let done = r.step + 1;
+            let saved = cfg.save.is_some()
+                && ((cfg.save_every > 0 && done.is_multiple_of(cfg.save_every)) || done == cfg.steps);
+            refresh = r.skipped || saved;
+            if full { StepKind::Full } else { StepKind::Delta }
+        })
+        .collect()
+}
+
+/// The analytic bytes per step over the run's steps: each step's kind's model
+/// (`analytic` = [full, difference]), summed over the steps and divided once,
+/// as the measured bytes are.
+fn mean_model(records: &[StepRecord], cfg: &RunConfig, analytic: &[ByteModel; 2]) -> ByteModel {
+    let kinds = step_kinds(records, cfg);
+    if kinds.iter().all(|&k| k == StepKind::Full) {
+        return analytic[0].clone();
+    }
+    let mut out = ByteModel::default();
+    for k in &kinds {
+        let m = if *k == StepKind::Full { &analytic[0] } else { &analytic[1] };
+        for (op, b) in &m.by_op {
+            out.by_op.entry(op.clone()).or_default().add(b);
+        }
+    }
+    let n = kinds.len() as f64;
+    for v in out.by_op.values_mut() {
+        *v = LinkBytes { intra: v.intra / n, inter: v.inter / n };
+    }
+    out
+}
 
 /// Summarises the step records of a run (the first step is left out of the
 /// times when there are more, as it warms up).
@@ -18,8 +63,9 @@ pub(crate) fn summarize<M: Model>(
     info: &DataInfo,
     cfg: &RunConfig,
     model: &M,
-    analytic: &ByteModel,
+    analytic: &[ByteModel; 2],
 ) -> Summary {
+    let analytic = &mean_model(records, cfg, analytic);
     let n = records.len().max(1) as f64;
     let timed: &[StepRecord] = if records.len() > 1 { &records[1..] } else { records };
     let mean_time = timed.iter().map(|r| r.step_time_s).sum::<f64>() / timed.len().max(1) as f64;

@@ -16,6 +16,7 @@
 mod engine_api;
 mod engine_bytes;
 mod engine_checkpoint;
+mod engine_delta;
 mod engine_equivalence;
 mod engine_faults;
 mod engine_fidelity;

@@ -79,6 +79,27 @@ pub(crate) enum Secondary {
     Encoded { bytes: Vec<u8>, shard_len: usize, round_bf16: bool },
 }
 
+impl Secondary {
+    /// The values of a dense copy, as f32 (empty for the INT8 encodings, which
+    /// qwZ-Δ does not use).
+    pub(crate) fn values(&self) -> Vec<f32> {
+        match self {
+            Secondary::F32(v) => v.clone(),
+            Secondary::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Secondary::Encoded { .. } => Vec::new(),
+        }
+    }
+
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Secondary::F32(v) => 4 * v.len(),
+            Secondary::Bf16(v) => 2 * v.len(),
+            Secondary::Encoded { bytes, .. } => bytes.len(),
+        }
+    }
+}
+
 /// Gathers `shard` over the world as `g` says; with `keep`, also returns the hpZ
 /// secondary shard covering that range of the gathered layer.
 pub(super) fn gather_world<C: Communicator + ?Sized>(

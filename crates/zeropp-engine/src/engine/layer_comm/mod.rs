@@ -29,9 +29,11 @@ use zeropp_quant::QuantSpec;
 use crate::EngineError;
 use crate::config::{EngineConfig, HpzWire, LocoConfig};
 
+mod delta;
 mod dense;
 mod gather;
 
+pub(crate) use delta::Delta;
 pub(crate) use dense::{DenseSlices, dense_slices_bytes, reduce_chunks};
 use dense::{exchange_dense_slices, slice_values};
 pub use gather::Prefetcher;
@@ -54,6 +56,7 @@ struct Streams {
 impl Streams {
     const QWZ: u64 = 1;
     const QGZ: u64 = 2;
+    const HADAMARD: u64 = 3;
 
     fn next(&mut self, kind: u64) -> Option<u64> {
         let base = self.base?;
@@ -75,6 +78,9 @@ struct Qgz {
     feedback: Vec<ErrorFeedback>,
     /// Whether qgZ's quantizers round stochastically.
     stochastic: bool,
+    /// Whether qgZ rotates its groups (Hadamard smoothing), with seeds keyed by
+    /// `(run seed, step, reduce call)`.
+    hadamard: bool,
 }
 
 /// One rank's layer traffic: the collectives chosen from the config, the qgZ
@@ -94,6 +100,10 @@ pub(crate) struct LayerComm {
     streams: Streams,
     /// Whether qwZ's quantizer rounds stochastically.
     qwz_stochastic: bool,
+    /// The base of the seeds that every rank derives alike (the Hadamard signs).
+    shared_seed: u64,
+    /// qwZ-Δ: the differences' options and the hpZ group size.
+    delta: Option<Delta>,
 }
 
 impl LayerComm {
@@ -127,14 +137,24 @@ impl LayerComm {
         let qgz = if let Some(q) = z.qgz {
             let wire = q.spec;
             let local = QuantSpec::int8(wire.group_size()).map_err(EngineError::InvalidQuantSpec)?;
-            let opts =
-                QgzOptions { intra_spec: wire, inter_spec: wire, local_spec: local, ..QgzOptions::default() };
+            let opts = QgzOptions {
+                intra_spec: q.intra_spec(),
+                inter_spec: wire,
+                local_spec: local,
+                ..QgzOptions::default()
+            };
             let fb = |l: LocoConfig| ErrorFeedback::loco(l.err_beta).with_precision(l.residual_precision());
             let feedback: Vec<ErrorFeedback> = match q.error_feedback {
                 Some(l) => (0..layers).map(|_| fb(l)).collect(),
                 None => Vec::new(),
             };
-            Some(Qgz { opts, loco: q.error_feedback, feedback, stochastic: z.qgz_stochastic() })
+            Some(Qgz {
+                opts,
+                loco: q.error_feedback,
+                feedback,
+                stochastic: z.qgz_stochastic(),
+                hadamard: q.hadamard,
+            })
         } else {
             None
         };
@@ -153,7 +173,26 @@ impl LayerComm {
             call: 0,
         };
         let qwz_stochastic = z.stochastic_rounding;
-        Ok(Self { rank, gather, qgz, dense_slices, chunks, first_call, streams, qwz_stochastic })
+        let shared_seed = cfg.seed ^ 0x5A5A_0DE1_7A00_0000;
+        let delta = z.qwz_delta.map(|d| Delta {
+            opts: zeropp_comm::collectives::DeltaOptions {
+                spec: d.spec,
+                quant: zeropp_quant::Options::default(),
+            },
+            hpz: z.hpz_size,
+        });
+        Ok(Self {
+            rank,
+            gather,
+            qgz,
+            dense_slices,
+            chunks,
+            first_call,
+            streams,
+            qwz_stochastic,
+            shared_seed,
+            delta,
+        })
     }
 
     /// Starts optimizer step `step` (also before an evaluation): restarts the
@@ -324,6 +363,10 @@ impl LayerComm {
         };
         let mut opts = q.opts;
         opts.quant = options(seed);
+        if q.hadamard {
+            let keys = [Streams::HADAMARD, self.streams.step, call as u64];
+            opts.hadamard = Some(zeropp_quant::rng::stream_seed(self.shared_seed, &keys));
+        }
         let res = match q.feedback.get_mut(layer) {
             Some(fb) => qgz_reduce_scatter_with_feedback(comm, full, out, &opts, fb),
             None => qgz_reduce_scatter(comm, full, out, &opts),
