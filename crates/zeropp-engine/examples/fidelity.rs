@@ -35,7 +35,8 @@ use std::time::Instant;
 use zeropp_engine::RunConfig;
 
 use zeropp_engine::config::{
-    AdamWConfig, CommDtype, EngineConfig, HpzWire, LocoConfig, QgzConfig, QuantSpec, ZeroConfig, quant_spec,
+    AdamWConfig, CommDtype, DeltaConfig, EngineConfig, HpzWire, LocoConfig, QgzConfig, QuantSpec, ZeroConfig,
+    quant_spec,
 };
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
@@ -149,6 +150,43 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
         ),
         ("qwz-g8k", "qwZ alone, groups of 8192 (DeepSpeed's size)", z3.with_qwz(spec(8, 8192))),
         ("zeropp-qgz8", "ZeRO++ with INT8 qgZ", ZeroConfig { qgz: qgz(|q| q.spec = spec(8, 256)), ..zpp }),
+        // Beyond ZeRO++ (SDP4Bit's techniques), on the default ZeRO++ above.
+        (
+            "zeropp-delta",
+            "ZeroConfig::zeropp_delta: the defaults + qwZ-delta + two-level qgZ + Hadamard",
+            ZeroConfig::zeropp_delta(LOCAL),
+        ),
+        (
+            "delta",
+            "the defaults + qwZ-delta alone (refresh every 100)",
+            ZeroConfig { qwz_delta: Some(DeltaConfig::default()), ..ZeroConfig::zeropp(LOCAL) },
+        ),
+        (
+            "delta-k0",
+            "the defaults + qwZ-delta alone, never refreshed but at the first step",
+            ZeroConfig {
+                qwz_delta: Some(DeltaConfig { refresh_every: 0, ..DeltaConfig::default() }),
+                ..ZeroConfig::zeropp(LOCAL)
+            },
+        ),
+        (
+            "delta-k10",
+            "the defaults + qwZ-delta alone, refreshed every 10 steps",
+            ZeroConfig {
+                qwz_delta: Some(DeltaConfig { refresh_every: 10, ..DeltaConfig::default() }),
+                ..ZeroConfig::zeropp(LOCAL)
+            },
+        ),
+        ("two-level", "the defaults + two-level qgZ alone (INT8 intra, INT4 inter)", {
+            let mut z = ZeroConfig::zeropp(LOCAL);
+            z.qgz = z.qgz.map(|q| QgzConfig { two_level: true, ..q });
+            z
+        }),
+        ("hadamard", "the defaults + Hadamard smoothing alone (INT4 both hops)", {
+            let mut z = ZeroConfig::zeropp(LOCAL);
+            z.qgz = z.qgz.map(|q| QgzConfig { hadamard: true, ..q });
+            z
+        }),
     ]
 }
 

@@ -27,7 +27,7 @@ pub const FLAT_BASELINE: &str = "zero3-flat";
 /// One configuration of a comparison.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Variant {
-    /// Label (`zero3`, `zero3-flat`, `qwz`, `hpz`, `qgz`, `zeropp`).
+    /// Label (`zero3`, `zero3-flat`, `qwz`, `hpz`, `qgz`, `zeropp`, `zeropp-delta`).
     pub name: String,
     /// The ZeRO switches of this variant (the rest of the run is shared).
     pub zero: ZeroConfig,
@@ -36,15 +36,21 @@ pub struct Variant {
 impl Variant {
     /// True for plain ZeRO-3: no ZeRO++ technique on.
     pub fn is_zero3(&self) -> bool {
-        self.zero.qwz.is_none() && !self.zero.hpz() && self.zero.qgz.is_none()
+        self.zero.qwz.is_none()
+            && !self.zero.hpz()
+            && self.zero.qgz.is_none()
+            && self.zero.qwz_delta.is_none()
     }
 }
 
 /// The standard set: ZeRO-3 with hierarchical routing (the baseline), ZeRO-3
-/// with flat routing, qwZ alone, hpZ alone, qgZ alone, full ZeRO++; every
+/// with flat routing, qwZ alone, hpZ alone, qgZ alone, full ZeRO++, and
+/// ZeRO++ with SDP4Bit's techniques ([`ZeroConfig::zeropp_delta`]); every
 /// variant but `zero3-flat` routes hierarchically. The baseline dtype and the
 /// qwZ and qgZ specs come from `base` (the defaults for a technique it has off);
-/// qgZ alone keeps `base`'s qgZ options, full ZeRO++ takes its defaults'.
+/// qgZ alone keeps `base`'s qgZ options, full ZeRO++ takes its defaults' (and
+/// `zeropp-delta` the preset's, with `base`'s qgZ group size when it is a
+/// power of two, as its Hadamard rotation needs).
 ///
 /// ```
 /// use zeropp_comm::collectives::Routing;
@@ -52,13 +58,20 @@ impl Variant {
 /// use zeropp_engine::config::ZeroConfig;
 /// let v = standard_variants(&ZeroConfig::zero3(), 4);
 /// let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
-/// assert_eq!(names, ["zero3", "zero3-flat", "qwz", "hpz", "qgz", "zeropp"]);
+/// assert_eq!(names, ["zero3", "zero3-flat", "qwz", "hpz", "qgz", "zeropp", "zeropp-delta"]);
 /// assert_eq!(v[0].zero.routing, Routing::Hierarchical);
 /// assert_eq!(v[1].zero.routing, Routing::Flat);
 /// assert!(v[0].is_zero3() && v[1].is_zero3() && !v[5].is_zero3());
 /// ```
 pub fn standard_variants(base: &ZeroConfig, local_size: usize) -> Vec<Variant> {
-    let z3 = ZeroConfig { qwz: None, hpz_size: 1, qgz: None, routing: Routing::Hierarchical, ..*base };
+    let z3 = ZeroConfig {
+        qwz: None,
+        hpz_size: 1,
+        qgz: None,
+        qwz_delta: None,
+        routing: Routing::Hierarchical,
+        ..*base
+    };
     let hpz = local_size.max(1);
     let qwz = base.qwz.unwrap_or_else(ZeroConfig::default_qwz_spec);
     let qgz = base.qgz.unwrap_or_default();
@@ -73,6 +86,20 @@ pub fn standard_variants(base: &ZeroConfig, local_size: usize) -> Vec<Variant> {
         Variant {
             name: "zeropp".into(),
             zero: ZeroConfig { qwz: Some(qwz), hpz_size: hpz, qgz: qgz_zeropp, ..z3 },
+        },
+        Variant {
+            name: "zeropp-delta".into(),
+            zero: ZeroConfig {
+                qwz: Some(qwz),
+                hpz_size: hpz,
+                qgz: Some(QgzConfig::sdp4bit(if qgz.spec.group_size().is_power_of_two() {
+                    qgz.spec
+                } else {
+                    ZeroConfig::default_qgz_spec()
+                })),
+                qwz_delta: Some(base.qwz_delta.unwrap_or_default()),
+                ..z3
+            },
         },
     ]
 }

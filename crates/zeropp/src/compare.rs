@@ -24,8 +24,8 @@ use crate::print::progress_bar;
 pub(crate) struct CompareArgs {
     #[command(flatten)]
     pub run: RunArgs,
-    /// Only ZeRO-3 (hierarchical and flat routing) and full ZeRO++ (skip the
-    /// single-technique ablations).
+    /// Only ZeRO-3 (hierarchical and flat routing), full ZeRO++ and ZeRO++ with
+    /// SDP4Bit's techniques (skip the single-technique ablations).
     #[arg(long = "no-ablation")]
     pub no_ablation: bool,
     /// Directory of the SVG plots (loss.svg, bytes.svg, ratios.svg).
@@ -44,7 +44,7 @@ pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
     crate::print::print_warnings(&warnings);
     let mut variants = standard_variants(&cfg.run.engine.zero, cfg.run.local_size);
     if args.no_ablation {
-        variants.retain(|v| [BASELINE, FLAT_BASELINE, "zeropp"].contains(&v.name.as_str()));
+        variants.retain(|v| [BASELINE, FLAT_BASELINE, "zeropp", "zeropp-delta"].contains(&v.name.as_str()));
     }
     let bars: Vec<_> =
         variants.iter().map(|v| progress_bar(cfg.run.steps, &format!("{:>10}", v.name))).collect();

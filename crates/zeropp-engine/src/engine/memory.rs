@@ -13,6 +13,7 @@
 //! | secondary `2·Ψ/hpz` | the hpZ secondary shards, bf16 (less with the INT8 hpZ wire) |
 //! | transient layers | at most [`GATHERED_COPIES`] f32 copies of the largest layer: the gathered layer, the prefetched next one, its gradient, the compact views, the wire buffers |
 //! | activations | [`Model::activation_bytes`] of one micro-batch |
+//! | (not in the report) qwZ-Δ's `Ŵ` | with qwZ-Δ: this rank's reconstruction of its primary shards, in the copy's element type (`b·Ψ/W`, `b` = 2 for the bf16 copy, 4 for f32); the hpZ copy itself is the secondary term above, held across steps instead of rebuilt every step |
 //! | (not in the report) LoCo residuals | only with qgZ error feedback (opt-in): per layer, the first hop's residual over the whole padded gradient (`b·Ψ` in all, every rank quantizes its full gradient) and the second hop's (`b·N·Ψ/W`), with `b` = 2 bytes (bf16 residuals, the default) or 4 (f32); one copy (a skipped step resets them instead of restoring a saved copy) |
 //!
 //! The LoCo residuals do not shrink with W: on the first hop every rank
@@ -57,6 +58,8 @@ pub struct MemoryPrediction {
     pub activations: usize,
     /// qgZ's LoCo residuals, both hops (0 without error feedback).
     pub error_feedback: usize,
+    /// qwZ-Δ's `Ŵ` of the rank's primary shards (0 without qwZ-Δ).
+    pub delta_copy: usize,
     /// Bytes of the full f32 model (`4·Ψ`): no rank may come near it.
     pub full_f32_model: usize,
 }
@@ -64,7 +67,7 @@ pub struct MemoryPrediction {
 impl MemoryPrediction {
     /// The predicted peak: states + transient layers + activations.
     pub fn total(&self) -> usize {
-        self.states + self.transient_layers + self.activations + self.error_feedback
+        self.states + self.transient_layers + self.activations + self.error_feedback + self.delta_copy
     }
 }
 
@@ -87,7 +90,10 @@ pub fn predict<M: Model + ?Sized>(
         }
         None => 0,
     };
+    let delta_copy =
+        if cfg.zero.qwz_delta.is_some() { cfg.zero.comm_dtype.bytes() * report.primary_elems } else { 0 };
     Ok(MemoryPrediction {
+        delta_copy,
         states: report.total_bytes(),
         transient_layers: GATHERED_COPIES * 4 * largest,
         activations: model.activation_bytes(micro_batch, model.seq_len()),

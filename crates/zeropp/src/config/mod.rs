@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::models::{model_choice, model_help};
 use clap::{Args, ValueEnum};
-use zeropp_engine::config::{CommDtype, QgzConfig, ZeroConfig, quant_spec};
+use zeropp_engine::config::{CommDtype, DeltaConfig, QgzConfig, ZeroConfig, quant_spec};
 use zeropp_engine::launch::Faults;
 use zeropp_engine::train::{DataChoice, TrainConfig};
 use zeropp_engine::{Backend, RunConfig};
@@ -22,6 +22,11 @@ pub(crate) enum Mode {
     Zero3,
     /// ZeRO++: qwZ INT8 + hpZ over the node + qgZ INT4.
     Zeropp,
+    /// ZeRO++ with SDP4Bit's techniques: qwZ-delta (INT4 weight differences into
+    /// the hpZ copy, so the forward gather stays in the node after the first
+    /// step) and qgZ in two levels (INT8 inside the node, INT4 across) with
+    /// Hadamard smoothing.
+    ZeroppDelta,
 }
 
 /// Communication backend.
@@ -138,6 +143,30 @@ pub(crate) struct TrainArgs {
     /// How the LoCo residuals are stored: bf16 (default, half the memory) or f32 (implies --error-feedback).
     #[arg(long = "loco-residuals", value_name = "bf16|f32")]
     pub loco_residuals: Option<String>,
+    /// qwZ-delta on: the hpZ copy kept current by INT4 weight differences (on in zeropp-delta mode; needs hpZ).
+    #[arg(long = "qwz-delta", overrides_with = "no_qwz_delta")]
+    pub qwz_delta: bool,
+    /// qwZ-delta off.
+    #[arg(long = "no-qwz-delta")]
+    pub no_qwz_delta: bool,
+    /// qwZ-delta: rebuild the hpZ copy by a full gather every N steps (0 = only at the first step, after a skip or a checkpoint; default 100).
+    #[arg(long = "qwz-delta-refresh", value_name = "N")]
+    pub qwz_delta_refresh: Option<usize>,
+    /// qwZ-delta's bits (4 or 8).
+    #[arg(long = "qwz-delta-bits")]
+    pub qwz_delta_bits: Option<u8>,
+    /// qgZ in two levels: INT8 inside the node, the qgZ bits (INT4) across nodes (on in zeropp-delta mode).
+    #[arg(long = "qgz-two-level", overrides_with = "no_qgz_two_level")]
+    pub qgz_two_level: bool,
+    /// qgZ with the same bits on both hops.
+    #[arg(long = "no-qgz-two-level")]
+    pub no_qgz_two_level: bool,
+    /// qgZ rotates each group by a seeded Hadamard transform before quantizing it (on in zeropp-delta mode).
+    #[arg(long = "qgz-hadamard", overrides_with = "no_qgz_hadamard")]
+    pub qgz_hadamard: bool,
+    /// qgZ without the Hadamard rotation.
+    #[arg(long = "no-qgz-hadamard")]
+    pub no_qgz_hadamard: bool,
     /// qgZ rounds stochastically (unbiased; the default in zeropp mode).
     #[arg(long = "qgz-stochastic", overrides_with = "qgz_nearest")]
     pub qgz_stochastic: bool,
@@ -262,6 +291,7 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
     let mut z = match a.mode {
         Mode::Zero3 => ZeroConfig::zero3(),
         Mode::Zeropp => ZeroConfig::zeropp(a.run.local_size),
+        Mode::ZeroppDelta => ZeroConfig::zeropp_delta(a.run.local_size),
     };
     // The technique switches, then the specs and options of those that are on:
     // bits and group sizes are checked (and errors reported) only for those.
@@ -308,8 +338,39 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
         if a.no_error_feedback {
             q.error_feedback = None;
         }
+        if a.qgz_two_level {
+            q.two_level = true;
+        }
+        if a.no_qgz_two_level {
+            q.two_level = false;
+        }
+        if a.qgz_hadamard {
+            q.hadamard = true;
+        }
+        if a.no_qgz_hadamard {
+            q.hadamard = false;
+        }
         Some(q)
     } else {
+        if a.qgz_two_level || a.qgz_hadamard {
+            return Err(
+                "--qgz-two-level and --qgz-hadamard are options of qgZ, which is off (drop --no-qgz)".into(),
+            );
+        }
+        None
+    };
+    let delta_on = (z.qwz_delta.is_some() || a.qwz_delta) && !a.no_qwz_delta;
+    z.qwz_delta = if delta_on {
+        let d = z.qwz_delta.unwrap_or_default();
+        let bits = a.qwz_delta_bits.unwrap_or(d.spec.bits().bits() as u8);
+        Some(DeltaConfig {
+            spec: quant_spec("qwZ-delta", bits, d.spec.group_size())?,
+            refresh_every: a.qwz_delta_refresh.unwrap_or(d.refresh_every),
+        })
+    } else {
+        if a.qwz_delta_refresh.is_some() || a.qwz_delta_bits.is_some() {
+            return Err("--qwz-delta-refresh and --qwz-delta-bits need qwZ-delta (--qwz-delta, or --mode zeropp-delta)".into());
+        }
         None
     };
     if a.packed_groups {

@@ -166,6 +166,39 @@ fn zeropp_flags_map_onto_the_config() -> Result<(), CliError> {
     Ok(())
 }
 
+/// The `zeropp-delta` mode is the preset; its three switches turn on and off
+/// one by one, on any mode, and their options need them on.
+#[test]
+fn sdp4bit_flags_map_onto_the_config() -> Result<(), CliError> {
+    let local = 4;
+    let p = zero(&["--mode", "zeropp-delta"])?;
+    assert_eq!(p, ZeroConfig::zeropp_delta(local));
+    assert_eq!(p.label(), "zeropp-delta");
+    let q = |z: &ZeroConfig| z.qgz.map(|q| (q.two_level, q.hadamard));
+    assert_eq!(q(&p), Some((true, true)));
+    let off = zero(&["--mode", "zeropp-delta", "--no-qwz-delta", "--no-qgz-two-level", "--no-qgz-hadamard"])?;
+    assert_eq!(off, ZeroConfig::zeropp(local));
+    let on = zero(&["--qwz-delta", "--qgz-two-level", "--qgz-hadamard"])?;
+    assert_eq!(on, p);
+    let d = zero(&["--qwz-delta", "--qwz-delta-refresh", "7", "--qwz-delta-bits", "8"])?.qwz_delta;
+    assert_eq!(d.map(|d| (d.refresh_every, d.spec.bits().bits())), Some((7, 8)));
+    assert_eq!(q(&zero(&["--qgz-hadamard"])?), Some((false, true)));
+    assert_eq!(zero(&["--qwz-delta"])?.label(), "zeropp+delta");
+    for (args, says) in [
+        (&["--qwz-delta-refresh", "5"][..], "need qwZ-delta"),
+        (&["--no-qgz", "--qgz-hadamard"][..], "qgZ, which is off"),
+        (&["--qwz-delta", "--qwz-delta-bits", "3"][..], "bits must be 4 or 8"),
+    ] {
+        let err = zero(args).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    // What the engine refuses comes back through the configuration's check.
+    let hpz1 = parse(&["--qwz-delta", "--hpz", "1"])?;
+    let err = hpz1.run.engine.validate(8, 4).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("it needs hpZ"), "{err}");
+    Ok(())
+}
+
 #[test]
 fn fault_specs_parse() -> Result<(), CliError> {
     assert_eq!(parse_faults("fail:3:2")?.fail, Some((3, 2)));
