@@ -160,17 +160,21 @@ echo "==> end to end: zeropp train --backend mpi equals --backend threads"
 # zeropp's run names --backend mpi; zero3's names none: the engine's launch must
 # detect mpirun itself (the plan line says "MPI ranks ... under OpenMPI"; a
 # process that fell back to threads would print "ranks" and no launcher).
-for mode in zeropp zero3; do
+# zeropp-delta (qwZ-delta's exchange, two-level Hadamard qgZ) refreshes its hpZ
+# copies at steps 0, 7 and 14, so both kinds of step are compared.
+for mode in zeropp zero3 zeropp-delta; do
   a="$E2E_DIR/mpi-$mode.jsonl" b="$E2E_DIR/threads-$mode.jsonl"
-  if [ "$mode" = zeropp ]; then
-    backend=(--backend mpi) label="(mpi)" expect="metrics written"
-  else
+  extra=()
+  if [ "$mode" = zero3 ]; then
     backend=() label="(no --backend: detected)" expect="on 8 MPI ranks = 2 nodes x 4 under OpenMPI"
+  else
+    backend=(--backend mpi) label="(mpi)" expect="metrics written"
   fi
+  [ "$mode" = zeropp-delta ] && extra=(--qwz-delta-refresh 7)
   run "train np8 2x4 $mode $label" ok "$expect" -- -np 8 "$zeropp" train "${backend[@]}" \
-    --local-size 4 --mode "$mode" "${TRAIN_ARGS[@]}" --metrics "$a"
+    --local-size 4 --mode "$mode" "${extra[@]}" "${TRAIN_ARGS[@]}" --metrics "$a"
   if timeout -k 10 "$TIMEOUT" "$zeropp" train --backend threads --world 8 --local-size 4 --mode "$mode" \
-    "${TRAIN_ARGS[@]}" --metrics "$b" >"$E2E_DIR/threads-$mode.log" 2>&1; then
+    "${extra[@]}" "${TRAIN_ARGS[@]}" --metrics "$b" >"$E2E_DIR/threads-$mode.log" 2>&1; then
     same_jsonl "train $mode: mpi == threads (losses, bytes)" "$a" "$b"
   else
     tail -20 "$E2E_DIR/threads-$mode.log"

@@ -25,6 +25,7 @@
 //            4 feedback with beta = by), u64 n, f32 by, src (f32 x n, bf16 x n for
 //            kind 1, none for kind 2, c then d: f32 x 2n for kind 4), acc f32 x n
 //            (kinds 0-2, and the residual of kind 4)
+//   u32 op = 5 hadamard: u64 n, u32 g, u64 pos, u64 seed, f32 scale, u32 inverse, f32 x n
 //   reply to 1 and 2: u64 first non-finite index (or 2^64-1), the output payload
 //   (scales, offsets, data: the wire layout after the header); to 3: f32 x len;
 //   to 4: f32 x n (kinds 0-2) or bf16 x n (kind 3).
@@ -352,6 +353,16 @@ int main() {
         }
         if (kind == 3) std::fwrite(out.data(), 2, n, stdout);
         else std::fwrite(acc.data(), 4, n, stdout);
+    } else if (op == 5) {
+        const u64 n = rd<u64>();
+        const u32 g = rd<u32>();
+        const u64 pos = rd<u64>(), seed = rd<u64>();
+        const float scale = rd<float>();
+        const u32 inverse = rd<u32>();
+        std::vector<float> x(n + 1);
+        if (n && std::fread(x.data(), 4, n, stdin) != n) return 2;
+        if (n >= g) launch([&] { zq_hadamard(x.data(), n, g, pos, seed, scale, inverse); });
+        std::fwrite(x.data(), 4, n, stdout);
     } else {
         std::fprintf(stderr, "zq-emulate: unknown op %u\n", op);
         return 2;

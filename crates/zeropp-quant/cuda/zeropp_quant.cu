@@ -368,3 +368,54 @@ extern "C" __global__ void __launch_bounds__(ZQ_BLOCK)
         r[i] = __fadd_rn(__fmul_rn(beta, r[i]), __fmul_rn(k, __fsub_rn(c[i], d[i])));
     }
 }
+
+// ---- the randomized Hadamard rotation (src/hadamard.rs) ----------------------
+
+// Bit (p mod 32) of sign word p/32: hadamard.rs's SignStream (keys from the
+// seed, domain-separated, and the word's high bits; one lowbias32 hash per word).
+__device__ __forceinline__ u32 hadamard_sign(u64 seed, u64 p) {
+    const u64 w = p >> 5;
+    const u64 z = splitmix64((seed ^ 0x484144414D415244ull) ^ splitmix64(w >> 32));  // "HADAMARD"
+    const u32 k1 = (u32)z;
+    const u32 k2 = (u32)(z >> 32);
+    return (lowbias32(lowbias32((u32)w ^ k1) ^ k2) >> (u32)(p & 31)) & 1u;
+}
+
+// Flips the sign of v when bit is 1 (an exact xor of the sign bit).
+__device__ __forceinline__ float hadamard_flip(float v, u32 bit) {
+    return __uint_as_float(__float_as_uint(v) ^ (bit << 31));
+}
+
+// Rotates every whole group of `g` (a power of two) of the `n` floats at `x`
+// in place, one block per group, x[0] at stream position `pos`; a partial last
+// group is left as it is. Forward: flip, butterfly stages h = 1, 2, ..., g/2
+// ((a, b) -> (a + b, a - b)), multiply by `scale`; inverse (`inverse` != 0):
+// the stages, the scale, then the flip. Each butterfly is one _rn add or
+// subtract on the same pair as the CPU's, stage by stage: bit-identical.
+extern "C" __global__ void __launch_bounds__(ZQ_BLOCK)
+    zq_hadamard(float* x, u64 n, u32 g, u64 pos, u64 seed, float scale, u32 inverse) {
+    const u64 groups = n / g;
+    for (u64 k = blockIdx.x; k < groups; k += gridDim.x) {
+        float* y = x + k * g;
+        const u64 p0 = pos + k * g;
+        if (!inverse) {
+            for (u32 i = threadIdx.x; i < g; i += blockDim.x) y[i] = hadamard_flip(y[i], hadamard_sign(seed, p0 + i));
+        }
+        __syncthreads();
+        for (u32 h = 1; h < g; h <<= 1) {
+            for (u32 t = threadIdx.x; t < g / 2; t += blockDim.x) {
+                const u32 j = (t / h) * 2 * h + (t % h);
+                const float a = y[j];
+                const float b = y[j + h];
+                y[j] = __fadd_rn(a, b);
+                y[j + h] = __fsub_rn(a, b);
+            }
+            __syncthreads();
+        }
+        for (u32 i = threadIdx.x; i < g; i += blockDim.x) {
+            const float v = __fmul_rn(y[i], scale);
+            y[i] = inverse ? hadamard_flip(v, hadamard_sign(seed, p0 + i)) : v;
+        }
+        __syncthreads();
+    }
+}

@@ -112,8 +112,8 @@ impl Hadamard {
         Self { seed, ..self }
     }
 
-    /// `1/√g`, rounded to f32.
-    fn scale(&self) -> f32 {
+    /// `1/√g`, rounded to f32 (the last multiply of every kernel).
+    pub(crate) fn scale(&self) -> f32 {
         (1.0 / (self.group_size as f64).sqrt()) as f32
     }
 

@@ -100,6 +100,39 @@ impl Gpu {
         Ok(())
     }
 
+    /// The Hadamard rotation ([`crate::hadamard`]) of every whole group of the
+    /// `n` f32 at `x`, in place (`x[0]` at stream position `position`; forward,
+    /// or back when `inverse`), bit-identical to [`Hadamard::forward`] and
+    /// [`Hadamard::inverse`]; enqueued on the stream without waiting.
+    ///
+    /// # Safety
+    ///
+    /// `x` must address `n` live f32 on this context.
+    pub unsafe fn hadamard_at(
+        &self,
+        x: u64,
+        n: usize,
+        h: &Hadamard,
+        position: u64,
+        inverse: bool,
+    ) -> Result<()> {
+        let g = h.group_size();
+        if n < g {
+            return Ok(());
+        }
+        self.current()?;
+        let grid = (n / g).min(MAX_BLOCKS) as u32;
+        let f = self.module.get_function("zq_hadamard")?;
+        let stream = &self.stream;
+        let (n, g, seed, scale, inv) = (n as u64, g as u32, h.seed(), h.scale(), u32::from(inverse));
+        // SAFETY: the arguments match `zq_hadamard`'s parameters in order and
+        // type; `x` is live by this function's contract.
+        unsafe {
+            launch!(f<<<grid, BLOCK, 0, stream>>>(x, n, g, position, seed, scale, inv))?;
+        }
+        Ok(())
+    }
+
     /// Runs an element-wise kernel over `n` elements, enqueued on the stream
     /// without waiting.
     ///

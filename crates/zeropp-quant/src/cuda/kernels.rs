@@ -277,6 +277,23 @@ impl Gpu {
         self.dequant(q, acc, true)
     }
 
+    /// Rotates every whole group of `x` in place, like [`Hadamard::forward`]
+    /// (`inverse`: [`Hadamard::inverse`]) with `x[0]` at stream position
+    /// `position`, bit for bit; synchronized.
+    pub fn hadamard(
+        &self,
+        x: &mut DeviceSlice<f32>,
+        h: &Hadamard,
+        position: u64,
+        inverse: bool,
+    ) -> Result<()> {
+        self.current()?;
+        // SAFETY: `x` holds `x.len()` live f32 on this context.
+        unsafe { self.hadamard_at(x.as_device_ptr().as_raw(), x.len(), h, position, inverse)? };
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
     fn dequant(&self, q: &GpuQuantized, out: &mut DeviceSlice<f32>, add: bool) -> Result<()> {
         if out.len() != q.len {
             return Err(QuantError::LengthMismatch {

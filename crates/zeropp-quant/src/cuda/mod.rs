@@ -63,6 +63,7 @@ pub use cust;
 
 use crate::element::Element;
 use crate::error::{QuantError, Result};
+use crate::hadamard::Hadamard;
 use crate::quantized::{AsQuantizedRef, Quantized, QuantizedRef};
 use crate::spec::{Bits, Options, QuantSpec, Rounding};
 use crate::wire;

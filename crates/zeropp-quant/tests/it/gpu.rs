@@ -36,6 +36,10 @@ const CHECKS: &[(&str, Check)] = &[
     ("zero-length buffers: no allocation, no memset on a null pointer", zero_lengths),
     ("buffers read and dropped on a thread that never made the context current", other_threads),
     ("stream handles (new_stream) share the module and give the same bytes", stream_handles),
+    (
+        "the Hadamard rotation matches the CPU both ways (groups 1..8192, positions past 2^32 words)",
+        hadamard_matches_cpu,
+    ),
 ];
 
 /// Allocations are padded to whole 4-byte words (the INT4 packing's atomics
@@ -191,6 +195,22 @@ fn many_groups(gpu: &Gpu) {
 
 fn bits_of(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
+}
+
+fn hadamard_matches_cpu(gpu: &Gpu) {
+    let g = prop::sample::select(vec![1usize, 2, 8, 32, 256, 1024, 8192]);
+    let pos = prop_oneof![0u64..100_000, (1u64 << 37) - 5000..(1u64 << 37) + 5000];
+    proptest!(config(64), |(x in vector(), g in g, seed: u64, pos in pos, inverse: bool)| {
+        let h = zeropp_quant::Hadamard::new(g, seed).unwrap();
+        let o = cpu(Rounding::NearestEven);
+        let mut want = x.clone();
+        if inverse { h.inverse(&mut want, pos, &o).unwrap() } else { h.forward(&mut want, pos, &o).unwrap() }
+        let mut buf = gpu.upload(&x).unwrap().into_buffer();
+        gpu.hadamard(&mut buf, &h, pos, inverse).unwrap();
+        let got = gpu.download(&buf).unwrap();
+        let canon = |v: &[f32]| v.iter().map(|f| if f.is_nan() { 0x7FC0_0000 } else { f.to_bits() }).collect::<Vec<u32>>();
+        prop_assert_eq!(canon(&got), canon(&want));
+    });
 }
 
 fn dequant_matches_cpu(gpu: &Gpu) {

@@ -121,7 +121,7 @@ fn suite() {
         );
         let _ = writeln!(
             std::io::stderr(),
-            "gpu_emu: 5 tests skipped: no kernel emulator ({ENV} unset; `cargo xtask gpu test` builds it)"
+            "gpu_emu: 6 tests skipped: no kernel emulator ({ENV} unset; `cargo xtask gpu test` builds it)"
         );
         return;
     };
@@ -130,6 +130,28 @@ fn suite() {
     dequant_matches_cpu(&exe);
     reduce_matches_cpu(&exe);
     elementwise_matches_cpu(&exe);
+    hadamard_matches_cpu(&exe);
+}
+
+/// The Hadamard rotation kernel against the CPU's, both ways, bit for bit:
+/// every power-of-two group size, lengths with a partial last group, stream
+/// positions off word boundaries and past 2^32 words (another key block).
+fn hadamard_matches_cpu(exe: &str) {
+    use zeropp_quant::{Hadamard, Options};
+    let g = prop::sample::select(vec![1usize, 2, 8, 32, 64, 256, 1024, 8192]);
+    let pos = prop_oneof![0u64..100_000, (1u64 << 37) - 5000..(1u64 << 37) + 5000];
+    proptest!(config(40), |(x in vector(), g in g, seed: u64, pos in pos, inverse: bool)| {
+        let h = Hadamard::new(g, seed).unwrap();
+        let o = Options::default().with_kernel(zeropp_quant::Kernel::Scalar);
+        let mut want = x.clone();
+        if inverse { h.inverse(&mut want, pos, &o).unwrap() } else { h.forward(&mut want, pos, &o).unwrap() }
+        let scale = (1.0 / (g as f64).sqrt()) as f32;
+        let raw: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let out = Req(Vec::new()).u32(5).u64(x.len() as u64).u32(g as u32).u64(pos).u64(seed)
+            .bytes(&scale.to_le_bytes()).u32(u32::from(inverse)).bytes(&raw).run(exe);
+        let got: Vec<u32> = out.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        prop_assert_eq!(canon(&got), canon(&want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()));
+    });
 }
 
 /// The element-wise kernels of comm's device collectives (f32 and bf16 add,
