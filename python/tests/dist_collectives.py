@@ -69,10 +69,14 @@ def rank_input(r: int, n: int) -> np.ndarray:
     return x
 
 
-def qgz_bound(inputs, w, nodes, local, shard, mean, bits=4, local_bits=8, gs=256):
+def qgz_bound(inputs, w, nodes, local, shard, mean, bits=4, local_bits=8, gs=256, intra_bits=None,
+              hadamard=False):
     """zeropp_comm::conformance::qgz_error_bound in numpy (float64): every
     quantization of a group errs by at most one step amax / 2^(b-1); the
-    second hop requantizes each other node's partial sum."""
+    second hop requantizes each other node's partial sum. With ``hadamard``, a
+    whole group is quantized rotated, where no value exceeds the group's L2
+    norm, and rotating back multiplies an elementwise bound by at most
+    sqrt(gs)."""
     n = len(inputs[0])
     s = -(-n // w)
     mt, lt = shard // local, shard % local
@@ -80,16 +84,23 @@ def qgz_bound(inputs, w, nodes, local, shard, mean, bits=4, local_bits=8, gs=256
     lo = shard * s
     xs = [np.abs(np.pad(x.astype(np.float64), (0, w * s - n))[lo:lo + s]) for x in inputs]
     shard_amax = [float(v.max()) if len(v) else 0.0 for v in xs]
+    # Elements in a whole (rotated) group, with the rotation.
+    whole = s // gs * gs
+    rot = np.zeros(s, dtype=bool)
+    if hadamard:
+        rot[:whole] = True
 
-    def block_amax(v, g):
+    def block_max(v, g):
         pad = (-len(v)) % g
-        m = np.pad(v, (0, pad)).reshape(-1, g).max(axis=1)
-        return np.repeat(m, g)[:len(v)]
+        blocks = np.pad(v, (0, pad)).reshape(-1, g)
+        m = np.repeat(blocks.max(axis=1), g)[:len(v)]
+        l2 = np.repeat(np.sqrt((blocks ** 2).sum(axis=1)), g)[:len(v)]
+        return np.where(rot, l2, m)
 
     e = np.zeros(s)
     total = 0.0
     for m in range(nodes):
-        partial = 0.0
+        partial = np.zeros(s)
         for l in range(local):
             r = m * local + l
             total += shard_amax[r]
@@ -100,11 +111,13 @@ def qgz_bound(inputs, w, nodes, local, shard, mean, bits=4, local_bits=8, gs=256
             elif l == lt:
                 b = local_bits
             else:
-                b = bits
-            e += block_amax(xs[r], gs) * step(b)
-            partial += shard_amax[r] * (1 + step(b))
+                b = intra_bits or bits
+            e += block_max(xs[r], gs) * step(b)
+            partial += np.where(rot, block_max(xs[r], gs) * (1 + step(b) * np.sqrt(gs)),
+                                shard_amax[r] * (1 + step(b)))
         if nodes > 1 and local > 1 and m != mt:
             e += partial * step(bits)
+    e = np.where(rot, e * np.sqrt(gs), e)
     return (e + 1e-5 * total + 1e-30) * ((1.0 / w) if mean else 1.0)
 
 
@@ -121,17 +134,18 @@ class _TensorArgs:
         return lambda *a: attr(*(torch.from_numpy(x) for x in a))
 
 
-def by_hand(inputs, w, local, seed, mean):
+def by_hand(inputs, w, local, seed, mean, **options):
     """All ranks' qgZ shards from zeropp's stages in this process, with the two
-    all-to-alls done by copying bytes (the comm crate's qgz_stages test does the same)."""
+    all-to-alls done by copying bytes (the comm crate's qgz_stages test does the
+    same); ``options`` go to the stages (``intra_bits``, ``hadamard``)."""
     nodes = w // local
     n = len(inputs[0])
     if K.mode() == "torch":
         # The device path's own stages (their rounding streams are torch's), on
         # tensors that share the numpy buffers below.
-        st = [_TensorArgs(TorchQgzStages(w, local, r, n, seed=seed, mean=mean)) for r in range(w)]
+        st = [_TensorArgs(TorchQgzStages(w, local, r, n, seed=seed, mean=mean, **options)) for r in range(w)]
     else:
-        st = [REAL_STAGES(w, local, r, n, seed=seed, mean=mean) for r in range(w)]
+        st = [REAL_STAGES(w, local, r, n, seed=seed, mean=mean, **options) for r in range(w)]
     ia, ie = st[0].intra_chunk_len, st[0].inter_chunk_len
     intra = [np.zeros(local * ia, np.uint8) for _ in range(w)]
     own = [np.zeros(st[0].own_len, np.uint8) for _ in range(w)]
@@ -172,6 +186,19 @@ def test_reduce_scatter(topo):
         ref = by_hand(inputs, w, ls, zeropp.stream_seed(7, [2, 1]), mean)[rank]
         same = all_ok(bool(np.array_equal(out.numpy().view(np.uint32), ref.view(np.uint32))))
         check(same, f"qgZ reduce-scatter ({'mean' if mean else 'sum'}) bit-identical to zeropp's stages by hand")
+    # SDP4Bit's options: INT8 inside the node, INT4 across, every group rotated.
+    rs = zt.QuantizedReduceScatter(topo, seed=7, two_level=True, hadamard=True)
+    out = torch.empty(c)
+    rs(out, torch.from_numpy(inputs[rank].copy()), topo.group, dist.ReduceOp.AVG)
+    exact = (np.sum([x.astype(np.float64) for x in inputs], axis=0) / w)[rank * c:(rank + 1) * c]
+    bound = qgz_bound(inputs, w, topo.nodes, ls, rank, True, intra_bits=8, hadamard=True)
+    err = np.abs(out.numpy().astype(np.float64) - exact)
+    check(all_ok(bool(np.all(err <= bound))), f"qgZ two-level + Hadamard within its analytic bound of the float64 "
+          f"mean (rank 0: worst error/bound {float(np.max(err / bound)):.3f})")
+    ref = by_hand(inputs, w, ls, zeropp.stream_seed(7, [2, 1]), True, intra_bits=8,
+                  hadamard=zeropp.stream_seed(7, [3, 1]))[rank]
+    same = all_ok(bool(np.array_equal(out.numpy().view(np.uint32), ref.view(np.uint32))))
+    check(same, "qgZ two-level + Hadamard bit-identical to zeropp's stages by hand")
     # 1-D segments at full precision: chunk layout [1000 matrix, 345 bias-like, 11000 matrix].
     segs = [(1000, False), (345, True), (11_000, False)]
     rs = zt.QuantizedReduceScatter(topo, segments=segs, seed=7)

@@ -118,6 +118,34 @@ class Kernels(unittest.TestCase):
             K.dequantize_rows(wire, 11, bits=8, group_size=4)
 
 
+class Hadamard(unittest.TestCase):
+    """``hadamard_rows`` (torch ops) against the Rust rotation, bit for bit."""
+
+    def test_rotation_is_bitwise_the_rust_kernel(self):
+        for n, g, pos, inverse in itertools.product((1, 7, 64, 200, 1000, 4099), (1, 2, 8, 64, 256),
+                                                     (0, 5, 31, 1 << 37), (False, True)):
+            x = _data(n, n + g)
+            want = x.clone()
+            _zeropp.hadamard(want.numpy(), group_size=g, seed=77 + g, position=pos, inverse=inverse)
+            got = K.hadamard_rows(x[None], group_size=g, seed=77 + g, positions=[pos], inverse=inverse)[0]
+            with self.subTest(n=n, g=g, pos=pos, inverse=inverse):
+                self.assertTrue(torch.equal(got.view(torch.int32), want.view(torch.int32)))
+
+    def test_rows_start_at_their_own_positions_and_come_back(self):
+        x = torch.stack([_data(300, 1), _data(300, 2)])
+        y = K.hadamard_rows(x, group_size=32, seed=3, positions=[0, 300])
+        one = x.reshape(1, 600)
+        # Row 1 at position 300 is the second half of one row of 600 (300 = 9·32 + 12:
+        # an unaligned start), its 9 whole groups counted from its own start.
+        whole = K.hadamard_rows(x[1:], group_size=32, seed=3, positions=[300])
+        self.assertTrue(torch.equal(y[1], whole[0]))
+        back = K.hadamard_rows(y, group_size=32, seed=3, positions=[0, 300], inverse=True)
+        self.assertLess(float((back - x).abs().max()), 1e-5 * float(x.abs().max()))
+        self.assertFalse(torch.equal(y[0], one[0, :300]))
+        with self.assertRaises(_zeropp.ZeroppError):
+            K.hadamard_rows(x, group_size=48, seed=3, positions=[0, 0])
+
+
 class Docs(unittest.TestCase):
     def test_the_module_docstring_example_runs(self):
         import doctest
@@ -127,12 +155,15 @@ class Docs(unittest.TestCase):
         self.assertEqual(result.failed, 0)
 
 
-def _run_qgz(make, nodes: int, local: int, n: int, seed, mean: bool, grads):
+def _run_qgz(make, nodes: int, local: int, n: int, seed, mean: bool, grads, **options):
     """A whole qgZ reduce-scatter over ``nodes x local`` ranks in one process:
     every rank's stages, with the two all-to-alls done by hand. Returns each
-    rank's (intra_send, inter_send, shard)."""
+    rank's (intra_send, inter_send, shard). ``options`` go to the stages
+    (``group_size``, ``intra_bits``, ``hadamard``)."""
     w = nodes * local
-    st = [make(w, local, r, n, bits=4, group_size=255, local_bits=8, seed=seed, mean=mean) for r in range(w)]
+    kw = dict(bits=4, group_size=255, local_bits=8, seed=seed, mean=mean)
+    kw.update(options)
+    st = [make(w, local, r, n, **kw) for r in range(w)]
     bufs = []
     for r in range(w):
         s = st[r]
@@ -177,6 +208,27 @@ class QgzStages(unittest.TestCase):
                     for what, a, b in zip(("intra_send", "inter_send", "shard"), got[r], want[r]):
                         same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                         self.assertTrue(same, f"rank {r}: {what} differs")
+
+    def test_two_level_hadamard_stages_are_bitwise_the_rust_stages(self):
+        """SDP4Bit's options (INT8 inside the node, INT4 across, every group
+        rotated): the same bytes and shards as the Rust stages."""
+        for (nodes, local), n in itertools.product(self.SHAPES, (1, 700, 4099)):
+            w = nodes * local
+            grads = [_data(n, 300 * r + n) for r in range(w)]
+            opts = dict(group_size=64, intra_bits=8, hadamard=12345 + n)
+            with self.subTest(nodes=nodes, local=local, n=n):
+                want = _run_qgz(_zeropp.QgzStages, nodes, local, n, None, True, grads, **opts)
+                got = _run_qgz(TorchQgzStages, nodes, local, n, None, True, grads, **opts)
+                for r in range(w):
+                    for what, a, b in zip(("intra_send", "inter_send", "shard"), got[r], want[r]):
+                        same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                        self.assertTrue(same, f"rank {r}: {what} differs")
+                # And it reduces: within INT4 of the float64 mean (a loose bound;
+                # the collective test checks the analytic one).
+                exact = torch.stack([g.double() for g in grads]).mean(0)
+                full = torch.cat([o[2] for o in got])[:n].double()
+                scale = float(exact.abs().max()) + 1e-30
+                self.assertLess(float((full - exact).abs().max()) / scale, 0.5)
 
     def test_stochastic_stages_stay_within_the_rust_error(self):
         nodes, local, n = 2, 2, 20000

@@ -31,6 +31,7 @@ tasks:
                    three corpora (generated, tinyshakespeare, the Python reference);
                    ZEROPP_FIDELITY_ARGS passes options, e.g. `--seeds 8 --lrs 1e-2 --variants all`),
                    `loco-probe` (qgZ's error feedback along one exact trajectory, per corpus);
+                   `qgz-error` (qgZ's MSE on real gradients: plain INT4, two-level, Hadamard);
                    `candle`: the candle adapter's step time vs the native GPT, matmul threads,
                    ZeRO++/ZeRO-3 fidelity of the candle Llama over seeds;
                    writes a markdown summary to target/bench-report/NAME.md; `cluster`: speedups
@@ -227,6 +228,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         let own: Option<Runner> = match name {
             "fidelity" => Some(fidelity),
             "loco-probe" => Some(loco_probe),
+            "qgz-error" => Some(qgz_error),
             "gpu" => Some(gpu::bench),
             "gpu-comm" => Some(gpu::bench_comm),
             "scale" => Some(scale::scale),
@@ -241,7 +243,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
             return Err(format!(
-                "unknown bench `{name}` (known: {}, fidelity, loco-probe, gpu, gpu-comm, scale, cluster, torch)",
+                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch)",
                 known.join(", ")
             ));
         };
@@ -303,6 +305,26 @@ fn loco_probe(report_dir: &Path) -> Result<(), String> {
         c.args(["run", "--locked", "--release", "-p", "zeropp-engine", "--example", "loco_probe", "--"]);
         c.args(["--data", corpus, "--lr", "1e-2", "--out"]).arg(&part);
         run(&format!("bench loco-probe ({corpus})"), c)?;
+        md += &std::fs::read_to_string(&part).map_err(|e| format!("{}: {e}", part.display()))?;
+        md.push('\n');
+    }
+    std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
+    eprintln!("==> wrote {}", out.display());
+    Ok(())
+}
+
+/// qgZ's error on real gradients (`qgz_error` example): plain INT4 against
+/// SDP4Bit's two levels and Hadamard smoothing, along one exact trajectory,
+/// on each corpus of the fidelity bench; `target/bench-report/qgz-error.md`.
+fn qgz_error(report_dir: &Path) -> Result<(), String> {
+    let out = report_dir.join("qgz-error.md");
+    let mut md = String::from("# bench `qgz-error`: qgZ's error on gradients captured from training\n\n");
+    for corpus in corpora()?.split(',') {
+        let part = report_dir.join("qgz-error-part.md");
+        let mut c = cargo();
+        c.args(["run", "--locked", "--release", "-p", "zeropp-engine", "--example", "qgz_error", "--"]);
+        c.args(["--data", corpus, "--out"]).arg(&part);
+        run(&format!("bench qgz-error ({corpus})"), c)?;
         md += &std::fs::read_to_string(&part).map_err(|e| format!("{}: {e}", part.display()))?;
         md.push('\n');
     }

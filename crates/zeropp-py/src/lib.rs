@@ -184,6 +184,30 @@ fn stream_seed(seed: u64, keys: Vec<u64>) -> u64 {
     zeropp_quant::rng::stream_seed(seed, &keys)
 }
 
+/// hadamard(x, *, group_size, seed, position=0, inverse=False) -> None
+///
+/// Rotates every whole group of `group_size` (a power of two) of the float32
+/// buffer `x` in place by zeropp's seeded, randomized Hadamard transform (the
+/// smoothing of qgZ's `hadamard` option): `x[0]` sits at stream position
+/// `position`, a partial last group is left as it is; `inverse=True` undoes it.
+#[pyfunction]
+#[pyo3(signature = (x, *, group_size, seed, position = 0, inverse = false))]
+fn hadamard(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    group_size: usize,
+    seed: u64,
+    position: u64,
+    inverse: bool,
+) -> PyResult<()> {
+    let h = zeropp_quant::Hadamard::new(group_size, seed).map_err(rust_err)?;
+    let xb = Buf::get(x, "x", true)?;
+    let v = f32_mut(&xb)?;
+    let o = Options::default();
+    py.detach(|| if inverse { h.inverse(v, position, &o) } else { h.forward(v, position, &o) })
+        .map_err(rust_err)
+}
+
 /// best_kernel() -> str
 ///
 /// The quantization kernel this CPU runs ("avx512", "avx2", "neon" or "scalar").
@@ -204,6 +228,7 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire_header, m)?)?;
     m.add_function(wrap_pyfunction!(stream_seed, m)?)?;
     m.add_function(wrap_pyfunction!(best_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(hadamard, m)?)?;
     qgz::register(m)?;
     segments::register(m)?;
     Ok(())

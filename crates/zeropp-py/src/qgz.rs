@@ -11,21 +11,29 @@ fn topology(world: usize, local_size: usize) -> PyResult<Topology> {
     Topology::ranks(world).per_node(local_size).map_err(rust_err)
 }
 
+/// The options of one call; `intra_bits` is the intra-node hop's width when it
+/// differs from `bits` (SDP4Bit's two levels), `hadamard` the rotation's seed.
+#[allow(clippy::too_many_arguments)] // the Python signature's keyword arguments
 fn qgz_options(
     bits: u32,
     group_size: usize,
     local_bits: u32,
+    intra_bits: Option<u32>,
+    hadamard: Option<u64>,
     seed: Option<u64>,
     mean: bool,
 ) -> PyResult<QgzOptions> {
     let mut o = QgzOptions::default().with_spec(spec(bits, group_size, true)?);
+    o.intra_spec = spec(intra_bits.unwrap_or(bits), group_size, true)?;
+    o.hadamard = hadamard;
     o.local_spec = spec(local_bits, group_size, true)?;
     o.quant = options(seed);
     o.reduce = if mean { Reduce::Mean } else { Reduce::Sum };
     Ok(o)
 }
 
-/// QgzStages(world, local_size, rank, n, *, bits=4, group_size=256, local_bits=8, seed=None, mean=True)
+/// QgzStages(world, local_size, rank, n, *, bits=4, group_size=256, local_bits=8, seed=None, mean=True,
+///           intra_bits=None, hadamard=None)
 ///
 /// The local stages of one qgZ reduce-scatter of an `n`-element float32
 /// gradient, for rank `rank` of `world = nodes × local_size` ranks (node-major:
@@ -37,6 +45,10 @@ fn qgz_options(
 /// this rank's part of the mean (or sum) over all ranks. These are the Rust
 /// engine's own stages: same slice order, same rounding streams for a `seed`
 /// (the engine derives one per call with `stream_seed`), same result.
+/// `intra_bits=8` sends the intra-node hop at INT8 and only the inter-node one
+/// at `bits` (SDP4Bit's two levels); `hadamard=SEED` rotates each group before
+/// its first quantization and the shard back at `finish` (the group size must
+/// then be a power of two; every rank passes the same seed).
 #[pyclass(name = "QgzStages", module = "zeropp._zeropp", frozen)]
 pub(crate) struct Stages {
     inner: QgzStages,
@@ -45,7 +57,7 @@ pub(crate) struct Stages {
 #[pymethods]
 impl Stages {
     #[new]
-    #[pyo3(signature = (world, local_size, rank, n, *, bits = 4, group_size = 256, local_bits = 8, seed = None, mean = true))]
+    #[pyo3(signature = (world, local_size, rank, n, *, bits = 4, group_size = 256, local_bits = 8, seed = None, mean = true, intra_bits = None, hadamard = None))]
     #[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
     fn new(
         world: usize,
@@ -57,8 +69,10 @@ impl Stages {
         local_bits: u32,
         seed: Option<u64>,
         mean: bool,
+        intra_bits: Option<u32>,
+        hadamard: Option<u64>,
     ) -> PyResult<Self> {
-        let o = qgz_options(bits, group_size, local_bits, seed, mean)?;
+        let o = qgz_options(bits, group_size, local_bits, intra_bits, hadamard, seed, mean)?;
         Ok(Self { inner: QgzStages::new(&topology(world, local_size)?, rank, n, &o).map_err(rust_err)? })
     }
 
@@ -156,20 +170,22 @@ fn qgz_slice_order(world: usize, local_size: usize, rank: usize) -> PyResult<Vec
     Ok((0..t.local_size()).map(|j| (0..t.nodes()).map(|m| t.rank_of(m, j)).collect()).collect())
 }
 
-/// qgz_wire_bytes(world, local_size, n, *, bits=4, group_size=256) -> (intra, inter)
+/// qgz_wire_bytes(world, local_size, n, *, bits=4, group_size=256, intra_bits=None) -> (intra, inter)
 ///
 /// Bytes one rank sends in a qgZ reduce-scatter of `n` elements: to its local
-/// peers, and across nodes to its rail peers.
+/// peers (at `intra_bits` when given), and across nodes to its rail peers.
 #[pyfunction]
-#[pyo3(signature = (world, local_size, n, *, bits = 4, group_size = 256))]
+#[pyo3(signature = (world, local_size, n, *, bits = 4, group_size = 256, intra_bits = None))]
 fn qgz_wire_bytes(
     world: usize,
     local_size: usize,
     n: usize,
     bits: u32,
     group_size: usize,
+    intra_bits: Option<u32>,
 ) -> PyResult<(u64, u64)> {
-    let b = qgz_bytes(&topology(world, local_size)?, &qgz_options(bits, group_size, 8, None, true)?, n);
+    let o = qgz_options(bits, group_size, 8, intra_bits, None, None, true)?;
+    let b = qgz_bytes(&topology(world, local_size)?, &o, n);
     Ok((b.intra, b.inter))
 }
 

@@ -14,8 +14,9 @@ from .stages import TorchQgzStages
 from .topology import Topology, _spans_nodes
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-# Kind keys of the stochastic-rounding streams (as the Rust engine's: qwZ 1, qgZ 2).
+# Kind keys of the streams (as the Rust engine's: qwZ 1, qgZ 2, the Hadamard signs 3).
 _QGZ_STREAM = 2
+_HADAMARD_STREAM = 3
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -30,11 +31,18 @@ class _Shared:
 
     seed: int
     calls: int = 0
+    rotations: int = 0
     pool: dict = field(default_factory=dict)
 
     def next_seed(self) -> int:
         self.calls += 1
         return _zeropp.stream_seed(self.seed, [_QGZ_STREAM, self.calls])
+
+    def next_rotation(self) -> int:
+        """The Hadamard rotation's seed for the next reduce-scatter (a stream of
+        its own, so the stochastic-rounding seeds do not move with it)."""
+        self.rotations += 1
+        return _zeropp.stream_seed(self.seed, [_HADAMARD_STREAM, self.rotations])
 
     def zeros(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed work buffer. In host memory it is kept across steps and shared by
@@ -203,12 +211,26 @@ class QuantizedReduceScatter(_Collective):
     one node (HSDP's shard group when a replica is a node, or a one-node job)
     sends no byte across nodes, so it goes through torch's reduce-scatter at
     full precision; ``quantize_intra=True`` quantizes it too.
+
+    SDP4Bit's options: ``two_level=True`` sends the intra-node hop at INT8 and
+    only the rail hop at ``bits``; ``hadamard=True`` rotates every quantization
+    group by a seeded, randomized Hadamard transform before its first
+    quantization and each rank's shard back after the last sum, which spreads
+    an outlier over its group (``group_size`` must be a power of two). Both
+    keep the Rust engine's arithmetic (``zeropp.QgzStages``, or the torch ops
+    of the device path, byte for byte with round-to-nearest).
     """
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,
                  local_bits: int = 8, stochastic: bool = True, seed: int = 0, shared: _Shared | None = None,
-                 names=None, module: str = "", divide_factor=None, quantize_intra: bool = False):
+                 names=None, module: str = "", divide_factor=None, quantize_intra: bool = False,
+                 two_level: bool = False, hadamard: bool = False):
         super().__init__(segments, bits, group_size)
+        if hadamard and (group_size < 1 or group_size & (group_size - 1)):
+            raise _zeropp.ZeroppError(
+                f"qgZ: the Hadamard rotation needs a power-of-two group size, got {group_size}")
+        self.two_level = two_level
+        self.hadamard = hadamard
         self.quantize_intra = quantize_intra
         self.divide_factor = divide_factor
         self.topology = topology
@@ -324,9 +346,11 @@ class QuantizedReduceScatter(_Collective):
             xq = self.shared.zeros("xq", (w, cq), torch.float32, home)
             xq[:, dst] = x[:, src].to(torch.float32)
         seed = self.shared.next_seed() if self.stochastic else None
+        rotation = self.shared.next_rotation() if self.hadamard else None
         stages = TorchQgzStages if on_dev else _zeropp.QgzStages
         st = stages(w, t.local_size, t.rank, w * cq, bits=self.bits, group_size=self.group_size,
-                    local_bits=self.local_bits, seed=seed, mean=mean)
+                    local_bits=self.local_bits, seed=seed, mean=mean,
+                    intra_bits=8 if self.two_level else None, hadamard=rotation)
         arg = (lambda b: b) if on_dev else (lambda b: b.numpy())
         zeros = self.shared.zeros
         part = zeros("part", (cq,), torch.float32, home)

@@ -94,7 +94,8 @@ def _check_replicas(shard_group, replica_group):
 
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
-           exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False) -> dict:
+           exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False,
+           qgz_two_level: bool = False, qgz_hadamard: bool = False) -> dict:
     """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
     ``fully_shard``, on every rank). Returns a summary: modules changed, their
     sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
@@ -112,6 +113,12 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     mesh=mesh["shard"])`` and ``enable(model, replicate=mesh["replicate"])``.
     On a native HSDP mesh torch runs its own all-reduce, which cannot be taken
     over; there ``replicate`` is an error and the all-reduce stays torch's.
+
+    ``qgz_two_level`` and ``qgz_hadamard`` turn on SDP4Bit's options of qgZ
+    (INT8 inside the node, INT4 across; Hadamard smoothing): see
+    :class:`QuantizedReduceScatter`. The weight-difference half of SDP4Bit
+    (the Rust engine's qwZ-delta) needs state kept between FSDP2's
+    all-gathers that its all-gather slot does not give, so it is not here.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -147,7 +154,8 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         rs = QuantizedReduceScatter(
             topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
             stochastic=stochastic, shared=shared, names=lambda pg=pg: _names(pg)[1],
-            module=lambda pg=pg: _names(pg)[0], divide_factor=factor, quantize_intra=quantize_intra)
+            module=lambda pg=pg: _names(pg)[0], divide_factor=factor, quantize_intra=quantize_intra,
+            two_level=qgz_two_level, hadamard=qgz_hadamard)
         if qgz or replica_group is not None:
             # The reduce-scatter's layout (which parameters this backward sends)
             # serves the replica all-reduce too.

@@ -186,3 +186,86 @@ def generator(seed: int | None, keys, device: torch.device) -> torch.Generator |
     g = torch.Generator(device=device)
     g.manual_seed(_zeropp.stream_seed(seed, list(keys)) & ((1 << 63) - 1))
     return g
+
+
+# ---- the Hadamard rotation (zeropp_quant::hadamard), in torch ops -------------
+
+_M64 = (1 << 64) - 1
+_M32 = 0xFFFFFFFF
+_SIGN_DOMAIN = 0x484144414D415244  # b"HADAMARD": the sign stream's own seeds
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2^32`` for ``x`` holding u32 values in int64, without an
+    int64 overflow (``c`` split in 16-bit halves)."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _lowbias32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hadamard_signs(seed: int, positions: torch.Tensor) -> torch.Tensor:
+    """The rotation's sign bits (bool) at stream ``positions`` (int64): bit
+    ``p mod 32`` of ``lowbias32(lowbias32(w ^ k1) ^ k2)`` for word ``w = p //
+    32``, ``(k1, k2)`` from ``splitmix64(seed ^ DOMAIN ^ splitmix64(w >> 32))``,
+    as ``zeropp_quant::hadamard`` defines them."""
+    words = positions >> 5
+    out = torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
+    for hi in torch.unique(words >> 32).tolist():
+        z = _splitmix64((seed ^ _SIGN_DOMAIN) ^ _splitmix64(hi))
+        k1, k2 = z & _M32, z >> 32
+        sel = (words >> 32) == hi
+        h = _lowbias32(_lowbias32((words & _M32) ^ k1) ^ k2)
+        bit = ((h >> (positions & 31)) & 1).bool()
+        out = torch.where(sel, bit, out)
+    return out
+
+
+def hadamard_rows(x: torch.Tensor, *, group_size: int, seed: int, positions, inverse: bool = False) -> torch.Tensor:
+    """The randomized Hadamard rotation of every whole group of each row of
+    ``x`` (``[rows, n]`` float32), row ``r`` starting at stream position
+    ``positions[r]``; a partial last group is left as it is. The Rust kernels'
+    operations in their order (flip, the butterfly stages ``h = 1, 2, ...``
+    as ``(a + b, a - b)``, the multiply by ``1/sqrt(g)`` rounded to float32;
+    the inverse: stages, multiply, flip), so the result is theirs bit for bit.
+    Returns a new tensor."""
+    g = group_size
+    if g < 1 or g & (g - 1):
+        raise _zeropp.ZeroppError(f"a Hadamard rotation needs a power-of-two group size, got {g}")
+    rows, n = x.shape
+    whole = n // g * g
+    y = x.to(torch.float32, copy=True)
+    if whole == 0:
+        return y
+    dev = y.device
+    pos = torch.as_tensor(list(positions), dtype=torch.int64, device=dev)[:, None] + torch.arange(
+        whole, dtype=torch.int64, device=dev)[None, :]
+    flip = hadamard_signs(seed, pos)
+    v = y[:, :whole]
+    if not inverse:
+        v = torch.where(flip, -v, v)
+    v = v.reshape(rows, whole // g, g)
+    h = 1
+    while h < g:
+        p = v.reshape(rows, -1, 2, h)
+        a, b = p[:, :, 0, :], p[:, :, 1, :]
+        v = torch.stack((a + b, a - b), dim=2).reshape(rows, whole // g, g)
+        h *= 2
+    v = v.reshape(rows, whole) * torch.tensor(1.0 / g ** 0.5, dtype=torch.float32, device=dev)
+    if inverse:
+        v = torch.where(flip, -v, v)
+    y[:, :whole] = v
+    return y

@@ -23,7 +23,8 @@ class TorchQgzStages:
     in torch ops. Arguments as ``zeropp.QgzStages``."""
 
     def __init__(self, world: int, local_size: int, rank: int, n: int, *, bits: int = 4,
-                 group_size: int = 256, local_bits: int = 8, seed: int | None = None, mean: bool = True):
+                 group_size: int = 256, local_bits: int = 8, seed: int | None = None, mean: bool = True,
+                 intra_bits: int | None = None, hadamard: int | None = None):
         if local_size < 1 or world % local_size:
             raise K._zeropp.ZeroppError(f"qgz: a world of {world} ranks is not nodes x {local_size}")
         if not 0 <= rank < world:
@@ -32,15 +33,29 @@ class TorchQgzStages:
         self.nodes = world // local_size
         self.s = -(-n // world)
         self.bits, self.local_bits, self.gs = bits, local_bits, group_size
-        self.seed, self.mean = seed, mean
+        # SDP4Bit's two levels: the intra-node hop at intra_bits, the rail hop at bits.
+        self.intra_bits = bits if intra_bits is None else intra_bits
+        self.seed, self.mean, self.hadamard = seed, mean, hadamard
+        if hadamard is not None and (group_size < 1 or group_size & (group_size - 1)):
+            raise K._zeropp.ZeroppError(
+                f"qgz: the Hadamard rotation needs a power-of-two group size, got {group_size}")
         self.me_node, self.me_local = divmod(rank, local_size)
-        self._ea = K.encoded_len(self.s, bits, group_size)
+        self._ea = K.encoded_len(self.s, self.intra_bits, group_size)
+        self._ei = K.encoded_len(self.s, bits, group_size)
         self._el = K.encoded_len(self.s, local_bits, group_size)
         multi = local_size > 1 and world > 1
         self.shard_len = self.s
         self.intra_chunk_len = self.nodes * self._ea if multi else 0
         self.own_len = self.nodes * self._el if multi else 0
-        self.inter_chunk_len = self._ea if self.nodes > 1 else 0
+        self.inter_chunk_len = self._ei if self.nodes > 1 else 0
+
+    def _rotate(self, rows: torch.Tensor, parts, inverse: bool = False) -> torch.Tensor:
+        """Rows rotated (with the Hadamard option), row ``i`` being shard
+        ``parts[i]`` (at stream position ``parts[i] * s``); as they are without it."""
+        if self.hadamard is None:
+            return rows
+        return K.hadamard_rows(rows, group_size=self.gs, seed=self.hadamard,
+                               positions=[p * self.s for p in parts], inverse=inverse)
 
     def _gen(self, hop: int, device):
         return K.generator(self.seed, [self.rank, hop], device)
@@ -72,17 +87,20 @@ class TorchQgzStages:
             chunks = intra_send.view(L, N, self._ea)
             if others:
                 rows = parts[:, others, :].transpose(0, 1).reshape(-1, s)
-                enc = K.quantize_rows(rows, bits=self.bits, group_size=self.gs, generator=self._gen(1, grad.device))
+                ids = [m * L + j for j in others for m in range(N)]
+                enc = K.quantize_rows(self._rotate(rows, ids), bits=self.intra_bits, group_size=self.gs,
+                                      generator=self._gen(1, grad.device))
                 chunks[others] = enc.view(len(others), N, self._ea)
             chunks[self.me_local].zero_()
-            mine = parts[:, self.me_local, :]
+            mine = self._rotate(parts[:, self.me_local, :], [m * L + self.me_local for m in range(N)])
             own.view(N, self._el).copy_(K.quantize_rows(
                 mine, bits=self.local_bits, group_size=self.gs, generator=self._gen(11, grad.device)))
         else:
-            shard.add_(parts[self.me_node, 0])
+            # The sum runs in the rotated basis (with the Hadamard option); finish rotates it back.
+            shard.add_(self._rotate(parts[self.me_node, 0][None], [self.me_node])[0])
             others = [m for m in range(N) if m != self.me_node]
-            slots = inter_send.view(N, self._ea)
-            enc = K.quantize_rows(parts[others, 0], bits=self.bits, group_size=self.gs,
+            slots = inter_send.view(N, self._ei)
+            enc = K.quantize_rows(self._rotate(parts[others, 0], others), bits=self.bits, group_size=self.gs,
                                   generator=self._gen(1, grad.device))
             slots[others] = enc
 
@@ -99,7 +117,7 @@ class TorchQgzStages:
         mine = own.view(N, self._el)
         checks: list = []
         wires = [mine if j == self.me_local else recv[j] for j in range(L)]
-        bits = [self.local_bits if j == self.me_local else self.bits for j in range(L)]
+        bits = [self.local_bits if j == self.me_local else self.intra_bits for j in range(L)]
         total = K.sum_rows(wires, self.s, bits_of=bits, group_size=self.gs, checks=checks)
         K.raise_unless(checks, "qgz: a local peer's encoding")
         shard.add_(total[self.me_node])
@@ -107,7 +125,7 @@ class TorchQgzStages:
         if others:
             enc = K.quantize_rows(total[others], bits=self.bits, group_size=self.gs,
                                   generator=self._gen(2, shard.device))
-            inter_send.view(N, self._ea)[others] = enc
+            inter_send.view(N, self._ei)[others] = enc
 
     def finish(self, inter_recv: torch.Tensor, shard: torch.Tensor):
         """Stage 5: adds the other nodes' partial sums (node order), applies
@@ -115,14 +133,16 @@ class TorchQgzStages:
         self._check("the shard", shard, self.s)
         N = self.nodes
         if N > 1 and self.world > 1:
-            self._check("the inter-node receive buffer", inter_recv, N * self._ea)
-            rows = inter_recv.view(N, self._ea)
+            self._check("the inter-node receive buffer", inter_recv, N * self._ei)
+            rows = inter_recv.view(N, self._ei)
             checks: list = []
             for m in range(N):
                 if m != self.me_node:
                     shard.add_(K.dequantize_rows(rows[m:m + 1], self.s, bits=self.bits, group_size=self.gs,
                                                  checks=checks)[0])
             K.raise_unless(checks, "qgz: a rail peer's encoding")
+        if self.world > 1 and self.hadamard is not None:
+            shard.copy_(self._rotate(shard[None], [self.rank], inverse=True)[0])
         if self.mean and self.world > 1:
             shard.div_(float(self.world))
         real = max(0, min(self.s, self.n - self.rank * self.s))
