@@ -500,6 +500,51 @@ def test_groups_reused(ls):
     zt.release()
 
 
+def test_replicate_errors(ls):
+    """enable(replicate=...) refuses what cannot work, with the fix in the
+    message: a native HSDP mesh (torch runs that all-reduce itself), a replica
+    group that meets the shard group in more than this rank, a 2-D mesh, and
+    anything that is not a group or a mesh."""
+    if dist.get_world_size() != 4 or ls != 2:
+        return
+
+    def model_on(mesh):
+        cfg = gpt.Config(d=32, layers=1, heads=2, seq=8)
+        torch.manual_seed(0)
+        m = gpt.GPT(cfg)
+        kw = {} if mesh is None else {"mesh": mesh}
+        for blk in m.blocks:
+            fully_shard(blk, **kw)
+        fully_shard(m, **kw)
+        return m
+
+    def raises(kind, fn, says):
+        try:
+            fn()
+        except kind as e:
+            return says in str(e)
+        except Exception as e:  # noqa: BLE001 - the wrong kind of error is a failure too
+            print(f"  unexpected {type(e).__name__}: {e}", flush=True)
+            return False
+        return False
+
+    mesh = _hsdp_mesh("hsdp")
+    native = raises(zeropp.ZeroppError, lambda: zt.enable(model_on(mesh), local_size=ls,
+                                                          replicate=mesh["replicate"]), "native HSDP mesh")
+    # Sharded over the whole world, with a "replica" group that holds a shard peer.
+    overlap = dist.new_group([0, 1, 2, 3])
+    crossing = raises(zeropp.ZeroppError, lambda: zt.enable(model_on(None), local_size=ls, replicate=overlap),
+                      "must share exactly this rank")
+    two_d = raises(zeropp.ZeroppError, lambda: zt.enable(model_on(mesh["shard"]), local_size=ls, replicate=mesh),
+                   "takes a 1-D mesh")
+    not_group = raises(TypeError, lambda: zt.enable(model_on(mesh["shard"]), local_size=ls, replicate=3),
+                       "takes a ProcessGroup or a 1-D DeviceMesh, not a int")
+    check(all_ok(native and crossing and two_d and not_group),
+          f"enable(replicate=...) errors: native HSDP mesh {native}, overlapping groups {crossing}, "
+          f"2-D mesh {two_d}, not a group {not_group}")
+    zt.release()
+
+
 def main():
     # A collective (or a sub-group's creation) that waits 5 minutes is a hang
     # to report, not to sit in until CI's limit.
@@ -513,6 +558,7 @@ def main():
     test_all_gather(topo)
     test_partial_grads(ls)
     test_groups_reused(ls)
+    test_replicate_errors(ls)
     counts = test_bytes(ls)
     if dist.get_rank() == 0 and os.environ.get("ZEROPP_TORCH_OUT"):
         with open(os.environ["ZEROPP_TORCH_OUT"], "w") as f:
