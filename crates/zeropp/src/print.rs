@@ -30,9 +30,11 @@ pub(crate) fn print_data(info: &DataInfo) {
 pub(crate) fn print_plan(model: &str, run: &RunConfig, started: &Started) {
     let t = &started.topology;
     let ran = run.on_job(t.world(), t.local_size());
+    let threads =
+        format!("{} compute thread{} per rank", started.threads, if started.threads == 1 { "" } else { "s" });
     let (ranks, level) = match (started.backend, &started.mpi_thread_level) {
-        (Backend::Mpi, Some(l)) => ("MPI ranks", format!(", MPI {l}")),
-        (Backend::Mpi, None) => ("MPI ranks", String::new()),
+        (Backend::Mpi, Some(l)) => ("MPI ranks", format!(", MPI {l}, {threads}")),
+        (Backend::Mpi, None) => ("MPI ranks", format!(", {threads}")),
         _ => ("ranks", String::new()),
     };
     let launcher = started.job.as_ref().map_or_else(String::new, |j| format!(" under {}", j.launcher));

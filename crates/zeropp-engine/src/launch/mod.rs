@@ -84,6 +84,12 @@ pub struct Started {
     pub job: Option<Job>,
     /// The thread level MPI granted (under MPI).
     pub mpi_thread_level: Option<String>,
+    /// Compute threads of this process (rayon's pool). Under MPI, without
+    /// `RAYON_NUM_THREADS`, the cores divided among the ranks on this host (at
+    /// least one), as torchrun sets `OMP_NUM_THREADS=1`: rayon's default of every
+    /// core per rank oversubscribes the host, and spinning idle workers then take
+    /// the cores from the rank that is computing.
+    pub threads: usize,
 }
 
 /// A per-step callback.
@@ -213,7 +219,14 @@ impl<'a, M: Model> Launch<'a, M> {
                 let topology = Topology::ranks(self.run.world)
                     .per_node(self.run.local_size)
                     .map_err(EngineError::InvalidTopology)?;
-                on_start(&Started { backend, rank: 0, topology, job, mpi_thread_level: None });
+                on_start(&Started {
+                    backend,
+                    rank: 0,
+                    topology,
+                    job,
+                    mpi_thread_level: None,
+                    threads: rayon::current_num_threads(),
+                });
                 threads::run(work, topology, on_step)
             }
         }
