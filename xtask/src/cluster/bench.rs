@@ -1,6 +1,8 @@
 //! `cargo xtask bench cluster`: step-time speedups over ZeRO-3 per inter-node rate on
 //! the cluster, against the thread backend's link model for the same configuration
-//! (report, CSV and SVG plot).
+//! (report, CSV and SVG plot), with ZeRO++ with SDP4Bit's techniques
+//! (`--mode zeropp-delta`) beside ZeRO++, and every variant's bytes on the node
+//! uplinks from the kernel's counters.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -8,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::checks::threads_run;
+use super::run::kernel_tx;
 use super::test::{missing_prerequisite, train};
 use super::{Launch, Shape, build_zeropp, rate_bits, read_metrics, tail, target_dir};
 
@@ -32,22 +35,26 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     let (zeropp, rates) =
         bench_setup("cluster", "ZEROPP_CLUSTER_RATES", "10mbit,50mbit,200mbit,1gbit,unshaped")?;
     let model = std::env::var("ZEROPP_CLUSTER_MODEL").unwrap_or_else(|_| "gpt-medium".into());
-    let variants: [(&str, &[&str]); 5] = [
+    let variants: [(&str, &[&str]); 6] = [
         ("ZeRO-3", &["--mode", "zero3"]),
         ("qwZ", &["--mode", "zero3", "--qwz"]),
         ("hpZ", &["--mode", "zero3", "--hpz", "2"]),
         ("qgZ", &["--mode", "zero3", "--qgz"]),
         ("ZeRO++", &["--mode", "zeropp"]),
+        ("ZeRO++ delta", &["--mode", "zeropp-delta"]),
     ];
     let base = target_dir().join("cluster/bench");
     let _ = std::fs::remove_dir_all(&base);
     let shape0 = Shape::new(2, 2, "unshaped");
     // rows[rate][variant] = (measured step s, predicted step s)
     let mut rows: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    // uplink[rate][variant] = kernel tx bytes of all node uplinks per step.
+    let mut uplink: Vec<Vec<f64>> = Vec::new();
     let mut params = 0.0;
     for rate in &rates {
-        // Slow rates: seconds per step, 3 steps; fast ones: 12 (the first is left out).
-        let steps = if rate_bits(rate).is_some_and(|b| b < 100e6) { "3" } else { "12" };
+        // Slow rates: seconds per step, 6 steps; fast ones: 12 (the first is left out,
+        // which is also zeropp-delta's full step).
+        let steps = if rate_bits(rate).is_some_and(|b| b < 100e6) { "6" } else { "12" };
         let common = [
             "--model",
             model.as_str(),
@@ -61,6 +68,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
             "4",
         ];
         let mut row = Vec::new();
+        let mut tx = Vec::new();
         for (name, margs) in variants {
             let mut shape = shape0.clone();
             shape.rate = rate.clone();
@@ -73,6 +81,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
             let (msteps, summary) = read_metrics(&metrics)?;
             params = summary.get("params").and_then(Value::as_f64).unwrap_or(params);
             let measured = steady_step_time(&msteps);
+            tx.push(kernel_tx(&out)? / msteps.len().max(1) as f64);
             // The link model of the same configuration on the thread backend.
             let predicted_path = out.join("model.jsonl");
             let link = link_for(rate, shape.local_size);
@@ -86,8 +95,26 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
             row.push((measured, predicted));
         }
         rows.push((rate.clone(), row));
+        uplink.push(tx);
     }
-    let md = bench_report(&rows, &variants.iter().map(|v| v.0).collect::<Vec<_>>(), params, &model);
+    let names: Vec<&str> = variants.iter().map(|v| v.0).collect();
+    let mut md = bench_report(&rows, &names, params, &model);
+    let _ = writeln!(
+        md,
+        "\nBytes on the node uplinks per step (the kernel's tx counters of both nodes, start-up traffic \
+         included, over the run's steps), and their ratio to ZeRO-3's; zeropp-delta's step time against \
+         ZeRO++'s:\n\n| inter-node rate | ZeRO-3 bytes/step | {} | ZeRO++ delta / ZeRO++ step time |\n|---|---|{}---|",
+        names[1..].join(" | "),
+        "---|".repeat(names.len() - 1)
+    );
+    for ((rate, row), tx) in rows.iter().zip(&uplink) {
+        let _ = write!(md, "| {rate} | {:.0} |", tx[0]);
+        for t in &tx[1..] {
+            let _ = write!(md, " {:.3} |", t / tx[0]);
+        }
+        let (zpp, delta) = (row[names.len() - 2].0, row[names.len() - 1].0);
+        let _ = writeln!(md, " {:.3} |", delta / zpp);
+    }
     let out = report_dir.join("cluster.md");
     std::fs::write(&out, &md).map_err(|e| format!("{}: {e}", out.display()))?;
     let csv = report_dir.join("cluster.csv");
@@ -137,7 +164,7 @@ fn bench_report(rows: &[(String, Vec<(f64, f64)>)], names: &[&str], params: f64,
     let _ = writeln!(
         md,
         "2 nodes x 2 ranks (network namespaces, OpenMPI over TCP between nodes, shared memory within), \
-         model `{model}` ({:.2} M parameters), global batch 4, median step time of 3 steps (below \
+         model `{model}` ({:.2} M parameters), global batch 4, median step time of 6 steps (below \
          100 Mbit/s) or 12 (the first left out), no added delay. \
          Machine: {}.\n",
         params / 1e6,

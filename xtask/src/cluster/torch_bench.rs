@@ -5,8 +5,15 @@
 //! FSDP2 runs as users run it: one `torchrun` per node, inside that node's
 //! namespace (`cluster.sh --launcher each-node`), gloo over the shaped links,
 //! `python/bench/side_by_side.py` timing three variants in one launch. The native
-//! engine runs `zeropp train --backend mpi` (ZeRO-3 and ZeRO++) on the same shape
-//! and the same GPT (d 64, 2 layers, 4 heads, seq 64; global batch 64).
+//! engine runs `zeropp train --backend mpi` (ZeRO-3, ZeRO++ and ZeRO++ with SDP4Bit's
+//! techniques) on the same shape and the same GPT (d 64, 2 layers, 4 heads, seq 64;
+//! global batch 64). `ZEROPP_TORCH_RATES` takes `unshaped` too (no tbf on the uplinks).
+//!
+//! First, outside the cluster, the compute alone: one training step of the same GPT
+//! in torch (`python/bench/compute.py`, one process, one thread, float32) against
+//! the engine on one rank (`zeropp train --world 1`, float32, no communication), in
+//! three alternating rounds, at two shapes (d 64 × 2 layers, seq 64; d 256 × 4, seq 128;
+//! 16 sequences a step).
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -26,15 +33,94 @@ struct Row {
     step_s: f64,
     counted: f64,
     uplink: f64,
+    /// The engine's own split of a step (mean over the steps after the first, per
+    /// rank): compute, quantization, communication (waits included), optimizer.
+    split: Option<[f64; 4]>,
+}
+
+/// The mean over `steps` after the first of the engine's `times` record.
+fn step_split(steps: &[Value]) -> [f64; 4] {
+    let keys = ["compute_s", "quant_s", "comm_s", "optim_s"];
+    let rest = steps.get(1..).unwrap_or_default();
+    let n = rest.len().max(1) as f64;
+    keys.map(|k| rest.iter().filter_map(|s| s.get("times")?.get(k)?.as_f64()).sum::<f64>() / n)
+}
+
+/// One compute-only step time of torch (`compute.py`) and of the engine on one
+/// rank, for a GPT of width `d`, `layers` blocks and sequence `seq`: `(torch, engine)`
+/// medians over 30 steps after warm-up.
+fn compute_pair(
+    python: &Path,
+    zeropp: &Path,
+    dir: &Path,
+    (d, layers, seq): (usize, usize, usize),
+) -> Result<(f64, f64), String> {
+    let mut t = std::process::Command::new(python);
+    t.arg(root().join("python/bench/compute.py"))
+        .args(["--d", &d.to_string(), "--layers", &layers.to_string(), "--seq", &seq.to_string()])
+        .args(["--batch", "16", "--steps", "30", "--warmup", "5", "--threads", "1"])
+        .env("OMP_NUM_THREADS", "1");
+    let out = t.output().map_err(|e| format!("compute.py: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("compute.py failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let v: Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("compute.py's output: {e}"))?;
+    let torch = v.get("step_s").and_then(Value::as_f64).ok_or("compute.py: no step_s")?;
+    let metrics = dir.join(format!("engine-d{d}.jsonl"));
+    let mut e = std::process::Command::new(zeropp);
+    e.args(["train", "--backend", "threads", "--world", "1", "--local-size", "1", "--mode", "zero3"])
+        .args(["--comm-dtype", "f32", "--model", &format!("gpt:d={d},layers={layers},heads=4,seq={seq}")])
+        .args(["--batch", "16", "--steps", "35", "--eval-batches", "0", "--metrics"])
+        .arg(&metrics)
+        // One thread, as torch gets: rayon's pool would otherwise take every core.
+        .env("RAYON_NUM_THREADS", "1");
+    let out = e.output().map_err(|e| format!("zeropp train: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("zeropp train (compute row) failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let (steps, _) = read_metrics(&metrics)?;
+    // The first 5 steps are warm-up, as in compute.py.
+    let mut ts: Vec<f64> =
+        steps.iter().skip(5).filter_map(|s| s.get("step_time_s").and_then(Value::as_f64)).collect();
+    ts.sort_by(f64::total_cmp);
+    let engine = ts.get(ts.len() / 2).copied().ok_or("zeropp train: no step times")?;
+    Ok((torch, engine))
 }
 
 pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
-    let (zeropp, rates) = bench_setup("torch", "ZEROPP_TORCH_RATES", "10mbit,50mbit")?;
+    let (zeropp, rates) = bench_setup("torch", "ZEROPP_TORCH_RATES", "10mbit,50mbit,unshaped")?;
     let venv = crate::torch::prepare()?.ok_or("bench torch: no torch venv (see test-torch)")?;
     let base = target_dir().join("cluster/torch");
     let _ = std::fs::remove_dir_all(&base);
     let script = root().join("python/bench/side_by_side.py");
     let python = venv.join("bin/python");
+    std::fs::create_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;
+    let mut compute = String::from(
+        "## Compute alone: one step on one rank and one thread\n\n\
+         The GPT of python/tests/gpt.py in float32 with AdamW, 16 sequences a step: torch 2.9 \
+         (`python/bench/compute.py`, one thread) against zeropp's engine on one rank (`zeropp train \
+         --world 1`, float32, no communication); median step time of 30 steps after 5 of warm-up, \
+         three rounds alternating the two.\n\n| shape | engine / torch, per round | engine s/step | torch s/step |\n|---|---|---|---|\n",
+    );
+    for shape in [(64, 2, 64), (256, 4, 128)] {
+        let mut ratios = Vec::new();
+        let (mut te, mut tt) = (0.0, 0.0);
+        for _ in 0..3 {
+            let (torch, engine) = compute_pair(&python, &zeropp, &base, shape)?;
+            ratios.push(engine / torch);
+            (te, tt) = (engine, torch);
+        }
+        let r: Vec<String> = ratios.iter().map(|r| format!("{r:.3}")).collect();
+        let _ = writeln!(
+            compute,
+            "| d {} x {} layers, seq {} | {} | {te:.4} | {tt:.4} |",
+            shape.0,
+            shape.1,
+            shape.2,
+            r.join(", ")
+        );
+        eprintln!("bench torch: compute d {}: engine / torch {}", shape.0, r.join(", "));
+    }
     let mut md = String::from(
         "# bench `torch`: FSDP2 with and without zeropp.torch, and zeropp's engine, on the namespace cluster\n\n\
          2 nodes x 2 ranks (network namespaces, each node's uplink shaped with tbf), the GPT of \
@@ -86,6 +172,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
                     step_s: f("step_s"),
                     counted: f("inter_bytes_per_rank"),
                     uplink: f("uplink_tx_bytes_per_step"),
+                    split: None,
                 }
             })
             .collect();
@@ -94,10 +181,12 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
         let steps = 8usize;
         let common =
             ["--model", "gpt", "--steps", "8", "--seed", "1", "--eval-batches", "0", "--batch", "64"];
-        for (name, margs) in
-            [("zeropp engine ZeRO-3", &["--mode", "zero3"]), ("zeropp engine ZeRO++", &["--mode", "zeropp"])]
-        {
-            let out = dir.join(name.rsplit(' ').next().unwrap_or("x").replace('+', "p"));
+        for (name, margs) in [
+            ("zeropp engine ZeRO-3", &["--mode", "zero3"]),
+            ("zeropp engine ZeRO++", &["--mode", "zeropp"]),
+            ("zeropp engine ZeRO++ delta", &["--mode", "zeropp-delta"]),
+        ] {
+            let out = dir.join(name.trim_start_matches("zeropp engine ").replace('+', "p").replace(' ', "-"));
             let lo = Launch { time_limit_s: 600, ..Launch::default() };
             let (o, metrics) = train(&shape, &out, (margs, &common), &lo, &zeropp)?;
             if !o.success {
@@ -115,6 +204,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
                 step_s: steady_step_time(&msteps),
                 counted,
                 uplink: kernel_tx(&out)? / steps as f64,
+                split: Some(step_split(&msteps)),
             });
         }
         eprintln!("bench torch: {rate} done");
@@ -139,8 +229,20 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
                 r.uplink / b_u
             );
         }
+        let _ = writeln!(
+            md,
+            "\nThe engine's own split of its step (s per step: the slowest rank's, mean over the steps after the first; step: the median above): compute, \
+             quantization, communication (waiting included), optimizer.\n\n\
+             | variant | compute | quantization | communication | optimizer | step |\n|---|---|---|---|---|---|"
+        );
+        for r in &rows {
+            if let Some([c, q, m, o]) = r.split {
+                let _ = writeln!(md, "| {} | {c:.4} | {q:.4} | {m:.4} | {o:.4} | {:.4} |", r.name, r.step_s);
+            }
+        }
         md.push('\n');
     }
+    md.push_str(&compute);
     let out = report_dir.join("torch.md");
     std::fs::write(&out, &md).map_err(|e| format!("{}: {e}", out.display()))?;
     println!("{md}");
