@@ -58,11 +58,13 @@ pub enum QuantError {
     TooLarge(u64),
     /// A Hadamard rotation needs a power-of-two group of at most
     /// [`crate::hadamard::MAX_GROUP`] elements.
-    #[error(
-        "a Hadamard rotation needs a power-of-two group size of at most {max}, got {0}",
-        max = crate::hadamard::MAX_GROUP
-    )]
-    HadamardGroupSize(usize),
+    #[error("a Hadamard rotation needs a power-of-two group size of at most {max}, got {got}")]
+    HadamardGroupSize {
+        /// The group size asked for.
+        got: usize,
+        /// The largest group a rotation supports.
+        max: usize,
+    },
     /// A Hadamard rotation's groups differ from the quantization groups it is
     /// used with.
     #[error(

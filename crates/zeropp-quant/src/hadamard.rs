@@ -86,7 +86,7 @@ impl Hadamard {
     /// [`MAX_GROUP`]; otherwise [`QuantError::HadamardGroupSize`].
     pub fn new(group_size: usize, seed: u64) -> Result<Self> {
         if !group_size.is_power_of_two() || group_size > MAX_GROUP {
-            return Err(QuantError::HadamardGroupSize(group_size));
+            return Err(QuantError::HadamardGroupSize { got: group_size, max: MAX_GROUP });
         }
         Ok(Self { group_size, seed })
     }

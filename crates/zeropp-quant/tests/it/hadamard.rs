@@ -254,7 +254,10 @@ fn an_outlier_costs_less_after_the_rotation() {
 fn errors_name_the_problem() {
     for g in [0usize, 3, 100, 2 * MAX_GROUP] {
         let e = Hadamard::new(g, 1).unwrap_err();
-        assert!(matches!(e, QuantError::HadamardGroupSize(x) if x == g), "{e}");
+        assert!(
+            matches!(e, QuantError::HadamardGroupSize { got, max } if got == g && max == MAX_GROUP),
+            "{e}"
+        );
     }
     let h = Hadamard::new(64, 1).unwrap();
     let spec = QuantSpec::int4(128).unwrap();
