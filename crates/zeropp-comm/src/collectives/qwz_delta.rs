@@ -98,7 +98,7 @@ fn owners_of(t: &Topology, hpz: usize, h: usize) -> impl Iterator<Item = usize> 
 /// from [`delta_encode`]); returns the encodings of the shards this rank holds
 /// in its hpZ secondary copy (hpZ groups of `hpz` ranks), in shard order: `W/H`
 /// encodings of `delta.len()` bytes. The routing and the bytes are in the
-/// [module docs](self).
+/// [`collectives` module docs](crate::collectives).
 ///
 /// ```
 /// use zeropp_comm::collectives::{DeltaOptions, delta_apply, delta_encode, qwz_delta_exchange};
@@ -186,8 +186,9 @@ pub fn qwz_delta_exchange<C: Communicator + ?Sized>(
 }
 
 /// Bytes `rank` sends in a [`qwz_delta_exchange`] with hpZ groups of `hpz`
-/// ranks and encodings of `e` bytes (see the [module docs](self)). Not the same
-/// on every rank when `H < L`: average over the ranks for a per-rank mean.
+/// ranks and encodings of `e` bytes (see the [`collectives` module
+/// docs](crate::collectives)). Not the same on every rank when `H < L`: average
+/// over the ranks for a per-rank mean.
 ///
 /// ```
 /// use zeropp_comm::collectives::qwz_delta_bytes;
