@@ -45,13 +45,21 @@ fn compare_prints_the_table_and_writes_the_plots() {
     // ratios), flat ZeRO-3 beside it.
     let (header, rows) = table(&stdout);
     let names: Vec<&str> = rows.iter().map(|r| cell(&header, r, "variant")).collect();
-    assert_eq!(names, ["zero3", "zero3-flat", "qwz", "hpz", "qgz", "zeropp"], "{stdout}");
+    assert_eq!(names, ["zero3", "zero3-flat", "qwz", "hpz", "qgz", "zeropp", "zeropp-delta"], "{stdout}");
     let routing: Vec<&str> = rows.iter().map(|r| cell(&header, r, "routing")).collect();
     assert_eq!(
         routing,
-        ["hierarchical", "flat", "hierarchical", "hierarchical", "hierarchical", "hierarchical"]
+        [
+            "hierarchical",
+            "flat",
+            "hierarchical",
+            "hierarchical",
+            "hierarchical",
+            "hierarchical",
+            "hierarchical"
+        ]
     );
-    let (zero3, flat, zeropp) = (&rows[0], &rows[1], &rows[5]);
+    let (zero3, flat, zeropp, delta) = (&rows[0], &rows[1], &rows[5], &rows[6]);
     let inter_vs = "inter-node vs zero3";
     let inter_vs_flat = "inter-node vs zero3-flat";
     assert_eq!(
@@ -74,6 +82,10 @@ fn compare_prints_the_table_and_writes_the_plots() {
         (ratio(cell(&header, zeropp, inter_vs)), ratio(cell(&header, zeropp, inter_vs_flat)));
     assert!(fair > 0.0 && fair < 0.5, "zeropp inter-node ratio {fair}: {stdout}");
     assert!(vs_flat < fair, "zeropp vs flat {vs_flat} is not below zeropp vs hierarchical {fair}: {stdout}");
+    // zeropp-delta's difference steps keep the forward gather in the node: over
+    // the run (its first step is a full refresh) it sends less than ZeRO++.
+    let delta_fair = ratio(cell(&header, delta, inter_vs));
+    assert!(delta_fair > 0.0 && delta_fair < fair, "zeropp-delta {delta_fair} vs zeropp {fair}: {stdout}");
     for row in &rows {
         ratio(cell(&header, row, "speedup vs zero3"));
         ratio(cell(&header, row, "speedup vs zero3-flat"));
