@@ -198,6 +198,11 @@ fn encode(r: &RankStep) -> Vec<u8> {
     put(&mut out, u64::from(r.grad_norm.to_bits()));
     put(&mut out, u64::from(r.skipped));
     put(&mut out, r.time_s.to_bits());
+    let t = &r.times;
+    for v in [t.compute_s, t.comm_s, t.quant_s, t.optim_s] {
+        put(&mut out, v.to_bits());
+    }
+    put(&mut out, r.prefetched as u64);
     put(&mut out, r.traffic.by_op.len() as u64);
     for (tag, op) in &r.traffic.by_op {
         put(&mut out, tag.len() as u64);
@@ -247,6 +252,13 @@ fn decode(bytes: &[u8]) -> Result<RankStep, EngineError> {
     let grad_norm = r.f32()?;
     let skipped = r.u64()? != 0;
     let time_s = f64::from_bits(r.u64()?);
+    let mut split = [0.0f64; 4];
+    for v in &mut split {
+        *v = f64::from_bits(r.u64()?);
+    }
+    let [compute_s, comm_s, quant_s, optim_s] = split;
+    let times = crate::engine::StepTimes { compute_s, comm_s, quant_s, optim_s };
+    let prefetched = r.u64()? as usize;
     let ops = r.u64()?;
     let mut traffic = TrafficSnapshot::default();
     for _ in 0..ops {
@@ -262,18 +274,7 @@ fn decode(bytes: &[u8]) -> Result<RankStep, EngineError> {
         }
         traffic.by_op.insert(tag, op);
     }
-    // The time split and the prefetch count stay on their rank under MPI.
-    Ok(RankStep {
-        rank,
-        step,
-        loss,
-        grad_norm,
-        skipped,
-        time_s,
-        traffic,
-        times: Default::default(),
-        prefetched: 0,
-    })
+    Ok(RankStep { rank, step, loss, grad_norm, skipped, time_s, traffic, times, prefetched })
 }
 
 /// The run on this rank, once the job is up: the per-rank loop, the step
@@ -369,10 +370,18 @@ mod tests {
             skipped: true,
             time_s: 0.25,
             traffic,
-            times: Default::default(),
-            prefetched: 0,
+            times: crate::engine::StepTimes {
+                compute_s: 0.125,
+                comm_s: 0.0625,
+                quant_s: 0.03125,
+                optim_s: 0.5,
+            },
+            prefetched: 6,
         };
         let back = decode(&encode(&r))?;
+        // The time split and the prefetch count travel too (`cargo xtask bench
+        // torch` reports the slowest rank's split of an MPI run).
+        assert_eq!((back.times, back.prefetched), (r.times, 6));
         assert_eq!((back.rank, back.step, back.skipped), (5, 9, true));
         assert_eq!(back.loss.to_bits(), r.loss.to_bits());
         assert_eq!(back.grad_norm.to_bits(), r.grad_norm.to_bits());
