@@ -72,7 +72,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
         for (name, margs) in variants {
             let mut shape = shape0.clone();
             shape.rate = rate.clone();
-            let out = base.join(rate).join(name.replace('+', "p"));
+            let out = base.join(rate).join(name.replace('+', "p").replace(' ', "-"));
             let opts = Launch { time_limit_s: 600, ..Launch::default() };
             let (o, metrics) = train(&shape, &out, (margs, &common), &opts, &zeropp)?;
             if !o.success {
