@@ -7,7 +7,9 @@ use crate::error::{QuantError, Result};
 use crate::quantized::{AsQuantizedRef, QOut, QuantizedRef};
 use crate::rng;
 use crate::simd::{Dispatch, RoundParams, Stoch};
-use crate::spec::{Bits, Options, PARALLEL_THRESHOLD_BYTES, Parallelism, QuantSpec, Rounding, Scheme};
+use crate::spec::{
+    Bits, NonFinite, Options, PARALLEL_THRESHOLD_BYTES, Parallelism, QuantSpec, Rounding, Scheme,
+};
 
 /// f32 elements in a tile of converted/summed values (32 KiB: stays in L1/L2).
 pub(crate) const TILE: usize = 8192;
@@ -62,12 +64,25 @@ pub(crate) struct Plan {
     pub(crate) d: Dispatch,
     pub(crate) spec: QuantSpec,
     pub(crate) rounding: Rounding,
+    pub(crate) non_finite: NonFinite,
 }
 
 impl Plan {
-    /// The plan for quantizing to `spec` with kernel `d` and `opts`' rounding.
+    /// The plan for quantizing to `spec` with kernel `d` and `opts`' rounding
+    /// and non-finite policy.
     pub(crate) fn new(d: Dispatch, spec: QuantSpec, opts: &Options) -> Self {
-        Self { d, spec, rounding: opts.rounding }
+        Self { d, spec, rounding: opts.rounding, non_finite: opts.non_finite }
+    }
+
+    /// The parameters of a group whose statistics `st` are (`Err`: the group
+    /// holds a non-finite value): the error, or the poisoned group's under
+    /// [`NonFinite::Propagate`].
+    fn params_or_poison(&self, st: Result<Stats>) -> Result<GroupParams> {
+        match (st, self.non_finite) {
+            (Ok(st), _) => Ok(params(self.spec.bits(), st)),
+            (Err(QuantError::NonFinite { .. }), NonFinite::Propagate) => Ok(GroupParams::POISON),
+            (Err(e), _) => Err(e),
+        }
     }
 }
 
@@ -81,9 +96,23 @@ pub(crate) struct GroupParams {
 }
 
 impl GroupParams {
+    /// A poisoned group's ([`NonFinite::Propagate`]): `s` NaN, so its stored
+    /// scale (and offset, for asymmetric groups) is the canonical NaN of
+    /// [`crate::wire::POISON_BITS`] and [`emit`] writes its integers as 0.
+    const POISON: Self = Self { s: f32::NAN, offset: f32::NAN };
+
+    fn is_poison(self) -> bool {
+        self.s.is_nan()
+    }
+
     /// The stored scale `1/s`.
     fn scale(self) -> f32 {
-        1.0 / self.s
+        if self.is_poison() { f32::from_bits(crate::wire::POISON_BITS) } else { 1.0 / self.s }
+    }
+
+    /// The stored offset.
+    fn offset(self) -> f32 {
+        if self.is_poison() { f32::from_bits(crate::wire::POISON_BITS) } else { self.offset }
     }
 }
 
@@ -153,8 +182,8 @@ fn params(bits: Bits, st: Stats) -> GroupParams {
 }
 
 /// Statistics + parameters of one whole in-memory group.
-fn group_params(d: Dispatch, spec: &QuantSpec, x: &[f32], base: usize) -> Result<GroupParams> {
-    Ok(params(spec.bits(), stats(d, spec.scheme(), x, base)?))
+fn group_params(plan: &Plan, x: &[f32], base: usize) -> Result<GroupParams> {
+    plan.params_or_poison(stats(plan.d, plan.spec.scheme(), x, base))
 }
 
 /// Writes packed integers sequentially (INT4 keeps a pending high nibble).
@@ -230,6 +259,23 @@ fn emit(
     packer: &mut Packer<'_>,
     scratch: &mut [u8; QBLK],
 ) {
+    if p.is_poison() {
+        // A poisoned group's integers are 0 (its NaN scale carries the news).
+        match plan.spec.bits() {
+            Bits::Int8 => {
+                packer.data[packer.pos..packer.pos + x.len()].fill(0);
+                packer.pos += x.len();
+            }
+            Bits::Int4 => {
+                for c in x.chunks(QBLK) {
+                    let s = &mut scratch[..c.len()];
+                    s.fill(0);
+                    packer.push4(s);
+                }
+            }
+        }
+        return;
+    }
     match plan.spec.bits() {
         Bits::Int8 => {
             let out = &mut packer.data[packer.pos..packer.pos + x.len()];
@@ -250,7 +296,7 @@ fn emit(
 fn put(out: &mut QOut<'_>, g: usize, p: GroupParams) {
     out.scales.set(g, p.scale());
     if let Some(o) = out.offsets.as_mut() {
-        o.set(g, p.offset);
+        o.set(g, p.offset());
     }
 }
 
@@ -259,7 +305,6 @@ fn put(out: &mut QOut<'_>, g: usize, p: GroupParams) {
 fn quantize_seq<S: Source>(plan: Plan, src: &S, start: usize, end: usize, out: QOut<'_>) -> Result<()> {
     let (d, spec) = (plan.d, &plan.spec);
     let gs = spec.group_size();
-    let bits = spec.bits();
     let QOut { data, scales, offsets } = out;
     let mut params_out = QOut { data: &mut [], scales, offsets };
     let mut packer = Packer { d, data, pos: 0, pending: None };
@@ -270,7 +315,7 @@ fn quantize_seq<S: Source>(plan: Plan, src: &S, start: usize, end: usize, out: Q
         while pos < end {
             let ge = (pos + gs).min(end);
             let x = &all[pos..ge];
-            let p = group_params(d, spec, x, pos)?;
+            let p = group_params(&plan, x, pos)?;
             put(&mut params_out, g, p);
             // The group after next starts loading while this one is rounded (INT8
             // at 256 MiB, one thread, of memcpy: none 0.60-0.66x, one group ahead
@@ -290,7 +335,7 @@ fn quantize_seq<S: Source>(plan: Plan, src: &S, start: usize, end: usize, out: Q
             while a < t.len() {
                 let b = (a + gs).min(t.len());
                 let x = &t[a..b];
-                let p = group_params(d, spec, x, pos + a)?;
+                let p = group_params(&plan, x, pos + a)?;
                 put(&mut params_out, g, p);
                 emit(plan, x, pos + a, p, &mut packer, &mut scratch);
                 g += 1;
@@ -303,17 +348,23 @@ fn quantize_seq<S: Source>(plan: Plan, src: &S, start: usize, end: usize, out: Q
         let mut tile = [0f32; TILE];
         while pos < end {
             let ge = (pos + gs).min(end);
-            let mut acc: Option<Stats> = None;
+            let mut acc: Result<Option<Stats>> = Ok(None);
             let mut a = pos;
             while a < ge {
                 let b = (a + TILE).min(ge);
                 let t = &mut tile[..b - a];
                 src.fill(a, t);
-                let s = stats(d, spec.scheme(), t, a)?;
-                acc = Some(acc.map_or(s, |x| x.merge(s)));
+                acc = match (acc, stats(d, spec.scheme(), t, a)) {
+                    (Ok(prev), Ok(s)) => Ok(Some(prev.map_or(s, |x| x.merge(s)))),
+                    // The first non-finite tile decides the group.
+                    (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+                };
+                if acc.is_err() {
+                    break;
+                }
                 a = b;
             }
-            let p = params(bits, acc.unwrap_or(Stats::Sym(0.0)));
+            let p = plan.params_or_poison(acc.map(|st| st.unwrap_or(Stats::Sym(0.0))))?;
             put(&mut params_out, g, p);
             let mut a = pos;
             while a < ge {

@@ -76,6 +76,10 @@ pub enum QuantError {
         /// The spec's group size.
         spec: usize,
     },
+    /// An option this implementation does not offer (the GPU kernels do not
+    /// propagate non-finite input: [`crate::NonFinite::Propagate`]).
+    #[error("not supported here: {0}")]
+    Unsupported(&'static str),
     /// Wire decoding failed: the buffer is not a valid encoding.
     #[error("invalid quantized encoding: {0}")]
     Decode(#[from] DecodeError),

@@ -36,7 +36,9 @@
 //! and kernels, unbiased before clamping.
 //!
 //! Inputs may be `f32`, [`half::bf16`] or [`half::f16`]; NaN/±Inf input is
-//! an error naming the first bad index. Outputs dequantize to any of them.
+//! an error naming the first bad index, unless [`Options::non_finite`] asks
+//! to propagate it ([`NonFinite::Propagate`]: the group is encoded as
+//! poisoned and decodes to NaN). Outputs dequantize to any of them.
 //!
 //! ## Operations
 //!
@@ -105,7 +107,9 @@ pub use ops::{
 };
 pub use quantized::{AsQuantizedRef, Quantized, QuantizedRef};
 pub use simd::{Kernel, available_kernels};
-pub use spec::{Bits, Options, PARALLEL_THRESHOLD_BYTES, Parallelism, QuantSpec, Rounding, Scheme};
+pub use spec::{
+    Bits, NonFinite, Options, PARALLEL_THRESHOLD_BYTES, Parallelism, QuantSpec, Rounding, Scheme,
+};
 pub use wire::encoded_len;
 
 /// Re-export of the `half` crate, for the `bf16` / `f16` element types.

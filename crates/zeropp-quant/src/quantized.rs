@@ -176,16 +176,18 @@ fn validate(
             return Err(DecodeError::Inconsistent("offset count does not match the scheme and group count"));
         }
     }
+    let poisoned = |v: f32| v.to_bits() == crate::wire::POISON_BITS;
     for g in 0..groups {
         let s = scales.get(g);
-        if !(s.is_finite() && s > 0.0) {
+        if !(s.is_finite() && s > 0.0 || poisoned(s)) {
             return Err(DecodeError::BadScale { group: g, value: s });
         }
     }
     if let Some(o) = offsets {
         for g in 0..groups {
             let v = o.get(g);
-            if !v.is_finite() {
+            // A poisoned offset only beside its group's poisoned scale.
+            if !(v.is_finite() || poisoned(v) && poisoned(scales.get(g))) {
                 return Err(DecodeError::BadOffset { group: g, value: v });
             }
         }

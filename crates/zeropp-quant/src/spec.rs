@@ -163,6 +163,39 @@ pub enum Rounding {
     },
 }
 
+/// What quantizing does with a group that holds NaN or ±Inf.
+///
+/// The default refuses such input ([`crate::QuantError::NonFinite`], naming the
+/// first bad element): a quantized value is never garbage. A caller that must
+/// keep another framework's contract, where a non-finite gradient reaches its
+/// owner and the user's own check skips the step (PyTorch FSDP2's
+/// reduce-scatter, `GradScaler`), propagates instead: the group is encoded as
+/// *poisoned* (its scale is NaN, its integers 0; [`crate::wire`]), decodes to
+/// NaN in every element, and a sum that includes it (the fused
+/// [`crate::dequant_reduce_quant`]) is poisoned in turn. Groups without a
+/// non-finite value are encoded exactly as under [`NonFinite::Error`].
+///
+/// ```
+/// use zeropp_quant::{dequantize, quantize, NonFinite, Options, QuantSpec};
+/// let x = [1.0f32, f32::INFINITY, 3.0, 4.0];
+/// let spec = QuantSpec::int8(2)?;
+/// assert!(quantize(&x, spec, &Options::default()).is_err());
+/// let opts = Options::default().with_non_finite(NonFinite::Propagate);
+/// let y = dequantize(&quantize(&x, spec, &opts)?, &opts)?;
+/// assert!(y[0].is_nan() && y[1].is_nan()); // the poisoned group
+/// assert_eq!(&y[2..], &[3.0f32, 4.0][..]); // the other group as ever
+/// # Ok::<(), zeropp_quant::QuantError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum NonFinite {
+    /// A non-finite element is an error (the default).
+    #[default]
+    Error,
+    /// A group with a non-finite element is encoded as poisoned and decodes to NaN.
+    Propagate,
+}
+
 /// Whether kernels may use several threads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -179,10 +212,10 @@ pub enum Parallelism {
 /// in parallel under [`Parallelism::Auto`].
 pub const PARALLEL_THRESHOLD_BYTES: usize = 256 * 1024;
 
-/// Run options: rounding, kernel choice and threading.
+/// Run options: rounding, kernel choice, threading and non-finite input.
 ///
 /// `Options::default()` is nearest-even rounding, the best kernel the CPU
-/// supports, and automatic parallelism. Results never depend on the kernel
+/// supports, automatic parallelism, and non-finite input as an error. Results never depend on the kernel
 /// or the threading: they only change the speed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -193,6 +226,8 @@ pub struct Options {
     pub kernel: Option<Kernel>,
     /// Threading policy.
     pub parallelism: Parallelism,
+    /// What a non-finite input does (only used when quantizing).
+    pub non_finite: NonFinite,
 }
 
 impl Options {
@@ -221,6 +256,13 @@ impl Options {
     #[must_use]
     pub fn with_parallelism(mut self, parallelism: Parallelism) -> Self {
         self.parallelism = parallelism;
+        self
+    }
+
+    /// Sets what a non-finite input does ([`NonFinite`]).
+    #[must_use]
+    pub fn with_non_finite(mut self, non_finite: NonFinite) -> Self {
+        self.non_finite = non_finite;
         self
     }
 

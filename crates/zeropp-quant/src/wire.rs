@@ -16,8 +16,8 @@
 //! | 12..20 | len | `u64`, number of elements |
 //! | 20..28 | payload_len | `u64`, bytes after the header: `4G` (+ `4G` if asymmetric) `+ D` |
 //! | 28..32 | header_crc | `u32`, CRC-32C (Castagnoli) of bytes 0..28 |
-//! | 32..32+4G | scales | `f32` per group: the stored scale `1/s` (finite, > 0) |
-//! | next 4G | offsets | `f32` per group, asymmetric only (finite) |
+//! | 32..32+4G | scales | `f32` per group: the stored scale `1/s` (finite, > 0), or [`POISON_BITS`] |
+//! | next 4G | offsets | `f32` per group, asymmetric only (finite; [`POISON_BITS`] in a poisoned group) |
 //! | next D | data | quantized integers, two's complement |
 //!
 //! INT4 data packs element `2k` in the high nibble and `2k+1` in the low
@@ -32,9 +32,20 @@
 //! (truncated and oversized buffers are both errors), every scale and offset,
 //! and the padding nibble. The payload itself is not checksummed (that would
 //! cost a pass over the data on the hot path); any payload bytes decode to
-//! finite values.
+//! finite values, except in a poisoned group.
+//!
+//! A **poisoned group** is how a non-finite input travels when the quantizer
+//! was asked to propagate it ([`crate::NonFinite::Propagate`]): its scale (and
+//! offset) is exactly the canonical quiet NaN, [`POISON_BITS`], and its integers
+//! are 0, so every element decodes to NaN. Any other non-finite or non-positive
+//! scale is still a decoding error, and so is a poisoned offset beside a
+//! scale that is not.
 
 use crate::error::{DecodeError, QuantError, Result};
+
+/// The bits of a poisoned group's stored scale (and offset): the canonical
+/// quiet NaN of `f32` (see the module docs).
+pub const POISON_BITS: u32 = 0x7FC0_0000;
 use crate::spec::{Bits, QuantSpec, Scheme};
 
 pub use crate::wire_header::{HEADER_LEN, MAGIC, VERSION};

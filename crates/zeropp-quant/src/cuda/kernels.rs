@@ -173,6 +173,12 @@ impl Gpu {
         value_at: impl Fn(u64) -> Result<f32>,
         launch_fn: impl Fn(&Module, &QuantLaunch) -> Result<()>,
     ) -> Result<()> {
+        if opts.non_finite != crate::spec::NonFinite::Error {
+            // The kernels report the first non-finite element; they do not poison groups.
+            return Err(QuantError::Unsupported(
+                "NonFinite::Propagate in the CUDA kernels (non-finite input is an error there)",
+            ));
+        }
         if out.len == 0 {
             return Ok(());
         }

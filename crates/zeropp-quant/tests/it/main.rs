@@ -19,6 +19,7 @@ mod gpu_cases;
 mod gpu_emu;
 mod hadamard;
 mod int4;
+mod non_finite;
 mod properties;
 mod stochastic;
 mod tools;
