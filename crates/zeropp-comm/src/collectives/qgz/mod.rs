@@ -55,8 +55,8 @@ use crate::{CommError, Communicator, Group, LinkBytes, Topology};
 
 mod stages;
 
-pub use stages::QgzStages;
 use stages::{Feedback, PackBufs};
+pub use stages::{PartSource, QgzStages};
 
 /// Options of [`qgz_reduce_scatter`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -493,7 +493,7 @@ fn qgz_impl<C: Communicator + ?Sized>(
     let mut own = vec![0u8; stages.own_len()];
     let clock = QuantClock::start();
     let bufs = PackBufs { intra_send: &mut intra_send, own: &mut own, inter_send: &mut inter_send, shard };
-    stages.pack_with(grad, bufs, fb.as_mut())?;
+    stages.pack_with(&grad, bufs, fb.as_mut())?;
     clock.stop(comm);
     if local > 1 {
         let mut recv = vec![0u8; intra_send.len()];

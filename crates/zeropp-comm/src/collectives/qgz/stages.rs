@@ -70,6 +70,86 @@ pub struct QgzStages {
     rot: Option<Hadamard>,
 }
 
+/// A gradient as qgZ's stage 1 reads it: `W` shards of `s` elements each,
+/// handed out one at a time as `f32` slices.
+///
+/// The flat gradient `&[f32]` is one (shard `p` is elements `p·s..(p+1)·s`,
+/// zeros past its end). A caller whose gradient lives in another layout
+/// implements it and saves the copy into a flat `f32` vector of the whole
+/// gradient: the Python bindings read PyTorch FSDP2's bfloat16 or float32
+/// reduce-scatter input this way, placing each parameter on a quantization
+/// group boundary as they go.
+///
+/// ```
+/// use zeropp_comm::collectives::{PartSource, QgzOptions, QgzStages};
+/// use zeropp_comm::{CommError, Topology};
+/// /// A gradient of `n` ones, never stored.
+/// struct Ones(usize);
+/// impl PartSource for Ones {
+///     fn len(&self) -> usize {
+///         self.0
+///     }
+///     fn with_part(
+///         &self,
+///         part: usize,
+///         s: usize,
+///         f: &mut dyn FnMut(&[f32]) -> Result<(), CommError>,
+///     ) -> Result<(), CommError> {
+///         let real = self.0.saturating_sub(part * s).min(s);
+///         let x: Vec<f32> = (0..s).map(|i| if i < real { 1.0 } else { 0.0 }).collect();
+///         f(&x)
+///     }
+/// }
+/// let st = QgzStages::new(&Topology::ranks(1).per_node(1)?, 0, 3, &QgzOptions::default())?;
+/// let mut shard = vec![0.0; 3];
+/// st.pack_from(&Ones(3), &mut [], &mut [], &mut [], &mut shard)?;
+/// assert_eq!(shard, [1.0, 1.0, 1.0]);
+/// # Ok::<(), CommError>(())
+/// ```
+pub trait PartSource: Sync {
+    /// Elements of the gradient (`n`).
+    fn len(&self) -> usize;
+
+    /// Whether the gradient has no elements.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Calls `f` once with shard `part`'s `s` elements (zeros past the
+    /// gradient's end) and returns what it returns.
+    fn with_part(
+        &self,
+        part: usize,
+        s: usize,
+        f: &mut dyn FnMut(&[f32]) -> Result<(), CommError>,
+    ) -> Result<(), CommError>;
+
+    /// The whole gradient as one flat slice, when it is one (the single-rank
+    /// case copies it at once).
+    fn flat(&self) -> Option<&[f32]> {
+        None
+    }
+}
+
+impl PartSource for &[f32] {
+    fn len(&self) -> usize {
+        <[f32]>::len(self)
+    }
+
+    fn with_part(
+        &self,
+        part: usize,
+        s: usize,
+        f: &mut dyn FnMut(&[f32]) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        with_part(self, s, part, f)?
+    }
+
+    fn flat(&self) -> Option<&[f32]> {
+        Some(self)
+    }
+}
+
 /// Stage 1's output buffers, as [`QgzStages::pack`] names them.
 pub(super) struct PackBufs<'a> {
     pub(super) intra_send: &'a mut [u8],
@@ -162,6 +242,20 @@ impl QgzStages {
         inter_send: &mut [u8],
         shard: &mut [f32],
     ) -> Result<(), CommError> {
+        self.pack_with(&grad, PackBufs { intra_send, own, inter_send, shard }, None)
+    }
+
+    /// [`QgzStages::pack`] reading the gradient from `grad`, any
+    /// [`PartSource`] of `n` elements, one shard at a time: the same bytes as
+    /// `pack` of the flat gradient `grad` describes.
+    pub fn pack_from(
+        &self,
+        grad: &dyn PartSource,
+        intra_send: &mut [u8],
+        own: &mut [u8],
+        inter_send: &mut [u8],
+        shard: &mut [f32],
+    ) -> Result<(), CommError> {
         self.pack_with(grad, PackBufs { intra_send, own, inter_send, shard }, None)
     }
 
@@ -241,7 +335,7 @@ impl QgzStages {
 
     pub(super) fn pack_with(
         &self,
-        grad: &[f32],
+        grad: &dyn PartSource,
         bufs: PackBufs<'_>,
         mut feedback: Option<&mut Feedback<'_>>,
     ) -> Result<(), CommError> {
@@ -251,8 +345,16 @@ impl QgzStages {
             self.hop1("qgz: intra-node send buffer", shard, intra_send, own, inter_send)?;
         let topo = &self.topo;
         if topo.world() == 1 {
-            shard.copy_from_slice(grad);
-            return Ok(());
+            return match grad.flat() {
+                Some(flat) => {
+                    shard.copy_from_slice(flat);
+                    Ok(())
+                }
+                None => grad.with_part(0, s, &mut |x| {
+                    shard.copy_from_slice(x);
+                    Ok(())
+                }),
+            };
         }
         let q = &self.opts.quant;
         let beta = feedback.as_ref().map_or(0.0, |f| f.beta);
@@ -296,7 +398,10 @@ impl QgzStages {
                     {
                         res.fill_zero();
                     }
-                    with_part(grad, s, part, |x| shard.iter_mut().zip(x).for_each(|(a, b)| *a += b))?;
+                    grad.with_part(part, s, &mut |x| {
+                        shard.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+                        Ok(())
+                    })?;
                     // The sum runs in the rotated basis; stage 5 rotates it back.
                     if let Some((h, at)) = self.rotated(part) {
                         h.forward(shard, at, q)?;
@@ -463,7 +568,7 @@ fn encode_with_feedback(
 /// Encodes shard `part` of `grad` (padded to `s`) into `out`, with the hop-1
 /// residual of that shard when there is one.
 fn encode_part(
-    grad: &[f32],
+    grad: &dyn PartSource,
     s: usize,
     part: usize,
     enc: Encode<'_>,
@@ -471,11 +576,15 @@ fn encode_part(
     residual: Option<&mut Residual>,
     beta: f32,
 ) -> Result<(), CommError> {
-    let res = match residual {
+    let mut res = match residual {
         Some(r) => Some((r.slice_mut(part * s..(part + 1) * s).ok_or_else(|| residual_oob(part, s))?, beta)),
         None => None,
     };
-    with_part(grad, s, part, |x| encode_with_feedback(x, enc, out, res))?
+    let mut enc = Some(enc);
+    grad.with_part(part, s, &mut |x| match enc.take() {
+        Some(e) => encode_with_feedback(x, e, out, res.take()),
+        None => Err(CommError::Mismatch("qgz: a gradient source handed out one shard twice".into())),
+    })
 }
 
 fn residual_oob(part: usize, s: usize) -> CommError {
