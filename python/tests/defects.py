@@ -96,17 +96,18 @@ def apply_from_env() -> bool:
         def finish(self, inter_recv, shard):
             return self._s.finish(_roll_chunks(inter_recv, self._s.inter_chunk_len, brk), shard)
 
-    # The device path (zeropp.torch.kernels): each row of a decoded batch is one encoding.
+    # The device path (zeropp.torch.kernels): every decode reads whole encodings,
+    # one per row, a column block at a time.
     from zeropp.torch import kernels
 
-    real_rows = kernels.dequantize_rows
+    real_decode = kernels.decode
 
-    def dequantize_rows(wire, n, *, bits, group_size, checks=None):
+    def decode(wire, n, a, b, *, bits, group_size):
         rows = [torch.from_numpy(brk(row.cpu().numpy())).to(wire.device) for row in wire]
         broken = torch.stack(rows) if rows else wire
-        return real_rows(broken, n, bits=bits, group_size=group_size, checks=checks)
+        return real_decode(broken, n, a, b, bits=bits, group_size=group_size)
 
-    kernels.dequantize_rows = dequantize_rows
+    kernels.decode = decode
     real_segments = _zeropp.dequantize_segments
 
     def dequantize_segments(wire, out, table, *, ranks=1, wire_stride=0, **kw):

@@ -19,7 +19,9 @@ has no torch to run it):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import unittest
 
 import numpy as np
@@ -43,11 +45,34 @@ def _data(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _rust_wire(x: torch.Tensor, bits: int, gs: int, seed=None) -> torch.Tensor:
+def _rust_wire(x: torch.Tensor, bits: int, gs: int, seed=None, propagate=False) -> torch.Tensor:
     out = torch.zeros(K.encoded_len(x.numel(), bits, gs), dtype=torch.uint8)
     xb, dt = zeropp._as_buffer(x.contiguous(), "x")
-    _zeropp.quantize(xb, out.numpy(), dtype=dt, bits=bits, group_size=gs, seed=seed)
+    _zeropp.quantize(xb, out.numpy(), dtype=dt, bits=bits, group_size=gs, seed=seed, propagate=propagate)
     return out
+
+
+@contextlib.contextmanager
+def block_of(elements):
+    """Runs the kernels with blocks of ``elements`` (None: the default), so the
+    bitwise checks cover a row cut into many blocks, not one."""
+    old = os.environ.get("ZEROPP_TORCH_BLOCK")
+    if elements is None:
+        os.environ.pop("ZEROPP_TORCH_BLOCK", None)
+    else:
+        os.environ["ZEROPP_TORCH_BLOCK"] = str(elements)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("ZEROPP_TORCH_BLOCK", None)
+        else:
+            os.environ["ZEROPP_TORCH_BLOCK"] = old
+
+
+# The default block (one block per row here) and a small one (many blocks of
+# whole groups; one group a block at the larger group sizes).
+BLOCKS = (None, 200)
 
 
 def _rust_values(wire: torch.Tensor, n: int) -> torch.Tensor:
@@ -62,8 +87,8 @@ GROUPS = (1, 3, 64, 255, 256)
 
 class Kernels(unittest.TestCase):
     def test_quantize_is_bitwise_the_rust_kernel(self):
-        for n, gs, bits, dtype in itertools.product(LENGTHS, GROUPS, (4, 8), _NAMES):
-            with self.subTest(n=n, group_size=gs, bits=bits, dtype=_NAMES[dtype]):
+        for n, gs, bits, dtype, blk in itertools.product(LENGTHS, GROUPS, (4, 8), _NAMES, BLOCKS):
+            with self.subTest(n=n, group_size=gs, bits=bits, dtype=_NAMES[dtype], block=blk), block_of(blk):
                 x = _data(n, n * 31 + gs, dtype)
                 want = _rust_wire(x, bits, gs)
                 got = K.quantize_rows(x[None], bits=bits, group_size=gs)[0]
@@ -72,8 +97,8 @@ class Kernels(unittest.TestCase):
                 self.assertEqual(bad.numel(), 0, f"first differing byte at {bad[:1].tolist()}")
 
     def test_dequantize_is_bitwise_the_rust_kernel(self):
-        for n, gs, bits in itertools.product(LENGTHS, GROUPS, (4, 8)):
-            with self.subTest(n=n, group_size=gs, bits=bits):
+        for n, gs, bits, blk in itertools.product(LENGTHS, GROUPS, (4, 8), BLOCKS):
+            with self.subTest(n=n, group_size=gs, bits=bits, block=blk), block_of(blk):
                 wire = _rust_wire(_data(n, n + gs), bits, gs)
                 want = _rust_values(wire, n)
                 got = K.dequantize_rows(wire[None], n, bits=bits, group_size=gs)[0]
@@ -103,17 +128,43 @@ class Kernels(unittest.TestCase):
         self.assertLess(abs(float(err_t.double().mean())), 0.02 * rms_near)
         self.assertFalse(torch.equal(err_t, near - x), "stochastic rounding changed nothing")
 
-    def test_bad_input_and_corrupt_encodings_are_errors(self):
-        x = torch.ones(10)
-        x[3] = float("nan")
+    def test_non_finite_input_poisons_its_group_as_the_rust_kernel(self):
+        """NaN/±Inf: the group is poisoned (NaN scale, zero integers), byte for
+        byte as the Rust kernels with ``propagate=True``; it decodes to NaN and
+        the other groups decode as ever."""
+        for n, gs, bits, blk in itertools.product((7, 1000, 4099), (3, 64, 256), (4, 8), BLOCKS):
+            x = _data(n, n + gs)
+            for i, v in ((0, float("nan")), (n // 2, float("inf")), (n - 1, float("-inf"))):
+                x[i] = v
+            with self.subTest(n=n, group_size=gs, bits=bits, block=blk), block_of(blk):
+                want = _rust_wire(x, bits, gs, propagate=True)
+                got = K.quantize_rows(x[None], bits=bits, group_size=gs)[0]
+                self.assertTrue(torch.equal(got, want), "the poisoned encoding differs from Rust's")
+                y = K.dequantize_rows(got[None], n, bits=bits, group_size=gs)[0]
+                bad = torch.zeros(n, dtype=torch.bool)
+                for i in (0, n // 2, n - 1):
+                    bad[i // gs * gs:(i // gs + 1) * gs] = True
+                self.assertTrue(torch.equal(y.isnan(), bad), "NaN exactly over the poisoned groups")
+                self.assertTrue(torch.equal(y.view(torch.int32)[~bad], _rust_values(want, n).view(torch.int32)[~bad]))
         with self.assertRaises(zeropp.ZeroppError):
-            K.quantize_rows(x[None], bits=8, group_size=4)
-        wire = K.quantize_rows(torch.ones(1, 10), bits=8, group_size=4)
-        for at, value in ((0, 0), (6, 4), (K.HEADER + 3, 0xFF)):
+            _rust_wire(x, 4, 64)  # the Rust default still refuses it
+
+    def test_corrupt_encodings_decode_to_nan(self):
+        """No host read-back: a header that is not the expected one makes its
+        whole row NaN, a bad scale its group; a wrong length (a host-side
+        shape) is still an error."""
+        wire = K.quantize_rows(torch.ones(2, 10), bits=8, group_size=4)
+        clean = K.dequantize_rows(wire, 10, bits=8, group_size=4)
+        for at, value, row_nan in ((0, 0, True), (6, 4, True), (K.HEADER + 3, 0xFF, False)):
             bad = wire.clone()
             bad[0, at] = value
-            with self.subTest(byte=at), self.assertRaises(zeropp.ZeroppError):
-                K.dequantize_rows(bad, 10, bits=8, group_size=4)
+            with self.subTest(byte=at):
+                y = K.dequantize_rows(bad, 10, bits=8, group_size=4)
+                want = torch.zeros(10, dtype=torch.bool)
+                want[:10 if row_nan else 4] = True
+                self.assertTrue(torch.equal(y[0].isnan(), want))
+                self.assertTrue(torch.equal(y[1], clean[1]), "the other row is intact")
+                self.assertTrue(torch.equal(y[0][~want], clean[0][~want]), "the other groups are intact")
         with self.assertRaises(zeropp.ZeroppError):
             K.dequantize_rows(wire, 11, bits=8, group_size=4)
 
@@ -122,13 +173,14 @@ class Hadamard(unittest.TestCase):
     """``hadamard_rows`` (torch ops) against the Rust rotation, bit for bit."""
 
     def test_rotation_is_bitwise_the_rust_kernel(self):
-        for n, g, pos, inverse in itertools.product((1, 7, 64, 200, 1000, 4099), (1, 2, 8, 64, 256),
-                                                     (0, 5, 31, 1 << 37), (False, True)):
+        for n, g, pos, inverse, blk in itertools.product((1, 7, 64, 200, 1000, 4099), (1, 2, 8, 64, 256),
+                                                          (0, 5, 31, (1 << 37) - 100), (False, True), BLOCKS):
             x = _data(n, n + g)
             want = x.clone()
             _zeropp.hadamard(want.numpy(), group_size=g, seed=77 + g, position=pos, inverse=inverse)
-            got = K.hadamard_rows(x[None], group_size=g, seed=77 + g, positions=[pos], inverse=inverse)[0]
-            with self.subTest(n=n, g=g, pos=pos, inverse=inverse):
+            with block_of(blk):
+                got = K.hadamard_rows(x[None], group_size=g, seed=77 + g, positions=[pos], inverse=inverse)[0]
+            with self.subTest(n=n, g=g, pos=pos, inverse=inverse, block=blk):
                 self.assertTrue(torch.equal(got.view(torch.int32), want.view(torch.int32)))
 
     def test_rows_start_at_their_own_positions_and_come_back(self):
@@ -198,12 +250,14 @@ class QgzStages(unittest.TestCase):
     SHAPES = ((2, 2), (2, 3), (1, 4), (4, 1), (3, 2))
 
     def test_the_torch_stages_are_bitwise_the_rust_stages(self):
-        for (nodes, local), n, mean in itertools.product(self.SHAPES, (1, 511, 2049), (True, False)):
+        for (nodes, local), n, mean, blk in itertools.product(self.SHAPES, (1, 511, 2049), (True, False),
+                                                              BLOCKS):
             w = nodes * local
             grads = [_data(n, 100 * r + n) for r in range(w)]
-            with self.subTest(nodes=nodes, local=local, n=n, mean=mean):
+            with self.subTest(nodes=nodes, local=local, n=n, mean=mean, block=blk):
                 want = _run_qgz(_zeropp.QgzStages, nodes, local, n, None, mean, grads)
-                got = _run_qgz(TorchQgzStages, nodes, local, n, None, mean, grads)
+                with block_of(blk):
+                    got = _run_qgz(TorchQgzStages, nodes, local, n, None, mean, grads)
                 for r in range(w):
                     for what, a, b in zip(("intra_send", "inter_send", "shard"), got[r], want[r]):
                         same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -216,7 +270,7 @@ class QgzStages(unittest.TestCase):
             w = nodes * local
             grads = [_data(n, 300 * r + n) for r in range(w)]
             opts = dict(group_size=64, intra_bits=8, hadamard=12345 + n)
-            with self.subTest(nodes=nodes, local=local, n=n):
+            with self.subTest(nodes=nodes, local=local, n=n), block_of(200):
                 want = _run_qgz(_zeropp.QgzStages, nodes, local, n, None, True, grads, **opts)
                 got = _run_qgz(TorchQgzStages, nodes, local, n, None, True, grads, **opts)
                 for r in range(w):

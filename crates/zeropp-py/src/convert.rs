@@ -2,7 +2,7 @@
 //! errors into it, and the quantization arguments into zeropp-quant's types.
 
 use pyo3::prelude::*;
-use zeropp_quant::{Bits, Options, QuantSpec, Scheme};
+use zeropp_quant::{Bits, NonFinite, Options, QuantSpec, Scheme};
 
 pyo3::create_exception!(
     zeropp,
@@ -28,10 +28,13 @@ pub(crate) fn spec(bits: u32, group_size: usize, symmetric: bool) -> PyResult<Qu
     QuantSpec::new(b, scheme, group_size).map_err(rust_err)
 }
 
-/// Kernel options: stochastic rounding with `seed` (nearest-even when `None`).
-pub(crate) fn options(seed: Option<u64>) -> Options {
-    match seed {
+/// Kernel options: stochastic rounding with `seed` (nearest-even when `None`);
+/// with `propagate`, a group holding NaN/±Inf is encoded as poisoned (it
+/// decodes to NaN) instead of failing ([`NonFinite::Propagate`]).
+pub(crate) fn options(seed: Option<u64>, propagate: bool) -> Options {
+    let o = match seed {
         Some(s) => Options::default().stochastic(s),
         None => Options::default(),
-    }
+    };
+    if propagate { o.with_non_finite(NonFinite::Propagate) } else { o }
 }

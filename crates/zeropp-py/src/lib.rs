@@ -8,6 +8,8 @@
 //!   `dequant_reduce_quant`, in zeropp's versioned wire format;
 //! - qwZ's segment tables (`quantize_segments`, `dequantize_segments`): a
 //!   whole all-gather's parameters in one call each way;
+//! - `ChunkLayout`: FSDP2's per-rank chunk of a module mapped onto the vectors
+//!   qgZ and the exact 1-D reduce work on, with slice copies (no index tensors);
 //! - qgZ's transport-free stages (the class `QgzStages`, over
 //!   `zeropp_comm::collectives::QgzStages`), its slice order and its wire sizes,
 //!   which `zeropp.torch` runs around `torch.distributed`'s all-to-alls.
@@ -29,6 +31,7 @@ use zeropp_quant::{
 
 mod buffers;
 mod convert;
+mod layout;
 mod qgz;
 mod segments;
 
@@ -41,9 +44,11 @@ use convert::{ZeroppError, error, options, rust_err, spec};
 /// or "float16") into `out` (a uint8 buffer of at least
 /// `encoded_len(len(x), bits, group_size, symmetric)` bytes) in zeropp's wire
 /// format, and returns the bytes written. `seed` turns on stochastic rounding
-/// (deterministic for a seed); the default is round-to-nearest-even.
+/// (deterministic for a seed); the default is round-to-nearest-even. A NaN or
+/// ±Inf in `x` is an error, unless `propagate=True`: then its group is encoded
+/// as poisoned and decodes to NaN (how zeropp.torch keeps FSDP2's contract).
 #[pyfunction]
-#[pyo3(signature = (x, out, *, dtype, bits = 8, group_size = 256, symmetric = true, seed = None))]
+#[pyo3(signature = (x, out, *, dtype, bits = 8, group_size = 256, symmetric = true, seed = None, propagate = false))]
 #[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
 fn quantize(
     py: Python<'_>,
@@ -54,8 +59,10 @@ fn quantize(
     group_size: usize,
     symmetric: bool,
     seed: Option<u64>,
+    propagate: bool,
 ) -> PyResult<usize> {
-    let (dtype, spec, opts) = (Dtype::parse(dtype)?, spec(bits, group_size, symmetric)?, options(seed));
+    let (dtype, spec, opts) =
+        (Dtype::parse(dtype)?, spec(bits, group_size, symmetric)?, options(seed, propagate));
     let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
     check_disjoint(&[&xb, &ob])?;
     let (input, wire) = (elems(&xb, dtype)?, ob.bytes_mut()?);
@@ -107,8 +114,10 @@ fn dequantize(
 /// The fused qgZ kernel: dequantizes the wire encodings in `inputs` (a list of
 /// uint8 buffers, equal lengths of elements, any specs), sums them in float32
 /// in list order, requantizes the sum into `out` and returns the bytes written.
+/// With `propagate=True` a group that sums to NaN/±Inf (a poisoned input
+/// group among them) is encoded as poisoned instead of failing.
 #[pyfunction]
-#[pyo3(signature = (inputs, out, *, bits = 4, group_size = 256, symmetric = true, seed = None))]
+#[pyo3(signature = (inputs, out, *, bits = 4, group_size = 256, symmetric = true, seed = None, propagate = false))]
 #[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
 fn dequant_reduce_quant(
     py: Python<'_>,
@@ -118,8 +127,9 @@ fn dequant_reduce_quant(
     group_size: usize,
     symmetric: bool,
     seed: Option<u64>,
+    propagate: bool,
 ) -> PyResult<usize> {
-    let (spec, opts) = (spec(bits, group_size, symmetric)?, options(seed));
+    let (spec, opts) = (spec(bits, group_size, symmetric)?, options(seed, propagate));
     let bufs = inputs.iter().map(|x| Buf::get(x, "inputs[i]", false)).collect::<PyResult<Vec<_>>>()?;
     let ob = Buf::get(out, "out", true)?;
     let mut all: Vec<&Buf> = bufs.iter().collect();
@@ -229,6 +239,10 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stream_seed, m)?)?;
     m.add_function(wrap_pyfunction!(best_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(hadamard, m)?)?;
+    // The largest group a Hadamard rotation takes (a power of two): what
+    // zeropp.torch checks its options against where they are given.
+    m.add("HADAMARD_MAX_GROUP", zeropp_quant::hadamard::MAX_GROUP)?;
+    m.add_class::<layout::ChunkLayout>()?;
     qgz::register(m)?;
     segments::register(m)?;
     Ok(())

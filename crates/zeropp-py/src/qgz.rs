@@ -4,8 +4,9 @@ use pyo3::prelude::*;
 use zeropp_comm::Topology;
 use zeropp_comm::collectives::{QgzOptions, QgzStages, Reduce, qgz_bytes};
 
-use crate::buffers::{Buf, check_disjoint, f32_mut, f32_ref};
+use crate::buffers::{Buf, Dtype, check_disjoint, elems, f32_mut, f32_ref};
 use crate::convert::{error, options, rust_err, spec};
+use crate::layout::{ChunkLayout, LaidOut};
 
 fn topology(world: usize, local_size: usize) -> PyResult<Topology> {
     Topology::ranks(world).per_node(local_size).map_err(rust_err)
@@ -22,18 +23,19 @@ fn qgz_options(
     hadamard: Option<u64>,
     seed: Option<u64>,
     mean: bool,
+    propagate: bool,
 ) -> PyResult<QgzOptions> {
     let mut o = QgzOptions::default().with_spec(spec(bits, group_size, true)?);
     o.intra_spec = spec(intra_bits.unwrap_or(bits), group_size, true)?;
     o.hadamard = hadamard;
     o.local_spec = spec(local_bits, group_size, true)?;
-    o.quant = options(seed);
+    o.quant = options(seed, propagate);
     o.reduce = if mean { Reduce::Mean } else { Reduce::Sum };
     Ok(o)
 }
 
 /// QgzStages(world, local_size, rank, n, *, bits=4, group_size=256, local_bits=8, seed=None, mean=True,
-///           intra_bits=None, hadamard=None)
+///           intra_bits=None, hadamard=None, propagate=False)
 ///
 /// The local stages of one qgZ reduce-scatter of an `n`-element float32
 /// gradient, for rank `rank` of `world = nodes × local_size` ranks (node-major:
@@ -48,16 +50,22 @@ fn qgz_options(
 /// `intra_bits=8` sends the intra-node hop at INT8 and only the inter-node one
 /// at `bits` (SDP4Bit's two levels); `hadamard=SEED` rotates each group before
 /// its first quantization and the shard back at `finish` (the group size must
-/// then be a power of two; every rank passes the same seed).
+/// then be a power of two; every rank passes the same seed). `propagate=True`
+/// lets a NaN or ±Inf in the gradient through as NaN over its quantization
+/// group of the owner's shard (FSDP2's contract: the user's own check sees
+/// it), where the default fails the stage. `pack_layout` reads FSDP2's chunks
+/// through a `ChunkLayout` instead of a flat float32 gradient.
 #[pyclass(name = "QgzStages", module = "zeropp._zeropp", frozen)]
 pub(crate) struct Stages {
     inner: QgzStages,
+    /// The gradient's elements.
+    n: usize,
 }
 
 #[pymethods]
 impl Stages {
     #[new]
-    #[pyo3(signature = (world, local_size, rank, n, *, bits = 4, group_size = 256, local_bits = 8, seed = None, mean = true, intra_bits = None, hadamard = None))]
+    #[pyo3(signature = (world, local_size, rank, n, *, bits = 4, group_size = 256, local_bits = 8, seed = None, mean = true, intra_bits = None, hadamard = None, propagate = false))]
     #[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
     fn new(
         world: usize,
@@ -71,9 +79,10 @@ impl Stages {
         mean: bool,
         intra_bits: Option<u32>,
         hadamard: Option<u64>,
+        propagate: bool,
     ) -> PyResult<Self> {
-        let o = qgz_options(bits, group_size, local_bits, intra_bits, hadamard, seed, mean)?;
-        Ok(Self { inner: QgzStages::new(&topology(world, local_size)?, rank, n, &o).map_err(rust_err)? })
+        let o = qgz_options(bits, group_size, local_bits, intra_bits, hadamard, seed, mean, propagate)?;
+        Ok(Self { inner: QgzStages::new(&topology(world, local_size)?, rank, n, &o).map_err(rust_err)?, n })
     }
 
     /// Elements of the output shard: ceil(n / world).
@@ -119,6 +128,48 @@ impl Stages {
         let (g, a, o, i, s) = (f32_ref(&g)?, a.bytes_mut()?, o.bytes_mut()?, i.bytes_mut()?, f32_mut(&s)?);
         let st = &self.inner;
         py.detach(|| st.pack(g, a, o, i, s)).map_err(rust_err)
+    }
+
+    /// pack_layout(x, layout, intra_send, own, inter_send, shard, *, dtype): stage 1
+    /// with the gradient read through `layout` (a `ChunkLayout`) from `x`, the
+    /// `world` chunks of FSDP2's reduce-scatter input (`world x layout.c`
+    /// elements of `dtype`): the same bytes as `pack` of the float32 vector
+    /// `layout.gather` would make (`n` must be `world x layout.cq`), without it.
+    #[pyo3(signature = (x, layout, intra_send, own, inter_send, shard, *, dtype))]
+    #[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
+    fn pack_layout(
+        &self,
+        py: Python<'_>,
+        x: &Bound<'_, PyAny>,
+        layout: &Bound<'_, ChunkLayout>,
+        intra_send: &Bound<'_, PyAny>,
+        own: &Bound<'_, PyAny>,
+        inter_send: &Bound<'_, PyAny>,
+        shard: &Bound<'_, PyAny>,
+        dtype: &str,
+    ) -> PyResult<()> {
+        let dtype = Dtype::parse(dtype)?;
+        let lay = layout.get();
+        let rows = self.inner.topology().world();
+        let g = Buf::get(x, "x", false)?;
+        if dtype.count(&g)? != rows * lay.chunk_len() || rows * lay.quantized_len() != self.n {
+            return Err(error(format!(
+                "pack_layout: x has {} elements and the stages reduce {}, but the layout makes {rows} chunks of {}                  elements into {rows} x {}",
+                dtype.count(&g)?,
+                self.n,
+                lay.chunk_len(),
+                lay.quantized_len()
+            )));
+        }
+        let a = Buf::get(intra_send, "intra_send", true)?;
+        let o = Buf::get(own, "own", true)?;
+        let i = Buf::get(inter_send, "inter_send", true)?;
+        let s = Buf::get(shard, "shard", true)?;
+        check_disjoint(&[&g, &a, &o, &i, &s])?;
+        let src = LaidOut { x: elems(&g, dtype)?, layout: lay, rows };
+        let (a, o, i, s) = (a.bytes_mut()?, o.bytes_mut()?, i.bytes_mut()?, f32_mut(&s)?);
+        let st = &self.inner;
+        py.detach(|| st.pack_from(&src, a, o, i, s)).map_err(rust_err)
     }
 
     /// reduce_intra(intra_recv, own, inter_send, shard): stage 3, the fused reduce.
@@ -184,7 +235,7 @@ fn qgz_wire_bytes(
     group_size: usize,
     intra_bits: Option<u32>,
 ) -> PyResult<(u64, u64)> {
-    let o = qgz_options(bits, group_size, 8, intra_bits, None, None, true)?;
+    let o = qgz_options(bits, group_size, 8, intra_bits, None, None, true, false)?;
     let b = qgz_bytes(&topology(world, local_size)?, &o, n);
     Ok((b.intra, b.inter))
 }

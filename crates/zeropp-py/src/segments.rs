@@ -38,9 +38,9 @@ fn quantize_each<T: Element + bytemuck::Pod>(
     x: &[T],
     table: &[Seg],
     spec: QuantSpec,
+    opts: Options,
     wire: &mut [u8],
 ) -> Result<(), String> {
-    let opts = Options::default();
     for &(at, k, exact, off, size) in table {
         let dst = &mut wire[off..off + size];
         if exact {
@@ -87,9 +87,12 @@ fn dequantize_each<T: Element + bytemuck::Pod>(
 /// offset, size)` of `table`, elements `start..start+elements` of `x` (of
 /// `dtype`) go to `out[offset:offset+size]`, as raw bytes when `exact`, else
 /// as one encoding (round-to-nearest). Every row is checked before anything
-/// is written; the GIL is released while the kernels run.
+/// is written; the GIL is released while the kernels run. With
+/// `propagate=True` a group holding NaN/±Inf is encoded as poisoned (every
+/// rank decodes it to NaN) instead of failing.
 #[pyfunction]
-#[pyo3(signature = (x, out, table, *, dtype, bits = 8, group_size = 256))]
+#[pyo3(signature = (x, out, table, *, dtype, bits = 8, group_size = 256, propagate = false))]
+#[allow(clippy::too_many_arguments)] // a Python signature with keyword arguments
 fn quantize_segments(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
@@ -98,7 +101,9 @@ fn quantize_segments(
     dtype: &str,
     bits: u32,
     group_size: usize,
+    propagate: bool,
 ) -> PyResult<()> {
+    let opts = crate::convert::options(None, propagate);
     let (dtype, spec) = (Dtype::parse(dtype)?, spec(bits, group_size, true)?);
     let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
     check_disjoint(&[&xb, &ob])?;
@@ -106,9 +111,9 @@ fn quantize_segments(
     check_table(&table, n, ob.len(), dtype.size(), spec)?;
     let (input, wire) = (elems(&xb, dtype)?, ob.bytes_mut()?);
     py.detach(|| match input {
-        Elems::F32(v) => quantize_each(v, &table, spec, wire),
-        Elems::Bf16(v) => quantize_each(v, &table, spec, wire),
-        Elems::F16(v) => quantize_each(v, &table, spec, wire),
+        Elems::F32(v) => quantize_each(v, &table, spec, opts, wire),
+        Elems::Bf16(v) => quantize_each(v, &table, spec, opts, wire),
+        Elems::F16(v) => quantize_each(v, &table, spec, opts, wire),
     })
     .map_err(error)
 }

@@ -51,7 +51,7 @@ from __future__ import annotations
 from .allreduce import QuantizedAllReduce
 from .bytes import ByteCounter
 from .collectives import QuantizedAllGather, QuantizedReduceScatter
-from .enable import enable
+from .enable import enable, retained_bytes
 from .topology import Topology, local_size, release
 
 __all__ = [
@@ -63,4 +63,5 @@ __all__ = [
     "enable",
     "local_size",
     "release",
+    "retained_bytes",
 ]

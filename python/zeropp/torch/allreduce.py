@@ -38,31 +38,37 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import _zeropp
+from .. import _as_buffer, _zeropp
 from . import kernels as K
-from .collectives import _Shared
+from .collectives import Layout, _Shared
 
 
-def _encode(rows: torch.Tensor, bits: int, gs: int, seed, keys, on_dev: bool) -> torch.Tensor:
-    """``[k, m]`` float32 rows into ``[k, E]`` wire bytes, on the rows' device
-    (torch ops) or through the Rust kernels (CPU)."""
-    if on_dev:
-        return K.quantize_rows(rows, bits=bits, group_size=gs, generator=K.generator(seed, keys, rows.device))
+def _encode(rows: torch.Tensor, out: torch.Tensor, bits: int, gs: int, seed, keys, on_dev: bool):
+    """``[k, m]`` float32 rows into ``out`` (``[k, E]`` wire bytes), on the
+    rows' device (torch ops, a block at a time) or through the Rust kernels
+    (CPU); a non-finite value poisons its group either way."""
     k, m = rows.shape
-    out = torch.empty(k, K.encoded_len(m, bits, gs), dtype=torch.uint8)
+    if on_dev:
+        enc = K.Encoder(out, m, bits=bits, group_size=gs)
+        gen = K.generator(seed, keys, rows.device)
+        for a, b in K.blocks(k, m, gs):
+            enc.put(a, rows[:, a:b], gen)
+        return
     for i in range(k):
         s = None if seed is None else _zeropp.stream_seed(seed, [*keys, i])
-        _zeropp.quantize(rows[i].numpy(), out[i].numpy(), dtype="float32", bits=bits, group_size=gs, seed=s)
-    return out
+        _zeropp.quantize(rows[i].numpy(), out[i].numpy(), dtype="float32", bits=bits, group_size=gs, seed=s,
+                         propagate=True)
 
 
-def _decode(wires: torch.Tensor, m: int, bits: int, gs: int, on_dev: bool) -> torch.Tensor:
+def _decode(wires: torch.Tensor, out: torch.Tensor, bits: int, gs: int, on_dev: bool):
+    """``[k, E]`` wire bytes into ``out`` (``[k, m]`` float32)."""
+    k, m = out.shape
     if on_dev:
-        return K.dequantize_rows(wires, m, bits=bits, group_size=gs)
-    out = torch.empty(wires.shape[0], m, dtype=torch.float32)
-    for i in range(wires.shape[0]):
+        for a, b in K.blocks(k, m, gs):
+            out[:, a:b] = K.decode(wires, m, a, b, bits=bits, group_size=gs)
+        return
+    for i in range(k):
         _zeropp.dequantize(wires[i].numpy(), out[i].numpy(), dtype="float32")
-    return out
 
 
 class QuantizedAllReduce:
@@ -72,11 +78,13 @@ class QuantizedAllReduce:
     given ``replicate=``).
 
     ``group`` is the replica group (one rank per replica). ``plan`` (a
-    callable of the chunk's length, as ``QuantizedReduceScatter._plan``) gives
-    the chunk's layout: 1-D parameters' elements, all-reduced exactly, and
-    each other parameter placed from a group boundary. ``divide_factor`` (a
-    number, a callable or None) switches the average to a sum, as described
-    there. ``shared`` is the stream counter of one :func:`enable`.
+    callable of the chunk's length returning a :class:`Layout`, as
+    ``QuantizedReduceScatter._plan``) gives the chunk's layout: 1-D
+    parameters' elements, all-reduced exactly, and each other parameter
+    placed from a group boundary. ``divide_factor`` (a number, a callable or
+    None) switches the average to a sum, as described there. ``shared`` is the
+    stream counter of one :func:`enable`. A non-finite gradient value poisons
+    its group: every replica ends with NaN there, and nothing raises.
     """
 
     def __init__(self, group: dist.ProcessGroup, *, bits: int = 4, gather_bits: int = 8, group_size: int = 256,
@@ -94,6 +102,10 @@ class QuantizedAllReduce:
         f = self.divide_factor() if callable(self.divide_factor) else self.divide_factor
         return not f
 
+    def retained_bytes(self) -> int:
+        """Bytes kept between calls: none (the layouts belong to the reduce-scatter)."""
+        return 0
+
     def __call__(self, reduce_output: torch.Tensor) -> None:
         g = self.group
         reps = g.size()
@@ -104,67 +116,107 @@ class QuantizedAllReduce:
                 f"zeropp's replica all-reduce: FSDP2 reduces {reduce_output.dtype}; zeropp quantizes floats only")
         flat = reduce_output.view(-1)
         c = flat.numel()
-        mask, src, dst, cq = self.plan(c) if self.plan is not None else (None, None, None, c)
+        lay = self.plan(c) if self.plan is not None else Layout([(c, False)], align=1)
         mean = self._mean()
         on_dev = K.use_torch(flat)
         home = flat.device if on_dev else torch.device("cpu")
         dev = flat.device
-        if on_dev and src is not None:
-            mask, src, dst = (None if mask is None else mask.to(dev)), src.to(dev), dst.to(dev)
-        x = flat if on_dev else flat.to(home)
+        gs = self.group_size
+        piece = -(-lay.cq // (reps * gs)) * gs
+        # qgZ's vector, padded to the replicas' pieces (zeros past cq).
+        vec = torch.zeros(reps * piece, dtype=torch.float32, device=home)
         exact = None
-        if mask is not None:
-            exact = x[mask].to(dev)
+        if on_dev:
+            x2 = flat.view(1, c)
+            src = _LaidOutRow(x2, lay)
+            for a, b in K.blocks(1, lay.cq, gs):
+                vec[a:b] = src(a, b)
+            if lay.k1:
+                exact = lay.exact_rows(x2)[0]
+        else:
+            x = _host(flat)
+            if x.dtype == torch.float64:
+                x = x.to(torch.float32)
+            xb, dt = _as_buffer(x.contiguous(), "reduce_output")
+            lay.rust.gather(xb, vec[:lay.cq].numpy(), dtype=dt, rows=1)
+            if lay.k1:
+                exact = torch.empty(lay.k1, dtype=torch.float32)
+                lay.rust.exact(xb, exact.numpy(), dtype=dt, rows=1)
+        if exact is not None:
+            exact = exact.to(dev)
             dist.all_reduce(exact, op=dist.ReduceOp.SUM, group=g)
             if mean:
                 exact = exact / reps
-        if src is None:
-            vec = x.to(torch.float32, copy=True)
+            exact = exact.to(home)
+        if lay.cq:
+            self._reduce(vec, reps, piece, mean, on_dev, home, dev)
+        if on_dev:
+            res = torch.empty(c, dtype=torch.float32, device=home)
+            lay.scatter(vec, exact, res)
+            flat.copy_(res)
         else:
-            vec = torch.zeros(cq, dtype=torch.float32, device=home)
-            vec[dst] = x[src].to(torch.float32)
-        if cq:
-            vec = self._reduce(vec, reps, mean, on_dev, home, dev)
-        if src is None:
-            res = vec
-        else:
-            res = torch.zeros(c, dtype=torch.float32, device=home)
-            res[src] = vec[dst]
-        if mask is not None:
-            res[mask] = exact.to(home).to(torch.float32)
-        flat.copy_(res.to(dev).to(flat.dtype))
+            direct = flat.device.type == "cpu" and flat.is_contiguous() and flat.dtype != torch.float64
+            out = flat if direct else torch.empty(c, dtype=torch.float32)
+            ob, odt = _as_buffer(out, "reduce_output")
+            lay.rust.scatter(vec[:lay.cq].numpy(), ob, dtype=odt,
+                             exact=None if exact is None else exact.contiguous().numpy())
+            if not direct:
+                flat.copy_(out.to(dev))
 
-    def _reduce(self, vec, reps, mean, on_dev, home, dev):
-        """The two INT4 hops over the replicas, on a float32 vector whose
-        parameters start on group boundaries."""
+    def _reduce(self, vec, reps, piece, mean, on_dev, home, dev):
+        """The two hops over the replicas, in place on ``vec`` (``reps x
+        piece`` float32, parameters on group boundaries): slice ``j`` to replica
+        ``j`` at INT4, summed there, then every reduced slice to every replica
+        at ``gather_bits``, decoded by all of them, its own included."""
         gs, bits = self.group_size, self.bits
-        cq = vec.numel()
         me = dist.get_group_rank(self.group, dist.get_rank())
-        piece = -(-cq // (reps * gs)) * gs
-        X = torch.nn.functional.pad(vec, (0, reps * piece - cq)).view(reps, piece)
+        X = vec.view(reps, piece)
         seed = self.shared.next_seed() if self.stochastic else None
         e = K.encoded_len(piece, bits, gs)
         # Hop 1: slice j to replica j (this rank's own slice stays home, exact).
-        send = _encode(X, bits, gs, seed, [me, 1], on_dev)
+        send = torch.empty(reps, e, dtype=torch.uint8, device=home)
+        _encode(X, send, bits, gs, seed, [me, 1], on_dev)
         send[me].zero_()
         recv = torch.empty(reps * e, dtype=torch.uint8, device=dev)
         dist.all_to_all_single(recv, send.reshape(-1).to(dev), group=self.group)
-        got = _decode(torch.cat([recv.view(reps, e)[:me], recv.view(reps, e)[me + 1:]]).to(home),
-                      piece, bits, gs, on_dev)
+        del send
+        recv = recv.view(reps, e).to(home)
+        # Summed in replica order, from zero (only the owner sums its slice).
         acc = torch.zeros(piece, dtype=torch.float32, device=home)
-        k = 0
+        got = torch.empty(1, piece, dtype=torch.float32, device=home)
         for j in range(reps):
             if j == me:
-                acc.add_(X[me])
-            else:
-                acc.add_(got[k])
-                k += 1
+                acc += X[me]
+                continue
+            _decode(recv[j:j + 1], got, bits, gs, on_dev)
+            acc += got[0]
+        del recv, got
         if mean:
             acc.div_(float(reps))
         # Hop 2: every replica decodes every reduced slice, its own included.
         gb = self.gather_bits
         e2 = K.encoded_len(piece, gb, gs)
-        mine = _encode(acc[None], gb, gs, seed, [me, 2], on_dev)
+        mine = torch.empty(1, e2, dtype=torch.uint8, device=home)
+        _encode(acc[None], mine, gb, gs, seed, [me, 2], on_dev)
+        del acc
         every = torch.empty(reps * e2, dtype=torch.uint8, device=dev)
         dist.all_gather_into_tensor(every, mine.reshape(-1).to(dev), group=self.group)
-        return _decode(every.view(reps, e2).to(home), piece, gb, gs, on_dev).reshape(-1)[:cq]
+        del mine
+        _decode(every.view(reps, e2).to(home), X, gb, gs, on_dev)
+
+
+class _LaidOutRow:
+    """Columns of one chunk's qgZ vector, read slice by slice from ``x2``
+    (``[1, c]``) through ``layout`` (the torch-op path)."""
+
+    def __init__(self, x2, layout: Layout):
+        from .collectives import _LaidOut
+
+        self._src = _LaidOut(x2, layout)
+
+    def __call__(self, a: int, b: int) -> torch.Tensor:
+        return self._src.cols(0, a, b)[0]
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.cpu()

@@ -11,9 +11,10 @@ class ByteCounter:
     other nodes (node = global rank // local_size).
 
     It wraps the module functions ``all_gather_into_tensor``,
-    ``reduce_scatter_tensor``, ``all_to_all_single`` and ``all_reduce`` (FSDP2's
-    default collectives and zeropp's call them through ``torch.distributed``),
-    so it sees both. Per call, with ``b`` the input's bytes and ``G`` the group
+    ``reduce_scatter_tensor``, ``all_to_all_single`` and ``all_reduce``, and
+    on torch 2.15 and later ``all_gather_single`` and ``reduce_scatter_single``
+    (FSDP2's default collectives and zeropp's call them through
+    ``torch.distributed``), so it sees both. Per call, with ``b`` the input's bytes and ``G`` the group
     size: an all-gather sends ``b`` to each other member; a reduce-scatter and an
     all-to-all send ``b/G`` to each; an all-reduce counts as a reduce-scatter plus
     an all-gather (``2b/G`` to each)::
@@ -23,7 +24,13 @@ class ByteCounter:
         bc.inter, bc.intra      # bytes this rank sent across / within nodes
     """
 
-    _FUNCS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce")
+    # torch 2.15 renamed the single-tensor collectives (all_gather_single,
+    # reduce_scatter_single; FSDP2 calls those) and kept the old names as
+    # aliases that call the new ones inside torch (not through the patched
+    # module attributes), so counting both names counts each call once.
+    _NEW = ("all_gather_single", "reduce_scatter_single")
+    _FUNCS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_reduce") + tuple(
+        f for f in _NEW if hasattr(dist, f))
 
     def __init__(self, local_size: int):
         self.local_size = local_size
@@ -73,8 +80,21 @@ class ByteCounter:
             counter._count("all_reduce", group, 2 * tensor.numel() * tensor.element_size() / g)
             return counter._saved["all_reduce"](tensor, op=op, group=group, async_op=async_op)
 
-        for f in (all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, all_reduce):
-            setattr(dist, f.__name__, f)
+        def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+            counter._count("all_gather_single", group, input_tensor.numel() * input_tensor.element_size())
+            return counter._saved["all_gather_single"](output_tensor, input_tensor, group=group,
+                                                       async_op=async_op)
+
+        def reduce_scatter_single(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            g = dist.get_world_size(group)
+            counter._count("reduce_scatter_single", group, input.numel() * input.element_size() / g)
+            return counter._saved["reduce_scatter_single"](output, input, op=op, group=group, async_op=async_op)
+
+        wrappers = (all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, all_reduce,
+                    all_gather_single, reduce_scatter_single)
+        for f in wrappers:
+            if f.__name__ in self._FUNCS:
+                setattr(dist, f.__name__, f)
         return self
 
     def __exit__(self, *exc):

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import bisect
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import _as_buffer, _zeropp
 from . import kernels as K
-from .stages import TorchQgzStages
+from .stages import TorchQgzStages, check_hadamard_group
 from .topology import Topology, _spans_nodes
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,12 +28,13 @@ def _host(t: torch.Tensor) -> torch.Tensor:
 class _Shared:
     """What the collectives of one :func:`enable` share: the stream counter
     (the same on every rank, since all ranks run the same collectives in the
-    same order) and qgZ's host work buffers."""
+    same order). Nothing of a step's size is kept between calls: the work
+    buffers are made per call and freed after it, so what zeropp keeps
+    between steps is the segment tables only (:func:`retained_bytes`)."""
 
     seed: int
     calls: int = 0
     rotations: int = 0
-    pool: dict = field(default_factory=dict)
 
     def next_seed(self) -> int:
         self.calls += 1
@@ -44,21 +46,79 @@ class _Shared:
         self.rotations += 1
         return _zeropp.stream_seed(self.seed, [_HADAMARD_STREAM, self.rotations])
 
-    def zeros(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed work buffer. In host memory it is kept across steps and shared by
-        the modules whose buffers have the same size (a model's blocks), so a step
-        does not map fresh pages for it (a large allocation is an mmap that faults
-        its pages in, every time); the collectives are synchronous, so no two calls
-        hold it at once. On a device, torch's caching allocator already does this."""
-        if device.type != "cpu":
-            return torch.zeros(shape, dtype=dtype, device=device)
-        key = (name, tuple(shape), dtype)
-        buf = self.pool.get(key)
-        if buf is None:
-            buf = self.pool[key] = torch.zeros(shape, dtype=dtype)
-        else:
-            buf.zero_()
-        return buf
+
+class Layout:
+    """One rank's chunk of an FSDP2 module (``segments``: ``(elements,
+    is_1d)`` per parameter) as the vectors zeropp reduces: qgZ's vector of
+    ``cq`` elements, every parameter from an ``align`` boundary (no
+    quantization group holds two parameters), and the exact vector of the 1-D
+    parameters (``k1`` elements). Holds segment tables only, no index
+    tensors: the Rust path copies through ``zeropp.ChunkLayout`` (``rust``),
+    the torch-op path slice by slice (``quantized``, ``exact``: ``(at, n,
+    to)`` each)."""
+
+    def __init__(self, segments, align: int, exclude_1d: bool = True):
+        self.rust = _zeropp.ChunkLayout(list(segments), align=align, exclude_1d=exclude_1d)
+        self.c, self.cq, self.k1 = self.rust.c, self.rust.cq, self.rust.exact_len
+        self.quantized, self.exact = [], []
+        at = cq = k1 = 0
+        for n, one_d in segments:
+            if n and one_d and exclude_1d:
+                self.exact.append((at, n, k1))
+                k1 += n
+            elif n:
+                self.quantized.append((at, n, cq))
+                cq += -(-n // align) * align
+            at += n
+
+    def nbytes(self) -> int:
+        """What the tables take (an estimate: 64 bytes a segment, both copies)."""
+        return 64 * (len(self.quantized) + len(self.exact))
+
+    def exact_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        """The exact vectors of the rows of ``x2`` (``[rows, c]``) as float32
+        ``[rows, k1]``, slice by slice."""
+        out = torch.empty(x2.shape[0], self.k1, dtype=torch.float32, device=x2.device)
+        for at, n, to in self.exact:
+            out[:, to:to + n] = x2[:, at:at + n]
+        return out
+
+    def scatter(self, part: torch.Tensor, exact, out: torch.Tensor):
+        """Writes one chunk ``out`` (``c`` elements) from its quantized vector
+        ``part`` (``cq``) and exact vector ``exact`` (``k1``), slice by slice."""
+        flat = out.view(-1)
+        for at, n, to in self.quantized:
+            flat[at:at + n] = part[to:to + n]
+        for at, n, to in self.exact:
+            flat[at:at + n] = exact[to:to + n]
+
+
+class _LaidOut:
+    """The rows of ``x2`` (``[rows, c]``, FSDP2's chunks) read through a
+    :class:`Layout` as qgZ's shards, column block by column block (the
+    source :class:`TorchQgzStages` reads; no copy of the whole gradient)."""
+
+    def __init__(self, x2: torch.Tensor, layout: Layout):
+        self.x2, self.lay = x2, layout
+        self._starts = [to for _, _, to in layout.quantized]
+
+    def cols(self, part: int, a: int, b: int) -> torch.Tensor:
+        row = self.x2[part]
+        segs = self.lay.quantized
+        i = max(0, bisect.bisect_right(self._starts, a) - 1)
+        if i < len(segs):
+            at, n, to = segs[i]
+            if to <= a and b <= to + n:
+                # The block lies inside one parameter: one conversion, no zeros.
+                return row[at + a - to:at + b - to].to(torch.float32)[None]
+        out = torch.zeros(1, b - a, dtype=torch.float32, device=row.device)
+        for at, n, to in segs[i:]:
+            if to >= b:
+                break
+            lo, hi = max(a, to), min(b, to + n)
+            if lo < hi:
+                out[0, lo - a:hi - a] = row[at + lo - to:at + hi - to]
+        return out
 
 
 class _Collective:
@@ -73,15 +133,31 @@ class _Collective:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _buffer(self, name: str, n: int, device: torch.device) -> torch.Tensor:
-        """A uint8 work buffer of ``n`` bytes, kept across steps (the same
-        module gathers the same sizes every step). Only for buffers no caller
-        holds after the collective returns."""
-        bufs = self.__dict__.setdefault("_bufs", {})
-        key = (name, n, device)
-        if key not in bufs:
-            bufs[key] = torch.empty(n, dtype=torch.uint8, device=device)
-        return bufs[key]
+    def retained_bytes(self) -> int:
+        """Bytes this collective keeps between calls: every tensor it holds
+        (none, by design) and its segment tables."""
+        return _held_bytes(self.__dict__)
+
+
+def _held_bytes(obj, seen=None) -> int:
+    """The bytes of the tensors reachable from ``obj`` (dicts, lists, tuples
+    and plain objects' attributes; callables and process groups are not
+    followed), plus each :class:`Layout`'s tables."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, Layout):
+        return obj.nbytes() + _held_bytes({k: v for k, v in obj.__dict__.items() if k != "rust"}, seen)
+    if isinstance(obj, dict):
+        return sum(_held_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return sum(_held_bytes(v, seen) for v in obj)
+    if isinstance(obj, (_Collective, _Shared)) or type(obj).__module__.startswith("zeropp"):
+        return _held_bytes(getattr(obj, "__dict__", {}), seen)
+    return 0
 
 
 class QuantizedAllGather(_Collective):
@@ -97,7 +173,9 @@ class QuantizedAllGather(_Collective):
     whole input is one quantized vector. Gathers inside one node (hpZ's
     backward gather under ``reshard_after_forward=local_size``) and inputs that
     are not floats (FSDP2 sends mixed dtypes as uint8) go through torch's plain
-    all-gather; set ``quantize_intra=True`` to quantize those too.
+    all-gather; set ``quantize_intra=True`` to quantize those too. A NaN or
+    ±Inf weight poisons its quantization group: every rank gathers that
+    group as NaN (FSDP2 would gather the value itself), and nothing raises.
     """
 
     def __init__(self, local_size: int, *, segments=None, bits: int = 8, group_size: int = 256,
@@ -143,50 +221,57 @@ class QuantizedAllGather(_Collective):
         if K.use_torch(input_tensor):
             return self._gather_on_device(output_tensor, input_tensor, group, layout, e)
         x = _host(input_tensor.contiguous()).reshape(-1)
-        # One Rust call each way for the whole gather (the GIL released inside).
-        send = self._buffer("send", e, torch.device("cpu"))
+        # One Rust call each way for the whole gather (the GIL released inside). The
+        # buffers are the call's own: kept, they would hold a fraction of every
+        # module's weights between steps.
+        send = torch.empty(e, dtype=torch.uint8)
         xb, dtype = _as_buffer(x, "input_tensor")
         _zeropp.quantize_segments(xb, send.numpy(), layout, dtype=dtype, bits=self.bits,
-                                  group_size=self.group_size)
+                                  group_size=self.group_size, propagate=True)
         dev = input_tensor.device
-        # (Not kept: it holds the whole module's weights, which ZeRO-3 does not keep.)
         recv = torch.empty(g * e, dtype=torch.uint8, device=dev)
         dist.all_gather_into_tensor(recv, send.to(dev), group=group)
+        del send
         recv = _host(recv)
         # Every rank dequantizes every shard, its own included, so all ranks compute
         # with the same weights (the input may be a view of the output; it has been
         # read already).
-        out = output_tensor if dev.type == "cpu" else torch.empty(g * n, dtype=output_tensor.dtype)
+        out = output_tensor if dev.type == "cpu" and output_tensor.is_contiguous() else \
+            torch.empty(g * n, dtype=output_tensor.dtype)
         out = out.reshape(-1)
         ob, odt = _as_buffer(out, "output_tensor")
         _zeropp.dequantize_segments(recv.numpy(), ob, layout, dtype=odt, bits=self.bits,
                                     group_size=self.group_size, ranks=g, wire_stride=e, out_stride=n)
-        if dev.type != "cpu":
+        if out.data_ptr() != output_tensor.data_ptr():
             output_tensor.copy_(out.view_as(output_tensor))
         return None
 
     def _gather_on_device(self, output_tensor, input_tensor, group, layout, e):
         """The gather with the torch-op kernels (:mod:`.kernels`): the
-        encodings are made, sent and decoded on the input's device."""
+        encodings are made, sent and decoded on the input's device, a block
+        at a time, with no read-back to the host."""
         g, n = group.size(), input_tensor.numel()
         x = input_tensor.contiguous().reshape(-1)
-        parts = [x[at:at + k].view(torch.uint8) if exact else
-                 K.quantize_rows(x[at:at + k][None], bits=self.bits, group_size=self.group_size)[0]
-                 for at, k, exact, _, _ in layout]
-        send = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=x.device)
+        send = torch.empty(e, dtype=torch.uint8, device=x.device)
+        for at, k, exact, off, size in layout:
+            if exact:
+                send[off:off + size] = x[at:at + k].view(torch.uint8)
+                continue
+            enc = K.Encoder(send[off:off + size][None], k, bits=self.bits, group_size=self.group_size)
+            for a, b in K.blocks(1, k, self.group_size):
+                enc.put(a, x[at + a:at + b].to(torch.float32)[None])
         recv = torch.empty(g * e, dtype=torch.uint8, device=x.device)
         dist.all_gather_into_tensor(recv, send, group=group)
+        del send
         rows = recv.view(g, e)
         out = output_tensor.view(g, n)
-        checks: list = []
         for at, k, exact, off, size in layout:
-            wire = rows[:, off:off + size].contiguous()
+            wire = rows[:, off:off + size]
             if exact:
-                out[:, at:at + k] = wire.view(out.dtype)
-            else:
-                out[:, at:at + k] = K.dequantize_rows(wire, k, bits=self.bits, group_size=self.group_size,
-                                                      checks=checks).to(out.dtype)
-        K.raise_unless(checks, "qwZ all-gather: a peer's encoding")
+                out[:, at:at + k] = wire.contiguous().view(out.dtype)
+                continue
+            for a, b in K.blocks(g, k, self.group_size):
+                out[:, at + a:at + b] = K.decode(wire, k, a, b, bits=self.bits, group_size=self.group_size)
         return None
 
 
@@ -226,9 +311,8 @@ class QuantizedReduceScatter(_Collective):
                  names=None, module: str = "", divide_factor=None, quantize_intra: bool = False,
                  two_level: bool = False, hadamard: bool = False):
         super().__init__(segments, bits, group_size)
-        if hadamard and (group_size < 1 or group_size & (group_size - 1)):
-            raise _zeropp.ZeroppError(
-                f"qgZ: the Hadamard rotation needs a power-of-two group size, got {group_size}")
+        if hadamard:
+            check_hadamard_group(group_size)
         self.two_level = two_level
         self.hadamard = hadamard
         self.quantize_intra = quantize_intra
@@ -256,16 +340,18 @@ class QuantizedReduceScatter(_Collective):
                 f"qgZ: {len(sent)} flags for a layout of {len(self.segments)} parameters")
         self._sent = tuple(bool(x) for x in sent)
 
-    def _plan(self, c: int):
-        """How one chunk of ``c`` elements is reduced: ``(mask, src, dst, cq)``.
-        ``mask`` marks the 1-D parameters' elements (reduced exactly; None when
-        there are none); qgZ reduces a vector of ``cq`` elements per rank in which
-        chunk position ``src[i]`` sits at ``dst[i]``, each parameter starting on a
-        group boundary so no quantization group holds two parameters (the Rust
-        engine's ``per_tensor_groups``). Without ``segments``: the whole chunk,
-        as it is (``src`` None)."""
+    def _plan(self, c: int) -> Layout:
+        """How one chunk of ``c`` elements is reduced: a :class:`Layout`, the
+        parameters this call carries (:meth:`expect`) with the 1-D ones reduced
+        exactly and each other parameter from a group boundary (the Rust
+        engine's ``per_tensor_groups``). Without ``segments``: the whole chunk
+        as one quantized vector. Cached per set of carried parameters: segment
+        tables only."""
         if not self.segments:
-            return None, None, None, c
+            key = (None, c)
+            if key not in self._masks:
+                self._masks[key] = Layout([(c, False)], align=1)
+            return self._masks[key]
         sent = self._sent if self._sent is not None else (True,) * len(self.segments)
         key = (sent, c)
         if key not in self._masks:
@@ -283,19 +369,7 @@ class QuantizedReduceScatter(_Collective):
                     f"zeropp's layout. A module given to QuantizedReduceScatter by hand needs expect() "
                     f"before each call (enable() does this); otherwise pass exclude_1d=False to enable(), "
                     f"which quantizes the chunk as one vector and needs no layout")
-            mask = torch.zeros(c, dtype=torch.bool)
-            src, dst = [], []
-            at, cq, gs = 0, 0, self.group_size
-            for n, one_d in segs:
-                if one_d:
-                    mask[at:at + n] = True
-                elif n:
-                    src.append(torch.arange(at, at + n))
-                    dst.append(torch.arange(cq, cq + n))
-                    cq += -(-n // gs) * gs
-                at += n
-            cat = (lambda v: torch.cat(v)) if src else (lambda v: torch.zeros(0, dtype=torch.long))
-            self._masks[key] = (mask if bool(mask.any()) else None, cat(src), cat(dst), cq)
+            self._masks[key] = Layout(segs, align=self.group_size)
         return self._masks[key]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -323,8 +397,8 @@ class QuantizedReduceScatter(_Collective):
         c = output_tensor.numel()
         if input_tensor.numel() != w * c:
             raise _zeropp.ZeroppError(f"qgZ: input has {input_tensor.numel()} elements, expected {w} x {c}")
-        mask, src, dst, cq = self._plan(c)
-        if cq == 0:
+        lay = self._plan(c)
+        if lay.cq == 0:
             # Only 1-D parameters (a norm layer on its own): nothing for qgZ.
             dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
             return self._scale(output_tensor, post)
@@ -333,45 +407,59 @@ class QuantizedReduceScatter(_Collective):
         # kernels work in host memory.
         on_dev = K.use_torch(input_tensor)
         home = dev if on_dev else torch.device("cpu")
-        if on_dev and src is not None:
-            mask, src, dst = (None if mask is None else mask.to(dev)), src.to(dev), dst.to(dev)
-        x = (input_tensor if on_dev else _host(input_tensor)).reshape(w, c)
-        # The 1-D parameters' columns ride along qgZ's two all-to-alls as raw float32
-        # (no collective of their own): [node, local rank, elements], by owning rank.
-        ones = None if mask is None else x[:, mask].to(torch.float32).reshape(t.nodes, t.local_size, -1)
-        # The quantized part in float32, each parameter from a group boundary.
-        if src is None:
-            xq = x.to(torch.float32, copy=True)
-        else:
-            xq = self.shared.zeros("xq", (w, cq), torch.float32, home)
-            xq[:, dst] = x[:, src].to(torch.float32)
+        x = (input_tensor if on_dev else _host(input_tensor)).contiguous().reshape(-1)
+        if not on_dev and x.dtype == torch.float64:
+            x = x.to(torch.float32)
         seed = self.shared.next_seed() if self.stochastic else None
         rotation = self.shared.next_rotation() if self.hadamard else None
         stages = TorchQgzStages if on_dev else _zeropp.QgzStages
-        st = stages(w, t.local_size, t.rank, w * cq, bits=self.bits, group_size=self.group_size,
+        st = stages(w, t.local_size, t.rank, w * lay.cq, bits=self.bits, group_size=self.group_size,
                     local_bits=self.local_bits, seed=seed, mean=mean,
-                    intra_bits=8 if self.two_level else None, hadamard=rotation)
+                    intra_bits=8 if self.two_level else None, hadamard=rotation, propagate=True)
         arg = (lambda b: b) if on_dev else (lambda b: b.numpy())
-        zeros = self.shared.zeros
-        part = zeros("part", (cq,), torch.float32, home)
-        intra_send = zeros("intra_send", (t.local_size * st.intra_chunk_len,), torch.uint8, home)
-        own = zeros("own", (st.own_len,), torch.uint8, home)
-        inter_send = zeros("inter_send", (t.nodes * st.inter_chunk_len,), torch.uint8, home)
-        st.pack(arg(xq.reshape(-1)), arg(intra_send), arg(own), arg(inter_send), arg(part))
-        # partial[m]: this node's float32 sum of the 1-D columns of shard (m, my local rank).
-        partial = None if ones is None else ones[:, t.rank % t.local_size]
+        # This call's work buffers (freed when it returns). Pack writes every byte
+        # that travels; the slots a rank keeps for itself are zeroed.
+        me_local, me_node = t.rank % t.local_size, t.rank // t.local_size
+        part = torch.empty(lay.cq, dtype=torch.float32, device=home)
+        intra_send = torch.empty(t.local_size * st.intra_chunk_len, dtype=torch.uint8, device=home)
+        if st.intra_chunk_len:
+            intra_send.view(t.local_size, -1)[me_local].zero_()
+        own = torch.empty(st.own_len, dtype=torch.uint8, device=home)
+        inter_send = torch.empty(t.nodes * st.inter_chunk_len, dtype=torch.uint8, device=home)
+        if st.inter_chunk_len:
+            inter_send.view(t.nodes, -1)[me_node].zero_()
+        if on_dev:
+            x2 = x.view(w, lay.c)
+            st.pack(_LaidOut(x2, lay), intra_send, own, inter_send, part)
+            # The 1-D parameters' columns: [node, local rank, elements], by owning rank.
+            ones = lay.exact_rows(x2).view(t.nodes, t.local_size, -1) if lay.k1 else None
+        else:
+            xb, dt = _as_buffer(x, "input_tensor")
+            st.pack_layout(xb, lay.rust, arg(intra_send), arg(own), arg(inter_send), arg(part), dtype=dt)
+            ones = None
+            if lay.k1:
+                ones = torch.empty(w, lay.k1, dtype=torch.float32)
+                lay.rust.exact(xb, ones.numpy(), dtype=dt, rows=w)
+                ones = ones.view(t.nodes, t.local_size, -1)
+        # The 1-D parameters' columns ride along qgZ's two all-to-alls as raw float32
+        # (no collective of their own). partial[m]: this node's float32 sum of the
+        # columns of shard (m, my local rank).
+        partial = None if ones is None else ones[:, me_local]
         if st.intra_chunk_len:
             # Local peer j gets the columns of shards (m, j), m = 0..N, after its qgZ chunk.
             extra = None if ones is None else ones.transpose(0, 1).reshape(t.local_size, -1)
             intra_recv, got = _all_to_all_with(intra_send, extra, t.local_size, t.intra, dev, home)
+            del intra_send
             if got is not None:
                 got = got.view(t.local_size, t.nodes, -1)
                 partial = got[0].clone()
                 for k in range(1, t.local_size):
                     partial += got[k]
             st.reduce_intra(arg(intra_recv), arg(own), arg(inter_send), arg(part))
+            del intra_recv
+        del own
         inter_recv = torch.zeros(0, dtype=torch.uint8, device=home)
-        exact = None if partial is None else partial[t.rank // t.local_size]
+        exact = None if partial is None else partial[me_node]
         if st.inter_chunk_len:
             # Rail peer m gets partial[m]; this rank's shard is the sum of what every node sends.
             inter_recv, got = _all_to_all_with(inter_send, partial, t.nodes, t.rail, dev, home)
@@ -379,18 +467,29 @@ class QuantizedReduceScatter(_Collective):
                 exact = got[0].clone()
                 for m in range(1, t.nodes):
                     exact += got[m]
+        del inter_send
         st.finish(arg(inter_recv), arg(part))
+        del inter_recv
         if exact is not None and mean:
             exact /= float(w)
-        if src is None:
-            shard = part
-        else:
-            shard = torch.zeros(c, dtype=torch.float32, device=home)
-            shard[src] = part[dst]
-        if mask is not None:
-            shard[mask] = exact
-        output_tensor.copy_(shard.view_as(output_tensor).to(dev))
+        self._write(output_tensor, part, exact, lay, on_dev)
         return self._scale(output_tensor, post)
+
+    @staticmethod
+    def _write(output_tensor: torch.Tensor, part: torch.Tensor, exact, lay: Layout, on_dev: bool):
+        """The reduced chunk into ``output_tensor``, from qgZ's shard ``part``
+        and the exact vector, straight into the output where it can."""
+        if on_dev:
+            lay.scatter(part, exact, output_tensor)
+            return
+        direct = output_tensor.device.type == "cpu" and output_tensor.is_contiguous() and \
+            output_tensor.dtype in _FLOATS
+        out = output_tensor if direct else torch.empty(output_tensor.numel(), dtype=torch.float32)
+        ob, odt = _as_buffer(out.reshape(-1), "output_tensor")
+        ex = None if exact is None else exact.contiguous().numpy()
+        lay.rust.scatter(part.numpy(), ob, dtype=odt, exact=ex)
+        if not direct:
+            output_tensor.copy_(out.view_as(output_tensor))
 
     def _op(self, op):
         """``(mean, op for torch's own reduce-scatters, post-scale or None)``

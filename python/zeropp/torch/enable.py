@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import torch
 
+import weakref
+
 from .. import _zeropp
 from .allreduce import QuantizedAllReduce
 from .collectives import QuantizedAllGather, QuantizedReduceScatter, _Shared
+from .stages import check_hadamard_group
 from .topology import _shard_groups, shared_topology
 from .topology import local_size as _env_local_size
+
+# The collectives enable() installed, per model (what retained_bytes() counts).
+_INSTALLED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def retained_bytes(model: torch.nn.Module) -> int:
+    """Bytes zeropp.torch keeps between steps for ``model``: every tensor
+    the collectives that :func:`enable` installed on it still hold after a
+    call returns, and their segment tables. By design it is a few KiB (the
+    tables; the work buffers live for one call): ``python/tests/faults.py``
+    bounds it at 5% of the rank's parameter shard, and FSDP2's own memory
+    is measured beside it in ``cargo xtask bench torch-scale``."""
+    return sum(c.retained_bytes() for c in _INSTALLED.get(model, []))
 
 
 def _param_group(module):
@@ -116,7 +132,18 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
 
     ``qgz_two_level`` and ``qgz_hadamard`` turn on SDP4Bit's options of qgZ
     (INT8 inside the node, INT4 across; Hadamard smoothing): see
-    :class:`QuantizedReduceScatter`. The weight-difference half of SDP4Bit
+    :class:`QuantizedReduceScatter`. Where they cannot act they are an error,
+    not a silent no-op: with ``qgz=False``, and where a module's shard group
+    lies inside one node (a one-node job, or HSDP with a replica per node,
+    whose replica all-reduce has neither option) unless ``quantize_intra``.
+    The Hadamard group size is a power of two of at most 8192.
+
+    Non-finite gradients keep FSDP2's contract: a NaN or ±Inf poisons its
+    quantization group, which arrives as NaN at every rank that owns part of
+    it (through qgZ, the HSDP all-reduce and qwZ alike), so the script's own
+    check (``clip_grad_norm_``'s norm, ``GradScaler``) sees it on every rank
+    and skips the step there. No rank raises, none waits, and nothing is read
+    back to the host to find it. The weight-difference half of SDP4Bit
     (the Rust engine's qwZ-delta) needs state kept between FSDP2's
     all-gathers that its all-gather slot does not give, so it is not here.
     """
@@ -131,8 +158,15 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
                 f"this torch ({torch.__version__}) has no FSDPModule.{hook}: zeropp.torch needs FSDP2's "
                 f"custom collectives (torch >= 2.9; tested with 2.9.1)")
     ls = local_size if local_size is not None else _env_local_size()
+    if (qgz_two_level or qgz_hadamard) and not qgz:
+        raise _zeropp.ZeroppError(
+            "zeropp.torch.enable: qgz_two_level and qgz_hadamard are options of qgZ's reduce-scatter, which "
+            "qgz=False turns off; drop them or keep qgZ on")
+    if qgz_hadamard:
+        check_hadamard_group(group_size)
     shared = _Shared(seed)
     replica_group = _replica_group(replicate)
+    installed = []
     summary = {"modules": 0, "world": None, "local_size": ls, "hpz": [],
                "replicas": 1 if replica_group is None else replica_group.size()}
     for module in model.modules():
@@ -145,11 +179,20 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         all_groups = _shard_groups(pg.mesh_info)
         # Reused across enable() calls (created once per mesh; see release()).
         topo = shared_topology(group, ls, all_groups)
+        if (qgz_two_level or qgz_hadamard) and topo.nodes == 1 and not quantize_intra:
+            where = ("the replica all-reduce (QuantizedAllReduce: INT4 out, INT8 back) has neither option"
+                     if replica_group is not None else "no byte of it crosses a node")
+            raise _zeropp.ZeroppError(
+                f"zeropp.torch.enable: qgz_two_level and qgz_hadamard cannot act here: module "
+                f"'{_names(pg)[0]}' is sharded over ranks {topo.ranks}, inside one node, so its reduce-scatter "
+                f"is torch's own at full precision, and {where}. Drop them, or pass quantize_intra=True to "
+                f"quantize the reduce-scatter inside the node too")
         segs = _segments(pg, topo.world)
         if qwz:
-            module.set_custom_all_gather(QuantizedAllGather(
-                ls, segments=segs, bits=qwz_bits, group_size=group_size, exclude_1d=exclude_1d,
-            quantize_intra=quantize_intra))
+            ag = QuantizedAllGather(ls, segments=segs, bits=qwz_bits, group_size=group_size,
+                                    exclude_1d=exclude_1d, quantize_intra=quantize_intra)
+            module.set_custom_all_gather(ag)
+            installed.append(ag)
         factor = (lambda pg=pg: getattr(pg, "gradient_divide_factor", None))
         rs = QuantizedReduceScatter(
             topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
@@ -162,6 +205,8 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             _track_grads(pg, rs)
         if qgz:
             module.set_custom_reduce_scatter(rs)
+        if qgz or replica_group is not None:
+            installed.append(rs)
         if replica_group is not None:
             if getattr(pg, "_is_hsdp", False):
                 raise _zeropp.ZeroppError(
@@ -170,13 +215,16 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
                     f"over the shard dimension only, fully_shard(m, mesh=mesh['shard']), and pass "
                     f"replicate=mesh['replicate']")
             _check_replicas(group, replica_group)
-            module.set_all_reduce_hook(QuantizedAllReduce(
+            ar = QuantizedAllReduce(
                 replica_group, bits=qgz_bits, group_size=group_size, stochastic=stochastic, shared=shared,
-                plan=rs._plan if exclude_1d else None, divide_factor=factor))
+                plan=rs._plan, divide_factor=factor)
+            module.set_all_reduce_hook(ar)
+            installed.append(ar)
         summary["modules"] += 1
         summary["world"] = topo.world
         post = getattr(pg, "post_forward_mesh_info", None)
         summary["hpz"].append(post is not None and post.shard_mesh_size <= ls)
+    _INSTALLED[model] = installed
     if summary["modules"] == 0:
         # Training on would silently run at full precision: refuse instead.
         raise _zeropp.ZeroppError(

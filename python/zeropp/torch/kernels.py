@@ -18,17 +18,35 @@ groups; ``half = 2^(bits-1)``)::
 and write zeropp's wire format: the 32-byte header (from the Rust side, so
 it is byte-for-byte the same), the scales, then the integers (INT4: element
 ``2k`` in the high nibble of byte ``k``). With round-to-nearest the bytes
-equal the Rust kernels' (``python/tests/test_kernels.py`` checks it, at odd
-lengths, for INT8 and INT4); stochastic rounding draws its uniforms from
+equal the Rust kernels' (``python/tests/test_torch_kernels.py`` checks it, at
+odd lengths, for INT8 and INT4); stochastic rounding draws its uniforms from
 torch's generator instead of zeropp's hash, so it has the same error
 distribution but other bits.
+
+Three rules make these kernels fit a training step at real size:
+
+- **Non-finite values propagate.** A group holding NaN or ±Inf is encoded
+  as *poisoned*, as the Rust kernels do with ``propagate=True``: its scale
+  is NaN and its integers 0, so it decodes to NaN, and a sum it enters is
+  poisoned in turn. FSDP2's contract is kept (the non-finite gradient
+  reaches the rank that owns it, whose own check then skips the step), and
+  nothing is checked on the host.
+- **No host synchronisation.** Nothing here reads a device value back
+  (``item``, ``bool``, ``tolist``): a mismatched header or a scale that is
+  neither finite-positive nor the poison decodes to NaN instead of raising,
+  so a corrupt payload shows up where the user already looks (a non-finite
+  gradient norm), and the device never waits for the host.
+- **Bounded temporaries.** Work is done in column blocks of at most
+  :data:`BLOCK` float32 elements (``ZEROPP_TORCH_BLOCK`` overrides it), so
+  quantizing a 100M-parameter module's gradient costs a few blocks of
+  scratch, not several copies of the gradient.
 
 Which kernels run is the environment's choice, ``ZEROPP_TORCH_KERNELS``:
 
 - ``auto`` (the default): the Rust kernels for CPU tensors, these for others;
 - ``torch``: these everywhere (how the device path is tested on a CPU);
 - ``rust``: the Rust kernels everywhere (device tensors staged through host
-  memory, as before this module existed).
+  memory).
 
 This path has been run on CPU tensors only: the project's GPU machine has
 no PyPI, so no torch, and it has not been run on a GPU.
@@ -40,6 +58,11 @@ no PyPI, so no torch, and it has not been run on a GPU.
 >>> y = kernels.dequantize_rows(wire, 1001, bits=4, group_size=128)
 >>> bool((x - y[0]).abs().max() <= 1 / 8)
 True
+>>> x[5] = float("inf")                  # a non-finite value poisons its group
+>>> y = kernels.dequantize_rows(kernels.quantize_rows(x[None], bits=4, group_size=128), 1001, bits=4,
+...                             group_size=128)
+>>> bool(y[0, :128].isnan().all()), bool(y[0, 128:].isfinite().all())
+(True, True)
 """
 
 from __future__ import annotations
@@ -54,6 +77,12 @@ from .. import _zeropp
 HEADER = 32
 _F32_MAX = torch.finfo(torch.float32).max
 _MODES = ("auto", "torch", "rust")
+#: The bits of a poisoned group's scale: the canonical quiet NaN of float32
+#: (``zeropp_quant::wire::POISON_BITS``).
+POISON_BITS = 0x7FC00000
+#: The most float32 elements a block of work holds (16 MiB), unless
+#: ``ZEROPP_TORCH_BLOCK`` says otherwise.
+BLOCK = 1 << 22
 
 
 def mode() -> str:
@@ -71,6 +100,20 @@ def use_torch(t: torch.Tensor) -> bool:
     return m == "torch" or (m == "auto" and t.device.type != "cpu")
 
 
+def block() -> int:
+    """Elements per block of work: ``ZEROPP_TORCH_BLOCK`` or :data:`BLOCK`."""
+    v = os.environ.get("ZEROPP_TORCH_BLOCK")
+    if not v:
+        return BLOCK
+    try:
+        b = int(v)
+    except ValueError:
+        raise _zeropp.ZeroppError(f"ZEROPP_TORCH_BLOCK={v!r} is not a number of elements") from None
+    if b < 1:
+        raise _zeropp.ZeroppError(f"ZEROPP_TORCH_BLOCK={v!r}: a block holds at least one element")
+    return b
+
+
 def encoded_len(n: int, bits: int, group_size: int) -> int:
     """Bytes of one encoding of ``n`` elements (the Rust ``encoded_len``)."""
     return _zeropp.encoded_len(n, bits=bits, group_size=group_size)
@@ -82,8 +125,112 @@ def _header(n: int, bits: int, group_size: int, device: torch.device) -> torch.T
     return torch.frombuffer(bytearray(h), dtype=torch.uint8).to(device)
 
 
+@lru_cache(maxsize=16)
+def _nan(device: torch.device) -> torch.Tensor:
+    return torch.tensor(float("nan"), dtype=torch.float32, device=device)
+
+
 def _groups(n: int, group_size: int) -> int:
     return -(-n // group_size)
+
+
+def _check_format(bits: int, group_size: int):
+    if bits not in (4, 8):
+        raise _zeropp.ZeroppError(f"bits must be 4 or 8, got {bits}")
+    if group_size < 1:
+        raise _zeropp.ZeroppError(f"group_size must be at least 1, got {group_size}")
+
+
+def _width(rows: int, n: int, group_size: int) -> int:
+    """Columns per block for ``rows`` rows: whole groups (pairs of groups when
+    the group size is odd, so an INT4 block starts on a byte), about
+    :func:`block` elements in all, at least one unit."""
+    unit = group_size if group_size % 2 == 0 else 2 * group_size
+    per_row = max(1, block() // max(rows, 1))
+    return max(unit, per_row // unit * unit)
+
+
+def blocks(rows: int, n: int, group_size: int):
+    """The column ranges ``(a, b)`` a row of ``n`` elements is worked in."""
+    w = _width(rows, n, group_size)
+    return [(a, min(n, a + w)) for a in range(0, n, w)]
+
+
+class Encoder:
+    """Writes the wire encodings of ``out`` (``[rows, encoded_len(n)]``
+    uint8, a view is fine) one column block at a time: construct it (the
+    headers are written), then :meth:`put` each block's float32 values."""
+
+    def __init__(self, out: torch.Tensor, n: int, *, bits: int, group_size: int):
+        _check_format(bits, group_size)
+        e = encoded_len(n, bits, group_size)
+        if out.dim() != 2 or out.shape[1] != e:
+            raise _zeropp.ZeroppError(f"an encoding of {n} elements at INT{bits} has {e} bytes, got "
+                                      f"{tuple(out.shape)}")
+        self.out, self.n, self.bits, self.gs = out, n, bits, group_size
+        self.g = _groups(n, group_size)
+        self.data = HEADER + 4 * self.g
+        out[:, :HEADER] = _header(n, bits, group_size, out.device)
+
+    def put(self, a: int, v: torch.Tensor, generator: torch.Generator | None = None):
+        """Quantizes ``v`` (``[rows, m]`` float32: columns ``a..a+m``; ``a`` a
+        block start of :func:`blocks`) into its scales and integers.
+        ``generator`` turns on stochastic rounding."""
+        rows, m = v.shape
+        gs, half = self.gs, float(1 << (self.bits - 1))
+        ga, gc = a // gs, _groups(m, gs)
+        vp = torch.nn.functional.pad(v, (0, gc * gs - m)).view(rows, gc, gs)
+        amax = vp.abs().amax(dim=2)
+        # NaN or Inf anywhere in the group: a poisoned group (NaN scale, zero integers).
+        bad = ~torch.isfinite(amax)
+        s = torch.where(amax == 0, torch.ones_like(amax), half / amax).clamp(max=_F32_MAX)
+        scale = torch.where(bad, _nan(v.device), 1.0 / s)
+        y = torch.where(bad[:, :, None], 0.0, vp * s[:, :, None])
+        if generator is None:
+            r = torch.round(y)
+        else:
+            f = torch.floor(y)
+            u = torch.rand(y.shape, generator=generator, device=v.device, dtype=torch.float32)
+            r = torch.where(u < y - f, f + 1.0, f)
+        q = r.clamp(-half, half - 1).to(torch.int8).view(rows, gc * gs)[:, :m]
+        self.out[:, HEADER + 4 * ga:HEADER + 4 * (ga + gc)] = scale.view(torch.uint8)
+        if self.bits == 8:
+            self.out[:, self.data + a:self.data + a + m] = q.view(torch.uint8)
+        else:
+            u4 = torch.nn.functional.pad(q, (0, m % 2)).view(torch.uint8) & 0x0F
+            self.out[:, self.data + a // 2:self.data + a // 2 + -(-m // 2)] = (u4[:, 0::2] << 4) | u4[:, 1::2]
+
+
+def decode(wire: torch.Tensor, n: int, a: int, b: int, *, bits: int, group_size: int) -> torch.Tensor:
+    """Columns ``a..b`` (``a`` a block start of :func:`blocks`) of the
+    encodings ``wire`` (``[rows, encoded_len(n)]``) as float32 ``[rows, b-a]``.
+    A row whose header is not the one for ``(n, bits, group_size)``, and a
+    group whose scale is neither finite and positive nor the poison, decode to
+    NaN: no host synchronisation, and nothing corrupt passes as a number."""
+    _check_format(bits, group_size)
+    rows, gs = wire.shape[0], group_size
+    e = encoded_len(n, bits, gs)
+    if wire.shape[1] != e:
+        raise _zeropp.ZeroppError(
+            f"dequantize: an encoding of {n} elements at INT{bits} has {e} bytes, got {wire.shape[1]}")
+    m = b - a
+    ga, gc = a // gs, _groups(m, gs)
+    # A copy: scales inside a larger buffer need not sit on a 4-byte boundary.
+    raw = wire[:, HEADER + 4 * ga:HEADER + 4 * (ga + gc)].clone(memory_format=torch.contiguous_format)
+    scale = raw.view(torch.float32)
+    ok = (scale > 0) & torch.isfinite(scale) | (raw.view(torch.int32) == POISON_BITS)
+    ok &= (wire[:, :HEADER] == _header(n, bits, gs, wire.device)).all(dim=1, keepdim=True)
+    scale = torch.where(ok, scale, _nan(wire.device))
+    data = HEADER + 4 * _groups(n, gs)
+    if bits == 8:
+        q = wire[:, data + a:data + b].view(torch.int8)
+    else:
+        raw4 = wire[:, data + a // 2:data + a // 2 + -(-m // 2)]
+        hi = raw4.view(torch.int8) >> 4
+        lo = (raw4 << 4).view(torch.int8) >> 4
+        q = torch.stack([hi, lo], dim=2).view(rows, -1)[:, :m]
+    qp = torch.nn.functional.pad(q.to(torch.float32), (0, gc * gs - m)).view(rows, gc, gs)
+    return (qp * scale[:, :, None] + 0.0).view(rows, gc * gs)[:, :m]
 
 
 def quantize_rows(x: torch.Tensor, *, bits: int, group_size: int,
@@ -91,91 +238,24 @@ def quantize_rows(x: torch.Tensor, *, bits: int, group_size: int,
     """Quantizes each row of ``x`` (``[rows, n]``, float32, bfloat16 or
     float16, any device) into one wire encoding: ``[rows, encoded_len(n)]``
     uint8 on ``x``'s device. ``generator`` (on that device) turns on
-    stochastic rounding; without it, round-to-nearest-even. A non-finite
-    element is a :class:`zeropp.ZeroppError`, as in the Rust kernels."""
-    if bits not in (4, 8):
-        raise _zeropp.ZeroppError(f"bits must be 4 or 8, got {bits}")
-    if group_size < 1:
-        raise _zeropp.ZeroppError(f"group_size must be at least 1, got {group_size}")
+    stochastic rounding; without it, round-to-nearest-even. A group holding
+    NaN or ±Inf is encoded as poisoned (it decodes to NaN)."""
+    _check_format(bits, group_size)
     rows, n = x.shape
-    dev = x.device
-    g = _groups(n, group_size)
-    v = x.to(torch.float32)
-    if not bool(torch.isfinite(v).all()):
-        raise _zeropp.ZeroppError("quantize: the input holds a non-finite value (inf or NaN)")
-    vp = torch.nn.functional.pad(v, (0, g * group_size - n)).view(rows, g, group_size)
-    amax = vp.abs().amax(dim=2)
-    half = float(1 << (bits - 1))
-    s = torch.where(amax == 0, torch.ones_like(amax), half / amax).clamp(max=_F32_MAX)
-    scale = 1.0 / s
-    y = vp * s[:, :, None]
-    if generator is None:
-        r = torch.round(y)
-    else:
-        f = torch.floor(y)
-        u = torch.rand(y.shape, generator=generator, device=dev, dtype=torch.float32)
-        r = torch.where(u < y - f, f + 1.0, f)
-    q = r.clamp(-half, half - 1).to(torch.int8).view(rows, g * group_size)[:, :n]
-    if bits == 8:
-        data = q.view(torch.uint8)
-    else:
-        u4 = torch.nn.functional.pad(q, (0, n % 2)).view(torch.uint8) & 0x0F
-        data = (u4[:, 0::2] << 4) | u4[:, 1::2]
-    head = _header(n, bits, group_size, dev).expand(rows, HEADER)
-    return torch.cat([head, scale.contiguous().view(torch.uint8), data], dim=1)
+    out = torch.empty(rows, encoded_len(n, bits, group_size), dtype=torch.uint8, device=x.device)
+    enc = Encoder(out, n, bits=bits, group_size=group_size)
+    for a, b in blocks(rows, n, group_size):
+        enc.put(a, x[:, a:b].to(torch.float32), generator)
+    return out
 
 
-def dequantize_rows(wire: torch.Tensor, n: int, *, bits: int, group_size: int,
-                    checks: list | None = None) -> torch.Tensor:
+def dequantize_rows(wire: torch.Tensor, n: int, *, bits: int, group_size: int) -> torch.Tensor:
     """Decodes ``[rows, encoded_len(n)]`` wire bytes into ``[rows, n]``
-    float32. Each row's header must be the one for ``(n, bits, group_size)``
-    and its scales finite and positive: checked at once unless ``checks`` (a
-    list) is given, which then collects the verdict as a bool tensor for
-    :func:`raise_unless` (one device sync per collective instead of one per
-    encoding)."""
-    rows = wire.shape[0]
-    g = _groups(n, group_size)
-    e = encoded_len(n, bits, group_size)
-    if wire.shape[1] != e:
-        raise _zeropp.ZeroppError(
-            f"dequantize: an encoding of {n} elements at INT{bits} has {e} bytes, got {wire.shape[1]}")
-    head = _header(n, bits, group_size, wire.device)
-    # A copy: the scales of an encoding inside a larger buffer need not sit on a
-    # 4-byte boundary, which a float view needs (and they are few).
-    scale = wire[:, HEADER:HEADER + 4 * g].clone(memory_format=torch.contiguous_format).view(torch.float32)
-    ok = (wire[:, :HEADER] == head).all() & (scale > 0).all() & torch.isfinite(scale).all()
-    if checks is None:
-        raise_unless([ok], "dequantize")
-    else:
-        checks.append(ok)
-    data = wire[:, HEADER + 4 * g:]
-    if bits == 8:
-        q = data.view(torch.int8)
-    else:
-        hi = data.view(torch.int8) >> 4
-        lo = (data << 4).view(torch.int8) >> 4
-        q = torch.stack([hi, lo], dim=2).view(rows, -1)[:, :n]
-    qp = torch.nn.functional.pad(q.to(torch.float32), (0, g * group_size - n)).view(rows, g, group_size)
-    return (qp * scale[:, :, None] + 0.0).view(rows, g * group_size)[:, :n]
-
-
-def raise_unless(checks: list, what: str):
-    """Raises :class:`zeropp.ZeroppError` unless every collected check holds."""
-    if checks and not bool(torch.stack(checks).all()):
-        raise _zeropp.ZeroppError(
-            f"{what}: an encoding's header does not match its expected format, or a scale is not "
-            f"finite and positive (a corrupt or mismatched payload)")
-
-
-def sum_rows(wires, n: int, *, bits_of, group_size: int, checks: list) -> torch.Tensor:
-    """The float32 sum, in list order from zero, of the dequantized encodings
-    ``wires`` (each ``[rows, E]``; ``bits_of[i]`` is encoding ``i``'s width),
-    as the Rust fused kernel adds them."""
-    acc = None
-    for w, b in zip(wires, bits_of):
-        d = dequantize_rows(w, n, bits=b, group_size=group_size, checks=checks)
-        acc = torch.zeros_like(d) + d if acc is None else acc.add_(d)
-    return acc
+    float32 (see :func:`decode` for what a corrupt encoding gives)."""
+    out = torch.empty(wire.shape[0], n, dtype=torch.float32, device=wire.device)
+    for a, b in blocks(wire.shape[0], n, group_size):
+        out[:, a:b] = decode(wire, n, a, b, bits=bits, group_size=group_size)
+    return out
 
 
 def generator(seed: int | None, keys, device: torch.device) -> torch.Generator | None:
@@ -217,27 +297,32 @@ def _lowbias32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hadamard_signs(seed: int, positions: torch.Tensor) -> torch.Tensor:
-    """The rotation's sign bits (bool) at stream ``positions`` (int64): bit
-    ``p mod 32`` of ``lowbias32(lowbias32(w ^ k1) ^ k2)`` for word ``w = p //
-    32``, ``(k1, k2)`` from ``splitmix64(seed ^ DOMAIN ^ splitmix64(w >> 32))``,
-    as ``zeropp_quant::hadamard`` defines them."""
-    words = positions >> 5
-    out = torch.zeros(positions.shape, dtype=torch.bool, device=positions.device)
-    for hi in torch.unique(words >> 32).tolist():
+def hadamard_signs(seed: int, starts, count: int, device: torch.device) -> torch.Tensor:
+    """The rotation's sign bits (bool ``[len(starts), count]``) at stream
+    positions ``starts[r] + 0..count`` (Python ints): bit ``p mod 32`` of
+    ``lowbias32(lowbias32(w ^ k1) ^ k2)`` for word ``w = p // 32``, ``(k1,
+    k2)`` from ``splitmix64(seed ^ DOMAIN ^ splitmix64(w >> 32))``, as
+    ``zeropp_quant::hadamard`` defines them. The key ranges are known on the
+    host from ``starts``: no sort, no read-back."""
+    starts = [int(p) for p in starts]
+    pos = torch.as_tensor(starts, dtype=torch.int64, device=device)[:, None] + torch.arange(
+        count, dtype=torch.int64, device=device)[None, :]
+    words = pos >> 5
+    his = range(min(starts) >> 37, ((max(starts) + max(count, 1) - 1) >> 37) + 1)
+    out = None
+    for hi in his:
         z = _splitmix64((seed ^ _SIGN_DOMAIN) ^ _splitmix64(hi))
         k1, k2 = z & _M32, z >> 32
-        sel = (words >> 32) == hi
         h = _lowbias32(_lowbias32((words & _M32) ^ k1) ^ k2)
-        bit = ((h >> (positions & 31)) & 1).bool()
-        out = torch.where(sel, bit, out)
+        bit = ((h >> (pos & 31)) & 1).bool()
+        out = bit if out is None else torch.where((words >> 32) == hi, bit, out)
     return out
 
 
-def hadamard_rows(x: torch.Tensor, *, group_size: int, seed: int, positions, inverse: bool = False) -> torch.Tensor:
+def rotate(v: torch.Tensor, *, group_size: int, seed: int, starts, inverse: bool = False) -> torch.Tensor:
     """The randomized Hadamard rotation of every whole group of each row of
-    ``x`` (``[rows, n]`` float32), row ``r`` starting at stream position
-    ``positions[r]``; a partial last group is left as it is. The Rust kernels'
+    ``v`` (``[rows, m]`` float32, row ``r`` starting at stream position
+    ``starts[r]``); a partial last group is left as it is. The Rust kernels'
     operations in their order (flip, the butterfly stages ``h = 1, 2, ...``
     as ``(a + b, a - b)``, the multiply by ``1/sqrt(g)`` rounded to float32;
     the inverse: stages, multiply, flip), so the result is theirs bit for bit.
@@ -245,27 +330,39 @@ def hadamard_rows(x: torch.Tensor, *, group_size: int, seed: int, positions, inv
     g = group_size
     if g < 1 or g & (g - 1):
         raise _zeropp.ZeroppError(f"a Hadamard rotation needs a power-of-two group size, got {g}")
-    rows, n = x.shape
-    whole = n // g * g
-    y = x.to(torch.float32, copy=True)
+    rows, m = v.shape
+    whole = m // g * g
+    y = v.to(torch.float32, copy=True)
     if whole == 0:
         return y
-    dev = y.device
-    pos = torch.as_tensor(list(positions), dtype=torch.int64, device=dev)[:, None] + torch.arange(
-        whole, dtype=torch.int64, device=dev)[None, :]
-    flip = hadamard_signs(seed, pos)
-    v = y[:, :whole]
+    flip = hadamard_signs(seed, starts, whole, y.device)
+    t = y[:, :whole]
     if not inverse:
-        v = torch.where(flip, -v, v)
-    v = v.reshape(rows, whole // g, g)
+        t = torch.where(flip, -t, t)
+    t = t.reshape(rows, whole // g, g)
     h = 1
     while h < g:
-        p = v.reshape(rows, -1, 2, h)
+        p = t.reshape(rows, -1, 2, h)
         a, b = p[:, :, 0, :], p[:, :, 1, :]
-        v = torch.stack((a + b, a - b), dim=2).reshape(rows, whole // g, g)
+        t = torch.stack((a + b, a - b), dim=2).reshape(rows, whole // g, g)
         h *= 2
-    v = v.reshape(rows, whole) * torch.tensor(1.0 / g ** 0.5, dtype=torch.float32, device=dev)
+    t = t.reshape(rows, whole) * torch.tensor(1.0 / g ** 0.5, dtype=torch.float32, device=y.device)
     if inverse:
-        v = torch.where(flip, -v, v)
-    y[:, :whole] = v
+        t = torch.where(flip, -t, t)
+    y[:, :whole] = t
     return y
+
+
+def hadamard_rows(x: torch.Tensor, *, group_size: int, seed: int, positions, inverse: bool = False) -> torch.Tensor:
+    """:func:`rotate` of whole rows (``[rows, n]``, row ``r`` at stream position
+    ``positions[r]``), done in column blocks of whole groups. Returns a new
+    tensor."""
+    g = group_size
+    if g < 1 or g & (g - 1):
+        raise _zeropp.ZeroppError(f"a Hadamard rotation needs a power-of-two group size, got {g}")
+    rows, n = x.shape
+    out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
+    for a, b in blocks(rows, n, g):
+        out[:, a:b] = rotate(x[:, a:b], group_size=g, seed=seed, starts=[p + a for p in positions],
+                             inverse=inverse)
+    return out

@@ -273,11 +273,11 @@ impl ZeroConfig {
         }
         if let Some(q) = &self.qgz {
             check_spec("qgZ", &q.spec)?;
-            if q.hadamard && !q.spec.group_size().is_power_of_two() {
+            let (g, max) = (q.spec.group_size(), zeropp_quant::hadamard::MAX_GROUP);
+            if q.hadamard && !(g.is_power_of_two() && g <= max) {
                 return Err(EngineError::InvalidConfig(format!(
-                    "qgZ's Hadamard smoothing rotates whole groups: the group size must be a power of two, got {} \
-                     (set --qgz-group-size to 256, say)",
-                    q.spec.group_size()
+                    "qgZ's Hadamard smoothing rotates whole groups: the group size must be a power of two of at \
+                     most {max}, got {g} (set --qgz-group-size to 256, say)"
                 )));
             }
             if q.hadamard && q.error_feedback.is_some() {

@@ -224,4 +224,14 @@ fn impossible_combinations_are_refused() {
         q.spec = zeropp_engine::config::quant_spec("qgZ", 4, 96).unwrap();
     }
     check(odd, "must be a power of two");
+    // Above the rotation's largest group: refused here, not at step 0.
+    let big = |g: usize| {
+        let mut z = ZeroConfig::zeropp_delta(4);
+        if let Some(q) = z.qgz.as_mut() {
+            q.spec = zeropp_engine::config::quant_spec("qgZ", 4, g).unwrap();
+        }
+        z
+    };
+    check(big(16_384), "power of two of at most 8192, got 16384");
+    big(8192).validate(8, 4).unwrap();
 }
