@@ -11,6 +11,13 @@ is read with the wrong scales:
   other width's level count (INT4 data read as INT8's 127 levels, INT8 as
   INT4's 7): the scales are 7/127 or 127/7 of the true ones. Both the
   collective checks and the training parity must fail.
+
+And three for the contract test (``contract.py``, issue 37), which restore
+what zeropp.torch did before it kept FSDP2's contract at real size:
+
+- ``nonfinite-raises``: quantizing a non-finite value raises (tests 1, 2);
+- ``host-sync``: the torch-op quantizer checks finiteness on the host (test 3);
+- ``index-plan``: the reduce-scatter keeps int64 indices per element (test 4).
 """
 
 from __future__ import annotations
@@ -69,13 +76,86 @@ def _encoding_len(buf: np.ndarray) -> int:
     return _HEADER + payload
 
 
+def _nonfinite_raises():
+    """The old check: quantizing a non-finite value raises (on the rank that
+    holds it), on both kernel paths."""
+    real_stages = _zeropp.QgzStages
+    real_segments = _zeropp.quantize_segments
+    real_quantize = _zeropp.quantize
+
+    def stages(*a, **k):
+        k["propagate"] = False
+        return real_stages(*a, **k)
+
+    def segments(*a, **k):
+        k["propagate"] = False
+        return real_segments(*a, **k)
+
+    def quantize(*a, **k):
+        k["propagate"] = False
+        return real_quantize(*a, **k)
+
+    from zeropp.torch import kernels
+
+    real_put = kernels.Encoder.put
+
+    def put(self, a, v, generator=None):
+        if not bool(torch.isfinite(v).all()):
+            raise _zeropp.ZeroppError("quantize: the input holds a non-finite value (inf or NaN)")
+        return real_put(self, a, v, generator)
+
+    kernels.Encoder.put = put
+    _zeropp.QgzStages = zeropp.QgzStages = stages
+    _zeropp.quantize_segments = segments
+    _zeropp.quantize = quantize
+
+
+def _host_sync():
+    """A host-side finiteness check in the torch-op quantizer (what kernels.py
+    did on every quantization before issue 37): no exception, one sync."""
+    from zeropp.torch import kernels
+
+    real_put = kernels.Encoder.put
+
+    def put(self, a, v, generator=None):
+        bool(torch.isfinite(v).all())
+        return real_put(self, a, v, generator)
+
+    kernels.Encoder.put = put
+
+
+def _index_plan():
+    """The old reduce-scatter plan: int64 source and destination indices for
+    every quantized element of the chunk, kept with the cached layout."""
+    from zeropp.torch import collectives
+
+    real_plan = collectives.QuantizedReduceScatter._plan
+
+    def plan(self, c):
+        lay = real_plan(self, c)
+        if not hasattr(lay, "src"):
+            lay.src = torch.cat([torch.arange(at, at + n) for at, n, _ in lay.quantized] or [torch.zeros(0)])
+            lay.dst = torch.cat([torch.arange(to, to + n) for _, n, to in lay.quantized] or [torch.zeros(0)])
+        return lay
+
+    collectives.QuantizedReduceScatter._plan = plan
+
+
+# Defects that replace behaviour instead of breaking encodings (contract.py's).
+_REPLACE = {"nonfinite-raises": _nonfinite_raises, "host-sync": _host_sync, "index-plan": _index_plan}
+
+
 def apply_from_env() -> bool:
     """Installs the defect named by ZEROPP_SEEDED_DEFECT; True when one is on."""
     name = os.environ.get("ZEROPP_SEEDED_DEFECT", "")
     if not name:
         return False
+    if name in _REPLACE:
+        _REPLACE[name]()
+        return True
     if name not in _BREAK:
-        raise SystemExit(f"unknown ZEROPP_SEEDED_DEFECT={name!r} (known: {', '.join(_BREAK)})")
+        known = ", ".join(list(_BREAK) + list(_REPLACE))
+        raise SystemExit(f"unknown ZEROPP_SEEDED_DEFECT={name!r} (known: {known})")
     brk = _BREAK[name]
     real_dequantize = _zeropp.dequantize
     real_stages = _zeropp.QgzStages

@@ -21,7 +21,14 @@
 //!    can see); and `python/tests/test_torch_kernels.py`: the device path's
 //!    torch-op kernels equal the Rust kernels byte for byte;
 //! 5. test 2 on the device path (`ZEROPP_TORCH_KERNELS=torch`) and on the floor
-//!    release, torch 2.9.0 (`torch_floor.rs`); test 3 under HSDP (3b).
+//!    release, torch 2.9.0 (`torch_floor.rs`); test 3 under HSDP (3b);
+//!    5a. `python/tests/contract.py`: FSDP2's contract at a fault and at size
+//!    (issue 37: a non-finite gradient on one rank, fp16 with GradScaler, no host
+//!    synchronisation inside a collective, the state kept between steps, the
+//!    refusals), on both kernel paths and on the floor release, and with three
+//!    seeded defects that must fail it.
+//!
+//! The main venv holds the latest torch release (2.15.0); the floor venv 2.9.0.
 //!
 //! Without a venv or Python, or without tinyshakespeare, the tests skip with one
 //! line, except under `CI=true`, where they fail.
@@ -33,9 +40,10 @@ use std::process::Command;
 use crate::torch_floor::path_with;
 use crate::{cargo, root, run};
 
-/// The pinned versions: torch's PyPI wheel, numpy, maturin (pyo3 is pinned in the
+/// The pinned versions: torch's PyPI wheel (the latest release; the floor,
+/// 2.9.0, is `torch_floor.rs`'s), numpy, maturin (pyo3 is pinned in the
 /// workspace manifest).
-const PINS: &[&str] = &["torch==2.9.1", "numpy==2.2.6", "maturin==1.9.4"];
+pub(crate) const PINS: &[&str] = &["torch==2.15.0", "numpy==2.2.6", "maturin==1.9.4"];
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
@@ -261,11 +269,28 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
             "FAIL ",
         )?;
     }
-    // The floor: test 2 on the oldest torch with FSDP2's custom collectives.
+    // FSDP2's contract at a fault (issue 37: a non-finite gradient, fp16 with
+    // GradScaler, no host sync, the state kept between steps, refusals), on both
+    // kernel paths; each seeded defect must fail its test.
+    run("test 5a: FSDP2's contract (Rust kernels)", torchrun(&venv, "python/tests/contract.py", &[], None)?)?;
+    run(
+        "test 5a, device path: FSDP2's contract with ZEROPP_TORCH_KERNELS=torch",
+        on_device_path(torchrun(&venv, "python/tests/contract.py", &[], None)?),
+    )?;
+    for (defect, tests) in [("nonfinite-raises", "1,2"), ("host-sync", "3"), ("index-plan", "4")] {
+        let mut c = torchrun(&venv, "python/tests/contract.py", &[], Some(defect))?;
+        c.env("ZEROPP_CONTRACT_TESTS", tests);
+        must_fail(&format!("test 5a with the seeded defect {defect} (tests {tests})"), c, "FAIL ")?;
+    }
+    // The floor: tests 2 and 5a on the oldest torch with FSDP2's custom collectives.
     let floor = crate::torch_floor::venv(&venv)?;
     run(
         &format!("test 2 on the floor release ({})", crate::torch_floor::FLOOR),
         torchrun(&floor, "python/tests/dist_collectives.py", &[], None)?,
+    )?;
+    run(
+        &format!("test 5a on the floor release ({})", crate::torch_floor::FLOOR),
+        torchrun(&floor, "python/tests/contract.py", &[], None)?,
     )?;
     // The same checks on the device path (torch ops on CPU tensors).
     run(

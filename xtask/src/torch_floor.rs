@@ -1,17 +1,17 @@
 //! The oldest torch zeropp.torch supports, tested: `cargo xtask test-torch`'s
-//! floor step.
+//! floor steps.
 //!
 //! FSDP2's custom collectives (`FSDPModule.set_custom_all_gather` and
 //! `set_custom_reduce_scatter`, pytorch#155189) first shipped in torch 2.9.0;
 //! 2.8.0 has neither (its `_fully_shard.py` was read for this). So
-//! `python/pyproject.toml` asks for `torch>=2.9`, and this step runs the
-//! collective test (test 2) on exactly 2.9.0.
+//! `python/pyproject.toml` asks for `torch>=2.9`, and the floor steps run the
+//! collective test (test 2) and the contract test (5a) on exactly 2.9.0, while
+//! the main venv holds the latest release (2.15.0).
 //!
-//! The floor venv (`torch-floor-venv` beside the main one) holds only torch
-//! 2.9.0 and the zeropp package; a `.pth` file puts the main venv's
-//! site-packages after its own, so torch's other dependencies (the NVIDIA
-//! wheels among them, the same versions for 2.9.0 and 2.9.1) are not
-//! downloaded twice: about 900 MB and a minute on a new machine.
+//! The floor venv (`torch-floor-venv` beside the main one) has its own
+//! dependencies: 2.9.0's CUDA 12 wheels are not 2.15.0's CUDA 13 ones, and
+//! torch will not import without the ones it was built against (about 3 GB
+//! and two minutes on a new machine, once; a stamp file keeps it).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -21,33 +21,21 @@ use crate::{root, run};
 /// The floor release.
 pub(crate) const FLOOR: &str = "torch==2.9.0";
 
-fn purelib(venv: &Path) -> Result<PathBuf, String> {
-    let out = Command::new(venv.join("bin/python"))
-        .args(["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-        .output()
-        .map_err(|e| format!("{}: {e}", venv.display()))?;
-    if !out.status.success() {
-        return Err(format!("{}: could not read its site-packages", venv.display()));
-    }
-    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
-}
-
-/// The floor venv, made (or checked by its stamp) beside `main`, with the
-/// package installed from this checkout.
+/// The floor venv, made (or checked by its stamp) beside the main venv
+/// `main`, with the package installed from this checkout (built with the
+/// main venv's maturin).
 pub(crate) fn venv(main: &Path) -> Result<PathBuf, String> {
     let venv = main.with_file_name("torch-floor-venv");
     let stamp = venv.join("zeropp-pins.txt");
-    let want = format!("{FLOOR}\n{}", main.display());
+    let pins = [FLOOR, "numpy==2.2.6"];
+    let want = pins.join("\n");
     if !(venv.join("bin/python").is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want)) {
         let mut c = Command::new("python3");
         c.args(["-m", "venv", "--clear"]).arg(&venv);
         run("floor venv", c)?;
         let mut c = Command::new(venv.join("bin/pip"));
-        c.args(["install", "--quiet", "--disable-pip-version-check", "--no-deps", FLOOR]);
-        run("pip install the floor torch (its dependencies come from the main venv)", c)?;
-        let pth = purelib(&venv)?.join("zeropp-main-venv.pth");
-        std::fs::write(&pth, format!("{}\n", purelib(main)?.display()))
-            .map_err(|e| format!("{}: {e}", pth.display()))?;
+        c.args(["install", "--quiet", "--disable-pip-version-check"]).args(pins);
+        run("pip install the floor torch with its own dependencies (CUDA 12 wheels)", c)?;
         std::fs::write(&stamp, want).map_err(|e| format!("{}: {e}", stamp.display()))?;
     }
     let mut c = Command::new(venv.join("bin/pip"));
