@@ -10,8 +10,11 @@ The model is a Hugging Face ``LlamaForCausalLM`` of 99.5M parameters (vocab
 embeddings), ``fully_shard`` per decoder layer and at the root, AdamW, one
 sequence of 128 tokens per rank per step. ``default`` is FSDP2's own
 collectives (``reshard_after_forward=True``); ``zeropp`` is
-``zeropp.torch.enable`` with hpZ (``reshard_after_forward=local_size``), on
-the kernels ``ZEROPP_TORCH_KERNELS`` chooses.
+``zeropp.torch.enable``, on the kernels ``ZEROPP_TORCH_KERNELS`` chooses.
+``--hpz`` picks the hpZ: zeropp's (the default: the node's INT8 encodings of
+the forward gather kept for the backward one), FSDP2's
+(``reshard_after_forward=local_size``, a copy in the parameters' dtype, with
+either variant) or none.
 
 Per variant, in one JSON file from rank 0:
 
@@ -158,7 +161,9 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--no-hpz", action="store_true", help="zeropp without hpZ (reshard_after_forward=True)")
+    ap.add_argument("--hpz", choices=("zeropp", "fsdp2", "none"), default="zeropp",
+                    help="zeropp's hpZ (INT8 node copy; reshard_after_forward=True), FSDP2's "
+                         "(reshard_after_forward=local_size) or none; FSDP2's default takes fsdp2 or none")
     ap.add_argument("--enable", default="", help="zeropp.torch.enable options, e.g. qwz=0,qgz=0")
     args = ap.parse_args()
     args.enable = {k: int(v) if k.endswith(("_bits", "group_size")) else bool(int(v))
@@ -168,12 +173,17 @@ def main():
     clock = Clock()
     instrument(clock)
     model = llama(args)
-    reshard = ls if args.variant == "zeropp" and not args.no_hpz else True
+    if args.variant == "default" and args.hpz == "zeropp":
+        args.hpz = "none"
+    reshard = ls if args.hpz == "fsdp2" else True
     for layer in model.model.layers:
         fully_shard(layer, reshard_after_forward=reshard)
     fully_shard(model, reshard_after_forward=reshard)
     if args.variant == "zeropp":
-        zt.enable(model, local_size=ls, **args.enable)
+        # (hpz is passed only to turn it off, so the script also runs the releases
+        # before zeropp's hpZ, with FSDP2's.)
+        extra = {"hpz": False} if args.hpz == "none" else {}
+        zt.enable(model, local_size=ls, **extra, **args.enable)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     times, splits = [], []
@@ -211,18 +221,19 @@ def main():
              "zeropp_calls_s": inside}
     shard = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
     result = {
-        "variant": args.variant, "kernels": K.mode() if args.variant == "zeropp" else "-",
+        "variant": args.variant, "hpz": args.hpz, "kernels": K.mode() if args.variant == "zeropp" else "-",
         "torch": torch.__version__, "world": dist.get_world_size(), "local_size": ls,
         "params": sum(p.numel() for p in model.parameters()), "tokens_per_rank": args.batch * args.tokens,
         "step_s": statistics.median(times), "step_s_all": times,
         "peak_bytes": [int(p) for p in peaks], "peak_process_bytes": [int(p) for p in procs],
-        "split": split, "retained_bytes": zt.retained_bytes(model), "shard_bytes": shard,
+        "split": split, "shard_bytes": shard,
+        "retained_bytes": zt.retained_bytes(model) if hasattr(zt, "retained_bytes") else float("nan"),
         "threads": torch.get_num_threads(),
     }
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-        print(f"{args.variant} ({result['kernels']}): {result['step_s']:.3f} s/step, peak "
+        print(f"{args.variant} (hpZ {args.hpz}, kernels {result['kernels']}): {result['step_s']:.3f} s/step, peak "
               f"{max(result['peak_bytes']) / 2**30:.3f} GiB (process {max(result['peak_process_bytes']) / 2**30:.3f}), "
               f"kept {result['retained_bytes']} B, split {split}", flush=True)
     dist.destroy_process_group()

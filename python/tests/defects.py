@@ -141,8 +141,23 @@ def _index_plan():
     collectives.QuantizedReduceScatter._plan = plan
 
 
-# Defects that replace behaviour instead of breaking encodings (contract.py's).
-_REPLACE = {"nonfinite-raises": _nonfinite_raises, "host-sync": _host_sync, "index-plan": _index_plan}
+def _hpz_wrong_rail():
+    """zeropp's hpZ keeps the next local rank's rail instead of its own, so
+    the backward gather decodes other shards' encodings in their place."""
+    from zeropp.torch import collectives
+
+    def keep(self, recv, n, e):
+        t = self.topology
+        j = (t.rank + 1) % t.local_size
+        self._kept = (n, e, recv.view(t.nodes, t.local_size, e)[:, j].clone())
+
+    collectives.QuantizedAllGather._keep = keep
+
+
+# Defects that replace behaviour instead of breaking encodings (contract.py's, and
+# dist_collectives.py's hpz-wrong-rail).
+_REPLACE = {"nonfinite-raises": _nonfinite_raises, "host-sync": _host_sync, "index-plan": _index_plan,
+            "hpz-wrong-rail": _hpz_wrong_rail}
 
 
 def apply_from_env() -> bool:

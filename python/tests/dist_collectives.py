@@ -24,8 +24,12 @@ Checks, each against an independent reference:
 4. Bytes: one training step of a small GPT under FSDP2 (bf16 mixed precision)
    with zeropp (qwZ + qgZ + hpZ) hands torch's collectives <= 0.27x the
    cross-node bytes of FSDP2's default collectives.
-Exit status 0 when all pass. With ZEROPP_SEEDED_DEFECT=wrong-scale or
-wrong-levels (defects.py) it must fail.
+6. zeropp's hpZ (the INT8 encodings of the node's share of the forward
+   gather, kept for the backward gather inside the node): the gradients equal
+   FSDP2's hpZ's and no hpZ's bit for bit, the cross-node bytes equal FSDP2's
+   hpZ's (fewer within the node), and nothing is kept after the step.
+Exit status 0 when all pass. With ZEROPP_SEEDED_DEFECT=wrong-scale,
+wrong-levels or hpz-wrong-rail (defects.py) it must fail.
 """
 
 from __future__ import annotations
@@ -545,6 +549,52 @@ def test_replicate_errors(ls):
     zt.release()
 
 
+def hpz_step(kind: str, ls: int):
+    """One forward+backward of the small GPT (float32) with qwZ + qgZ and an
+    hpZ of ``kind``: ``zeropp`` (zeropp's, the node's INT8 encodings kept for
+    the backward gather; ``reshard_after_forward=True``), ``fsdp2`` (FSDP2's
+    own, ``reshard_after_forward=local_size``) or ``none`` (the backward
+    gathers over every node again). Returns the local gradients, the bytes
+    across and within nodes, enable()'s hpZ summary and the bytes kept."""
+    cfg = gpt.Config(d=64, layers=2, heads=4, seq=32)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    reshard = ls if kind == "fsdp2" else True
+    for blk in model.blocks:
+        fully_shard(blk, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    summary = zt.enable(model, local_size=ls, hpz=kind != "none", seed=3)
+    x = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=torch.Generator().manual_seed(1 + dist.get_rank()))
+    with zt.ByteCounter(ls) as bc:
+        model(x, x).backward()
+    grads = {n: p.grad.to_local().detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, bc.inter, bc.intra, summary["hpz"], zt.retained_bytes(model)
+
+
+def test_hpz(ls):
+    """zeropp's hpZ: the backward gather runs inside the node from the INT8
+    encodings the forward decoded, so the gradients are bit for bit those of
+    FSDP2's hpZ and of no hpZ (every gather decodes the same bytes), the
+    bytes across nodes are FSDP2's hpZ's, and nothing is kept after the step."""
+    if dist.get_world_size() < 4 or ls < 2:
+        return
+    runs = {k: hpz_step(k, ls) for k in ("zeropp", "fsdp2", "none")}
+    g = {k: r[0] for k, r in runs.items()}
+    same = all(set(g[k]) == set(g["none"]) and all(torch.equal(g[k][n], g["none"][n]) for n in g[k])
+               for k in ("zeropp", "fsdp2"))
+    check(all_ok(same), "hpZ: zeropp's INT8 node copy gives the gradients of FSDP2's hpZ and of no hpZ, bit for bit")
+    kinds = {k: sorted(set(map(str, r[3]))) for k, r in runs.items()}
+    check(all_ok("zeropp" in kinds["zeropp"] and "fsdp2" in kinds["fsdp2"] and kinds["none"] == ["None"]),
+          f"hpZ: enable() reports the hpZ each module got ({kinds})")
+    inter = {k: r[1] for k, r in runs.items()}
+    intra = {k: r[2] for k, r in runs.items()}
+    check(all_ok(inter["zeropp"] == inter["fsdp2"] < inter["none"] and intra["zeropp"] < intra["fsdp2"]),
+          f"hpZ: zeropp's backward gather stays in the node at INT8: bytes across nodes {inter} (zeropp == "
+          f"FSDP2's hpZ < none), within {intra} (zeropp < FSDP2's)")
+    kept = {k: r[4] for k, r in runs.items()}
+    check(all_ok(kept["zeropp"] == kept["none"]), f"hpZ: nothing kept after the step (retained bytes {kept})")
+
+
 def main():
     # A collective (or a sub-group's creation) that waits 5 minutes is a hang
     # to report, not to sit in until CI's limit.
@@ -560,6 +610,7 @@ def main():
     test_groups_reused(ls)
     test_replicate_errors(ls)
     counts = test_bytes(ls)
+    test_hpz(ls)
     if dist.get_rank() == 0 and os.environ.get("ZEROPP_TORCH_OUT"):
         with open(os.environ["ZEROPP_TORCH_OUT"], "w") as f:
             json.dump({"bytes": counts, "failures": FAILURES}, f, indent=1)

@@ -17,6 +17,7 @@ mod ptx;
 mod scale;
 mod torch;
 mod torch_floor;
+mod torch_scale;
 
 const HELP: &str = "\
 cargo xtask <task>
@@ -39,7 +40,9 @@ tasks:
                    `scale`: GPT sizes 1M..GPT-2 small on 2x4 threads (tokens/s, time split, memory,
                    bytes, GEMM vs numpy/OpenBLAS; ZEROPP_SCALE_SIZES, ZEROPP_SCALE_SEQ);
                    `torch`: FSDP2 with and without zeropp.torch (and zeropp's engine) on the
-                   namespace cluster, 2x2 at 10 and 50 Mbit/s (root; ZEROPP_TORCH_RATES)
+                   namespace cluster, 2x2 at 10 and 50 Mbit/s (root; ZEROPP_TORCH_RATES);
+                   `torch-scale`: FSDP2 with and without zeropp.torch on a 99.5M-parameter HF Llama,
+                   2x2 on localhost (step, peak memory, kept state, split; ZEROPP_SCALE_ROUNDS)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
@@ -234,6 +237,7 @@ fn bench(args: &[String]) -> Result<(), String> {
             "scale" => Some(scale::scale),
             "cluster" => Some(cluster::bench),
             "torch" => Some(cluster::bench_torch),
+            "torch-scale" => Some(torch_scale::bench),
             _ => None,
         };
         if let Some(bench) = own {
@@ -243,7 +247,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
             return Err(format!(
-                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch)",
+                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch, torch-scale)",
                 known.join(", ")
             ));
         };

@@ -132,7 +132,12 @@ fn free_port() -> Result<u16, String> {
 
 /// `script` under torchrun, 4 processes as 2 nodes x 2, with the seeded defect
 /// `defect` (a name of python/tests/defects.py) or none.
-fn torchrun(venv: &Path, script: &str, args: &[&str], defect: Option<&str>) -> Result<Command, String> {
+pub(crate) fn torchrun(
+    venv: &Path,
+    script: &str,
+    args: &[&str],
+    defect: Option<&str>,
+) -> Result<Command, String> {
     // A hang (a collective some rank never joins, as mismatched sub-groups
     // give) must fail the step, not sit until CI's limit: 20 minutes is several
     // times the slowest run here.

@@ -176,14 +176,51 @@ class QuantizedAllGather(_Collective):
     all-gather; set ``quantize_intra=True`` to quantize those too. A NaN or
     ±Inf weight poisons its quantization group: every rank gathers that
     group as NaN (FSDP2 would gather the value itself), and nothing raises.
+
+    **hpZ** (``hpz=True``, with ``topology`` and ``phase``): when the forward
+    gather of a module that FSDP2 fully reshards after forward
+    (``reshard_after_forward=True``) crosses nodes, each rank keeps the INT8
+    encodings of the shards of its rail (the ranks with its local rank, one
+    per node): ``1/local_size`` of the module at one byte per element. The
+    backward gather then runs inside the node: each rank all-gathers its
+    kept encodings with its local peers, and every rank decodes the same
+    bytes the forward decoded, so the backward sees the forward's weights bit
+    for bit. The encodings are dropped as the backward gather uses them, and
+    by :meth:`drop`, which :func:`enable` calls from the module's
+    post-backward and from its post-forward when the forward ran without
+    grad (an evaluation), so nothing is kept between steps. ``phase()`` returns
+    ``(pass, reshards)``: ``"forward"``, ``"backward"`` or None for the call
+    under way, and whether the module reshards fully after forward (FSDP2's
+    own hpZ, ``reshard_after_forward=local_size``, keeps a copy of its own;
+    the root module is not resharded).
     """
 
     def __init__(self, local_size: int, *, segments=None, bits: int = 8, group_size: int = 256,
-                 quantize_intra: bool = False, exclude_1d: bool = True):
+                 quantize_intra: bool = False, exclude_1d: bool = True, topology: Topology | None = None,
+                 hpz: bool = False, phase=None):
         super().__init__(segments, bits, group_size)
         self.local_size = local_size
         self.quantize_intra = quantize_intra
         self.exclude_1d = exclude_1d
+        if hpz and (topology is None or phase is None):
+            raise _zeropp.ZeroppError("qwZ's hpZ needs the topology and the module's phase (enable() gives both)")
+        self.topology = topology
+        self.hpz = hpz
+        self.phase = phase
+        # The node's share of the last forward gather, kept for the backward one:
+        # (input elements, wire bytes per rank, [nodes, E] encodings).
+        self._kept = None
+
+    def drop(self):
+        """Forgets the encodings kept for the backward gather (if any)."""
+        self._kept = None
+
+    def _hpz_phase(self, group):
+        """``(pass, reshards)`` when hpZ can act on this call, else None."""
+        t = self.topology
+        if not self.hpz or t.nodes < 2 or t.local_size < 2 or not t.matches(group):
+            return None
+        return self.phase()
 
     def _layout(self, n: int, itemsize: int):
         """[(start, elements, exact, wire offset, wire bytes)] over one rank's input."""
@@ -218,8 +255,16 @@ class QuantizedAllGather(_Collective):
                 f"qwZ all-gather: output has {output_tensor.numel()} elements, expected {g} x {n}"
             )
         layout, e = self._layout(n, input_tensor.element_size())
-        if K.use_torch(input_tensor):
-            return self._gather_on_device(output_tensor, input_tensor, group, layout, e)
+        on_dev = K.use_torch(input_tensor)
+        hpz = self._hpz_phase(group)
+        kept, self._kept = self._kept, None
+        if hpz is not None and hpz[0] == "backward" and kept is not None and kept[:2] == (n, e):
+            return self._gather_in_node(output_tensor, kept[2], layout, e, on_dev)
+        # (FSDP2 gathers under no_grad; a forward without grad drops what it kept at
+        # the module's post-forward, see enable().)
+        keep = hpz == ("forward", True)
+        if on_dev:
+            return self._gather_on_device(output_tensor, input_tensor, group, layout, e, keep)
         x = _host(input_tensor.contiguous()).reshape(-1)
         # One Rust call each way for the whole gather (the GIL released inside). The
         # buffers are the call's own: kept, they would hold a fraction of every
@@ -233,20 +278,64 @@ class QuantizedAllGather(_Collective):
         dist.all_gather_into_tensor(recv, send.to(dev), group=group)
         del send
         recv = _host(recv)
+        if keep:
+            self._keep(recv, n, e)
         # Every rank dequantizes every shard, its own included, so all ranks compute
         # with the same weights (the input may be a view of the output; it has been
         # read already).
-        out = output_tensor if dev.type == "cpu" and output_tensor.is_contiguous() else \
-            torch.empty(g * n, dtype=output_tensor.dtype)
-        out = out.reshape(-1)
-        ob, odt = _as_buffer(out, "output_tensor")
-        _zeropp.dequantize_segments(recv.numpy(), ob, layout, dtype=odt, bits=self.bits,
-                                    group_size=self.group_size, ranks=g, wire_stride=e, out_stride=n)
-        if out.data_ptr() != output_tensor.data_ptr():
-            output_tensor.copy_(out.view_as(output_tensor))
+        self._decode_host(output_tensor, recv, layout, e)
         return None
 
-    def _gather_on_device(self, output_tensor, input_tensor, group, layout, e):
+    def _keep(self, recv: torch.Tensor, n: int, e: int):
+        """Keeps this rank's rail of the gathered encodings (rank-major ``recv``)
+        for the backward gather."""
+        t = self.topology
+        rail = recv.view(t.nodes, t.local_size, e)[:, t.rank % t.local_size].clone()
+        self._kept = (n, e, rail)
+
+    def _gather_in_node(self, output_tensor, rail, layout, e, on_dev):
+        """hpZ's backward gather: the local peers' rails make every rank's
+        encodings, decoded as the forward decoded them."""
+        t = self.topology
+        dev = output_tensor.device
+        recv = torch.empty(t.local_size * rail.numel(), dtype=torch.uint8, device=dev)
+        dist.all_gather_into_tensor(recv, rail.reshape(-1).to(dev), group=t.intra)
+        del rail
+        # [local rank][node] to rank-major [node][local rank].
+        rows = recv.view(t.local_size, t.nodes, e).transpose(0, 1).reshape(t.world, e)
+        if on_dev:
+            self._decode_rows(output_tensor, rows, layout)
+        else:
+            self._decode_host(output_tensor, _host(rows), layout, e)
+        return None
+
+    def _decode_host(self, output_tensor, recv, layout, e):
+        """The Rust kernels' decode of ``recv`` (rank-major encodings, host)
+        into ``output_tensor``."""
+        g = recv.numel() // e
+        n = output_tensor.numel() // g
+        direct = output_tensor.device.type == "cpu" and output_tensor.is_contiguous()
+        out = (output_tensor if direct else torch.empty(g * n, dtype=output_tensor.dtype)).reshape(-1)
+        ob, odt = _as_buffer(out, "output_tensor")
+        _zeropp.dequantize_segments(recv.contiguous().numpy(), ob, layout, dtype=odt, bits=self.bits,
+                                    group_size=self.group_size, ranks=g, wire_stride=e, out_stride=n)
+        if not direct:
+            output_tensor.copy_(out.view_as(output_tensor))
+
+    def _decode_rows(self, output_tensor, rows, layout):
+        """The torch-op decode of ``rows`` (``[ranks, E]``, rank-major) into
+        ``output_tensor``, a block at a time."""
+        g = rows.shape[0]
+        out = output_tensor.view(g, -1)
+        for at, k, exact, off, size in layout:
+            wire = rows[:, off:off + size]
+            if exact:
+                out[:, at:at + k] = wire.contiguous().view(out.dtype)
+                continue
+            for a, b in K.blocks(g, k, self.group_size):
+                out[:, at + a:at + b] = K.decode(wire, k, a, b, bits=self.bits, group_size=self.group_size)
+
+    def _gather_on_device(self, output_tensor, input_tensor, group, layout, e, keep=False):
         """The gather with the torch-op kernels (:mod:`.kernels`): the
         encodings are made, sent and decoded on the input's device, a block
         at a time, with no read-back to the host."""
@@ -263,15 +352,9 @@ class QuantizedAllGather(_Collective):
         recv = torch.empty(g * e, dtype=torch.uint8, device=x.device)
         dist.all_gather_into_tensor(recv, send, group=group)
         del send
-        rows = recv.view(g, e)
-        out = output_tensor.view(g, n)
-        for at, k, exact, off, size in layout:
-            wire = rows[:, off:off + size]
-            if exact:
-                out[:, at:at + k] = wire.contiguous().view(out.dtype)
-                continue
-            for a, b in K.blocks(g, k, self.group_size):
-                out[:, at + a:at + b] = K.decode(wire, k, a, b, bits=self.bits, group_size=self.group_size)
+        if keep:
+            self._keep(recv, n, e)
+        self._decode_rows(output_tensor, recv.view(g, e), layout)
         return None
 
 

@@ -67,17 +67,52 @@ def _has_grad(fsdp_param) -> bool:
     return fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.unsharded_param.grad is not None
 
 
-def _track_grads(param_group, rs: QuantizedReduceScatter):
+def _track_grads(param_group, rs: QuantizedReduceScatter | None, ag: QuantizedAllGather | None):
     """Makes the module's post-backward tell ``rs`` which parameters the coming
-    reduce-scatter carries, just before FSDP2 decides the same thing."""
+    reduce-scatter carries, just before FSDP2 decides the same thing, and drop
+    what ``ag`` kept for the backward gather (FSDP2 runs every module's
+    post-backward by the end of the backward, those the backward did not
+    reach included)."""
     original = getattr(param_group, "_zeropp_post_backward", None) or param_group.post_backward
 
     def post_backward(*args, **kwargs):
-        rs.expect([_has_grad(fp) for fp in param_group.fsdp_params])
-        return original(*args, **kwargs)
+        if rs is not None:
+            rs.expect([_has_grad(fp) for fp in param_group.fsdp_params])
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if ag is not None:
+                ag.drop()
 
     param_group._zeropp_post_backward = original
     param_group.post_backward = post_backward
+
+
+def _drop_after_eval(param_group, ag: QuantizedAllGather):
+    """Makes the module's post-forward drop what ``ag`` kept for a backward
+    gather when the forward ran without grad (no backward will come)."""
+    original = getattr(param_group, "_zeropp_post_forward", None) or param_group.post_forward
+
+    def post_forward(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if not torch.is_grad_enabled():
+                ag.drop()
+
+    param_group._zeropp_post_forward = original
+    param_group.post_forward = post_forward
+
+
+def _phase(param_group):
+    """``(pass, reshards)`` of a module now: FSDP2's training state as
+    ``"forward"`` (its pre-forward or a forward prefetch), ``"backward"`` (its
+    pre-backward or a backward prefetch) or None, and whether it reshards to
+    the full shard group after forward (``reshard_after_forward=True``; not
+    the root, which FSDP2 leaves unsharded, nor FSDP2's own hpZ)."""
+    state = getattr(getattr(param_group, "_training_state", None), "name", None)
+    phase = {"FORWARD": "forward", "PRE_BACKWARD": "backward"}.get(state)
+    return phase, param_group.post_forward_mesh_info is param_group.mesh_info
 
 
 def _replica_group(replicate):
@@ -111,7 +146,7 @@ def _check_replicas(shard_group, replica_group):
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
            exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False,
-           qgz_two_level: bool = False, qgz_hadamard: bool = False) -> dict:
+           qgz_two_level: bool = False, qgz_hadamard: bool = False, hpz: bool | None = None) -> dict:
     """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
     ``fully_shard``, on every rank). Returns a summary: modules changed, their
     sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
@@ -137,6 +172,14 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     lies inside one node (a one-node job, or HSDP with a replica per node,
     whose replica all-reduce has neither option) unless ``quantize_intra``.
     The Hadamard group size is a power of two of at most 8192.
+
+    ``hpz`` (default: on with qwZ) keeps, for every module that FSDP2 reshards
+    fully after forward (``fully_shard(m)``, ``reshard_after_forward=True``),
+    the INT8 encodings of its node's share of the forward gather (one byte per
+    element, ``1/local_size`` of the module), so its backward gather runs
+    inside the node and decodes the forward's bytes. Modules sharded with
+    FSDP2's own hpZ (``reshard_after_forward=local_size``, a copy in the
+    parameters' dtype) keep it. ``summary["hpz"]`` says which each module got.
 
     Non-finite gradients keep FSDP2's contract: a NaN or ±Inf poisons its
     quantization group, which arrives as NaN at every rank that owns part of
@@ -164,6 +207,11 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             "qgz=False turns off; drop them or keep qgZ on")
     if qgz_hadamard:
         check_hadamard_group(group_size)
+    if hpz and not qwz:
+        raise _zeropp.ZeroppError(
+            "zeropp.torch.enable: zeropp's hpZ keeps qwZ's INT8 encodings for the backward gather, so it needs "
+            "qwz=True; for hpZ without qwZ shard with FSDP2's reshard_after_forward=local_size instead")
+    hpz = qwz if hpz is None else hpz
     shared = _Shared(seed)
     replica_group = _replica_group(replicate)
     installed = []
@@ -188,21 +236,24 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
                 f"is torch's own at full precision, and {where}. Drop them, or pass quantize_intra=True to "
                 f"quantize the reduce-scatter inside the node too")
         segs = _segments(pg, topo.world)
+        ag = None
         if qwz:
             ag = QuantizedAllGather(ls, segments=segs, bits=qwz_bits, group_size=group_size,
-                                    exclude_1d=exclude_1d, quantize_intra=quantize_intra)
+                                    exclude_1d=exclude_1d, quantize_intra=quantize_intra, topology=topo, hpz=hpz,
+                                    phase=lambda pg=pg: _phase(pg))
             module.set_custom_all_gather(ag)
             installed.append(ag)
+            _drop_after_eval(pg, ag)
         factor = (lambda pg=pg: getattr(pg, "gradient_divide_factor", None))
         rs = QuantizedReduceScatter(
             topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
             stochastic=stochastic, shared=shared, names=lambda pg=pg: _names(pg)[1],
             module=lambda pg=pg: _names(pg)[0], divide_factor=factor, quantize_intra=quantize_intra,
             two_level=qgz_two_level, hadamard=qgz_hadamard)
-        if qgz or replica_group is not None:
+        if qgz or replica_group is not None or ag is not None:
             # The reduce-scatter's layout (which parameters this backward sends)
             # serves the replica all-reduce too.
-            _track_grads(pg, rs)
+            _track_grads(pg, rs if qgz or replica_group is not None else None, ag)
         if qgz:
             module.set_custom_reduce_scatter(rs)
         if qgz or replica_group is not None:
@@ -223,7 +274,14 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         summary["modules"] += 1
         summary["world"] = topo.world
         post = getattr(pg, "post_forward_mesh_info", None)
-        summary["hpz"].append(post is not None and post.shard_mesh_size <= ls)
+        # Which hpZ the module gets: FSDP2's (reshard_after_forward=local_size), zeropp's
+        # (INT8 node copy, for a module resharded fully after forward), or none.
+        if post is not None and post is not pg.mesh_info and post.shard_mesh_size <= ls:
+            summary["hpz"].append("fsdp2")
+        elif ag is not None and hpz and topo.nodes > 1 and topo.local_size > 1 and post is pg.mesh_info:
+            summary["hpz"].append("zeropp")
+        else:
+            summary["hpz"].append(None)
     _INSTALLED[model] = installed
     if summary["modules"] == 0:
         # Training on would silently run at full precision: refuse instead.

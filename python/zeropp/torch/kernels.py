@@ -179,20 +179,25 @@ class Encoder:
         rows, m = v.shape
         gs, half = self.gs, float(1 << (self.bits - 1))
         ga, gc = a // gs, _groups(m, gs)
-        vp = torch.nn.functional.pad(v, (0, gc * gs - m)).view(rows, gc, gs)
+        if gc * gs == m:
+            vp = v.reshape(rows, gc, gs)
+        else:
+            vp = torch.nn.functional.pad(v, (0, gc * gs - m)).view(rows, gc, gs)
         amax = vp.abs().amax(dim=2)
         # NaN or Inf anywhere in the group: a poisoned group (NaN scale, zero integers).
         bad = ~torch.isfinite(amax)
         s = torch.where(amax == 0, torch.ones_like(amax), half / amax).clamp(max=_F32_MAX)
         scale = torch.where(bad, _nan(v.device), 1.0 / s)
-        y = torch.where(bad[:, :, None], 0.0, vp * s[:, :, None])
+        # A poisoned group's s is 0 (its products NaN), every other product finite
+        # (|x·s| <= half): zeroing the NaNs zeroes exactly the poisoned groups.
+        y = vp * torch.where(bad, 0.0, s)[:, :, None]
+        y.nan_to_num_(nan=0.0)
         if generator is None:
-            r = torch.round(y)
+            y.round_()
         else:
-            f = torch.floor(y)
-            u = torch.rand(y.shape, generator=generator, device=v.device, dtype=torch.float32)
-            r = torch.where(u < y - f, f + 1.0, f)
-        q = r.clamp(-half, half - 1).to(torch.int8).view(rows, gc * gs)[:, :m]
+            # floor(y + u), u uniform in [0, 1): y rounds up with probability frac(y).
+            y.add_(torch.rand(y.shape, generator=generator, device=v.device, dtype=torch.float32)).floor_()
+        q = y.clamp_(-half, half - 1).to(torch.int8).view(rows, gc * gs)[:, :m]
         self.out[:, HEADER + 4 * ga:HEADER + 4 * (ga + gc)] = scale.view(torch.uint8)
         if self.bits == 8:
             self.out[:, self.data + a:self.data + a + m] = q.view(torch.uint8)
@@ -229,8 +234,14 @@ def decode(wire: torch.Tensor, n: int, a: int, b: int, *, bits: int, group_size:
         hi = raw4.view(torch.int8) >> 4
         lo = (raw4 << 4).view(torch.int8) >> 4
         q = torch.stack([hi, lo], dim=2).view(rows, -1)[:, :m]
-    qp = torch.nn.functional.pad(q.to(torch.float32), (0, gc * gs - m)).view(rows, gc, gs)
-    return (qp * scale[:, :, None] + 0.0).view(rows, gc * gs)[:, :m]
+    qf = q.to(torch.float32)
+    if gc * gs == m:
+        qp = qf.view(rows, gc, gs)
+    else:
+        qp = torch.nn.functional.pad(qf, (0, gc * gs - m)).view(rows, gc, gs)
+    # q·scale + 0 as the Rust kernels: the + 0 changes nothing here (q·scale is
+    # never -0: the scale is positive or NaN), so it is left out.
+    return qp.mul_(scale[:, :, None]).view(rows, gc * gs)[:, :m]
 
 
 def quantize_rows(x: torch.Tensor, *, bits: int, group_size: int,
