@@ -107,16 +107,22 @@ def instrument(clock: Clock):
         setattr(_zeropp, name, clock.timed("kernels", getattr(_zeropp, name)))
     real_stages = _zeropp.QgzStages
     _zeropp.QgzStages = zeropp.QgzStages = lambda *a, **k: _Timed(real_stages(*a, **k), clock)
-    real_init = collectives.Layout.__init__
+    if hasattr(collectives, "Layout"):
+        real_init = collectives.Layout.__init__
 
-    def layout_init(self, *a, **k):
-        real_init(self, *a, **k)
-        self.rust = _Timed(self.rust, clock)
+        def layout_init(self, *a, **k):
+            real_init(self, *a, **k)
+            self.rust = _Timed(self.rust, clock)
 
-    collectives.Layout.__init__ = layout_init
-    K.Encoder.put = clock.timed("kernels", K.Encoder.put)
-    K.decode = clock.timed("kernels", K.decode)
-    K.rotate = clock.timed("kernels", K.rotate)
+        collectives.Layout.__init__ = layout_init
+    if hasattr(K, "Encoder"):
+        K.Encoder.put = clock.timed("kernels", K.Encoder.put)
+        K.decode = clock.timed("kernels", K.decode)
+        K.rotate = clock.timed("kernels", K.rotate)
+    else:
+        # The releases before issue 37 (the bench's "before" rows) had row-wise kernels.
+        for name in ("quantize_rows", "dequantize_rows", "hadamard_rows"):
+            setattr(K, name, clock.timed("kernels", getattr(K, name)))
     for cls in (collectives.QuantizedAllGather, collectives.QuantizedReduceScatter, allreduce.QuantizedAllReduce):
         cls.__call__ = clock.timed("collectives", cls.__call__)
 
@@ -227,7 +233,7 @@ def main():
         "step_s": statistics.median(times), "step_s_all": times,
         "peak_bytes": [int(p) for p in peaks], "peak_process_bytes": [int(p) for p in procs],
         "split": split, "shard_bytes": shard,
-        "retained_bytes": zt.retained_bytes(model) if hasattr(zt, "retained_bytes") else float("nan"),
+        "retained_bytes": zt.retained_bytes(model) if hasattr(zt, "retained_bytes") else None,
         "threads": torch.get_num_threads(),
     }
     if dist.get_rank() == 0:
@@ -236,6 +242,8 @@ def main():
         print(f"{args.variant} (hpZ {args.hpz}, kernels {result['kernels']}): {result['step_s']:.3f} s/step, peak "
               f"{max(result['peak_bytes']) / 2**30:.3f} GiB (process {max(result['peak_process_bytes']) / 2**30:.3f}), "
               f"kept {result['retained_bytes']} B, split {split}", flush=True)
+    # Every rank done before any tears its connections down.
+    dist.barrier()
     dist.destroy_process_group()
     sys.exit(0)
 

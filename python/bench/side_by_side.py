@@ -5,8 +5,9 @@ Runs under torchrun on every node of the namespace cluster (xtask/cluster.sh
 of tests/gpt.py at bf16 mixed precision, in one run:
 
 - ``default``: FSDP2's own collectives (reshard_after_forward=True);
-- ``qwz+qgz``: zeropp.torch.enable (INT8 weights, two-hop INT4 gradients);
-- ``qwz+qgz+hpz``: the same plus reshard_after_forward=local_size (hpZ);
+- ``qwz+qgz``: zeropp.torch.enable(hpz=False) (INT8 weights, two-hop INT4 gradients);
+- ``qwz+qgz+hpz``: the same with zeropp's hpZ (the node's INT8 encodings kept
+  for the backward gather, which then stays in the node);
 - ``hpz`` (with ``--hpz-alone``): FSDP2's own collectives with hpZ's resharding.
 
 Per variant: the median step time over the timed steps (after warm-up), the bytes
@@ -51,12 +52,14 @@ def run_variant(name: str, cfg: gpt.Config, args, ls: int) -> dict:
     model = gpt.GPT(cfg)
     kw = {} if args.fp32 else {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                    reduce_dtype=torch.bfloat16)}
-    reshard = ls if name.endswith("hpz") else True
+    # "hpz" alone is FSDP2's own (reshard_after_forward=local_size); with zeropp it is
+    # zeropp's (the node's INT8 encodings kept for the backward gather).
+    reshard = ls if name == "hpz" else True
     for blk in model.blocks:
         fully_shard(blk, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
     if name.startswith("qwz"):
-        zt.enable(model, local_size=ls)
+        zt.enable(model, local_size=ls, hpz=name.endswith("hpz"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(rank)
     times, inter, intra = [], [], []

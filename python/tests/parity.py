@@ -42,7 +42,9 @@ def train_one(corpus, cfg, seed, variant, args, ls):
     model = gpt.GPT(cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if args.bf16 else None
     kw = {"mp_policy": mp} if mp is not None else {}
-    reshard = ls if variant == "zeropp" else True
+    # zeropp's recipe: FSDP2 reshards fully after forward, zeropp's hpZ keeps the
+    # node's INT8 encodings for the backward gather (enable()'s default).
+    reshard = True
     mesh = None
     if args.hsdp:
         # HSDP: a replica per node, sharded within it. FSDP2's default runs its native

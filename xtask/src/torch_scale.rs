@@ -61,16 +61,44 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     let rounds: usize = std::env::var("ZEROPP_SCALE_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
     let dir = crate::root().join("target/torch-scale");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut results: Vec<Vec<Value>> = vec![Vec::new(); VARIANTS.len()];
+    // `ZEROPP_SCALE_BEFORE=DIR`: an earlier build of the package (`pip install --target
+    // DIR ./python` from an older checkout) measured beside this one, with the recipe of
+    // its day (FSDP2's hpZ), in the same rounds.
+    let before = std::env::var("ZEROPP_SCALE_BEFORE").ok().filter(|v| !v.is_empty());
+    let mut variants: Vec<(String, Vec<&str>, &str, Option<&str>)> =
+        VARIANTS.iter().map(|(n, a, k)| (n.to_string(), a.to_vec(), *k, None)).collect();
+    if let Some(dir) = before.as_deref() {
+        for kernels in ["auto", "torch"] {
+            let which = if kernels == "auto" { "Rust" } else { "torch-op" };
+            let name = format!("before ({dir}): zeropp, {which} kernels, FSDP2's hpZ");
+            variants.push((name, vec!["--variant", "zeropp", "--hpz", "fsdp2"], kernels, Some(dir)));
+        }
+    }
+    let mut results: Vec<Vec<Value>> = vec![Vec::new(); variants.len()];
+    let mut retried: Vec<String> = Vec::new();
     for round in 0..rounds {
-        for (i, (name, args, kernels)) in VARIANTS.iter().enumerate() {
+        for (i, (name, args, kernels, pythonpath)) in variants.iter().enumerate() {
             let out = dir.join(format!("v{i}-r{round}.json"));
             let out_s = out.display().to_string();
             let mut all: Vec<&str> = vec!["--out", out_s.as_str()];
             all.extend_from_slice(args);
             let mut c = torchrun(&venv, "python/bench/scale.py", &all, None)?;
             c.env("ZEROPP_TORCH_KERNELS", kernels);
-            run(&format!("torch-scale round {}: {name}", round + 1), c)?;
+            if let Some(p) = pythonpath {
+                c.env("PYTHONPATH", p);
+            }
+            let step = format!("torch-scale round {}: {name}", round + 1);
+            if let Err(e) = run(&step, c) {
+                // One retry, said in the report: a run that fails twice fails the bench.
+                eprintln!("==> {step} failed ({e}); running it once more");
+                retried.push(step.clone());
+                let mut again = torchrun(&venv, "python/bench/scale.py", &all, None)?;
+                again.env("ZEROPP_TORCH_KERNELS", kernels);
+                if let Some(p) = pythonpath {
+                    again.env("PYTHONPATH", p);
+                }
+                run(&step, again)?;
+            }
             let text = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
             results[i].push(serde_json::from_str(&text).map_err(|e| format!("{}: {e}", out.display()))?);
         }
@@ -99,7 +127,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
         "| variant | step / FSDP2 | peak / FSDP2 (timed steps) | peak / FSDP2 (process) | kept between steps / \
          shard | waits | kernels | plumbing |\n|---|---|---|---|---|---|---|---|\n",
     );
-    for (i, (name, _, _)) in VARIANTS.iter().enumerate() {
+    for (i, (name, _, _, _)) in variants.iter().enumerate() {
         let step = med(i, &|v| num(v, "step_s"));
         let split =
             |k: &'static str| med(i, &move |v: &Value| v.get("split").map_or(f64::NAN, |s| num(s, k)));
@@ -120,6 +148,13 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
          inside torch.distributed's calls (FSDP2's and zeropp's), inside zeropp's Rust or torch-op kernels, and \
          the rest of zeropp's collectives. Per-round figures: `target/torch-scale/*.json`.\n",
     );
+    if !retried.is_empty() {
+        let _ = writeln!(
+            md,
+            "\nRun again after a failure (the figures are the second run's): {}.",
+            retried.join("; ")
+        );
+    }
     let out = report_dir.join("torch-scale.md");
     std::fs::write(&out, &md).map_err(|e| format!("{}: {e}", out.display()))?;
     eprintln!("{md}\n==> wrote {}", out.display());

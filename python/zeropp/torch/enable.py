@@ -42,7 +42,7 @@ def _segments(param_group, world: int):
         if size is None:
             raise _zeropp.ZeroppError(
                 f"zeropp.torch reads FSDP2's parameter layout (FSDPParam._orig_size), which this torch "
-                f"({torch.__version__}) does not have; the tested version is 2.9.1"
+                f"({torch.__version__}) does not have; the tested releases are 2.9.0 and 2.15.0"
             )
         rows = -(-size[0] // world) if len(size) else 1
         rest = 1
@@ -199,7 +199,7 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         if not hasattr(FSDPModule, hook):
             raise _zeropp.ZeroppError(
                 f"this torch ({torch.__version__}) has no FSDPModule.{hook}: zeropp.torch needs FSDP2's "
-                f"custom collectives (torch >= 2.9; tested with 2.9.1)")
+                f"custom collectives (torch >= 2.9; tested with 2.9.0 and 2.15.0)")
     ls = local_size if local_size is not None else _env_local_size()
     if (qgz_two_level or qgz_hadamard) and not qgz:
         raise _zeropp.ZeroppError(
