@@ -293,7 +293,9 @@ def step_bytes(variant: str, ls: int):
     torch.manual_seed(0)
     model = gpt.GPT(cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    reshard = ls if variant == "zeropp" else True
+    # zeropp's recipe: FSDP2 reshards fully after forward, zeropp's hpZ keeps the node's
+    # INT8 encodings for the backward gather.
+    reshard = True
     # HSDP 2 x 2 (a replica per node): FSDP2's native mesh, or zeropp's take-over
     # of the replica all-reduce (the shard dimension's 1-D mesh + the hook).
     mesh = _hsdp_mesh("hsdp") if variant.startswith("hsdp") else None

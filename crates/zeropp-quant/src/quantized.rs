@@ -179,7 +179,9 @@ fn validate(
     let poisoned = |v: f32| v.to_bits() == crate::wire::POISON_BITS;
     for g in 0..groups {
         let s = scales.get(g);
-        if !(s.is_finite() && s > 0.0 || poisoned(s)) {
+        // A poisoned group is poisoned whole: its offset too, where it has one.
+        let poison = poisoned(s) && offsets.as_ref().is_none_or(|o| poisoned(o.get(g)));
+        if !(s.is_finite() && s > 0.0 || poison) {
             return Err(DecodeError::BadScale { group: g, value: s });
         }
     }

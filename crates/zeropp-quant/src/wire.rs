@@ -38,8 +38,8 @@
 //! was asked to propagate it ([`crate::NonFinite::Propagate`]): its scale (and
 //! offset) is exactly the canonical quiet NaN, [`POISON_BITS`], and its integers
 //! are 0, so every element decodes to NaN. Any other non-finite or non-positive
-//! scale is still a decoding error, and so is a poisoned offset beside a
-//! scale that is not.
+//! scale is still a decoding error, and so is half a poisoned asymmetric group
+//! (a poisoned scale beside a finite offset, or the other way round).
 
 use crate::error::{DecodeError, QuantError, Result};
 

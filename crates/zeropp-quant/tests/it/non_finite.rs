@@ -187,11 +187,16 @@ fn only_the_canonical_nan_is_poison() {
         let e = QuantizedRef::from_bytes(&w).unwrap_err();
         assert!(matches!(e, QuantError::Decode(DecodeError::BadScale { group: 0, .. })), "{bits:#x}: {e}");
     }
-    // Group 1 is clean: a poisoned offset beside its finite scale is corrupt.
+    // Group 1 is clean: a poisoned offset beside its finite scale is corrupt...
     let mut w = wire.clone();
     w[32 + 12..32 + 16].copy_from_slice(&POISON_BITS.to_le_bytes());
     let e = QuantizedRef::from_bytes(&w).unwrap_err();
     assert!(matches!(e, QuantError::Decode(DecodeError::BadOffset { group: 1, .. })), "{e}");
+    // ...and so is a poisoned scale beside a finite offset.
+    let mut w = wire.clone();
+    w[32 + 4..32 + 8].copy_from_slice(&POISON_BITS.to_le_bytes());
+    let e = QuantizedRef::from_bytes(&w).unwrap_err();
+    assert!(matches!(e, QuantError::Decode(DecodeError::BadScale { group: 1, .. })), "{e}");
 }
 
 /// The Hadamard-fused quantizer: a bad element poisons its (rotated) group,
