@@ -59,10 +59,11 @@ tasks:
                    TCP (`cluster run ... -- TRAIN_ARGS`, `cluster probe`; `cargo xtask cluster help`)
   test-cluster     the cluster tests (root, iproute2, OpenMPI; `--full`: 2x4 too, `--faults`:
                    network faults); run by `ci`, which fails instead of skipping under CI=true
-  test-torch       the `zeropp` Python package (python/, crates/zeropp-py) with the pinned torch, in a
-                   venv under ~/.cache/zeropp (ZEROPP_TORCH_VENV): kernels == Rust, zeropp.torch's
-                   collectives under torchrun (2 nodes x 2, gloo), FSDP2 training parity over seeds
-                   (ZEROPP_TORCH_SEEDS, ZEROPP_TORCH_STEPS), and a seeded defect that must fail both;
+  test-torch       the `zeropp` Python package (python/, crates/zeropp-py) with the pinned torch (2.15.0;
+                   the floor, 2.9.0, beside it), in venvs under ~/.cache/zeropp (ZEROPP_TORCH_VENV):
+                   kernels == Rust, zeropp.torch's collectives under torchrun (2 nodes x 2, gloo),
+                   FSDP2's contract at a fault (contract.py), FSDP2 training parity over seeds
+                   (ZEROPP_TORCH_SEEDS, ZEROPP_TORCH_STEPS), and seeded defects that must fail them;
                    run by `ci`, which fails instead of skipping under CI=true
   help             this text
 ";

@@ -27,7 +27,7 @@ pub(crate) const FLOOR: &str = "torch==2.9.0";
 pub(crate) fn venv(main: &Path) -> Result<PathBuf, String> {
     let venv = main.with_file_name("torch-floor-venv");
     let stamp = venv.join("zeropp-pins.txt");
-    let pins = [FLOOR, "numpy==2.2.6"];
+    let pins = [FLOOR, "numpy==2.2.6", "maturin==1.9.4"];
     let want = pins.join("\n");
     if !(venv.join("bin/python").is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want)) {
         let mut c = Command::new("python3");
