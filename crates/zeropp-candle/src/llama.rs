@@ -277,7 +277,9 @@ pub fn block_with(
     let (h, kv, hd) = (c.n_head, c.n_kv_head, c.head_dim());
     let attn_vb = vb.pp("self_attn");
     let xn = c.norm(x, &norm_weight(d, vb.pp("input_layernorm"))?)?;
-    let (cos, sin) = (tables.cos.narrow(0, 0, t)?, tables.sin.narrow(0, 0, t)?);
+    // In the activations' dtype (the tables are f32; the build's check runs f64).
+    let (cos, sin) =
+        (tables.cos.narrow(0, 0, t)?.to_dtype(x.dtype())?, tables.sin.narrow(0, 0, t)?.to_dtype(x.dtype())?);
     let project = |proj: &str, n: usize| -> candle_core::Result<Tensor> {
         linear(d, n * hd, attn_vb.pp(proj))?.forward(&xn)?.reshape((b, t, n, hd))
     };
@@ -299,7 +301,7 @@ pub fn block_with(
             x.unsqueeze(2)?.broadcast_as((b, kv, h / kv, t, hd))?.reshape((b, h, t, hd))
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
-        let mask = tables.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
+        let mask = tables.mask.narrow(0, 0, t)?.narrow(1, 0, t)?.to_dtype(q.dtype())?;
         let scores = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask)?;
         candle_nn::ops::softmax(&scores, D::Minus1)?.matmul(&v)?.transpose(1, 2)?
     };

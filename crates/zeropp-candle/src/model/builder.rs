@@ -229,7 +229,7 @@ impl CandleModelBuilder {
             })
             .collect();
         let kept_from = super::kept_from(&layers, self.keep_bytes);
-        let model = CandleModel {
+        let mut model = CandleModel {
             name: self.name,
             vocab: self.vocab,
             seq_len: self.seq_len,
@@ -239,9 +239,10 @@ impl CandleModelBuilder {
             threads: self.threads,
             activation: self.activation,
             dropout_seed: self.dropout_seed,
+            check_notes: Vec::new(),
         };
         zeropp_engine::engine::check_layers(&model)?;
-        model.check_gradient_paths(&self.partial_ok)?;
+        model.check_notes = model.check_gradient_paths(&self.partial_ok)?;
         Ok(model)
     }
 }

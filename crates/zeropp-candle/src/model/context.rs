@@ -38,26 +38,37 @@ pub struct StageContext {
     train: bool,
     key: u64,
     calls: Cell<u64>,
+    /// Whether the stage read the mode or a seed (the build's gradient check
+    /// then checks it in training mode too).
+    looked: Cell<bool>,
 }
 
 impl StageContext {
     pub(crate) fn new(train: bool, key: u64) -> Self {
-        Self { train, key, calls: Cell::new(0) }
+        Self { train, key, calls: Cell::new(0), looked: Cell::new(false) }
+    }
+
+    /// Whether the stage has read the mode or a seed through this context.
+    pub(crate) fn looked(&self) -> bool {
+        self.looked.get()
     }
 
     /// Whether this is a training step (dropout on); false for evaluation.
     pub fn is_train(&self) -> bool {
+        self.looked.set(true);
         self.train
     }
 
     /// This stage's seed for this micro-batch (the same in forward and recompute).
     pub fn seed(&self) -> u64 {
+        self.looked.set(true);
         self.key
     }
 
     /// A fresh seed for one random draw of the stage: the `n`-th call gives
     /// the `n`-th seed of the stage's stream, in forward and recompute alike.
     pub fn next_seed(&self) -> u64 {
+        self.looked.set(true);
         let n = self.calls.get();
         self.calls.set(n + 1);
         stream_seed(self.key, &[n])

@@ -1,28 +1,91 @@
 //! The build-time gradient check: every element of every weight must be
-//! reachable by the backward pass. A weight partly behind an op with no
-//! backward (candle-nn's fused kernels) would otherwise train those elements
-//! on a silent zero.
+//! reachable by the backward pass, and the gradient the backward computes must
+//! be the derivative. A weight partly behind an op with no backward (candle-nn's
+//! fused kernels) would otherwise train those elements on a silent zero, and a
+//! weight used twice with one use cut would train on a wrong gradient.
+//!
+//! **One stage at a time.** The check walks the stages in order and holds one
+//! stage's weights, its trial input and its graph at a time (plus, for a tied
+//! weight, the stages that share it until the last of them is checked):
+//!
+//! 1. *Backward, in f32* (what training runs): the stage on its trial input (the
+//!    first stage on every token id, in chunks of [`CHUNK_TOKENS`]; a later stage
+//!    on [`LATER_ROWS`] rows of the previous stage's output) with a random
+//!    upstream gradient. Per weight it keeps the elements whose gradient is
+//!    exactly zero and the gradient along a random direction, `g · u` (a normal
+//!    draw per element, a stream of its own per weight), then drops the gradients.
+//! 2. *Finite differences, in f64* (candle runs f64 on the CPU): the objective
+//!    `F = Σ ⟨out, up⟩` at `w ± h·u`, forward only, on the same inputs and
+//!    upstream gradients. In f64 the differences' rounding, `~1e-16 · Σ|out ⊙ up| / h`,
+//!    sits orders of magnitude below any real defect at any width, so the
+//!    tolerance is derived from the arithmetic, not from the size: a gap above
+//!    [`DIRECTION_TOL`] of the derivative (plus the bounds of both roundings) is a
+//!    [`CandleError::WrongGradient`]; a second step size, `h / 8`, rules out a
+//!    kink crossed by the first.
+//! 3. *Influence, in f64*, only for weights with exact-zero gradient elements:
+//!    moving those elements must leave every output unchanged (a key bias under
+//!    softmax: the zero is the true gradient); a change above `1e-9` of the
+//!    output's scale is a cut path, [`CandleError::PartialGradient`].
+//!
+//! A stage that looks at its [`StageContext`] (dropout, the mode, a seed) is
+//! checked in evaluation *and* in training mode, the latter with its dropout
+//! masks fixed (every rerun replays the stage's stream), so a path that only
+//! training takes is checked too. Each rerun costs one forward of the stage on
+//! its trial input, two or three per weight: the check's time is linear in the
+//! parameters, and its memory one stage's weights (f32 while it runs backward,
+//! f64 while it runs differences), its gradients and its graph.
+//!
+//! **What it cannot see**: a path the trial input does not take (a branch on the
+//! data, a mask that hides a row of a later stage's two trial rows); a weight
+//! whose stage does not run in f64 is checked by its finite differences in f32
+//! instead, where the rounding bound grows with the stage's size and a small cut
+//! path can hide (the check then says nothing: it is sound, not complete).
 
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
-use zeropp_engine::model::kit::split_params_mut;
 use zeropp_quant::rng::stream_seed;
 
 use super::{CandleModel, StageContext, stage_key};
 use crate::error::{CandleError, Result};
-use crate::params::{gathered, init_param, uniform};
+use crate::params::{Gathered, init_param, uniform};
 
-/// The seed of the check's weights, inputs and upstream gradients.
+/// The seed of the check's weights, inputs, directions and upstream gradients.
 const PROBE_SEED: u64 = 0x6E_AD_C4_EC;
 
 /// Rows of a later stage's trial input (the first stage sees every token id).
 const LATER_ROWS: usize = 2;
 
+/// Tokens per chunk of the first stage's trial input.
+pub(super) const CHUNK_TOKENS: usize = 2048;
+
+/// The share of a weight's directional derivative that a wrong gradient must
+/// miss to be reported: a cut path carrying twice this share is caught.
+pub(super) const DIRECTION_TOL: f64 = 0.05;
+
+/// f64's unit roundoff.
+const EPS64: f64 = f64::EPSILON / 2.0;
+/// f32's unit roundoff.
+const EPS32: f64 = f32::EPSILON as f64 / 2.0;
+/// How many roundings a stage's output (or a gradient element) may carry, in
+/// units of the roundoff: a stage's depth of operations, with room to spare.
+const DEPTH: f64 = 1024.0;
+
 /// `n` values uniform in `[-scale, scale)` from stream `key`.
 fn noise(key: u64, n: usize, scale: f64) -> impl Iterator<Item = f32> {
     (0..n as u64).map(move |i| ((2.0 * uniform(key, i) - 1.0) * scale) as f32)
+}
+
+/// `n` standard normal values (f32) from stream `key`.
+fn normals(key: u64, n: usize) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let u1 = uniform(key, 2 * i).max(f64::MIN_POSITIVE);
+            let u2 = uniform(key, 2 * i + 1);
+            ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+        })
+        .collect()
 }
 
 /// The zero elements of a parameter of shape `shape`, as ranges (rows where
@@ -54,168 +117,376 @@ fn describe(zeros: &[usize], shape: &[usize]) -> String {
     format!("{} of {total} elements ({})", zeros.len(), parts.join(", "))
 }
 
+/// A stage's trial inputs (chunks: token ids for the first stage, one f32
+/// activation for a later one) and the mode it is checked in.
+#[derive(Clone)]
+struct Trial {
+    inputs: Vec<Tensor>,
+    train: bool,
+}
+
+/// What the backward said about one weight (summed over the chunks and, for a
+/// tied weight, over its uses).
+#[derive(Debug, Clone)]
+struct Seen {
+    /// Elements whose gradient is exactly zero in every chunk and use.
+    zero: Vec<bool>,
+    /// `g · u` (f64 sum of the f32 gradient along the direction).
+    dot: f64,
+    /// `Σ (g_j u_j)²`: `dot`'s rounding, each term rounded independently,
+    /// is a few roundoffs of its square root.
+    sq: f64,
+}
+
+impl Seen {
+    fn new(n: usize) -> Self {
+        Self { zero: vec![true; n], dot: 0.0, sq: 0.0 }
+    }
+
+    fn add(&mut self, g: &Tensor, u: &Tensor) -> Result<()> {
+        let gv = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        let uv = u.flatten_all()?.to_vec1::<f32>()?;
+        for ((z, &gj), &uj) in self.zero.iter_mut().zip(&gv).zip(&uv) {
+            *z &= gj == 0.0;
+            let p = f64::from(gj) * f64::from(uj);
+            self.dot += p;
+            self.sq += p * p;
+        }
+        Ok(())
+    }
+}
+
+/// One weight under test: its owner stage and index, and the stages using it.
+#[derive(Debug, Clone)]
+struct Target {
+    owner: usize,
+    param: usize,
+    users: Vec<usize>,
+}
+
+/// The check's state across stages: each stage's weights while it (or a
+/// weight it shares) is under test, and the trials and backward results of
+/// tied weights whose last user has not run yet.
+struct Walk {
+    /// Stage weights, by stage: f32 `Var` tensors while the backward runs, f64
+    /// copies (the f32 ones dropped) while the differences run.
+    weights: HashMap<usize, Vec<Tensor>>,
+    /// Trials of the stages kept for a pending tie, by stage and mode.
+    trials: HashMap<(usize, bool), Trial>,
+    /// Backward results of tied weights, by (owner, param, mode).
+    tied: HashMap<(usize, usize, bool), Seen>,
+    /// What could not be checked in f64.
+    notes: Vec<String>,
+}
+
 impl CandleModel {
-    /// Runs every stage once forward and backward, on weights perturbed from
-    /// their init (so no element is zero by construction, such as a LoRA
-    /// factor initialised to zero), a first batch that uses every token id and
-    /// a random upstream gradient; fails on a weight with no gradient, a
-    /// stage input with none, or a weight element whose gradient is exactly
-    /// zero (unless its name is in `allowed`).
-    pub(super) fn check_gradient_paths(&self, allowed: &[String]) -> Result<()> {
+    /// Stage `l` (the check's own lookup, with the crate's error).
+    fn probe_stage(&self, l: usize) -> Result<&super::StageDef> {
+        self.stages.get(l).ok_or_else(|| {
+            CandleError::Config(format!("gradient check: no stage {l} of {}", self.stages.len()))
+        })
+    }
+
+    /// Runs the check (see the module docs); fails on a weight with no
+    /// gradient, a stage input with none, a weight element whose gradient is
+    /// exactly zero although it changes the output (unless its name is in
+    /// `allowed`), and a gradient that disagrees with the derivative.
+    pub(super) fn check_gradient_paths(&self, allowed: &[String]) -> Result<Vec<String>> {
+        let (looked, mut notes) = self.walk(false, allowed, None)?;
+        if !looked.is_empty() {
+            // Some stage reads its context (dropout): training mode too, masks fixed,
+            // testing the weights such a stage uses.
+            notes.extend(self.walk(true, allowed, Some(&looked))?.1);
+        }
+        Ok(notes)
+    }
+
+    /// One pass over the stages in `train` mode, testing every weight (or, with
+    /// `only`, the weights some stage of `only` uses); returns the stages that
+    /// read their context and what could not be checked in f64.
+    fn walk(
+        &self,
+        train: bool,
+        allowed: &[String],
+        only: Option<&[usize]>,
+    ) -> Result<(Vec<usize>, Vec<String>)> {
         let rows = self.vocab.div_ceil(self.seq_len).max(1);
         let ids: Vec<u32> = (0..rows * self.seq_len).map(|i| (i % self.vocab) as u32).collect();
-        let mut params = Vec::with_capacity(self.stages.len());
-        for (l, layer) in self.layers.iter().enumerate() {
-            let mut flat = vec![0.0f32; layer.numel()];
-            for (i, (p, dst)) in
-                self.stages[l].params.iter().zip(split_params_mut(layer, &mut flat)?).enumerate()
-            {
-                init_param(&p.init, &p.shape, PROBE_SEED, l, i, dst);
-                let key = stream_seed(PROBE_SEED, &[1, l as u64, i as u64]);
-                for (d, n) in dst.iter_mut().zip(noise(key, p.numel(), 0.05)) {
-                    *d += n;
-                }
-            }
-            params.push(flat);
+        let per = (CHUNK_TOKENS / self.seq_len).max(1);
+        let mut inputs = Vec::with_capacity(rows.div_ceil(per));
+        for r in (0..rows).step_by(per) {
+            let n = per.min(rows - r);
+            let part = ids[r * self.seq_len..(r + n) * self.seq_len].to_vec();
+            inputs.push(Tensor::from_vec(part, (n, self.seq_len), &Device::Cpu)?);
         }
-        let mut x = Tensor::from_vec(ids, (rows, self.seq_len), &Device::Cpu)?;
-        // Each stage's trial input, output and upstream gradient, for the
-        // influence and direction tests below.
-        let mut trial: Vec<(Tensor, Tensor, Tensor)> = Vec::with_capacity(self.stages.len());
-        // Per stage and parameter, the gradient (a tied owner's includes its other uses).
-        let mut grads: Vec<Vec<Vec<f32>>> = Vec::with_capacity(self.stages.len());
-        let mut lent: HashMap<(usize, usize), Vec<f32>> = HashMap::new();
-        for (l, stage) in self.stages.iter().enumerate() {
-            let (mut g, vars) = gathered(&stage.name, &stage.params, &params[l], true)?;
-            let mut borrowed = Vec::new();
-            self.add_ties(stage, &mut g, |b| {
-                let v = Var::from_tensor(&self.lent_slice(&params, b)?)?;
-                let t = v.as_tensor().clone();
-                borrowed.push(v);
-                Ok(t)
-            })?;
-            let input = if l == 0 { None } else { Some(Var::from_tensor(&x)?) };
-            // Evaluation mode: dropout's zeros are not missing gradients (a
-            // weight cut off only in training still fails the per-step check).
-            let ctx = StageContext::new(false, stage_key(PROBE_SEED, l));
-            let vb = VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu);
-            let out = (stage.run)(vb, input.as_ref().map_or(&x, |v| v.as_tensor()), &ctx).map_err(|e| {
-                CandleError::Config(format!(
-                    "stage {:?} failed in the gradient check (a batch of {} sequences): {e}",
-                    stage.name,
-                    x.dim(0).unwrap_or(0)
-                ))
-            })?;
-            let key = stream_seed(PROBE_SEED, &[2, l as u64]);
-            let up =
-                Tensor::from_iter(noise(key, out.elem_count(), 1.0), &Device::Cpu)?.reshape(out.shape())?;
-            let store = (out.to_dtype(DType::F32)? * &up)?.sum_all()?.backward()?;
-            let missing =
-                |param: &str| CandleError::MissingGradient { stage: stage.name.clone(), param: param.into() };
-            let mut own = Vec::with_capacity(vars.len());
-            for (v, info) in vars.iter().zip(&stage.params) {
-                let gv = store.get(v.as_tensor()).ok_or_else(|| missing(&info.name))?;
-                own.push(gv.flatten_all()?.to_vec1::<f32>()?);
+        let mut walk =
+            Walk { weights: HashMap::new(), trials: HashMap::new(), tied: HashMap::new(), notes: Vec::new() };
+        let mut looked = Vec::new();
+        for l in 0..self.stages.len() {
+            walk.weights.insert(l, self.probe_weights(l)?);
+            let trial = Trial { inputs, train };
+            let (next, looks) = self.check_stage(l, &trial, &mut walk, allowed, only)?;
+            if looks {
+                looked.push(l);
             }
-            for (b, v) in stage.borrows.iter().zip(&borrowed) {
-                let gv = store.get(v.as_tensor()).ok_or_else(|| missing(&b.local))?;
-                let gv = gv.flatten_all()?.to_vec1::<f32>()?;
-                match lent.get_mut(&(b.owner, b.param)) {
-                    Some(acc) => acc.iter_mut().zip(&gv).for_each(|(a, g)| *a += g),
-                    None => {
-                        lent.insert((b.owner, b.param), gv);
+            inputs = vec![next];
+            // Forget the weights and trials no pending tie needs.
+            let pending: Vec<usize> = walk.tied.keys().flat_map(|&(o, p, _)| self.users(o, p)).collect();
+            walk.weights.retain(|s, _| pending.contains(s));
+            walk.trials.retain(|(s, _), _| pending.contains(s));
+        }
+        Ok((looked, walk.notes))
+    }
+
+    /// Stage `l`'s weights, perturbed from their init (so no element is zero by
+    /// construction, such as a LoRA factor initialised to zero).
+    fn probe_weights(&self, l: usize) -> Result<Vec<Tensor>> {
+        let stage = self.probe_stage(l)?;
+        let mut out = Vec::with_capacity(stage.params.len());
+        for (i, p) in stage.params.iter().enumerate() {
+            let mut v = vec![0.0f32; p.numel()];
+            init_param(&p.init, &p.shape, PROBE_SEED, l, i, &mut v);
+            let key = stream_seed(PROBE_SEED, &[1, l as u64, i as u64]);
+            for (d, n) in v.iter_mut().zip(noise(key, p.numel(), 0.05)) {
+                *d += n;
+            }
+            // A `Var`'s tensor, so the backward's `Var::from_tensor` does not copy it.
+            out.push(Var::from_vec(v, p.shape.as_slice(), &Device::Cpu)?.as_tensor().clone());
+        }
+        Ok(out)
+    }
+
+    /// Converts the weights of `stages` held in `walk` to `dtype` in place (the
+    /// old copies dropped, so a stage's weights exist once); f32 ones become
+    /// `Var` tensors again.
+    fn hold_as(&self, walk: &mut Walk, stages: &[usize], dtype: DType) -> Result<()> {
+        for s in stages {
+            if let Some(ws) = walk.weights.get_mut(s) {
+                for w in ws.iter_mut() {
+                    if w.dtype() != dtype {
+                        let t = w.to_dtype(dtype)?;
+                        *w = if dtype == DType::F32 { Var::from_tensor(&t)?.as_tensor().clone() } else { t };
                     }
-                }
-            }
-            if let Some(input) = &input
-                && store.get(input.as_tensor()).is_none()
-            {
-                return Err(CandleError::MissingInputGradient { stage: stage.name.clone() });
-            }
-            grads.push(own);
-            trial.push((x.clone(), out.detach(), up));
-            x = out.detach();
-            if x.dim(0)? > LATER_ROWS {
-                x = x.narrow(0, 0, LATER_ROWS)?;
-            }
-        }
-        for (l, stage) in self.stages.iter().enumerate() {
-            for (i, info) in stage.params.iter().enumerate() {
-                let full = format!("{}.{}", stage.name, info.name);
-                if allowed.contains(&full) {
-                    continue;
-                }
-                let extra = lent.get(&(l, i));
-                let zeros: Vec<usize> = grads[l][i]
-                    .iter()
-                    .enumerate()
-                    .filter(|&(j, &g)| g + extra.map_or(0.0, |e| e[j]) == 0.0)
-                    .map(|(j, _)| j)
-                    .collect();
-                if !zeros.is_empty() && self.influences(&params, &trial, (l, i), &zeros)? {
-                    return Err(CandleError::PartialGradient {
-                        stage: stage.name.clone(),
-                        param: info.name.clone(),
-                        shape: info.shape.clone(),
-                        zeros: describe(&zeros, &info.shape),
-                    });
-                }
-                let total: Vec<f32> = match extra {
-                    Some(e) => grads[l][i].iter().zip(e).map(|(g, e)| g + e).collect(),
-                    None => grads[l][i].clone(),
-                };
-                if let Some((backward, differences)) = self.disagrees(&params, &trial, (l, i), &total)? {
-                    return Err(CandleError::WrongGradient {
-                        stage: stage.name.clone(),
-                        param: info.name.clone(),
-                        backward,
-                        differences,
-                    });
                 }
             }
         }
         Ok(())
     }
 
-    /// Whether moving elements `zeros` of parameter `(stage, param)` changes
-    /// the output of a stage that uses it (its own, or a stage it is tied
-    /// into): a zero gradient of an element that matters is a cut path; one
-    /// of an element that does not (a key bias, whose shift the attention's
-    /// softmax cancels) is the true gradient.
-    fn influences(
+    /// The upstream gradient of stage `u`'s output on chunk `c` in `train`
+    /// mode (f32 values; the same in the backward and the differences).
+    fn upstream(&self, u: usize, c: usize, train: bool, shape: &candle_core::Shape) -> Result<Tensor> {
+        let key = stream_seed(PROBE_SEED, &[2, u as u64, c as u64, u64::from(train)]);
+        Ok(Tensor::from_iter(noise(key, shape.elem_count(), 1.0), &Device::Cpu)?.reshape(shape)?)
+    }
+
+    /// The direction of weight `(owner, param)` in `train` mode.
+    fn direction(&self, owner: usize, param: usize, train: bool) -> Result<Tensor> {
+        let info = self
+            .probe_stage(owner)?
+            .params
+            .get(param)
+            .ok_or_else(|| CandleError::Config("no such param".into()))?;
+        let key = stream_seed(PROBE_SEED, &[4, owner as u64, param as u64, u64::from(train)]);
+        Ok(Tensor::from_vec(normals(key, info.numel()), info.shape.as_slice(), &Device::Cpu)?)
+    }
+
+    /// Stage `u`'s named weights from `walk` (own, aliases and borrowed), in
+    /// `dtype`, with `(owner, param)` replaced by `moved` when given; `vars`
+    /// makes them candle `Var`s (returned, own first, then borrowed).
+    fn stage_weights(
         &self,
-        params: &[Vec<f32>],
-        trial: &[(Tensor, Tensor, Tensor)],
-        (owner, param): (usize, usize),
-        zeros: &[usize],
-    ) -> Result<bool> {
-        let stage = &self.stages[owner];
-        let at: usize = stage.params.iter().take(param).map(|p| p.numel()).sum();
-        let n = stage.params[param].numel();
-        let mut moved = params.to_vec();
-        let slice = &mut moved[owner][at..at + n];
-        let rms = (slice.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n.max(1) as f64).sqrt();
-        let step = 0.1 * rms.max(0.1);
-        let key = stream_seed(PROBE_SEED, &[3, owner as u64, param as u64]);
-        for (&j, u) in zeros.iter().zip(noise(key, zeros.len(), 1.0)) {
-            slice[j] += (step * f64::from(u.signum())) as f32;
+        u: usize,
+        walk: &Walk,
+        dtype: DType,
+        moved: Option<((usize, usize), &Tensor)>,
+        vars: bool,
+    ) -> Result<(Gathered, Vec<Var>)> {
+        let s = self.probe_stage(u)?;
+        let value = |owner: usize, param: usize| -> Result<Tensor> {
+            if let Some((at, t)) = moved
+                && at == (owner, param)
+            {
+                return Ok(t.clone());
+            }
+            let w = walk.weights.get(&owner).and_then(|w| w.get(param)).ok_or_else(|| {
+                CandleError::Config(format!("gradient check: stage {u}'s weight ({owner}, {param}) is gone"))
+            })?;
+            // Held in `dtype` already (`hold_as`): a clone of the handle, no copy.
+            Ok(w.to_dtype(dtype)?)
+        };
+        let mut tensors = HashMap::with_capacity(s.params.len() + s.borrows.len());
+        let mut out_vars = Vec::new();
+        // A `Var` of an f32 weight is the weight itself (held as a `Var` tensor).
+        let mut track = |t: Tensor| -> Result<Tensor> {
+            if !vars {
+                return Ok(t);
+            }
+            let v = Var::from_tensor(&t)?;
+            let t = v.as_tensor().clone();
+            out_vars.push(v);
+            Ok(t)
+        };
+        let mut own = Vec::with_capacity(s.params.len());
+        for (i, p) in s.params.iter().enumerate() {
+            let t = track(value(u, i)?)?;
+            tensors.insert(p.name.clone(), t.clone());
+            own.push(t);
         }
-        for u in self.users(owner, param) {
-            let (_, base, _) = &trial[u];
-            let out = self.rerun(&moved, trial, u)?;
-            let base = base.to_dtype(DType::F32)?;
-            let scale = base.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6);
-            let change = (out - base)?.abs()?.max_all()?.to_scalar::<f32>()?;
-            // Rounding moves an output by ~1e-7 of its scale; a real use by far more.
-            if change > 1e-4 * scale {
-                return Ok(true);
+        for (alias, i) in &s.aliases {
+            let t =
+                own.get(*i).cloned().ok_or_else(|| CandleError::Config("alias of a missing param".into()))?;
+            tensors.insert(alias.clone(), t);
+        }
+        for b in &s.borrows {
+            let t = track(value(b.owner, b.param)?)?;
+            tensors.insert(b.local.clone(), t);
+        }
+        Ok((Gathered { stage: s.name.clone(), tensors }, out_vars))
+    }
+
+    /// Stage `u` on `input` with weights `g`, in `trial`'s mode: its output and
+    /// whether it read its context.
+    fn run_on(
+        &self,
+        u: usize,
+        g: Gathered,
+        dtype: DType,
+        input: &Tensor,
+        train: bool,
+    ) -> Result<(Tensor, bool)> {
+        let s = self.probe_stage(u)?;
+        let ctx = StageContext::new(train, stage_key(PROBE_SEED, u));
+        let vb = VarBuilder::from_backend(Box::new(g), dtype, Device::Cpu);
+        let out = (s.run)(vb, input, &ctx).map_err(|e| {
+            CandleError::Config(format!(
+                "stage {:?} failed in the gradient check ({dtype:?}, a batch of {} sequences): {e}",
+                s.name,
+                input.dim(0).unwrap_or(0)
+            ))
+        })?;
+        Ok((out, ctx.looked()))
+    }
+
+    /// Checks stage `l` in `trial`'s mode: the backward (its own weights, the
+    /// weights it borrows, its input), then the differences and influence of
+    /// every weight whose last user it is. Returns the next stage's trial input
+    /// (the output on the first rows) and whether the stage read its context.
+    fn check_stage(
+        &self,
+        l: usize,
+        trial: &Trial,
+        walk: &mut Walk,
+        allowed: &[String],
+        only: Option<&[usize]>,
+    ) -> Result<(Tensor, bool)> {
+        let stage = self.probe_stage(l)?;
+        let mut seen: Vec<Seen> = stage.params.iter().map(|p| Seen::new(p.numel())).collect();
+        let mut lent: Vec<Seen> = stage
+            .borrows
+            .iter()
+            .map(|b| self.probe_stage(b.owner).map(|o| Seen::new(o.params[b.param].numel())))
+            .collect::<Result<_>>()?;
+        let dirs: Vec<Tensor> =
+            (0..stage.params.len()).map(|i| self.direction(l, i, trial.train)).collect::<Result<_>>()?;
+        let borrowed_dirs: Vec<Tensor> = stage
+            .borrows
+            .iter()
+            .map(|b| self.direction(b.owner, b.param, trial.train))
+            .collect::<Result<_>>()?;
+        let (mut next, mut looks) = (None, false);
+        let users: Vec<usize> = std::iter::once(l).chain(stage.borrows.iter().map(|b| b.owner)).collect();
+        self.hold_as(walk, &users, DType::F32)?;
+        let (weights, vars) = self.stage_weights(l, walk, DType::F32, None, true)?;
+        for (c, input) in trial.inputs.iter().enumerate() {
+            let g = Gathered { stage: weights.stage.clone(), tensors: weights.tensors.clone() };
+            let x = if l == 0 { None } else { Some(Var::from_tensor(input)?) };
+            let (out, looked) =
+                self.run_on(l, g, DType::F32, x.as_ref().map_or(input, |v| v.as_tensor()), trial.train)?;
+            looks |= looked;
+            let up = self.upstream(l, c, trial.train, out.shape())?;
+            let store = (out.to_dtype(DType::F32)? * &up)?.sum_all()?.backward()?;
+            let missing =
+                |param: &str| CandleError::MissingGradient { stage: stage.name.clone(), param: param.into() };
+            let (own_vars, borrowed_vars) = vars.split_at(stage.params.len());
+            for ((v, info), (s, u)) in own_vars.iter().zip(&stage.params).zip(seen.iter_mut().zip(&dirs)) {
+                s.add(store.get(v.as_tensor()).ok_or_else(|| missing(&info.name))?, u)?;
+            }
+            for ((v, b), (s, u)) in
+                borrowed_vars.iter().zip(&stage.borrows).zip(lent.iter_mut().zip(&borrowed_dirs))
+            {
+                s.add(store.get(v.as_tensor()).ok_or_else(|| missing(&b.local))?, u)?;
+            }
+            if let Some(x) = &x
+                && store.get(x.as_tensor()).is_none()
+            {
+                return Err(CandleError::MissingInputGradient { stage: stage.name.clone() });
+            }
+            if c == 0 {
+                let first = out.detach();
+                next = Some(if first.dim(0)? > LATER_ROWS { first.narrow(0, 0, LATER_ROWS)? } else { first });
             }
         }
-        Ok(false)
+        drop((weights, vars));
+        let next =
+            next.ok_or_else(|| CandleError::Config(format!("stage {:?}: no trial input", stage.name)))?;
+        // Weights this stage owns and nobody borrows are done; the others wait for
+        // their last user.
+        let mut done: Vec<(Target, Seen)> = Vec::new();
+        for (i, s) in seen.into_iter().enumerate() {
+            let target = Target { owner: l, param: i, users: self.users(l, i) };
+            if target.users.last() == Some(&l) {
+                done.push((target, s));
+            } else {
+                walk.tied.insert((l, i, trial.train), s);
+                walk.trials.insert((l, trial.train), trial.clone());
+            }
+        }
+        for (b, s) in stage.borrows.iter().zip(lent) {
+            let key = (b.owner, b.param, trial.train);
+            let acc = walk.tied.remove(&key).ok_or_else(|| {
+                CandleError::Config(format!(
+                    "stage {:?}: tied weight {:?} before its owner",
+                    stage.name, b.local
+                ))
+            })?;
+            let merged = Seen {
+                zero: acc.zero.iter().zip(&s.zero).map(|(a, b)| *a && *b).collect(),
+                dot: acc.dot + s.dot,
+                sq: acc.sq + s.sq,
+            };
+            let target = Target { owner: b.owner, param: b.param, users: self.users(b.owner, b.param) };
+            if target.users.last() == Some(&l) {
+                done.push((target, merged));
+            } else {
+                walk.tied.insert(key, merged);
+                walk.trials.insert((l, trial.train), trial.clone());
+            }
+        }
+        walk.trials.insert((l, trial.train), trial.clone());
+        if let Some(only) = only {
+            done.retain(|(t, _)| t.users.iter().any(|u| only.contains(u)));
+        }
+        if !done.is_empty() {
+            // The differences run in f64: every stage they rerun held in f64 alone.
+            let mut involved: Vec<usize> = done.iter().flat_map(|(t, _)| t.users.clone()).collect();
+            for &u in &involved.clone() {
+                involved.extend(self.probe_stage(u)?.borrows.iter().map(|b| b.owner));
+            }
+            involved.sort_unstable();
+            involved.dedup();
+            self.hold_as(walk, &involved, DType::F64)?;
+            for (target, s) in done {
+                if let Some(note) = self.test_weight(&target, s, trial.train, walk, allowed)? {
+                    walk.notes.push(note);
+                }
+            }
+        }
+        Ok((next, looks))
     }
 
     /// The stages that use parameter `(owner, param)`: its own, and those it
-    /// is tied into.
+    /// is tied into, in order.
     fn users(&self, owner: usize, param: usize) -> Vec<usize> {
         std::iter::once(owner)
             .chain(
@@ -228,60 +499,192 @@ impl CandleModel {
             .collect()
     }
 
-    /// Stage `u`'s output on its trial input with weights `params` (no graph).
-    fn rerun(&self, params: &[Vec<f32>], trial: &[(Tensor, Tensor, Tensor)], u: usize) -> Result<Tensor> {
-        let s = &self.stages[u];
-        let (mut g, _) = gathered(&s.name, &s.params, &params[u], false)?;
-        self.add_ties(s, &mut g, |b| self.lent_slice(params, b))?;
-        let ctx = StageContext::new(false, stage_key(PROBE_SEED, u));
-        let vb = VarBuilder::from_backend(Box::new(g), DType::F32, Device::Cpu);
-        Ok((s.run)(vb, &trial[u].0, &ctx)?.to_dtype(DType::F32)?)
-    }
-
-    /// The directional test: with `F = Σ_users ⟨out, upstream⟩` and a random
-    /// ±1 direction `u`, compares the backward's `g · u` with central
-    /// differences of `F` along `u` (in f64 sums over f32 outputs). A path
-    /// cut while another still reaches every element shows as a mismatch;
-    /// `Some((g · u, differences))` when they disagree by more than 5% of the
-    /// larger, beyond the differences' rounding noise.
-    fn disagrees(
+    /// `F = Σ_users Σ_chunks ⟨out, up⟩` and `Σ |out ⊙ up|` with weight
+    /// `target` replaced by `moved`, in `dtype`.
+    fn objective(
         &self,
-        params: &[Vec<f32>],
-        trial: &[(Tensor, Tensor, Tensor)],
-        (owner, param): (usize, usize),
-        grad: &[f32],
-    ) -> Result<Option<(f64, f64)>> {
-        let stage = &self.stages[owner];
-        let at: usize = stage.params.iter().take(param).map(|p| p.numel()).sum();
-        let n = stage.params[param].numel();
-        let w = &params[owner][at..at + n];
-        let rms = (w.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / n.max(1) as f64).sqrt();
-        // Small enough that few ReLU-like kinks are crossed, large enough for f32.
-        let eps = 1e-3 * rms.max(0.01);
-        let key = stream_seed(PROBE_SEED, &[4, owner as u64, param as u64]);
-        let dir: Vec<f64> = noise(key, n, 1.0).map(|u| f64::from(u.signum())).collect();
-        let backward: f64 = grad.iter().zip(&dir).map(|(&g, &u)| f64::from(g) * u).sum();
-        let users = self.users(owner, param);
-        // F at w + s·eps·u, and Σ|out ⊙ up| (the scale of F's rounding).
-        let objective = |s: f64| -> Result<(f64, f64)> {
-            let mut moved = params.to_vec();
-            for (v, &u) in moved[owner][at..at + n].iter_mut().zip(&dir) {
-                *v = (f64::from(*v) + s * eps * u) as f32;
-            }
-            let (mut f, mut size) = (0.0, 0.0);
-            for &u in &users {
-                let out = self.rerun(&moved, trial, u)?.to_dtype(DType::F64)?;
-                let prod = (out * trial[u].2.to_dtype(DType::F64)?)?;
+        target: &Target,
+        moved: &Tensor,
+        train: bool,
+        walk: &Walk,
+        dtype: DType,
+    ) -> Result<(f64, f64)> {
+        let (mut f, mut size) = (0.0, 0.0);
+        for &u in &target.users {
+            let trial = walk
+                .trials
+                .get(&(u, train))
+                .ok_or_else(|| CandleError::Config(format!("gradient check: stage {u}'s trial is gone")))?;
+            for (c, input) in trial.inputs.iter().enumerate() {
+                let (g, _) =
+                    self.stage_weights(u, walk, dtype, Some(((target.owner, target.param), moved)), false)?;
+                let x = if input.dtype() == DType::U32 { input.clone() } else { input.to_dtype(dtype)? };
+                let (out, _) = self.run_on(u, g, dtype, &x, train)?;
+                let up = self.upstream(u, c, train, out.shape())?.to_dtype(DType::F64)?;
+                let prod = (out.to_dtype(DType::F64)? * up)?;
                 f += prod.sum_all()?.to_scalar::<f64>()?;
                 size += prod.abs()?.sum_all()?.to_scalar::<f64>()?;
             }
-            Ok((f, size))
-        };
-        let ((plus, size), (minus, _)) = (objective(1.0)?, objective(-1.0)?);
-        let differences = (plus - minus) / (2.0 * eps);
-        // f32 outputs carry ~1e-7 relative rounding each; kept well clear of it.
-        let noise = 1e-5 * size / eps;
-        let gap = (differences - backward).abs();
-        Ok((gap > 0.05 * differences.abs().max(backward.abs()) + noise).then_some((backward, differences)))
+        }
+        Ok((f, size))
+    }
+
+    /// The largest change of any user's output on its trial when weight
+    /// `target` is `moved` instead of its value, and the outputs' scale.
+    fn output_change(
+        &self,
+        target: &Target,
+        moved: &Tensor,
+        train: bool,
+        walk: &Walk,
+        dtype: DType,
+    ) -> Result<(f64, f64)> {
+        let (mut change, mut scale) = (0.0f64, 0.0f64);
+        for &u in &target.users {
+            let trial = walk
+                .trials
+                .get(&(u, train))
+                .ok_or_else(|| CandleError::Config(format!("gradient check: stage {u}'s trial is gone")))?;
+            for input in &trial.inputs {
+                let x = if input.dtype() == DType::U32 { input.clone() } else { input.to_dtype(dtype)? };
+                let (g, _) = self.stage_weights(u, walk, dtype, None, false)?;
+                let (base, _) = self.run_on(u, g, dtype, &x, train)?;
+                let (g, _) =
+                    self.stage_weights(u, walk, dtype, Some(((target.owner, target.param), moved)), false)?;
+                let (out, _) = self.run_on(u, g, dtype, &x, train)?;
+                let base = base.to_dtype(DType::F64)?;
+                scale = scale.max(base.abs()?.max_all()?.to_scalar::<f64>()?);
+                change =
+                    change.max((out.to_dtype(DType::F64)? - base)?.abs()?.max_all()?.to_scalar::<f64>()?);
+            }
+        }
+        Ok((change, scale))
+    }
+
+    /// The influence and directional tests of one weight (its backward seen),
+    /// in f64, or in f32 where a user stage does not run in f64 (said in the
+    /// returned note).
+    fn test_weight(
+        &self,
+        target: &Target,
+        seen: Seen,
+        train: bool,
+        walk: &Walk,
+        allowed: &[String],
+    ) -> Result<Option<String>> {
+        let stage = self.probe_stage(target.owner)?;
+        let info = &stage.params[target.param];
+        let full = format!("{}.{}", stage.name, info.name);
+        if allowed.contains(&full) {
+            return Ok(None);
+        }
+        // Held in f64 by `check_stage`: this is the held tensor itself.
+        let w = walk
+            .weights
+            .get(&target.owner)
+            .and_then(|w| w.get(target.param))
+            .ok_or_else(|| CandleError::Config(format!("gradient check: weight {full} is gone")))?
+            .to_dtype(DType::F64)?;
+        let rms = (w.sqr()?.sum_all()?.to_scalar::<f64>()? / info.numel().max(1) as f64).sqrt().max(0.01);
+        match self.test_in(target, &seen, train, walk, &w, rms, DType::F64) {
+            Ok(()) => Ok(None),
+            Err(e @ (CandleError::PartialGradient { .. } | CandleError::WrongGradient { .. })) => Err(e),
+            // A user stage that does not run in f64 (a tensor made in f32 inside it):
+            // the same tests in f32, with f32's bounds.
+            Err(f64_failed) => {
+                self.test_in(target, &seen, train, walk, &w, rms, DType::F32)?;
+                // The reason's first line (candle's errors carry a backtrace after it).
+                let why = f64_failed.to_string();
+                let why = why.lines().next().unwrap_or_default();
+                Ok(Some(format!(
+                    "{full} ({} mode) was checked in f32, its stages not running in f64 ({why}): its finite \
+                     differences' rounding grows with the stage, so a small cut path can hide",
+                    if train { "training" } else { "evaluation" }
+                )))
+            }
+        }
+    }
+
+    /// [`CandleModel::test_weight`]'s tests with the reruns in `dtype`.
+    #[allow(clippy::too_many_arguments)] // one weight's probe: its seen backward, value and scale
+    fn test_in(
+        &self,
+        target: &Target,
+        seen: &Seen,
+        train: bool,
+        walk: &Walk,
+        w: &Tensor,
+        rms: f64,
+        dtype: DType,
+    ) -> Result<()> {
+        let stage = self.probe_stage(target.owner)?;
+        let info = &stage.params[target.param];
+        let (eps, h0) = if dtype == DType::F64 { (EPS64, 1e-4 * rms) } else { (EPS32, 1e-2 * rms) };
+        let mode = if train { "training" } else { "evaluation" };
+        let zeros: Vec<usize> = seen.zero.iter().enumerate().filter(|&(_, &z)| z).map(|(j, _)| j).collect();
+        if !zeros.is_empty() {
+            // Move the zero-gradient elements by a tenth of the weight's scale.
+            let mut v = w.flatten_all()?.to_vec1::<f64>()?;
+            let key = stream_seed(PROBE_SEED, &[3, target.owner as u64, target.param as u64]);
+            for (&j, u) in zeros.iter().zip(noise(key, zeros.len(), 1.0)) {
+                v[j] += 0.1 * rms * f64::from(u.signum());
+            }
+            let moved = Tensor::from_vec(v, info.shape.as_slice(), &Device::Cpu)?.to_dtype(dtype)?;
+            let (change, scale) = self.output_change(target, &moved, train, walk, dtype)?;
+            // Rounding moves an output by a few roundoffs of its scale; a real use by far more.
+            if change > DEPTH * eps * 8.0 * scale.max(1e-30) {
+                return Err(CandleError::PartialGradient {
+                    stage: stage.name.clone(),
+                    param: info.name.clone(),
+                    shape: info.shape.clone(),
+                    zeros: format!("{} (in {mode} mode)", describe(&zeros, &info.shape)),
+                });
+            }
+        }
+        let dir = self.direction(target.owner, target.param, train)?.to_dtype(DType::F64)?;
+        let backward = seen.dot;
+        let mut last = 0.0;
+        for h in [h0, h0 / 8.0] {
+            let (differences, size) = self.differences(target, w, &dir, h, train, walk, dtype)?;
+            // The differences: each evaluation of F off by at most DEPTH roundings of
+            // Σ|out ⊙ up|. The backward: each gradient element off by DEPTH roundings of
+            // f32, independently (a shared factor's error is relative to `backward`).
+            let rounding = DEPTH * eps * size / h + DEPTH * EPS32 * (backward.abs() + seen.sq.sqrt());
+            let gap = (differences - backward).abs();
+            if gap <= DIRECTION_TOL * differences.abs().max(backward.abs()) + rounding {
+                return Ok(());
+            }
+            last = differences;
+        }
+        Err(CandleError::WrongGradient {
+            stage: stage.name.clone(),
+            param: info.name.clone(),
+            backward,
+            differences: last,
+        })
+    }
+
+    /// Central differences of the objective along `dir` with step `h`.
+    #[allow(clippy::too_many_arguments)] // the weight, its direction and the step are one probe
+    fn differences(
+        &self,
+        target: &Target,
+        w: &Tensor,
+        dir: &Tensor,
+        h: f64,
+        train: bool,
+        walk: &Walk,
+        dtype: DType,
+    ) -> Result<(f64, f64)> {
+        let plus = (w + (dir * h)?)?.to_dtype(dtype)?;
+        let minus = (w - (dir * h)?)?.to_dtype(dtype)?;
+        // The step actually taken, after rounding to `dtype`.
+        let taken = ((&plus.to_dtype(DType::F64)? - &minus.to_dtype(DType::F64)?)? * dir)?
+            .sum_all()?
+            .to_scalar::<f64>()?
+            / (dir.sqr()?.sum_all()?.to_scalar::<f64>()?).max(f64::MIN_POSITIVE);
+        let (fp, sp) = self.objective(target, &plus, train, walk, dtype)?;
+        let (fm, sm) = self.objective(target, &minus, train, walk, dtype)?;
+        Ok(((fp - fm) / taken, sp.max(sm)))
     }
 }

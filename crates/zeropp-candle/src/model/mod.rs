@@ -118,6 +118,8 @@ pub struct CandleModel {
     threads: usize,
     activation: Option<Box<ActivationFn>>,
     dropout_seed: u64,
+    /// What the build's gradient check could not check in f64.
+    check_notes: Vec<String>,
 }
 
 impl std::fmt::Debug for CandleModel {
@@ -184,6 +186,15 @@ impl CandleModel {
             partial_ok: Vec::new(),
             dropout_seed: 0,
         }
+    }
+
+    /// What the build's gradient check could only check in f32 (a stage that
+    /// does not run in f64, such as one making an f32 tensor of its own), one
+    /// line per weight and mode; empty when every weight was checked in f64.
+    /// An f32 check's finite differences carry rounding that grows with the
+    /// stage, so a small cut path can pass unseen there.
+    pub fn gradient_check_notes(&self) -> &[String] {
+        &self.check_notes
     }
 
     /// Whether backward keeps every stage's forward graph (none is recomputed).

@@ -266,7 +266,15 @@ pub fn softmax_last_dim(x: &Tensor) -> CResult<Tensor> {
 /// dimension, with a backward pass for `x` and `alpha` (any layout).
 pub fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f32) -> CResult<Tensor> {
     let x = x.contiguous()?;
-    let y = candle_nn::ops::rms_norm(&x, alpha, eps)?;
+    let y = if x.dtype() == DType::F64 {
+        // candle-nn's kernel has no f64: the formula in tensor ops (the build's
+        // gradient check runs stages in f64).
+        let xd = x.detach();
+        let r = (xd.sqr()?.mean_keepdim(D::Minus1)? + f64::from(eps))?.sqrt()?.recip()?;
+        xd.broadcast_mul(&r)?.broadcast_mul(&alpha.detach())?
+    } else {
+        candle_nn::ops::rms_norm(&x, alpha, eps)?
+    };
     if !x.track_op() && !alpha.track_op() {
         return Ok(y);
     }
@@ -277,7 +285,15 @@ pub fn rms_norm(x: &Tensor, alpha: &Tensor, eps: f32) -> CResult<Tensor> {
 /// over the last dimension, with a backward pass for all three (any layout).
 pub fn layer_norm(x: &Tensor, alpha: &Tensor, beta: &Tensor, eps: f32) -> CResult<Tensor> {
     let x = x.contiguous()?;
-    let y = candle_nn::ops::layer_norm(&x, alpha, beta, eps)?;
+    let y = if x.dtype() == DType::F64 {
+        // As in `rms_norm`: no f64 kernel in candle-nn.
+        let xd = x.detach();
+        let c = xd.broadcast_sub(&xd.mean_keepdim(D::Minus1)?)?;
+        let r = (c.sqr()?.mean_keepdim(D::Minus1)? + f64::from(eps))?.sqrt()?.recip()?;
+        c.broadcast_mul(&r)?.broadcast_mul(&alpha.detach())?.broadcast_add(&beta.detach())?
+    } else {
+        candle_nn::ops::layer_norm(&x, alpha, beta, eps)?
+    };
     if !x.track_op() && !alpha.track_op() && !beta.track_op() {
         return Ok(y);
     }

@@ -7,6 +7,7 @@
 
 mod errors;
 mod export;
+mod gradcheck;
 mod ops;
 mod protocol;
 mod ties;
