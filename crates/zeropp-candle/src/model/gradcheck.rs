@@ -143,10 +143,9 @@ impl Seen {
         Self { zero: vec![true; n], dot: 0.0, sq: 0.0 }
     }
 
-    fn add(&mut self, g: &Tensor, u: &Tensor) -> Result<()> {
+    fn add(&mut self, g: &Tensor, uv: &[f32]) -> Result<()> {
         let gv = g.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-        let uv = u.flatten_all()?.to_vec1::<f32>()?;
-        for ((z, &gj), &uj) in self.zero.iter_mut().zip(&gv).zip(&uv) {
+        for ((z, &gj), &uj) in self.zero.iter_mut().zip(&gv).zip(uv) {
             *z &= gj == 0.0;
             let p = f64::from(gj) * f64::from(uj);
             self.dot += p;
@@ -264,7 +263,9 @@ impl CandleModel {
             if let Some(ws) = walk.weights.get_mut(s) {
                 for w in ws.iter_mut() {
                     if w.dtype() != dtype {
-                        let t = w.to_dtype(dtype)?;
+                        // Detached: a conversion of a `Var` would otherwise keep the `Var`
+                        // alive and make every rerun record its graph.
+                        let t = w.to_dtype(dtype)?.detach();
                         *w = if dtype == DType::F32 { Var::from_tensor(&t)?.as_tensor().clone() } else { t };
                     }
                 }
@@ -280,15 +281,16 @@ impl CandleModel {
         Ok(Tensor::from_iter(noise(key, shape.elem_count(), 1.0), &Device::Cpu)?.reshape(shape)?)
     }
 
-    /// The direction of weight `(owner, param)` in `train` mode.
-    fn direction(&self, owner: usize, param: usize, train: bool) -> Result<Tensor> {
+    /// The direction of weight `(owner, param)` in `train` mode: a standard
+    /// normal draw per element.
+    fn direction(&self, owner: usize, param: usize, train: bool) -> Result<Vec<f32>> {
         let info = self
             .probe_stage(owner)?
             .params
             .get(param)
-            .ok_or_else(|| CandleError::Config("no such param".into()))?;
+            .ok_or_else(|| CandleError::Config("gradient check: no such parameter".into()))?;
         let key = stream_seed(PROBE_SEED, &[4, owner as u64, param as u64, u64::from(train)]);
-        Ok(Tensor::from_vec(normals(key, info.numel()), info.shape.as_slice(), &Device::Cpu)?)
+        Ok(normals(key, info.numel()))
     }
 
     /// Stage `u`'s named weights from `walk` (own, aliases and borrowed), in
@@ -387,13 +389,6 @@ impl CandleModel {
             .iter()
             .map(|b| self.probe_stage(b.owner).map(|o| Seen::new(o.params[b.param].numel())))
             .collect::<Result<_>>()?;
-        let dirs: Vec<Tensor> =
-            (0..stage.params.len()).map(|i| self.direction(l, i, trial.train)).collect::<Result<_>>()?;
-        let borrowed_dirs: Vec<Tensor> = stage
-            .borrows
-            .iter()
-            .map(|b| self.direction(b.owner, b.param, trial.train))
-            .collect::<Result<_>>()?;
         let (mut next, mut looks) = (None, false);
         let users: Vec<usize> = std::iter::once(l).chain(stage.borrows.iter().map(|b| b.owner)).collect();
         self.hold_as(walk, &users, DType::F32)?;
@@ -409,13 +404,14 @@ impl CandleModel {
             let missing =
                 |param: &str| CandleError::MissingGradient { stage: stage.name.clone(), param: param.into() };
             let (own_vars, borrowed_vars) = vars.split_at(stage.params.len());
-            for ((v, info), (s, u)) in own_vars.iter().zip(&stage.params).zip(seen.iter_mut().zip(&dirs)) {
-                s.add(store.get(v.as_tensor()).ok_or_else(|| missing(&info.name))?, u)?;
+            // Each weight's direction made as its gradient is read (one weight's worth at a time).
+            for (i, ((v, info), s)) in own_vars.iter().zip(&stage.params).zip(seen.iter_mut()).enumerate() {
+                let g = store.get(v.as_tensor()).ok_or_else(|| missing(&info.name))?;
+                s.add(g, &self.direction(l, i, trial.train)?)?;
             }
-            for ((v, b), (s, u)) in
-                borrowed_vars.iter().zip(&stage.borrows).zip(lent.iter_mut().zip(&borrowed_dirs))
-            {
-                s.add(store.get(v.as_tensor()).ok_or_else(|| missing(&b.local))?, u)?;
+            for ((v, b), s) in borrowed_vars.iter().zip(&stage.borrows).zip(lent.iter_mut()) {
+                let g = store.get(v.as_tensor()).ok_or_else(|| missing(&b.local))?;
+                s.add(g, &self.direction(b.owner, b.param, trial.train)?)?;
             }
             if let Some(x) = &x
                 && store.get(x.as_tensor()).is_none()
@@ -578,21 +574,21 @@ impl CandleModel {
         if allowed.contains(&full) {
             return Ok(None);
         }
-        // Held in f64 by `check_stage`: this is the held tensor itself.
+        // The weight as `check_stage` holds it (f64, contiguous): read in place.
         let w = walk
             .weights
             .get(&target.owner)
             .and_then(|w| w.get(target.param))
-            .ok_or_else(|| CandleError::Config(format!("gradient check: weight {full} is gone")))?
-            .to_dtype(DType::F64)?;
-        let rms = (w.sqr()?.sum_all()?.to_scalar::<f64>()? / info.numel().max(1) as f64).sqrt().max(0.01);
-        match self.test_in(target, &seen, train, walk, &w, rms, DType::F64) {
+            .ok_or_else(|| CandleError::Config(format!("gradient check: weight {full} is gone")))?;
+        let rms = with_values(w, |v| (v.iter().map(|x| x * x).sum::<f64>() / v.len().max(1) as f64).sqrt())?;
+        let rms = rms.max(0.01);
+        match self.test_in(target, &seen, train, walk, w, rms, DType::F64) {
             Ok(()) => Ok(None),
             Err(e @ (CandleError::PartialGradient { .. } | CandleError::WrongGradient { .. })) => Err(e),
             // A user stage that does not run in f64 (a tensor made in f32 inside it):
             // the same tests in f32, with f32's bounds.
             Err(f64_failed) => {
-                self.test_in(target, &seen, train, walk, &w, rms, DType::F32)?;
+                self.test_in(target, &seen, train, walk, w, rms, DType::F32)?;
                 // The reason's first line (candle's errors carry a backtrace after it).
                 let why = f64_failed.to_string();
                 let why = why.lines().next().unwrap_or_default();
@@ -624,7 +620,7 @@ impl CandleModel {
         let zeros: Vec<usize> = seen.zero.iter().enumerate().filter(|&(_, &z)| z).map(|(j, _)| j).collect();
         if !zeros.is_empty() {
             // Move the zero-gradient elements by a tenth of the weight's scale.
-            let mut v = w.flatten_all()?.to_vec1::<f64>()?;
+            let mut v = with_values(w, <[f64]>::to_vec)?;
             let key = stream_seed(PROBE_SEED, &[3, target.owner as u64, target.param as u64]);
             for (&j, u) in zeros.iter().zip(noise(key, zeros.len(), 1.0)) {
                 v[j] += 0.1 * rms * f64::from(u.signum());
@@ -641,7 +637,7 @@ impl CandleModel {
                 });
             }
         }
-        let dir = self.direction(target.owner, target.param, train)?.to_dtype(DType::F64)?;
+        let dir = self.direction(target.owner, target.param, train)?;
         let backward = seen.dot;
         let mut last = 0.0;
         for h in [h0, h0 / 8.0] {
@@ -664,27 +660,55 @@ impl CandleModel {
         })
     }
 
-    /// Central differences of the objective along `dir` with step `h`.
+    /// Central differences of the objective along `dir` with step `h`: the
+    /// moved weight made on the host, one at a time (the only copy beside the
+    /// held stage), in `dtype`, the step divided by the one actually taken
+    /// after rounding to `dtype`.
     #[allow(clippy::too_many_arguments)] // the weight, its direction and the step are one probe
     fn differences(
         &self,
         target: &Target,
         w: &Tensor,
-        dir: &Tensor,
+        dir: &[f32],
         h: f64,
         train: bool,
         walk: &Walk,
         dtype: DType,
     ) -> Result<(f64, f64)> {
-        let plus = (w + (dir * h)?)?.to_dtype(dtype)?;
-        let minus = (w - (dir * h)?)?.to_dtype(dtype)?;
-        // The step actually taken, after rounding to `dtype`.
-        let taken = ((&plus.to_dtype(DType::F64)? - &minus.to_dtype(DType::F64)?)? * dir)?
-            .sum_all()?
-            .to_scalar::<f64>()?
-            / (dir.sqr()?.sum_all()?.to_scalar::<f64>()?).max(f64::MIN_POSITIVE);
+        let shape = self.probe_stage(target.owner)?.params[target.param].shape.clone();
+        let moved = |sign: f64| -> Result<(Tensor, f64)> {
+            with_values(w, |w| -> Result<(Tensor, f64)> {
+                // Σ moved_j · dir_j, in f64 of the values as `dtype` rounds them.
+                let (t, along) = if dtype == DType::F64 {
+                    let v: Vec<f64> = w.iter().zip(dir).map(|(&a, &u)| a + sign * h * f64::from(u)).collect();
+                    let along = v.iter().zip(dir).map(|(&a, &u)| a * f64::from(u)).sum();
+                    (Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?, along)
+                } else {
+                    let v: Vec<f32> =
+                        w.iter().zip(dir).map(|(&a, &u)| (a + sign * h * f64::from(u)) as f32).collect();
+                    let along = v.iter().zip(dir).map(|(&a, &u)| f64::from(a) * f64::from(u)).sum();
+                    (Tensor::from_vec(v, shape.as_slice(), &Device::Cpu)?, along)
+                };
+                Ok((t, along))
+            })?
+        };
+        let norm: f64 = dir.iter().map(|&u| f64::from(u) * f64::from(u)).sum::<f64>().max(f64::MIN_POSITIVE);
+        let (plus, along_plus) = moved(1.0)?;
         let (fp, sp) = self.objective(target, &plus, train, walk, dtype)?;
+        drop(plus);
+        let (minus, along_minus) = moved(-1.0)?;
         let (fm, sm) = self.objective(target, &minus, train, walk, dtype)?;
+        let taken = (along_plus - along_minus) / norm;
         Ok(((fp - fm) / taken, sp.max(sm)))
+    }
+}
+
+/// Calls `f` with the values of `t`, an f64 tensor on the CPU, read in place
+/// (no copy: the weight under test is the largest thing the check holds).
+fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f64]) -> R) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    match (&*storage, layout.contiguous_offsets()) {
+        (candle_core::Storage::Cpu(candle_core::CpuStorage::F64(v)), Some((a, b))) => Ok(f(&v[a..b])),
+        _ => Err(CandleError::Config("gradient check: a held weight is not a contiguous f64 tensor".into())),
     }
 }
