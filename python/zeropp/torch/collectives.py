@@ -317,7 +317,7 @@ class QuantizedAllGather(_Collective):
         direct = output_tensor.device.type == "cpu" and output_tensor.is_contiguous()
         out = (output_tensor if direct else torch.empty(g * n, dtype=output_tensor.dtype)).reshape(-1)
         ob, odt = _as_buffer(out, "output_tensor")
-        _zeropp.dequantize_segments(recv.contiguous().numpy(), ob, layout, dtype=odt, bits=self.bits,
+        _zeropp.dequantize_segments(recv.contiguous().reshape(-1).numpy(), ob, layout, dtype=odt, bits=self.bits,
                                     group_size=self.group_size, ranks=g, wire_stride=e, out_stride=n)
         if not direct:
             output_tensor.copy_(out.view_as(output_tensor))
