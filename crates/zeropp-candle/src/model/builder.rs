@@ -82,6 +82,37 @@ impl CandleModelBuilder {
         self
     }
 
+    /// Splits the build's gradient check over the `parts` processes of a job:
+    /// this one tests weight `i` (counted over the stages in order) against
+    /// finite differences when `i % parts == part`. Every process still runs
+    /// each stage's trial forward and backward (a weight with no gradient is
+    /// found everywhere); the differences, nearly all of the check's time, are
+    /// split, so the job as a whole checks every weight once.
+    ///
+    /// By default the share comes from the launcher's variables (OpenMPI,
+    /// MPICH/PMI, Slurm `srun`: [`zeropp_engine::launch::detect_job`]): under
+    /// `mpirun -np 4` each process tests a quarter of the weights, and a
+    /// defect makes the process that finds it fail its build (the job then
+    /// ends: its peers' collectives fail within their timeout). Outside a job
+    /// every weight is tested. `check_share(0, 1)` tests every weight in any
+    /// case; `parts` 0 or `part >= parts` is an error at `build()`.
+    ///
+    /// ```
+    /// use candle_nn::Module;
+    /// use zeropp_candle::CandleModel;
+    /// let model = CandleModel::builder("half", 16, 4)
+    ///     .stage("embed", |vb, ids| candle_nn::embedding(16, 8, vb)?.forward(ids))
+    ///     .stage("head", |vb, x| candle_nn::linear(8, 16, vb)?.forward(x))
+    ///     .check_share(1, 2)
+    ///     .build()?;
+    /// assert_eq!(model.gradient_check_share(), (1, 2));
+    /// # Ok::<(), zeropp_candle::CandleError>(())
+    /// ```
+    pub fn check_share(mut self, part: usize, parts: usize) -> Self {
+        self.check_share = Some((part, parts));
+        self
+    }
+
     /// The seed behind every stage's [`StageContext::seed`] (default 0).
     pub fn dropout_seed(mut self, seed: u64) -> Self {
         self.dropout_seed = seed;
@@ -220,6 +251,16 @@ impl CandleModelBuilder {
             });
             x = y;
         }
+        let share = match self.check_share {
+            Some((part, parts)) if parts == 0 || part >= parts => {
+                return Err(CandleError::Config(format!(
+                    "check_share({part}, {parts}): the share must be one of 0..{parts} (and parts at least 1)"
+                )));
+            }
+            Some(share) => share,
+            None => zeropp_engine::launch::detect_job(&|k| std::env::var(k).ok())?
+                .map_or((0, 1), |job| (job.rank, job.world)),
+        };
         resolve_ties(&mut stages, &self.ties)?;
         let layers: Vec<LayerSpec> = stages
             .iter()
@@ -240,9 +281,10 @@ impl CandleModelBuilder {
             activation: self.activation,
             dropout_seed: self.dropout_seed,
             check_notes: Vec::new(),
+            check_share: share,
         };
         zeropp_engine::engine::check_layers(&model)?;
-        model.check_notes = model.check_gradient_paths(&self.partial_ok)?;
+        model.check_notes = model.check_gradient_paths(&self.partial_ok, share)?;
         Ok(model)
     }
 }

@@ -15,8 +15,8 @@
 //!    exactly zero and the gradient along a random direction, `g · u` (a normal
 //!    draw per element, a stream of its own per weight), then drops the gradients.
 //! 2. *Finite differences, in f64* (candle runs f64 on the CPU): the objective
-//!    `F = Σ ⟨out, up⟩` at `w ± h·u`, forward only, on the same inputs and
-//!    upstream gradients. In f64 the differences' rounding, `~1e-16 · Σ|out ⊙ up| / h`,
+//!    `F = Σ ⟨out, up⟩` at `w + h·u` against `F` at `w` (computed once per
+//!    stage), forward only, on the same inputs and upstream gradients. In f64 the differences' rounding, `~1e-16 · Σ|out ⊙ up| / h`,
 //!    sits orders of magnitude below any real defect at any width, so the
 //!    tolerance is derived from the arithmetic, not from the size: a gap above
 //!    [`DIRECTION_TOL`] of the derivative (plus the bounds of both roundings) is a
@@ -31,9 +31,15 @@
 //! checked in evaluation *and* in training mode, the latter with its dropout
 //! masks fixed (every rerun replays the stage's stream), so a path that only
 //! training takes is checked too. Each rerun costs one forward of the stage on
-//! its trial input, two or three per weight: the check's time is linear in the
-//! parameters, and its memory one stage's weights (f32 while it runs backward,
+//! its trial input, one per weight (two more where a weight has zero-gradient
+//! elements), plus one per stage: the check's time is linear in the parameters, and its memory one stage's weights (f32 while it runs backward,
 //! f64 while it runs differences), its gradients and its graph.
+//!
+//! **Split over a job.** Under a launcher (MPI, Slurm) each process tests its
+//! share of the weights (weight `i` of the model when `i % world == rank`,
+//! [`CandleModelBuilder::check_share`](super::CandleModelBuilder::check_share))
+//! after running every stage's trial backward: the job checks every weight
+//! once, and each process spends `1 / world` of the differences' time.
 //!
 //! **What it cannot see**: a path the trial input does not take (a branch on the
 //! data, a mask that hides a row of a later stage's two trial rows); a weight
@@ -176,6 +182,9 @@ struct Walk {
     tied: HashMap<(usize, usize, bool), Seen>,
     /// What could not be checked in f64.
     notes: Vec<String>,
+    /// The objective at the held weights, by (users, mode): the base of the
+    /// one-sided differences.
+    bases: std::cell::RefCell<HashMap<(Vec<usize>, bool), (f64, f64)>>,
 }
 
 impl CandleModel {
@@ -190,14 +199,23 @@ impl CandleModel {
     /// gradient, a stage input with none, a weight element whose gradient is
     /// exactly zero although it changes the output (unless its name is in
     /// `allowed`), and a gradient that disagrees with the derivative.
-    pub(super) fn check_gradient_paths(&self, allowed: &[String]) -> Result<Vec<String>> {
-        let (looked, mut notes) = self.walk(false, allowed, None)?;
+    /// Only weights in `share` (`(part, parts)`: weight `i` over the stages in
+    /// order when `i % parts == part`) are tested against finite differences.
+    pub(super) fn check_gradient_paths(&self, allowed: &[String], share: (usize, usize)) -> Result<Vec<String>> {
+        let (looked, mut notes) = self.walk(false, allowed, None, share)?;
         if !looked.is_empty() {
             // Some stage reads its context (dropout): training mode too, masks fixed,
             // testing the weights such a stage uses.
-            notes.extend(self.walk(true, allowed, Some(&looked))?.1);
+            notes.extend(self.walk(true, allowed, Some(&looked), share)?.1);
         }
         Ok(notes)
+    }
+
+    /// Whether weight `(owner, param)` is in `share` (see
+    /// [`CandleModel::check_gradient_paths`]).
+    fn in_share(&self, owner: usize, param: usize, (part, parts): (usize, usize)) -> bool {
+        let before: usize = self.stages.iter().take(owner).map(|s| s.params.len()).sum();
+        (before + param) % parts.max(1) == part
     }
 
     /// One pass over the stages in `train` mode, testing every weight (or, with
@@ -208,6 +226,7 @@ impl CandleModel {
         train: bool,
         allowed: &[String],
         only: Option<&[usize]>,
+        share: (usize, usize),
     ) -> Result<(Vec<usize>, Vec<String>)> {
         let rows = self.vocab.div_ceil(self.seq_len).max(1);
         let ids: Vec<u32> = (0..rows * self.seq_len).map(|i| (i % self.vocab) as u32).collect();
@@ -218,13 +237,18 @@ impl CandleModel {
             let part = ids[r * self.seq_len..(r + n) * self.seq_len].to_vec();
             inputs.push(Tensor::from_vec(part, (n, self.seq_len), &Device::Cpu)?);
         }
-        let mut walk =
-            Walk { weights: HashMap::new(), trials: HashMap::new(), tied: HashMap::new(), notes: Vec::new() };
+        let mut walk = Walk {
+            weights: HashMap::new(),
+            trials: HashMap::new(),
+            tied: HashMap::new(),
+            notes: Vec::new(),
+            bases: std::cell::RefCell::new(HashMap::new()),
+        };
         let mut looked = Vec::new();
         for l in 0..self.stages.len() {
             walk.weights.insert(l, self.probe_weights(l)?);
             let trial = Trial { inputs, train };
-            let (next, looks) = self.check_stage(l, &trial, &mut walk, allowed, only)?;
+            let (next, looks) = self.check_stage(l, &trial, &mut walk, allowed, only, share)?;
             if looks {
                 looked.push(l);
             }
@@ -381,6 +405,7 @@ impl CandleModel {
         walk: &mut Walk,
         allowed: &[String],
         only: Option<&[usize]>,
+        share: (usize, usize),
     ) -> Result<(Tensor, bool)> {
         let stage = self.probe_stage(l)?;
         let mut seen: Vec<Seen> = stage.params.iter().map(|p| Seen::new(p.numel())).collect();
@@ -463,6 +488,7 @@ impl CandleModel {
         if let Some(only) = only {
             done.retain(|(t, _)| t.users.iter().any(|u| only.contains(u)));
         }
+        done.retain(|(t, _)| self.in_share(t.owner, t.param, share));
         if !done.is_empty() {
             // The differences run in f64: every stage they rerun held in f64 alone.
             let mut involved: Vec<usize> = done.iter().flat_map(|(t, _)| t.users.clone()).collect();
@@ -660,10 +686,10 @@ impl CandleModel {
         })
     }
 
-    /// Central differences of the objective along `dir` with step `h`: the
-    /// moved weight made on the host, one at a time (the only copy beside the
-    /// held stage), in `dtype`, the step divided by the one actually taken
-    /// after rounding to `dtype`.
+    /// Differences of the objective along `dir` with step `h` (one-sided in
+    /// f64, central in f32): the moved weight made on the host, one at a time
+    /// (the only copy beside the held stage), in `dtype`, divided by the step
+    /// actually taken after rounding to `dtype`.
     #[allow(clippy::too_many_arguments)] // the weight, its direction and the step are one probe
     fn differences(
         &self,
@@ -696,6 +722,32 @@ impl CandleModel {
         let (plus, along_plus) = moved(1.0)?;
         let (fp, sp) = self.objective(target, &plus, train, walk, dtype)?;
         drop(plus);
+        if dtype == DType::F64 {
+            // One-sided in f64, against F at the held weights (once per set of users
+            // and mode): one rerun per weight; its truncation, ~h/rms = 1e-4 of the
+            // derivative, is far inside the tolerance.
+            let key = (target.users.clone(), train);
+            let base = walk.bases.borrow().get(&key).copied();
+            let (f0, s0) = match base {
+                Some(b) => b,
+                None => {
+                    let held = walk
+                        .weights
+                        .get(&target.owner)
+                        .and_then(|ws| ws.get(target.param))
+                        .ok_or_else(|| CandleError::Config("gradient check: a held weight is gone".into()))?
+                        .clone();
+                    let b = self.objective(target, &held, train, walk, dtype)?;
+                    walk.bases.borrow_mut().insert(key, b);
+                    b
+                }
+            };
+            let along_w =
+                with_values(w, |w| w.iter().zip(dir).map(|(&a, &u)| a * f64::from(u)).sum::<f64>())?;
+            let taken = (along_plus - along_w) / norm;
+            return Ok(((fp - f0) / taken, sp.max(s0)));
+        }
+        // Central in f32, where the truncation of one side would be a percent.
         let (minus, along_minus) = moved(-1.0)?;
         let (fm, sm) = self.objective(target, &minus, train, walk, dtype)?;
         let taken = (along_plus - along_minus) / norm;

@@ -120,6 +120,8 @@ pub struct CandleModel {
     dropout_seed: u64,
     /// What the build's gradient check could not check in f64.
     check_notes: Vec<String>,
+    /// `(part, parts)`: the share of the weights this process's check tested.
+    check_share: (usize, usize),
 }
 
 impl std::fmt::Debug for CandleModel {
@@ -148,6 +150,9 @@ pub struct CandleModelBuilder {
     shared: Vec<String>,
     partial_ok: Vec<String>,
     dropout_seed: u64,
+    /// `(part, parts)` of the weights this process's gradient check tests;
+    /// `None`: from the job's launcher variables, the whole model outside one.
+    check_share: Option<(usize, usize)>,
 }
 
 impl CandleModel {
@@ -185,6 +190,7 @@ impl CandleModel {
             shared: Vec::new(),
             partial_ok: Vec::new(),
             dropout_seed: 0,
+            check_share: None,
         }
     }
 
@@ -195,6 +201,14 @@ impl CandleModel {
     /// stage, so a small cut path can pass unseen there.
     pub fn gradient_check_notes(&self) -> &[String] {
         &self.check_notes
+    }
+
+    /// `(part, parts)`: which share of the weights this process's build
+    /// tested against finite differences (weight `i`, counted over the stages
+    /// in order, when `i % parts == part`); `(0, 1)` is every weight. See
+    /// [`CandleModelBuilder::check_share`].
+    pub fn gradient_check_share(&self) -> (usize, usize) {
+        self.check_share
     }
 
     /// Whether backward keeps every stage's forward graph (none is recomputed).

@@ -158,3 +158,37 @@ fn a_stage_that_cannot_run_in_f64_is_checked_in_f32_and_said() {
     assert_eq!(notes.len(), 1, "{notes:?}");
     assert!(notes[0].contains("head.weight") && notes[0].contains("f32"), "{notes:?}");
 }
+
+/// Split over a job's processes, every weight is tested by exactly one share:
+/// the cut weight (`mix.w`, the model's weight 1) fails the build of the
+/// share that holds it, and only that one, for every number of parts.
+#[test]
+fn each_weight_is_tested_by_exactly_one_share() {
+    let cut = |part, parts| {
+        let vocab = 16;
+        let d = 16;
+        CandleModel::builder("two-uses", vocab, 8)
+            .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
+            .stage("mix", move |vb, x| {
+                let w = vb.get((d, d), "w")?;
+                let h = x.broadcast_matmul(&w.t()?)?;
+                (x + &h)? + h.detach()
+            })
+            .stage("head", move |vb, x| candle_nn::linear(d, vocab, vb)?.forward(x))
+            .check_share(part, parts)
+            .build()
+    };
+    for parts in 1..=4 {
+        for part in 0..parts {
+            let r = cut(part, parts);
+            if part == 1 % parts {
+                assert_caught(r, &format!("share {part} of {parts}"));
+            } else {
+                let m = r.unwrap_or_else(|e| panic!("share {part} of {parts} holds no cut weight: {e}"));
+                assert_eq!(m.gradient_check_share(), (part, parts));
+            }
+        }
+    }
+    assert!(matches!(cut(2, 2), Err(CandleError::Config(_))), "a share outside 0..parts is refused");
+    assert!(matches!(cut(0, 0), Err(CandleError::Config(_))), "no parts is refused");
+}
