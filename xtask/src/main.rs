@@ -43,6 +43,10 @@ tasks:
                    namespace cluster, 2x2 at 10 and 50 Mbit/s (root; ZEROPP_TORCH_RATES);
                    `torch-scale`: FSDP2 with and without zeropp.torch on a 99.5M-parameter HF Llama,
                    2x2 on localhost (step, peak memory, kept state, split; ZEROPP_SCALE_ROUNDS)
+                   `candle-build`: the candle Llama's build (its gradient check) and first steps at
+                   3 sizes: time against a step, peak against the model and the memory model, on
+                   threads and under MPI limited to 1.15x the model (xtask/candle-build.sh;
+                   ZEROPP_BUILD_SIZES, ZEROPP_BUILD_BEFORE)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
@@ -202,6 +206,23 @@ fn test() -> Result<(), String> {
     run("tests", t)
 }
 
+/// `bench candle-build`: builds the CLI (with MPI where `mpirun` is) and the
+/// example `build_cost`, then runs `xtask/candle-build.sh`.
+fn candle_build(_report_dir: &Path) -> Result<(), String> {
+    let mut b = cargo();
+    b.args(["build", "--release", "--locked", "-p", "zeropp"]);
+    if has_mpirun() {
+        b.args(["--features", "mpi"]);
+    }
+    run("build zeropp", b)?;
+    let mut e = cargo();
+    e.args(["build", "--release", "--locked", "-p", "zeropp-candle", "--example", "build_cost"]);
+    run("build build_cost", e)?;
+    let mut c = Command::new("bash");
+    c.arg(root().join("xtask/candle-build.sh")).current_dir(root());
+    run("bench candle-build", c)
+}
+
 fn test_mpi() -> Result<(), String> {
     if !has_mpirun() {
         return Err(
@@ -239,6 +260,7 @@ fn bench(args: &[String]) -> Result<(), String> {
             "cluster" => Some(cluster::bench),
             "torch" => Some(cluster::bench_torch),
             "torch-scale" => Some(torch_scale::bench),
+            "candle-build" => Some(candle_build),
             _ => None,
         };
         if let Some(bench) = own {
@@ -248,7 +270,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
             return Err(format!(
-                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch, torch-scale)",
+                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch, torch-scale, candle-build)",
                 known.join(", ")
             ));
         };
