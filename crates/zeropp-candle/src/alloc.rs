@@ -1,4 +1,4 @@
-//! One allocator setting that candle training on the CPU wants.
+//! The allocator calls that candle training on the CPU wants.
 //!
 //! candle allocates a fresh buffer for every op's output. glibc's malloc
 //! serves the large ones (from 128 KiB, adapting upward) with `mmap` and
@@ -32,6 +32,33 @@ pub fn retain_freed_memory() -> bool {
             )
         };
         mmap == 1 && trim == 1
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
+/// Hands the heap's free pages back to the kernel now (glibc's
+/// `malloc_trim(0)`, every arena), whatever [`retain_freed_memory`] set.
+/// `CandleModelBuilder::build` calls it after its gradient check, whose
+/// buffers (one stage's weights in f32 and f64, its gradients and graph) are
+/// freed on the building thread: kept, they would sit in a heap arena that
+/// training's threads do not allocate from, and count in every rank's resident
+/// peak. Returns whether memory was released (false off glibc, where it does
+/// nothing).
+///
+/// ```
+/// let _released: bool = zeropp_candle::alloc::release_freed_memory();
+/// ```
+pub fn release_freed_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: `malloc_trim` takes a plain integer (the padding to keep at
+        // the top of the heap) and only returns the allocator's own free pages
+        // to the kernel under the allocator's locks; no memory of ours is read
+        // or written, and live allocations are untouched.
+        unsafe { libc::malloc_trim(0) == 1 }
     }
     #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
     {

@@ -285,6 +285,8 @@ impl CandleModelBuilder {
         };
         zeropp_engine::engine::check_layers(&model)?;
         model.check_notes = model.check_gradient_paths(&self.partial_ok, share)?;
+        // The check's buffers are free now; out of the resident set with them.
+        crate::alloc::release_freed_memory();
         Ok(model)
     }
 }
