@@ -201,7 +201,11 @@ impl CandleModel {
     /// `allowed`), and a gradient that disagrees with the derivative.
     /// Only weights in `share` (`(part, parts)`: weight `i` over the stages in
     /// order when `i % parts == part`) are tested against finite differences.
-    pub(super) fn check_gradient_paths(&self, allowed: &[String], share: (usize, usize)) -> Result<Vec<String>> {
+    pub(super) fn check_gradient_paths(
+        &self,
+        allowed: &[String],
+        share: (usize, usize),
+    ) -> Result<Vec<String>> {
         let (looked, mut notes) = self.walk(false, allowed, None, share)?;
         if !looked.is_empty() {
             // Some stage reads its context (dropout): training mode too, masks fixed,
