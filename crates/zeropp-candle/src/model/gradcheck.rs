@@ -169,6 +169,10 @@ struct Target {
     users: Vec<usize>,
 }
 
+/// The key of a base objective: the stages a weight's differences rerun, and
+/// the mode.
+type BaseKey = (Vec<usize>, bool);
+
 /// The check's state across stages: each stage's weights while it (or a
 /// weight it shares) is under test, and the trials and backward results of
 /// tied weights whose last user has not run yet.
@@ -184,7 +188,7 @@ struct Walk {
     notes: Vec<String>,
     /// The objective at the held weights, by (users, mode): the base of the
     /// one-sided differences.
-    bases: std::cell::RefCell<HashMap<(Vec<usize>, bool), (f64, f64)>>,
+    bases: std::cell::RefCell<HashMap<BaseKey, (f64, f64)>>,
 }
 
 impl CandleModel {
