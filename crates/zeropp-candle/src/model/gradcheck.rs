@@ -16,8 +16,10 @@
 //!    draw per element, a stream of its own per weight), then drops the gradients.
 //! 2. *Finite differences, in f64* (candle runs f64 on the CPU): the objective
 //!    `F = Σ ⟨out, up⟩` at `w + h·u` against `F` at `w` (computed once per
-//!    stage), forward only, on the same inputs and upstream gradients. In f64 the differences' rounding, `~1e-16 · Σ|out ⊙ up| / h`,
-//!    sits orders of magnitude below any real defect at any width, so the
+//!    stage), forward only, on the same inputs and upstream gradients. In f64
+//!    the differences' rounding, `~1e-16 · Σ|out ⊙ up| / h`, and the one-sided
+//!    step's truncation, `~h / rms(w)` of the derivative, both sit orders of
+//!    magnitude below any real defect at any width, so the
 //!    tolerance is derived from the arithmetic, not from the size: a gap above
 //!    [`DIRECTION_TOL`] of the derivative (plus the bounds of both roundings) is a
 //!    [`CandleError::WrongGradient`]; a second step size, `h / 8`, rules out a
@@ -31,9 +33,11 @@
 //! checked in evaluation *and* in training mode, the latter with its dropout
 //! masks fixed (every rerun replays the stage's stream), so a path that only
 //! training takes is checked too. Each rerun costs one forward of the stage on
-//! its trial input, one per weight (two more where a weight has zero-gradient
-//! elements), plus one per stage: the check's time is linear in the parameters, and its memory one stage's weights (f32 while it runs backward,
-//! f64 while it runs differences), its gradients and its graph.
+//! its trial input: one per weight, one more where a weight has zero-gradient
+//! elements or its first step fails, and one per stage for the base. The
+//! check's time is linear in the parameters, and its memory one stage's
+//! weights (f32 while it runs backward, f64 while it runs differences), its
+//! gradients and its graph.
 //!
 //! **Split over a job.** Under a launcher (MPI, Slurm) each process tests its
 //! share of the weights (weight `i` of the model when `i % world == rank`,
@@ -45,7 +49,7 @@
 //! data, a mask that hides a row of a later stage's two trial rows); a weight
 //! whose stage does not run in f64 is checked by its finite differences in f32
 //! instead, where the rounding bound grows with the stage's size and a small cut
-//! path can hide (the check then says nothing: it is sound, not complete).
+//! path can hide: [`CandleModel::gradient_check_notes`] names each such weight.
 
 use std::collections::HashMap;
 
