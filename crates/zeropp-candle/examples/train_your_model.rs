@@ -13,7 +13,7 @@ use zeropp_candle::{CandleModel, StageContext};
 use zeropp_engine::train::{DataChoice, load_data};
 use zeropp_engine::{RunConfig, launch};
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> Result<(), zeropp_candle::CandleError> {
     zeropp_candle::alloc::retain_freed_memory(); // candle allocates per op
     // Your tokenizer's ids work too: TextDataset::from_tokens(vocab, ids, 0.1).
     let (data, _) = load_data(&DataChoice::Markov { seed: 0, chars: 100_000 })?;

@@ -24,7 +24,7 @@
 //! // ZeRO++ (qwZ + hpZ + qgZ) on 2 simulated nodes x 2 ranks.
 //! let report = launch(&model, &data, &RunConfig::tiny().with_steps(10))?;
 //! assert!(report.steps[9].loss < report.steps[0].loss);
-//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # Ok::<(), zeropp_candle::CandleError>(())
 //! ```
 //!
 //! [`LlamaConfig`] builds a Llama-style decoder this way (RMSNorm, RoPE,
