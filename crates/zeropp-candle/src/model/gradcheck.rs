@@ -533,6 +533,34 @@ impl CandleModel {
             .collect()
     }
 
+    /// Runs every user stage of `target` on each chunk of its trial, in `dtype`,
+    /// with the weight replaced by `moved`, handing `f` the stage, the chunk,
+    /// the input and the output: the one rerun both probes below make.
+    fn rerun_moved(
+        &self,
+        target: &Target,
+        moved: &Tensor,
+        train: bool,
+        walk: &Walk,
+        dtype: DType,
+        mut f: impl FnMut(usize, usize, &Tensor, Tensor) -> Result<()>,
+    ) -> Result<()> {
+        for &u in &target.users {
+            let trial = walk
+                .trials
+                .get(&(u, train))
+                .ok_or_else(|| CandleError::Config(format!("gradient check: stage {u}'s trial is gone")))?;
+            for (c, input) in trial.inputs.iter().enumerate() {
+                let x = if input.dtype() == DType::U32 { input.clone() } else { input.to_dtype(dtype)? };
+                let (g, _) =
+                    self.stage_weights(u, walk, dtype, Some(((target.owner, target.param), moved)), false)?;
+                let (out, _) = self.run_on(u, g, dtype, &x, train)?;
+                f(u, c, &x, out)?;
+            }
+        }
+        Ok(())
+    }
+
     /// `F = Σ_users Σ_chunks ⟨out, up⟩` and `Σ |out ⊙ up|` with weight
     /// `target` replaced by `moved`, in `dtype`.
     fn objective(
@@ -544,22 +572,13 @@ impl CandleModel {
         dtype: DType,
     ) -> Result<(f64, f64)> {
         let (mut f, mut size) = (0.0, 0.0);
-        for &u in &target.users {
-            let trial = walk
-                .trials
-                .get(&(u, train))
-                .ok_or_else(|| CandleError::Config(format!("gradient check: stage {u}'s trial is gone")))?;
-            for (c, input) in trial.inputs.iter().enumerate() {
-                let (g, _) =
-                    self.stage_weights(u, walk, dtype, Some(((target.owner, target.param), moved)), false)?;
-                let x = if input.dtype() == DType::U32 { input.clone() } else { input.to_dtype(dtype)? };
-                let (out, _) = self.run_on(u, g, dtype, &x, train)?;
-                let up = self.upstream(u, c, train, out.shape())?.to_dtype(DType::F64)?;
-                let prod = (out.to_dtype(DType::F64)? * up)?;
-                f += prod.sum_all()?.to_scalar::<f64>()?;
-                size += prod.abs()?.sum_all()?.to_scalar::<f64>()?;
-            }
-        }
+        self.rerun_moved(target, moved, train, walk, dtype, |u, c, _, out| {
+            let up = self.upstream(u, c, train, out.shape())?.to_dtype(DType::F64)?;
+            let prod = (out.to_dtype(DType::F64)? * up)?;
+            f += prod.sum_all()?.to_scalar::<f64>()?;
+            size += prod.abs()?.sum_all()?.to_scalar::<f64>()?;
+            Ok(())
+        })?;
         Ok((f, size))
     }
 
@@ -574,24 +593,14 @@ impl CandleModel {
         dtype: DType,
     ) -> Result<(f64, f64)> {
         let (mut change, mut scale) = (0.0f64, 0.0f64);
-        for &u in &target.users {
-            let trial = walk
-                .trials
-                .get(&(u, train))
-                .ok_or_else(|| CandleError::Config(format!("gradient check: stage {u}'s trial is gone")))?;
-            for input in &trial.inputs {
-                let x = if input.dtype() == DType::U32 { input.clone() } else { input.to_dtype(dtype)? };
-                let (g, _) = self.stage_weights(u, walk, dtype, None, false)?;
-                let (base, _) = self.run_on(u, g, dtype, &x, train)?;
-                let (g, _) =
-                    self.stage_weights(u, walk, dtype, Some(((target.owner, target.param), moved)), false)?;
-                let (out, _) = self.run_on(u, g, dtype, &x, train)?;
-                let base = base.to_dtype(DType::F64)?;
-                scale = scale.max(base.abs()?.max_all()?.to_scalar::<f64>()?);
-                change =
-                    change.max((out.to_dtype(DType::F64)? - base)?.abs()?.max_all()?.to_scalar::<f64>()?);
-            }
-        }
+        self.rerun_moved(target, moved, train, walk, dtype, |u, _, x, out| {
+            let (g, _) = self.stage_weights(u, walk, dtype, None, false)?;
+            let (base, _) = self.run_on(u, g, dtype, x, train)?;
+            let base = base.to_dtype(DType::F64)?;
+            scale = scale.max(base.abs()?.max_all()?.to_scalar::<f64>()?);
+            change = change.max((out.to_dtype(DType::F64)? - base)?.abs()?.max_all()?.to_scalar::<f64>()?);
+            Ok(())
+        })?;
         Ok((change, scale))
     }
 
