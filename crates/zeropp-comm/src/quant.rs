@@ -26,3 +26,66 @@ pub use zeropp_quant::{
     Bits, DecodeError, Element, Kernel, Options, Parallelism, QuantError, QuantSpec, Rounding, Scheme,
     encoded_len,
 };
+
+/// Serde for [`QuantSpec`] (zeropp-quant has no serde): `{bits, scheme,
+/// group_size}`, `scheme` being `sym` or `asym`. Use it as
+/// `#[serde(with = "zeropp_comm::quant::spec_serde")]` on a spec, and its
+/// [`option`](spec_serde::option) module on an optional one (`null` = off).
+///
+/// ```
+/// use zeropp_comm::quant::QuantSpec;
+/// #[derive(serde::Serialize, serde::Deserialize, PartialEq, Debug)]
+/// struct S(#[serde(with = "zeropp_comm::quant::spec_serde")] QuantSpec);
+/// let s = S(QuantSpec::int4(128)?);
+/// let json = serde_json::to_string(&s).unwrap_or_default();
+/// assert_eq!(json, r#"{"bits":4,"scheme":"sym","group_size":128}"#);
+/// assert_eq!(serde_json::from_str::<S>(&json).ok(), Some(s));
+/// # Ok::<(), zeropp_comm::quant::QuantError>(())
+/// ```
+pub mod spec_serde {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use zeropp_quant::{Bits, QuantSpec, Scheme};
+
+    #[derive(Serialize, Deserialize)]
+    struct Repr {
+        bits: u32,
+        scheme: String,
+        group_size: usize,
+    }
+
+    fn repr(s: &QuantSpec) -> Repr {
+        let scheme = if s.scheme().has_offsets() { "asym" } else { "sym" };
+        Repr { bits: s.bits().bits(), scheme: scheme.to_string(), group_size: s.group_size() }
+    }
+
+    fn spec<E: serde::de::Error>(r: Repr) -> Result<QuantSpec, E> {
+        let bits = Bits::from_bits(r.bits).map_err(E::custom)?;
+        let scheme: Scheme = r.scheme.parse().map_err(E::custom)?;
+        QuantSpec::new(bits, scheme, r.group_size).map_err(E::custom)
+    }
+
+    /// Writes `s` as `{bits, scheme, group_size}`.
+    pub fn serialize<S: Serializer>(s: &QuantSpec, ser: S) -> Result<S::Ok, S::Error> {
+        repr(s).serialize(ser)
+    }
+
+    /// Reads a spec, checked as [`QuantSpec::new`] checks it.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<QuantSpec, D::Error> {
+        spec(Repr::deserialize(d)?)
+    }
+
+    /// The same for an optional spec (`null` = off).
+    pub mod option {
+        use super::*;
+
+        /// Writes `s`, or `null`.
+        pub fn serialize<S: Serializer>(s: &Option<QuantSpec>, ser: S) -> Result<S::Ok, S::Error> {
+            s.as_ref().map(repr).serialize(ser)
+        }
+
+        /// Reads a spec or `null`.
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<QuantSpec>, D::Error> {
+            Option::<Repr>::deserialize(d)?.map(spec).transpose()
+        }
+    }
+}

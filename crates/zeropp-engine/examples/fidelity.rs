@@ -122,8 +122,10 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
             "ZeRO++ + LoCo with f32 residuals + 1-D exclusion",
             ZeroConfig {
                 qgz: qgz(|q| {
-                    q.error_feedback =
-                        Some(LocoConfig { residual_dtype: CommDtype::F32, ..LocoConfig::default() });
+                    q.error_feedback = Some(LocoConfig {
+                        residual_dtype: zeropp_engine::config::ResidualPrecision::F32,
+                        ..LocoConfig::default()
+                    });
                     q.exclude_1d = true;
                 }),
                 ..zpp

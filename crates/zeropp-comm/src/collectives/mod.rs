@@ -106,8 +106,8 @@ pub use hierarchical::{
     world_all_gather, world_all_gather_bytes, world_reduce_scatter, world_reduce_scatter_bytes,
 };
 pub use qgz::{
-    ErrorFeedback, PartSource, QgzOptions, QgzStages, ResidualPrecision, qgz_bytes, qgz_reduce_scatter,
-    qgz_reduce_scatter_with_feedback,
+    ErrorFeedback, LocoConfig, PartSource, QgzConfig, QgzOptions, QgzSeeds, QgzStages, ResidualPrecision,
+    qgz_bytes, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
 };
 pub use qwz::{QwzOptions, group_qwz_bytes, qwz_all_gather};
 pub use qwz_delta::{

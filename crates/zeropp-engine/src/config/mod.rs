@@ -4,11 +4,14 @@
 //! [`EngineConfig`] is what the per-rank engine needs; it can be built by hand,
 //! from the CLI flags, or from a DeepSpeed JSON file ([`crate::deepspeed`]). One
 //! file per part: `zero.rs` ([`ZeroConfig`]: the stage, the techniques and
-//! DeepSpeed's bucket knobs), `qgz.rs` (qgZ's options: [`QgzConfig`],
-//! [`LocoConfig`]), `delta.rs` (qwZ-Δ's [`DeltaConfig`]), `spec.rs` (quantization specs as ZeRO++ checks them, and
+//! DeepSpeed's bucket knobs), `delta.rs` (qwZ-Δ's [`DeltaConfig`]), `spec.rs` (quantization specs as ZeRO++ checks them, and
 //! their serde), `wire.rs` (the element types on the wire: [`CommDtype`],
 //! [`HpzWire`]); this file holds the run-level [`EngineConfig`] and
 //! [`AdamWConfig`].
+//!
+//! qgZ's settings are comm's own types ([`QgzConfig`], [`LocoConfig`],
+//! re-exported here): the engine carries them as they are and takes every
+//! call's options from [`QgzConfig::options`].
 
 use serde::{Deserialize, Serialize};
 pub use zeropp_comm::collectives::Routing;
@@ -17,16 +20,15 @@ pub use zeropp_comm::quant::QuantSpec;
 use crate::EngineError;
 
 mod delta;
-mod qgz;
 mod spec;
 mod wire;
 mod zero;
 
 pub use delta::DeltaConfig;
-pub use qgz::{LocoConfig, QgzConfig};
 pub use spec::{DEFAULT_GROUP_SIZE, quant_spec};
 pub use wire::{CommDtype, HpzWire};
 pub use zero::{BucketKnobs, ZeroConfig};
+pub use zeropp_comm::collectives::{LocoConfig, QgzConfig, ResidualPrecision};
 
 /// AdamW hyper-parameters (decoupled weight decay, bias-corrected moments).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]

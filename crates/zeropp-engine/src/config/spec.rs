@@ -56,47 +56,5 @@ pub(super) fn default_spec(bits: Bits) -> QuantSpec {
     }
 }
 
-/// Serde for [`QuantSpec`] (a quant type without serde): `{bits, scheme, group_size}`.
-pub(super) mod spec_serde {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-    use zeropp_quant::{Bits, QuantSpec, Scheme};
-
-    #[derive(Serialize, Deserialize)]
-    struct Repr {
-        bits: u32,
-        scheme: String,
-        group_size: usize,
-    }
-
-    fn repr(s: &QuantSpec) -> Repr {
-        let scheme = if s.scheme().has_offsets() { "asym" } else { "sym" };
-        Repr { bits: s.bits().bits(), scheme: scheme.to_string(), group_size: s.group_size() }
-    }
-
-    fn spec<E: serde::de::Error>(r: Repr) -> Result<QuantSpec, E> {
-        let bits = Bits::from_bits(r.bits).map_err(E::custom)?;
-        let scheme: Scheme = r.scheme.parse().map_err(E::custom)?;
-        QuantSpec::new(bits, scheme, r.group_size).map_err(E::custom)
-    }
-
-    pub(in crate::config) fn serialize<S: Serializer>(s: &QuantSpec, ser: S) -> Result<S::Ok, S::Error> {
-        repr(s).serialize(ser)
-    }
-
-    pub(in crate::config) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<QuantSpec, D::Error> {
-        spec(Repr::deserialize(d)?)
-    }
-
-    /// The same for an optional spec (`null` = off).
-    pub(in crate::config) mod option {
-        use super::*;
-
-        pub(crate) fn serialize<S: Serializer>(s: &Option<QuantSpec>, ser: S) -> Result<S::Ok, S::Error> {
-            s.as_ref().map(repr).serialize(ser)
-        }
-
-        pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<QuantSpec>, D::Error> {
-            Option::<Repr>::deserialize(d)?.map(spec).transpose()
-        }
-    }
-}
+/// Serde for [`QuantSpec`]: comm's (`{bits, scheme, group_size}`).
+pub(super) use zeropp_comm::quant::spec_serde;

@@ -83,6 +83,17 @@ pub enum CommDtype {
     F32,
 }
 
+impl From<CommDtype> for zeropp_comm::collectives::ResidualPrecision {
+    /// The residual storage of the same element type (the CLI's
+    /// `--loco-residuals` takes [`CommDtype`]'s spellings).
+    fn from(d: CommDtype) -> Self {
+        match d {
+            CommDtype::Bf16 => Self::Bf16,
+            CommDtype::F32 => Self::F32,
+        }
+    }
+}
+
 impl CommDtype {
     /// The comm crate's name for this wire type.
     pub fn wire(self) -> zeropp_comm::collectives::DenseWire {

@@ -273,20 +273,10 @@ impl ZeroConfig {
         }
         if let Some(q) = &self.qgz {
             check_spec("qgZ", &q.spec)?;
-            let (g, max) = (q.spec.group_size(), zeropp_quant::hadamard::MAX_GROUP);
-            if q.hadamard && !(g.is_power_of_two() && g <= max) {
-                return Err(EngineError::InvalidConfig(format!(
-                    "qgZ's Hadamard smoothing rotates whole groups: the group size must be a power of two of at \
-                     most {max}, got {g} (set --qgz-group-size to 256, say)"
-                )));
-            }
-            if q.hadamard && q.error_feedback.is_some() {
-                return Err(EngineError::InvalidConfig(
-                    "qgZ's Hadamard smoothing and error feedback do not go together (the rotation changes every \
-                     step, the residuals would be in last step's basis): turn one of them off"
-                        .into(),
-                ));
-            }
+            q.validate().map_err(|e| match e {
+                zeropp_comm::CommError::InvalidConfig(m) => EngineError::InvalidConfig(m),
+                e => EngineError::Comm(e),
+            })?;
         }
         if let Some(d) = &self.qwz_delta {
             check_spec("qwZ-delta", &d.spec)?;
@@ -303,14 +293,6 @@ impl ZeroConfig {
                         .into(),
                 ));
             }
-        }
-        if let Some(l) = self.error_feedback()
-            && !(l.err_beta.is_finite() && (0.0..1.0).contains(&l.err_beta))
-        {
-            return Err(EngineError::InvalidConfig(format!(
-                "LoCo err_beta must be in [0, 1), got {}",
-                l.err_beta
-            )));
         }
         if let Some(r) = self.buckets.reduce_bucket_size {
             let (a, b) = self.group_sizes();

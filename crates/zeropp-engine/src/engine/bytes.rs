@@ -1,8 +1,9 @@
 //! The analytic communication-volume model: bytes sent per rank per optimizer
 //! step, by operation tag and link class.
 //!
-//! It follows the engine's schedule exactly (see [`super`]) and is composed of
-//! the byte formulas that sit beside each collective in `zeropp_comm`
+//! It follows the engine's schedule exactly (see [`super`]) over the run's own
+//! plan of collectives ([`CommPlan`]: the same choices, the same qgZ options),
+//! and is composed of the byte formulas that sit beside each collective in `zeropp_comm`
 //! (`world_all_gather_bytes`, `world_qwz_bytes`, `world_reduce_scatter_bytes`,
 //! `group_all_gather_bytes`), so the traffic counters of a run must equal it to
 //! the byte. With `W` ranks, `L` per node, `N` nodes, `H` the hpZ group size, a
@@ -32,13 +33,14 @@ use std::collections::BTreeMap;
 
 use zeropp_partition::PartitionPlan;
 
-use zeropp_comm::collectives;
+use zeropp_comm::collectives::{self, QgzSeeds};
 use zeropp_comm::{Group, LinkBytes as CommBytes};
 use zeropp_quant::encoded_len;
 
+use super::comm_plan::{CommPlan, WeightGather};
 use super::tags;
 use crate::EngineError;
-use crate::config::{EngineConfig, HpzWire};
+use crate::config::EngineConfig;
 use crate::metrics::LinkBytes;
 
 /// Bytes sent per rank per optimizer step, by operation tag.
@@ -111,57 +113,48 @@ pub fn step_bytes_of(
     micro_batches: usize,
     kind: StepKind,
 ) -> Result<ByteModel, EngineError> {
-    let t = plan.topology();
-    let delta_step = kind == StepKind::Delta && cfg.zero.qwz_delta.is_some() && cfg.zero.hpz();
-    let (w, z) = (t.world(), &cfg.zero);
-    let dense = z.comm_dtype.wire();
+    let cp = CommPlan::new(plan, cfg)?;
+    let t = cp.topology();
+    let delta = cp.delta();
+    let delta_step = kind == StepKind::Delta && delta.is_some() && cp.hpz_size() > 1;
+    let w = t.world();
+    let (dense, routing, hpz) = (cp.dense(), cp.routing(), cp.hpz_size());
     let b = dense.bytes();
     let a = micro_batches.max(1) as u64;
     let wu = w as u64;
-    let qwz_spec = z.qwz;
+    // Every call of a run has the same byte count: the options without seeds.
+    let qgz = cp.qgz_options(QgzSeeds::default())?;
     // Totals over all ranks; divided by W at the end, as the counters are averaged.
     let mut sums: BTreeMap<&str, CommBytes> = BTreeMap::new();
     let mut add = |tag: &'static str, bytes: CommBytes| *sums.entry(tag).or_default() += bytes;
-    let hpz_groups = if z.hpz() {
-        (0..w)
-            .map(|r| {
-                let g = plan.hpz_group(r)?;
-                Group::new(&t, g.ranks).map_err(EngineError::InvalidTopology)
-            })
-            .collect::<Result<Vec<_>, EngineError>>()?
-    } else {
-        Vec::new()
-    };
-    for l in 0..plan.num_buckets() {
-        let s = plan.shard_len(l)?;
-        let layout = plan.bucket(l)?;
-        let padded = layout.padded_len;
+    let hpz_groups = cp.hpz_groups(plan)?;
+    for layer in cp.layers() {
+        let (s, padded) = (layer.shard_len, layer.padded_len);
         if padded == 0 {
             // A layer whose parameters are all persistent: nothing moves.
             continue;
         }
-        let world_gather = match qwz_spec {
-            Some(q) => collectives::world_qwz_bytes(&t, z.routing, q, s),
-            None => collectives::world_all_gather_bytes(&t, z.routing, dense, s),
+        let world_gather = match cp.weights() {
+            WeightGather::Qwz { spec, .. } => collectives::world_qwz_bytes(&t, routing, spec, s),
+            WeightGather::Dense(_) => collectives::world_all_gather_bytes(&t, routing, dense, s),
         };
-        if layout.name == super::PERSISTENT_BUCKET && l + 1 == plan.num_buckets() {
+        if layer.persistent {
             // Gathered densely once per step, never per layer.
-            let once = collectives::world_all_gather_bytes(&t, z.routing, dense, s);
+            let once = collectives::world_all_gather_bytes(&t, routing, dense, s);
             add(tags::PERSIST_GATHER, once.scaled(wu));
-        } else if z.hpz() {
+        } else if hpz > 1 {
             for (r, g) in hpz_groups.iter().enumerate() {
-                let sec = match qwz_spec {
-                    Some(q) if z.hpz_wire == HpzWire::Int8 => {
-                        let payload = w / z.hpz_size * encoded_len(q, s);
+                let sec = match cp.weights() {
+                    WeightGather::Qwz { spec, .. } if cp.hpz_int8() => {
+                        let payload = w / hpz * encoded_len(spec, s);
                         collectives::group_all_gather_bytes(&t, r, g, 1, payload)
                     }
-                    _ => collectives::group_all_gather_bytes(&t, r, g, b, padded / z.hpz_size),
+                    _ => collectives::group_all_gather_bytes(&t, r, g, b, padded / hpz),
                 };
-                match z.qwz_delta {
+                match delta {
                     Some(d) if delta_step => {
                         let e = encoded_len(d.spec, s);
-                        let delta =
-                            collectives::qwz_delta_bytes(&t, z.hpz_size, r, e).map_err(EngineError::Comm)?;
+                        let delta = collectives::qwz_delta_bytes(&t, hpz, r, e).map_err(EngineError::Comm)?;
                         if delta.total() > 0 {
                             add(tags::FWD_DELTA, delta);
                         }
@@ -175,31 +168,21 @@ pub fn step_bytes_of(
             add(tags::FWD_GATHER, world_gather.scaled(a * wu));
             add(tags::BWD_GATHER, world_gather.scaled(a * wu));
         }
-        for c in super::layer_comm::reduce_chunks(plan, cfg, l)? {
-            let call = c.len() * w;
-            if let Some(qgz) = z.qgz {
-                let opts = collectives::QgzOptions {
-                    intra_spec: qgz.intra_spec(),
-                    inter_spec: qgz.spec,
-                    ..collectives::QgzOptions::default()
-                };
-                add(tags::GRAD_REDUCE, collectives::qgz_bytes(&t, &opts, call).scaled(a * wu));
-                if qgz.exclude_1d {
-                    let slices = super::layer_comm::DenseSlices::of_chunk(plan, l, c)?;
-                    if !slices.is_empty() {
+        for c in &layer.reduces {
+            let call = c.chunk.len() * w;
+            match &qgz {
+                Some(opts) => {
+                    add(tags::GRAD_REDUCE, collectives::qgz_bytes(&t, opts, call).scaled(a * wu));
+                    if !c.dense_1d.is_empty() {
                         for r in 0..w {
-                            add(
-                                tags::GRAD_REDUCE,
-                                super::layer_comm::dense_slices_bytes(&t, z.routing, r, &slices, b).scaled(a),
-                            );
+                            add(tags::GRAD_REDUCE, c.dense_1d.bytes(&t, routing, r, b).scaled(a));
                         }
                     }
                 }
-            } else {
-                add(
+                None => add(
                     tags::GRAD_REDUCE,
-                    collectives::world_reduce_scatter_bytes(&t, z.routing, dense, call).scaled(a * wu),
-                );
+                    collectives::world_reduce_scatter_bytes(&t, routing, dense, call).scaled(a * wu),
+                ),
             }
         }
     }

@@ -41,6 +41,7 @@ use zeropp_partition::PartitionPlan;
 
 use crate::EngineError;
 use crate::config::EngineConfig;
+use crate::engine::comm_plan::CommPlan;
 use crate::model::Model;
 
 /// f32 copies of the largest layer one rank may hold at once during a step
@@ -80,18 +81,25 @@ pub fn predict<M: Model + ?Sized>(
     micro_batch: usize,
 ) -> Result<MemoryPrediction, EngineError> {
     let report = plan.memory_report(0)?;
-    let largest = plan.buckets().iter().map(|b| b.padded_len).max().unwrap_or(0);
-    let nodes = plan.topology().nodes();
-    let error_feedback = match cfg.zero.error_feedback() {
+    let cp = CommPlan::new(plan, cfg)?;
+    let largest = cp.layers().iter().map(|l| l.padded_len).max().unwrap_or(0);
+    let nodes = cp.topology().nodes();
+    let error_feedback = match cp.qgz().and_then(|q| q.error_feedback) {
         Some(loco) => {
-            let elements: usize =
-                plan.buckets().iter().map(|b| b.padded_len + nodes * (b.padded_len / plan.world())).sum();
-            loco.residual_precision().bytes() * elements
+            // Per reduce call: hop 1's residual over the call's padded gradient,
+            // hop 2's over N of its shards.
+            let w = cp.topology().world();
+            let elements: usize = cp
+                .layers()
+                .iter()
+                .flat_map(|l| &l.reduces)
+                .map(|c| c.chunk.len() * w + nodes * c.chunk.len())
+                .sum();
+            loco.residual_dtype.bytes() * elements
         }
         None => 0,
     };
-    let delta_copy =
-        if cfg.zero.qwz_delta.is_some() { cfg.zero.comm_dtype.bytes() * report.primary_elems } else { 0 };
+    let delta_copy = if cp.delta().is_some() { cp.dense().bytes() * report.primary_elems } else { 0 };
     Ok(MemoryPrediction {
         delta_copy,
         states: report.total_bytes(),

@@ -22,6 +22,7 @@
 
 pub mod bytes;
 pub mod checkpoint;
+pub mod comm_plan;
 mod delta;
 mod gather;
 mod layer_comm;
@@ -37,6 +38,7 @@ use crate::config::EngineConfig;
 use crate::model::Model;
 use crate::optim::AdamW;
 
+pub use comm_plan::{CommPlan, LayerPlan, ReduceCall, WeightGather};
 pub use layer_comm::Prefetcher;
 use layer_comm::{LayerComm, Secondary};
 use plan::Placement;
@@ -226,7 +228,7 @@ impl<'m, M: Model> ZeroEngine<'m, M> {
             None
         };
         let optim = master.iter().map(|m| AdamW::new(cfg.optim, m.len())).collect();
-        let comms = LayerComm::new(cfg, rank, &plan)?;
+        let comms = LayerComm::new(cfg, rank, &CommPlan::new(&plan, cfg)?)?;
         let grad_acc = master.iter().map(|m| vec![0.0; m.len()]).collect();
         let n = master.len();
         let padding = (0..n).map(|b| padding_of(&plan, rank, b)).collect::<Result<Vec<_>, _>>()?;

@@ -36,7 +36,7 @@ fn resume_reproduces_the_uninterrupted_run() {
         ZeroConfig {
             qgz: Some(QgzConfig {
                 error_feedback: Some(zeropp_engine::config::LocoConfig {
-                    residual_dtype: CommDtype::F32,
+                    residual_dtype: zeropp_engine::config::ResidualPrecision::F32,
                     ..Default::default()
                 }),
                 ..QgzConfig::loco(ZeroConfig::default_qgz_spec())

@@ -26,9 +26,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 use zeropp_engine::RunConfig;
 
-use zeropp_engine::config::{
-    AdamWConfig, CommDtype, EngineConfig, LocoConfig, QgzConfig, ZeroConfig, quant_spec,
-};
+use zeropp_engine::config::{AdamWConfig, EngineConfig, LocoConfig, QgzConfig, ZeroConfig, quant_spec};
 use zeropp_engine::model::GptConfig;
 use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
 use zeropp_tests::data::{TINYSHAKESPEARE, require};
@@ -69,7 +67,10 @@ fn judged(what: &str, variant: &[f64], baseline: &[f64]) -> Judged {
 /// round to nearest, the 1-D exclusion.
 fn old_defaults(local: usize) -> ZeroConfig {
     let mut old = QgzConfig::loco(ZeroConfig::default_qgz_spec());
-    old.error_feedback = Some(LocoConfig { residual_dtype: CommDtype::F32, ..LocoConfig::default() });
+    old.error_feedback = Some(LocoConfig {
+        residual_dtype: zeropp_engine::config::ResidualPrecision::F32,
+        ..LocoConfig::default()
+    });
     ZeroConfig { qgz: Some(old), ..ZeroConfig::zeropp(local) }
 }
 

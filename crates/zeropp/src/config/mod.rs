@@ -314,7 +314,10 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
         if a.error_feedback || a.loco_beta.is_some() || a.loco_reset.is_some() || a.loco_residuals.is_some() {
             let d = q.error_feedback.unwrap_or_default();
             let residual_dtype = match &a.loco_residuals {
-                Some(r) => r.parse().map_err(|e| format!("--loco-residuals: {e}"))?,
+                Some(r) => r
+                    .parse::<zeropp_engine::config::CommDtype>()
+                    .map_err(|e| format!("--loco-residuals: {e}"))?
+                    .into(),
                 None => d.residual_dtype,
             };
             q.error_feedback = Some(zeropp_engine::config::LocoConfig {

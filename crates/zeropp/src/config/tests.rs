@@ -1,6 +1,7 @@
 //! The flags -> configuration tests of `zeropp train`.
 
 use super::*;
+use zeropp_engine::config::ResidualPrecision;
 use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::ModelChoice;
 
@@ -147,9 +148,12 @@ fn zeropp_flags_map_onto_the_config() -> Result<(), CliError> {
     assert_eq!(zero(&["--baseline", "flat"])?.routing, zeropp_engine::config::Routing::Flat);
     assert_eq!(zero(&["--hpz-wire", "int8"])?.hpz_wire, zeropp_engine::config::HpzWire::Int8);
     let loco = zero(&["--loco-beta", "0.5", "--loco-reset", "10"])?.error_feedback();
-    assert_eq!(loco.map(|l| (l.err_beta, l.reset_t, l.residual_dtype)), Some((0.5, 10, CommDtype::Bf16)));
+    assert_eq!(
+        loco.map(|l| (l.err_beta, l.reset_t, l.residual_dtype)),
+        Some((0.5, 10, ResidualPrecision::Bf16))
+    );
     let f32_res = zero(&["--loco-residuals", "f32"])?.error_feedback();
-    assert_eq!(f32_res.map(|l| l.residual_dtype), Some(CommDtype::F32));
+    assert_eq!(f32_res.map(|l| l.residual_dtype), Some(ResidualPrecision::F32));
     // ZeRO-3 has no qgZ, so no qgZ options.
     let z3 = zero(&["--mode", "zero3"])?;
     assert!(z3.qgz.is_none() && z3.qwz.is_none());

@@ -53,7 +53,10 @@ use zeropp_quant::{Options, QuantSpec, encoded_len};
 use super::{QuantClock, Reduce, check_shard};
 use crate::{CommError, Communicator, Group, LinkBytes, Topology};
 
+mod config;
 mod stages;
+
+pub use config::{LocoConfig, QgzConfig, QgzSeeds};
 
 use stages::{Feedback, PackBufs};
 pub use stages::{PartSource, QgzStages};

@@ -1,89 +1,14 @@
-//! The gradient reduce's partition into calls (`reduce_bucket_size`) and the
-//! dense reduction of the 1-D parameters excluded from qgZ, with its byte
-//! formula.
+//! The dense reduction of the 1-D parameters excluded from qgZ (which
+//! elements they are, and the exchange's byte formula, are the plan's:
+//! [`DenseSlices`]).
 
 use std::ops::Range;
 
 use zeropp_comm::collectives::{DenseWire, Routing};
 use zeropp_comm::{CommError, Communicator, Group};
-use zeropp_partition::PartitionPlan;
 use zeropp_quant::half::bf16;
 
-use crate::EngineError;
-use crate::config::EngineConfig;
-
-/// The elements of one layer that are reduced densely instead of by qgZ (the 1-D
-/// parameters): for every rank, the flat ranges of those elements inside its
-/// primary shard, in order.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct DenseSlices {
-    pub(super) per_rank: Vec<Vec<Range<usize>>>,
-}
-
-impl DenseSlices {
-    /// The 1-D parameters (biases, norm gains and shifts) of layer `layer` of
-    /// `plan` in one reduce call of the layer, the one that carries elements
-    /// `chunk` of every rank's shard ([`reduce_chunks`]; `0..shard_len` when the
-    /// layer is reduced whole): ranges are positions in that call's buffer (`W`
-    /// pieces of `chunk.len()` elements, in rank order). Used by the exchange and
-    /// by the byte model, so both see the same elements.
-    pub(crate) fn of_chunk(
-        plan: &PartitionPlan,
-        layer: usize,
-        chunk: Range<usize>,
-    ) -> Result<Self, EngineError> {
-        let layout = plan.bucket(layer)?;
-        let s = plan.shard_len(layer)?;
-        let len = chunk.len();
-        let one_d: Vec<Range<usize>> =
-            layout.params.iter().filter(|p| p.shape.len() == 1).map(|p| p.range()).collect();
-        let per_rank = (0..plan.world())
-            .map(|r| {
-                let own = r * s + chunk.start..r * s + chunk.end;
-                let shift = own.start - r * len;
-                one_d
-                    .iter()
-                    .map(|x| x.start.max(own.start)..x.end.min(own.end))
-                    .filter(|x| x.start < x.end)
-                    .map(|x| x.start - shift..x.end - shift)
-                    .collect()
-            })
-            .collect();
-        Ok(Self { per_rank })
-    }
-
-    /// Elements of rank `rank`'s shard that are reduced densely.
-    pub(crate) fn count(&self, rank: usize) -> usize {
-        self.per_rank.get(rank).map_or(0, |rs| rs.iter().map(Range::len).sum())
-    }
-
-    /// True when no rank has any.
-    pub(crate) fn is_empty(&self) -> bool {
-        self.per_rank.iter().all(Vec::is_empty)
-    }
-}
-
-/// The reduce calls of bucket `layer`: ranges of every rank's shard, each
-/// reduced by its own collective. One call for the whole shard, unless
-/// `reduce_bucket_size` (in padded elements over all ranks) is smaller than
-/// the bucket: then pieces of `W·k` elements, `k` a multiple of the shard
-/// alignment (at least one alignment unit per rank).
-pub(crate) fn reduce_chunks(
-    plan: &PartitionPlan,
-    cfg: &EngineConfig,
-    layer: usize,
-) -> Result<Vec<Range<usize>>, EngineError> {
-    let s = plan.shard_len(layer)?;
-    let w = plan.world();
-    match cfg.zero.buckets.reduce_bucket_size {
-        Some(r) if r < s * w => {
-            let align = crate::engine::shard_align(cfg);
-            let k = (r / w / align).max(1) * align;
-            Ok((0..s).step_by(k).map(|c| c..(c + k).min(s)).collect())
-        }
-        _ => Ok(std::iter::once(0..s).collect()),
-    }
-}
+use crate::engine::comm_plan::DenseSlices;
 
 /// The values of `full` in each rank's ranges (one vector per owner rank).
 pub(super) fn slice_values(full: &[f32], per_rank: &[Vec<Range<usize>>]) -> Vec<Vec<f32>> {
@@ -208,36 +133,4 @@ pub(super) fn exchange_dense_slices<C: Communicator + ?Sized>(
         }
     }
     Ok(())
-}
-
-/// Bytes the 1-D exchange of one layer sends from `rank` to each link class
-/// (see [`exchange_dense_slices`]): flat, `count(r)·b` to every other rank `r`;
-/// hierarchical, `Σ_m' count((m', j))·b` to each other local peer `j` and
-/// `count((m', l))·b` to each other rail peer `m'`.
-pub(crate) fn dense_slices_bytes(
-    topology: &zeropp_comm::Topology,
-    routing: Routing,
-    rank: usize,
-    slices: &DenseSlices,
-    b: usize,
-) -> zeropp_comm::LinkBytes {
-    let t = topology;
-    let (n, l) = (t.nodes(), t.local_size());
-    let count = |r: usize| slices.count(r) as u64 * b as u64;
-    let mut out = zeropp_comm::LinkBytes::default();
-    if routing == Routing::Flat || n == 1 || l == 1 {
-        for r in (0..t.world()).filter(|&r| r != rank) {
-            if t.node_of(r) == t.node_of(rank) {
-                out.intra += count(r);
-            } else {
-                out.inter += count(r);
-            }
-        }
-    } else {
-        let (me_m, me_l) = (t.node_of(rank), t.local_rank(rank));
-        out.intra =
-            (0..l).filter(|&j| j != me_l).map(|j| (0..n).map(|m| count(t.rank_of(m, j))).sum::<u64>()).sum();
-        out.inter = (0..n).filter(|&m| m != me_m).map(|m| count(t.rank_of(m, me_l))).sum();
-    }
-    out
 }

@@ -7,10 +7,11 @@ use std::time::Instant;
 
 use zeropp_comm::collectives::{self, DenseWire, QwzOptions, Routing};
 use zeropp_comm::{AsyncComm, CommError, Communicator, Group, Pending, TrafficSnapshot};
+use zeropp_quant::Options;
 use zeropp_quant::half::bf16;
-use zeropp_quant::{Options, QuantSpec};
 
 use crate::EngineError;
+pub(crate) use crate::engine::comm_plan::WeightGather;
 
 pub(super) fn options(stochastic: Option<u64>) -> Options {
     match stochastic {
@@ -42,17 +43,6 @@ pub(super) fn dequantize_layer<C: Communicator + ?Sized>(
 /// Rounds every value to the nearest bfloat16 (ties to even), in place.
 pub(super) fn round_bf16(xs: &mut [f32]) {
     xs.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
-}
-
-/// How a layer's primary shards travel in a world gather.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) enum WeightGather {
-    /// Dense elements of the baseline type.
-    Dense(DenseWire),
-    /// qwZ: block-quantized, dequantized on arrival (and rounded to bf16 when the
-    /// working precision is bf16, as DeepSpeed dequantizes into its 16-bit dtype,
-    /// so the forward and the backward see the same weights).
-    Qwz { spec: QuantSpec, round_bf16: bool },
 }
 
 /// Everything a world weight gather needs; `Copy`, so a prefetch job can take it.

@@ -2,8 +2,9 @@
 //! backward, hpZ) and its gradient reduction.
 //!
 //! Each is one collective of `zeropp_comm::collectives`, chosen once from the
-//! config in [`LayerComm::new`]: the engine builds no collective of its own and
-//! knows no byte formula (the analytic model, [`super::bytes`], composes comm's).
+//! config in the plan of collectives ([`CommPlan`]), which [`LayerComm::new`]
+//! reads: the engine builds no collective of its own and knows no byte formula
+//! (the analytic model, [`super::bytes`], composes comm's over the same plan).
 //!
 //! | what | collective |
 //! |---|---|
@@ -20,24 +21,23 @@ use std::borrow::Cow;
 use std::ops::Range;
 
 use zeropp_comm::collectives::{
-    self, DenseWire, ErrorFeedback, QgzOptions, Reduce, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
+    self, ErrorFeedback, LocoConfig, QgzConfig, QgzSeeds, Reduce, qgz_reduce_scatter,
+    qgz_reduce_scatter_with_feedback,
 };
 use zeropp_comm::{Communicator, Group};
-use zeropp_partition::PartitionPlan;
-use zeropp_quant::QuantSpec;
 
 use crate::EngineError;
-use crate::config::{EngineConfig, HpzWire, LocoConfig};
+use crate::config::EngineConfig;
+use crate::engine::comm_plan::{CommPlan, DenseSlices};
 
 mod delta;
 mod dense;
 mod gather;
 
 pub(crate) use delta::Delta;
-pub(crate) use dense::{DenseSlices, dense_slices_bytes, reduce_chunks};
 use dense::{exchange_dense_slices, slice_values};
 pub use gather::Prefetcher;
-use gather::{GatherSpec, PendingKind, WeightGather, gather_secondary, gather_world, options};
+use gather::{GatherSpec, PendingKind, WeightGather, gather_secondary, gather_world};
 pub(crate) use gather::{PendingGather, Secondary};
 
 /// The stochastic-rounding streams of one rank: every quantizing collective gets
@@ -71,16 +71,20 @@ pub(crate) type FeedbackState<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
 /// qgZ with its per-layer LoCo state.
 #[derive(Debug)]
 struct Qgz {
-    opts: QgzOptions,
-    loco: Option<LocoConfig>,
+    /// The settings; every call's options come from [`QgzConfig::options`].
+    config: QgzConfig,
     /// One residual pair per reduce call (empty without error feedback). No
     /// copy is kept to undo a step: a skipped step resets them instead.
     feedback: Vec<ErrorFeedback>,
-    /// Whether qgZ's quantizers round stochastically.
+    /// Whether qgZ's quantizers round stochastically (its own setting, or the
+    /// config's stochastic rounding everywhere).
     stochastic: bool,
-    /// Whether qgZ rotates its groups (Hadamard smoothing), with seeds keyed by
-    /// `(run seed, step, reduce call)`.
-    hadamard: bool,
+}
+
+impl Qgz {
+    fn loco(&self) -> Option<LocoConfig> {
+        self.config.error_feedback
+    }
 }
 
 /// One rank's layer traffic: the collectives chosen from the config, the qgZ
@@ -107,24 +111,19 @@ pub(crate) struct LayerComm {
 }
 
 impl LayerComm {
-    /// The collectives of `cfg` for `rank` on `plan`.
-    pub(crate) fn new(cfg: &EngineConfig, rank: usize, plan: &PartitionPlan) -> Result<Self, EngineError> {
+    /// The collectives of `plan` (built from `cfg`) for `rank`.
+    pub(crate) fn new(cfg: &EngineConfig, rank: usize, plan: &CommPlan) -> Result<Self, EngineError> {
         let z = &cfg.zero;
-        let dense = z.comm_dtype.wire();
-        let round = dense == DenseWire::Bf16;
-        let weights = match z.qwz {
-            Some(spec) => WeightGather::Qwz { spec, round_bf16: round },
-            None => WeightGather::Dense(dense),
-        };
         let gather = GatherSpec {
-            routing: z.routing,
-            weights,
-            dense,
-            hpz_int8: z.qwz.is_some() && z.hpz_wire == HpzWire::Int8,
+            routing: plan.routing(),
+            weights: plan.weights(),
+            dense: plan.dense(),
+            hpz_int8: plan.hpz_int8(),
             stochastic: None,
         };
-        let chunks =
-            (0..plan.num_buckets()).map(|l| reduce_chunks(plan, cfg, l)).collect::<Result<Vec<_>, _>>()?;
+        let layers = plan.layers();
+        let chunks: Vec<Vec<Range<usize>>> =
+            layers.iter().map(|l| l.reduces.iter().map(|c| c.chunk.clone()).collect()).collect();
         let first_call = chunks
             .iter()
             .scan(0, |at, c| {
@@ -133,40 +132,15 @@ impl LayerComm {
                 Some(first)
             })
             .collect();
-        let layers = chunks.iter().map(Vec::len).sum();
-        let qgz = if let Some(q) = z.qgz {
-            let wire = q.spec;
-            let local = QuantSpec::int8(wire.group_size()).map_err(EngineError::InvalidQuantSpec)?;
-            let opts = QgzOptions {
-                intra_spec: q.intra_spec(),
-                inter_spec: wire,
-                local_spec: local,
-                ..QgzOptions::default()
-            };
-            let fb = |l: LocoConfig| ErrorFeedback::loco(l.err_beta).with_precision(l.residual_precision());
-            let feedback: Vec<ErrorFeedback> = match q.error_feedback {
-                Some(l) => (0..layers).map(|_| fb(l)).collect(),
+        let qgz = plan.qgz().map(|&config| Qgz {
+            config,
+            feedback: match config.error_feedback {
+                Some(l) => (0..plan.reduce_calls()).map(|_| l.feedback()).collect(),
                 None => Vec::new(),
-            };
-            Some(Qgz {
-                opts,
-                loco: q.error_feedback,
-                feedback,
-                stochastic: z.qgz_stochastic(),
-                hadamard: q.hadamard,
-            })
-        } else {
-            None
-        };
-        let dense_slices = if z.exclude_1d() {
-            chunks
-                .iter()
-                .enumerate()
-                .flat_map(|(l, cs)| cs.iter().map(move |c| DenseSlices::of_chunk(plan, l, c.clone())))
-                .collect::<Result<Vec<_>, _>>()?
-        } else {
-            Vec::new()
-        };
+            },
+            stochastic: z.qgz_stochastic(),
+        });
+        let dense_slices = layers.iter().flat_map(|l| l.reduces.iter().map(|c| c.dense_1d.clone())).collect();
         let streams = Streams {
             base: (z.stochastic_rounding || z.qgz_stochastic()).then_some(cfg.seed ^ 0x9E37_79B9_7F4A_7C15),
             step: 0,
@@ -174,12 +148,12 @@ impl LayerComm {
         };
         let qwz_stochastic = z.stochastic_rounding;
         let shared_seed = cfg.seed ^ 0x5A5A_0DE1_7A00_0000;
-        let delta = z.qwz_delta.map(|d| Delta {
+        let delta = plan.delta().map(|d| Delta {
             opts: zeropp_comm::collectives::DeltaOptions {
                 spec: d.spec,
                 quant: zeropp_quant::Options::default(),
             },
-            hpz: z.hpz_size,
+            hpz: plan.hpz_size(),
         });
         Ok(Self {
             rank,
@@ -205,7 +179,7 @@ impl LayerComm {
             return;
         }
         if let Some(q) = &mut self.qgz
-            && let Some(l) = q.loco
+            && let Some(l) = q.loco()
             && l.reset_t > 0
             && step > 0
             && step.is_multiple_of(l.reset_t)
@@ -361,12 +335,9 @@ impl LayerComm {
             }
             None => None,
         };
-        let mut opts = q.opts;
-        opts.quant = options(seed);
-        if q.hadamard {
-            let keys = [Streams::HADAMARD, self.streams.step, call as u64];
-            opts.hadamard = Some(zeropp_quant::rng::stream_seed(self.shared_seed, &keys));
-        }
+        let keys = [Streams::HADAMARD, self.streams.step, call as u64];
+        let rotation = zeropp_quant::rng::stream_seed(self.shared_seed, &keys);
+        let opts = q.config.options(QgzSeeds { rounding: seed, rotation })?;
         let res = match q.feedback.get_mut(layer) {
             Some(fb) => qgz_reduce_scatter_with_feedback(comm, full, out, &opts, fb),
             None => qgz_reduce_scatter(comm, full, out, &opts),
