@@ -56,7 +56,8 @@ struct Streams {
 impl Streams {
     const QWZ: u64 = 1;
     const QGZ: u64 = 2;
-    const HADAMARD: u64 = 3;
+    /// The shared per-call seed of qgZ (its rotation, `QgzSeeds::rotation`).
+    const ROTATION: u64 = 3;
 
     fn next(&mut self, kind: u64) -> Option<u64> {
         let base = self.base?;
@@ -104,7 +105,7 @@ pub(crate) struct LayerComm {
     streams: Streams,
     /// Whether qwZ's quantizer rounds stochastically.
     qwz_stochastic: bool,
-    /// The base of the seeds that every rank derives alike (the Hadamard signs).
+    /// The base of the seeds that every rank derives alike (qgZ's rotation).
     shared_seed: u64,
     /// qwZ-Δ: the differences' options and the hpZ group size.
     delta: Option<Delta>,
@@ -335,7 +336,7 @@ impl LayerComm {
             }
             None => None,
         };
-        let keys = [Streams::HADAMARD, self.streams.step, call as u64];
+        let keys = [Streams::ROTATION, self.streams.step, call as u64];
         let rotation = zeropp_quant::rng::stream_seed(self.shared_seed, &keys);
         let opts = q.config.options(QgzSeeds { rounding: seed, rotation })?;
         let res = match q.feedback.get_mut(layer) {
