@@ -48,20 +48,18 @@ use zeropp_comm::collectives::{
     DenseWire, ErrorFeedback, QgzOptions, Reduce, Routing, qgz_reduce_scatter,
     qgz_reduce_scatter_with_feedback, world_all_gather, world_reduce_scatter,
 };
-use zeropp_comm::{CommExt, ThreadCluster, ThreadOptions, Topology};
+use zeropp_comm::{CommExt, ThreadCluster, ThreadOptions};
+use zeropp_engine::Model;
 use zeropp_engine::config::{AdamWConfig, EngineConfig, QuantSpec, ZeroConfig};
 use zeropp_engine::data::shard;
 use zeropp_engine::engine::build_plan;
 use zeropp_engine::model::{full_forward_backward, init_params};
 use zeropp_engine::optim::{AdamW, clip_factor};
-use zeropp_engine::train::{DataChoice, load_data};
-use zeropp_engine::{Gpt, GptConfig, Model};
 use zeropp_quant::Options;
 use zeropp_quant::rng::stream_seed;
 
-const NODES: usize = 2;
-const LOCAL: usize = 4;
-const BATCH: usize = 16;
+mod probe;
+use probe::{BATCH, LOCAL, NODES, Setup};
 
 /// The reductions compared with the exact one.
 /// `(name, error feedback β, stochastic rounding)`.
@@ -136,26 +134,9 @@ fn parse_args() -> Args {
     a
 }
 
-/// Phase boundaries (end steps, exclusive) for `steps` steps.
-fn phases(steps: usize) -> Vec<(usize, usize)> {
-    let mut cuts: Vec<usize> = [0, 100, 500].into_iter().filter(|&c| c < steps).collect();
-    cuts.push(steps);
-    cuts.windows(2).map(|w| (w[0], w[1])).collect()
-}
-
 fn main() {
     let args = parse_args();
-    let choice = match args.data.as_str() {
-        "generated" => DataChoice::Markov { seed: 0, chars: 200_000 },
-        "shakespeare" => DataChoice::File(
-            zeropp_tests::data::find(zeropp_tests::data::TINYSHAKESPEARE)
-                .expect("../shared/data/tinyshakespeare.txt is absent"),
-        ),
-        path => DataChoice::File(PathBuf::from(path)),
-    };
-    let (data, info) = load_data(&choice).expect("training text");
-    let model = Gpt::new(GptConfig::default_small().with_vocab(info.vocab)).expect("model");
-    let topo = Topology::ranks(NODES * LOCAL).per_node(LOCAL).expect("topology");
+    let Setup { data, info, model, topology: topo } = probe::setup(&args.data);
     let cfg = EngineConfig { zero: ZeroConfig::zeropp(LOCAL), ..EngineConfig::default() };
     let plan = build_plan(&model, &cfg, topo).expect("plan");
     let optim = AdamWConfig { lr: args.lr, ..AdamWConfig::default() };
@@ -166,7 +147,7 @@ fn main() {
     let w = topo.world();
     let seq = model.config().seq_len;
     let layers = model.layers().len();
-    let phases = phases(args.steps);
+    let phases = probe::phases(args.steps);
     eprintln!(
         "loco probe: {} ({} params), {} ranks = {NODES} x {LOCAL}, {} steps, lr {}, seed {}",
         info.description,

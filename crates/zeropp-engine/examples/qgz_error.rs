@@ -26,20 +26,18 @@ use std::path::PathBuf;
 use zeropp_comm::collectives::{
     DenseWire, QgzOptions, Reduce, Routing, qgz_reduce_scatter, world_reduce_scatter,
 };
-use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
+use zeropp_comm::{ThreadCluster, ThreadOptions};
+use zeropp_engine::Model;
 use zeropp_engine::config::{AdamWConfig, EngineConfig, ZeroConfig};
 use zeropp_engine::data::shard;
 use zeropp_engine::engine::build_plan;
 use zeropp_engine::model::{full_forward_backward, init_params};
 use zeropp_engine::optim::{AdamW, clip_factor};
-use zeropp_engine::train::{DataChoice, load_data};
-use zeropp_engine::{Gpt, GptConfig, Model};
 use zeropp_quant::Options;
 use zeropp_quant::rng::stream_seed;
 
-const NODES: usize = 2;
-const LOCAL: usize = 4;
-const BATCH: usize = 16;
+mod probe;
+use probe::{BATCH, LOCAL, NODES, Setup};
 
 /// `(name, intra-node bits, Hadamard, stochastic rounding)`.
 const VARIANTS: [(&str, u8, bool, bool); 6] = [
@@ -87,17 +85,7 @@ struct Acc {
 
 fn main() {
     let args = parse_args();
-    let choice = match args.data.as_str() {
-        "generated" => DataChoice::Markov { seed: 0, chars: 200_000 },
-        "shakespeare" => DataChoice::File(
-            zeropp_tests::data::find(zeropp_tests::data::TINYSHAKESPEARE)
-                .expect("../shared/data/tinyshakespeare.txt is absent"),
-        ),
-        path => DataChoice::File(PathBuf::from(path)),
-    };
-    let (data, info) = load_data(&choice).expect("training text");
-    let model = Gpt::new(GptConfig::default_small().with_vocab(info.vocab)).expect("model");
-    let topo = Topology::ranks(NODES * LOCAL).per_node(LOCAL).expect("topology");
+    let Setup { data, info, model, topology: topo } = probe::setup(&args.data);
     let cfg = EngineConfig { zero: ZeroConfig::zeropp_delta(LOCAL), ..EngineConfig::default() };
     let plan = build_plan(&model, &cfg, topo).expect("plan");
     let optim = AdamWConfig::default();
@@ -106,11 +94,7 @@ fn main() {
     let w = topo.world();
     let seq = model.config().seq_len;
     let layers = model.layers().len();
-    let phases: Vec<(usize, usize)> = {
-        let mut cuts: Vec<usize> = [0, 100, 500].into_iter().filter(|&c| c < args.steps).collect();
-        cuts.push(args.steps);
-        cuts.windows(2).map(|c| (c[0], c[1])).collect()
-    };
+    let phases = probe::phases(args.steps);
     eprintln!(
         "qgz error: {} ({} params), {w} ranks = {NODES} x {LOCAL}, {} steps, a sample every {}, seed {}",
         info.description,
