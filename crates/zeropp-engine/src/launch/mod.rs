@@ -124,12 +124,25 @@ pub struct Launch<'a, M: Model> {
     on_step: Option<OnStep<'a>>,
     node_size: Option<usize>,
     env: Option<Env<'a>>,
+    /// Whether this build can run under an MPI launcher (`cfg!(feature = "mpi")`;
+    /// tests of a build without it set it off in either build).
+    mpi_built: bool,
 }
 
 impl<'a, M: Model> Launch<'a, M> {
     /// A run of `model` on `data` with the settings of `run`.
     pub fn new(model: &'a M, data: &'a TextDataset, run: &'a RunConfig) -> Self {
-        Self { model, data, run, info: None, on_start: None, on_step: None, node_size: None, env: None }
+        Self {
+            model,
+            data,
+            run,
+            info: None,
+            on_start: None,
+            on_step: None,
+            node_size: None,
+            env: None,
+            mpi_built: cfg!(feature = "mpi"),
+        }
     }
 
     /// Describes the data in the summary (its description and, when known, its
@@ -164,6 +177,14 @@ impl<'a, M: Model> Launch<'a, M> {
     #[cfg(test)]
     pub(crate) fn environment(mut self, env: Env<'a>) -> Self {
         self.env = Some(env);
+        self
+    }
+
+    /// Runs as a build without the `mpi` feature would (tests of its error,
+    /// which so run in both builds).
+    #[cfg(test)]
+    pub(crate) fn built_without_mpi(mut self) -> Self {
+        self.mpi_built = false;
         self
     }
 
@@ -209,9 +230,12 @@ impl<'a, M: Model> Launch<'a, M> {
                     ));
                 }
                 #[cfg(feature = "mpi")]
-                return mpi::run(work, job, self.node_size, on_start, on_step);
+                if self.mpi_built {
+                    return mpi::run(work, job, self.node_size, on_start, on_step);
+                }
                 #[cfg(not(feature = "mpi"))]
-                return Err(no_mpi_feature(job));
+                debug_assert!(!self.mpi_built, "a build without the mpi feature cannot run MPI");
+                Err(no_mpi_feature(job))
             }
             _ => {
                 // The field-naming checks first (world, local_size, hpz_size).
@@ -254,7 +278,6 @@ impl<M: Model> Clone for Work<'_, M> {
 impl<M: Model> Copy for Work<'_, M> {}
 
 /// The error of a run that needs MPI in a build without the `mpi` feature.
-#[cfg(not(feature = "mpi"))]
 fn no_mpi_feature(job: Option<Job>) -> EngineError {
     let who = match job {
         Some(j) => format!("this process is rank {} of {} under {}, but ", j.rank, j.world, j.launcher),
@@ -351,12 +374,12 @@ mod tests {
         Ok(())
     }
 
-    #[cfg(not(feature = "mpi"))]
     #[test]
     fn a_launcher_without_the_mpi_feature_is_a_clear_error() -> Result<(), EngineError> {
         let (model, data) = tiny()?;
         let run = RunConfig::tiny();
-        let e = Launch::new(&model, &data, &run).environment(&pmi).run().unwrap_err().to_string();
+        let l = Launch::new(&model, &data, &run).environment(&pmi).built_without_mpi();
+        let e = l.run().unwrap_err().to_string();
         assert!(e.contains("rank 1 of 4 under PMI") && e.contains("--features mpi"), "{e}");
         Ok(())
     }
