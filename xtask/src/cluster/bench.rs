@@ -25,7 +25,7 @@ pub(super) fn bench_setup(
     if let Some(why) = missing_prerequisite() {
         return Err(format!("bench {bench} cannot run: {why}"));
     }
-    let zeropp = build_zeropp(true)?;
+    let zeropp = build_zeropp(true, "dev")?;
     let rates = std::env::var(rates_var).unwrap_or_else(|_| default_rates.into());
     Ok((zeropp, rates.split(',').map(String::from).collect()))
 }

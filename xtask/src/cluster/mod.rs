@@ -120,13 +120,15 @@ fn target_dir() -> PathBuf {
 /// Builds `zeropp` with MPI support and returns the binary. The debug build is
 /// the one xtask/mpi-tests.sh makes, with the same packages, features and
 /// targets (so features unify alike and `ci` builds the stack once).
-fn build_zeropp(release: bool) -> Result<PathBuf, String> {
+fn build_zeropp(release: bool, profile: &str) -> Result<PathBuf, String> {
     let mut c = cargo();
     if release {
         c.args(["build", "--locked", "--release", "-p", "zeropp", "--features", "mpi"]);
     } else {
-        c.args(["build", "--locked", "-p", "zeropp-comm", "-p", "zeropp", "-p", "zeropp-candle"])
-            .args(["--features", "zeropp-comm/mpi,zeropp/mpi,zeropp-candle/mpi"])
+        // xtask/mpi-tests.sh's build, to the letter (`--workspace`: the features
+        // resolve as for `cargo test --workspace`, whose artefacts `ci` reuses).
+        c.args(["build", "--locked", "--workspace", "--profile", profile])
+            .args(["--features", crate::MPI_FEATURES])
             .args(["--example", "mpi_conformance", "--example", "mpi_fault", "--example", "train_your_model"])
             .args(["--bin", "zeropp"]);
     }

@@ -37,7 +37,7 @@ pub(super) fn run_cmd(args: &[String]) -> Result<(), String> {
         return Err("cluster run: --nodes and --local-size must be at least 1".into());
     }
     let out = out.unwrap_or_else(|| target_dir().join("cluster").join(format!("run-{}", std::process::id())));
-    let zeropp = build_zeropp(release)?;
+    let zeropp = build_zeropp(release, "dev")?;
     let metrics = out.join("metrics.jsonl");
     let _ = std::fs::remove_file(&metrics);
     let mut targs: Vec<String> = vec!["train".into(), "--backend".into(), "mpi".into()];

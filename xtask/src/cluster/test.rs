@@ -51,9 +51,16 @@ pub(super) fn train(
     Ok((launch(shape, out, opts, zeropp, &targs, false)?, metrics))
 }
 
-/// `cargo xtask test-cluster [--full] [--faults]`.
+/// `cargo xtask test-cluster [--full] [--faults] [--profile dev|test]` (the
+/// cargo profile of the MPI build; `ci` passes `test`, the profile its tests
+/// built the same programs in).
 pub(crate) fn test(args: &[String]) -> Result<(), String> {
     let full = args.iter().any(|a| a == "--full");
+    let profile = args
+        .iter()
+        .position(|a| a == "--profile")
+        .and_then(|i| args.get(i + 1))
+        .map_or("dev", String::as_str);
     let faults = args.iter().any(|a| a == "--faults");
     let required = std::env::var("CI").is_ok_and(|v| v == "true")
         || std::env::var("ZEROPP_REQUIRE_CLUSTER").is_ok_and(|v| v == "1");
@@ -66,7 +73,7 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         println!("SKIP 1 test group: cluster tests: {why}");
         return Ok(());
     }
-    let zeropp = build_zeropp(false)?;
+    let zeropp = build_zeropp(false, profile)?;
     let base = target_dir().join("cluster/tests");
     let _ = std::fs::remove_dir_all(&base);
     let mut t = Tally { passed: 0, failed: Vec::new() };
