@@ -35,7 +35,12 @@ pub(crate) struct CompareArgs {
 
 /// Runs `zeropp compare`.
 pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
-    let (mut cfg, warnings) = build_config(&args.run, ZeroConfig::zero3())?;
+    let crate::config::Planned { mut cfg, warnings, llama } = build_config(&args.run, ZeroConfig::zero3())?;
+    if llama.is_some() {
+        return Err(
+            "zeropp compare runs the built-in models; the candle Llama trains with `zeropp train`".into()
+        );
+    }
     // The variants run one after another in this process, on simulated nodes.
     if cfg.run.backend == Backend::Mpi {
         return Err("zeropp compare runs on the thread backend (simulated nodes); drop --backend mpi".into());

@@ -19,7 +19,7 @@ use crate::print::{
 
 /// Runs `zeropp train` as its flags say.
 pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
-    let (mut cfg, warnings) = train_config(args)?;
+    let crate::config::Planned { mut cfg, warnings, llama } = train_config(args)?;
     cfg.run.faults = faults_from_env()?;
     // Under a launcher the world is the job's: an explicit --world must agree.
     if let Some(job) = detect_job(&|k| std::env::var(k).ok())?
@@ -34,7 +34,7 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
         )
         .into());
     }
-    match crate::llama::parse(&args.run.model)? {
+    match llama {
         Some(shape) => {
             let (data, info) = zeropp_engine::train::load_data(&cfg.data)?;
             let model = shape.build(data.vocab_size())?;

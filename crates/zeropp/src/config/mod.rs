@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::models::{model_choice, model_help};
 use clap::{Args, ValueEnum};
-use zeropp_engine::config::{CommDtype, DeltaConfig, QgzConfig, ZeroConfig, quant_spec};
+use zeropp_engine::config::{CommDtype, DeltaConfig, ZeroConfig, quant_spec};
 use zeropp_engine::launch::Faults;
 use zeropp_engine::train::{DataChoice, TrainConfig};
 use zeropp_engine::{Backend, RunConfig};
@@ -230,14 +230,29 @@ pub(crate) struct TrainArgs {
     pub resume: Option<PathBuf>,
 }
 
-/// Builds the run configuration shared by `train` and `compare` (ZeRO switches
-/// start from `zero`, then the DeepSpeed config, then the explicit flags).
-pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<(TrainConfig, Vec<String>), CliError> {
+/// What the flags (and the DeepSpeed file) of a run say: its configuration,
+/// the file's warnings, and the candle Llama's shape when `--model` names it
+/// (the Llama is built from the data by `train`, its vocabulary being the
+/// data's; `cfg.model` is then unused).
+pub(crate) struct Planned {
+    /// The run.
+    pub(crate) cfg: TrainConfig,
+    /// The DeepSpeed import's warnings.
+    pub(crate) warnings: Vec<String>,
+    /// `--model llama[...]`'s shape.
+    pub(crate) llama: Option<crate::llama::LlamaShape>,
+}
+
+/// Builds the run configuration shared by `train` and `compare`, the first two
+/// levels of the one precedence: the ZeRO switches start from `zero` (the
+/// mode's preset), then the DeepSpeed file's keys; the run flags (`--batch`,
+/// `--lr`, ...) then win over the file. `train_config` applies the technique
+/// flags last.
+pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<Planned, CliError> {
     let d = TrainConfig::default();
+    let llama = crate::llama::parse(&run.model)?;
     let mut cfg = TrainConfig {
-        // The Llama is built from the data by `train` (its vocabulary is the data's);
-        // the native choice here is then unused.
-        model: match crate::llama::parse(&run.model)? {
+        model: match llama {
             Some(_) => d.model,
             None => model_choice(&run.model)?,
         },
@@ -284,15 +299,27 @@ pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<(TrainConf
     if let Some(l) = &run.link {
         cfg.run.link = Some(l.parse().map_err(|e| format!("--link: {e}"))?);
     }
-    Ok((cfg, warnings))
+    Ok(Planned { cfg, warnings, llama })
 }
 
-pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
-    let mut z = match a.mode {
+/// `--mode`'s ZeRO switches: the defaults of the precedence.
+fn mode_preset(a: &TrainArgs) -> ZeroConfig {
+    match a.mode {
         Mode::Zero3 => ZeroConfig::zero3(),
         Mode::Zeropp => ZeroConfig::zeropp(a.run.local_size),
         Mode::ZeroppDelta => ZeroConfig::zeropp_delta(a.run.local_size),
-    };
+    }
+}
+
+/// The ZeRO switches of the flags alone, over `--mode`'s preset (no DeepSpeed file).
+#[cfg(test)]
+pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
+    apply_zero_flags(mode_preset(a), a)
+}
+
+/// `z` with every ZeRO flag of `a` that was given applied over it: the last
+/// level of the precedence (a flag that is absent leaves `z`'s value).
+fn apply_zero_flags(mut z: ZeroConfig, a: &TrainArgs) -> Result<ZeroConfig, CliError> {
     // The technique switches, then the specs and options of those that are on:
     // bits and group sizes are checked (and errors reported) only for those.
     let qwz_on = (z.qwz.is_some() || a.qwz) && !a.no_qwz;
@@ -357,7 +384,9 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
     } else {
         if a.qgz_two_level || a.qgz_hadamard {
             return Err(
-                "--qgz-two-level and --qgz-hadamard are options of qgZ, which is off (drop --no-qgz)".into(),
+                "--qgz-two-level and --qgz-hadamard are options of qgZ, which is off (drop --no-qgz, \
+                        or give --qgz)"
+                    .into(),
             );
         }
         None
@@ -385,39 +414,29 @@ pub(crate) fn zero_from_flags(a: &TrainArgs) -> Result<ZeroConfig, CliError> {
     if let Some(w) = &a.hpz_wire {
         z.hpz_wire = w.parse().map_err(|e| format!("--hpz-wire: {e}"))?;
     }
-    z.stochastic_rounding = a.stochastic_rounding;
-    z.prefetch = !a.no_prefetch;
+    if a.stochastic_rounding {
+        z.stochastic_rounding = true;
+    }
+    if a.no_prefetch {
+        z.prefetch = false;
+    }
     Ok(z)
 }
 
 /// The full training configuration of `zeropp train` (on any backend): the mode
 /// preset, then the DeepSpeed file, then explicit technique flags, then the
 /// metrics/checkpoint paths. Returns the DeepSpeed import warnings too.
-pub(crate) fn train_config(args: &TrainArgs) -> Result<(TrainConfig, Vec<String>), CliError> {
-    let (mut cfg, warnings) = build_config(&args.run, zero_from_flags(args)?)?;
-    // Explicit technique flags win over the DeepSpeed file.
-    if args.run.config.is_some() {
-        let z = zero_from_flags(args)?;
-        if args.qwz || args.no_qwz {
-            cfg.run.engine.zero.qwz = z.qwz;
-        }
-        if args.qgz || args.no_qgz {
-            // The switch only: a qgZ the file turned on keeps its LoCo parameters.
-            cfg.run.engine.zero.qgz = match (z.qgz, cfg.run.engine.zero.qgz) {
-                (Some(flags), Some(file)) => Some(QgzConfig { spec: flags.spec, ..file }),
-                (flags, _) => flags,
-            };
-        }
-        if let Some(h) = args.hpz {
-            cfg.run.engine.zero.hpz_size = h;
-        }
-    }
+pub(crate) fn train_config(args: &TrainArgs) -> Result<Planned, CliError> {
+    // Defaults < DeepSpeed file < flags, each level applied once, in order.
+    let mut p = build_config(&args.run, mode_preset(args))?;
+    let cfg = &mut p.cfg;
+    cfg.run.engine.zero = apply_zero_flags(cfg.run.engine.zero, args)?;
     apply_bucket_flags(args, &mut cfg.run.engine.zero.buckets)?;
     cfg.run.metrics = args.metrics.clone();
     cfg.run.save = args.save.clone();
     cfg.run.save_every = args.save_every;
     cfg.run.resume = args.resume.clone();
-    Ok((cfg, warnings))
+    Ok(p)
 }
 
 /// The bucket knob flags, over the DeepSpeed file's values.

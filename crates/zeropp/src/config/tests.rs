@@ -1,7 +1,7 @@
 //! The flags -> configuration tests of `zeropp train`.
 
 use super::*;
-use zeropp_engine::config::ResidualPrecision;
+use zeropp_engine::config::{QgzConfig, ResidualPrecision};
 use zeropp_engine::model::{GptConfig, MlpConfig};
 use zeropp_engine::train::ModelChoice;
 
@@ -20,7 +20,7 @@ fn flags(args: &[&str]) -> Result<TrainArgs, CliError> {
 
 /// `zeropp train ARGS`'s configuration, as `run` builds it.
 fn parse(args: &[&str]) -> Result<TrainConfig, CliError> {
-    Ok(train_config(&flags(args)?)?.0)
+    Ok(train_config(&flags(args)?)?.cfg)
 }
 
 #[test]
@@ -210,5 +210,40 @@ fn fault_specs_parse() -> Result<(), CliError> {
     assert!(parse_faults("boom:1:1").is_err());
     assert!(parse_faults("fail:1").is_err());
     assert!(parse_faults("fail:x:1").is_err());
+    Ok(())
+}
+
+/// One precedence, applied once: defaults (`--mode`) < DeepSpeed file < flags,
+/// for every technique flag, not only the on/off switches.
+#[test]
+fn flags_win_over_the_deepspeed_file_which_wins_over_the_mode() -> Result<(), CliError> {
+    let dir = std::env::temp_dir().join(format!("zeropp-precedence-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let ds = dir.join("ds.json");
+    std::fs::write(
+        &ds,
+        r#"{"zero_optimization": {"stage": 3, "zero_quantized_weights": false,
+            "zero_quantized_gradients": true, "zeropp_loco_param": {"err_beta": 0.6, "reset_T": 7}}}"#,
+    )
+    .map_err(|e| e.to_string())?;
+    let file = ds.to_string_lossy().into_owned();
+    let at = |extra: &[&str]| -> Result<ZeroConfig, CliError> {
+        let args: Vec<&str> =
+            ["--mode", "zeropp", "--config", &file].into_iter().chain(extra.iter().copied()).collect();
+        Ok(parse(&args)?.run.engine.zero)
+    };
+    // The file over the mode: qwZ off, LoCo from the file.
+    let z = at(&[])?;
+    let loco = z.error_feedback().map(|l| (l.err_beta, l.reset_t));
+    assert_eq!((z.qwz, loco), (None, Some((0.6, 7))));
+    // Each flag over the file, the file's other settings kept.
+    let z = at(&["--qwz", "--loco-beta", "0.3", "--qgz-bits", "8", "--qgz-two-level"])?;
+    assert!(z.qwz.is_some());
+    let q = z.qgz.ok_or("qgZ is on")?;
+    assert_eq!((q.spec.bits().bits(), q.two_level), (8, true));
+    assert_eq!(q.error_feedback.map(|l| (l.err_beta, l.reset_t)), Some((0.3, 7)));
+    assert_eq!(at(&["--no-qgz"])?.qgz, None);
+    assert!(at(&["--no-error-feedback"])?.error_feedback().is_none());
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

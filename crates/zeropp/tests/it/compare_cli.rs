@@ -110,3 +110,16 @@ fn compare_prints_the_table_and_writes_the_plots() {
     assert!(ratios.contains("vs zero3-flat") && ratios.contains("vs zero3"), "ratios.svg legend");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `compare` runs the built-in models: asked for the candle Llama it says so in
+/// one line instead of comparing the default GPT under the Llama's name.
+#[test]
+fn compare_refuses_the_candle_llama() {
+    let out = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .args(["compare", "--model", "llama", "--steps", "1", "--world", "4", "--local-size", "2"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "compare --model llama succeeded:\n{stderr}");
+    assert!(stderr.contains("zeropp train") && !stderr.contains("panicked"), "{stderr}");
+}
