@@ -15,7 +15,8 @@ use zeropp_quant::{
     dequantize_into, encoded_len, quantize_to_wire,
 };
 
-use super::{QgzOptions, Residual, ResidualMut};
+use super::QgzOptions;
+use super::feedback::{Residual, ResidualMut};
 use crate::collectives::{check_shard, finish_shard, shard_len, with_part};
 use crate::{CommError, Topology};
 

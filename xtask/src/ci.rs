@@ -1,0 +1,122 @@
+//! `cargo xtask ci` (the README's test command) and the test tasks it runs:
+//! `test` (the workspace's tests) and `test-mpi` (`xtask/mpi-tests.sh`).
+
+use std::process::Command;
+
+use crate::{cargo, cluster, gpu, has_mpirun, root, run, torch};
+
+pub(crate) fn ci(args: &[String]) -> Result<(), String> {
+    let no_mpi = args.iter().any(|a| a == "--no-mpi");
+    // The torch venv (test-torch, last) installs while the Rust side builds.
+    let venv = torch::VenvJob::start();
+    let mut fmt = cargo();
+    fmt.args(["fmt", "--all", "--", "--check"]);
+    run("rustfmt", fmt)?;
+
+    // No file uses a file that is not below it (xtask/circles.py says how a
+    // use is counted); its self-test seeds two circles and must find both.
+    for args in [&["xtask/circles.py", "--self-test"][..], &["xtask/circles.py"][..]] {
+        let mut c = Command::new("python3");
+        c.args(args).current_dir(root());
+        run("file circles", c)?;
+    }
+
+    let mut clippy = cargo();
+    clippy.args(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]);
+    run("clippy", clippy)?;
+
+    // With MPI, the workspace's tests build once with the `mpi` feature, so the
+    // MPI suite's programs (built `--workspace` in the same profile, below) and
+    // comm's `mpi::` unit tests come from the same artefacts instead of a
+    // second build of the whole stack (about 4 of CI's minutes).
+    let mpi = !no_mpi && has_mpirun() && mpi_backend_exists();
+    if mpi {
+        test_with(Some(MPI_FEATURES))?;
+    } else {
+        test()?;
+    }
+
+    let mut doc = cargo();
+    doc.args(["doc", "--workspace", "--no-deps", "--locked"]).env("RUSTDOCFLAGS", "-D warnings");
+    run("rustdoc", doc)?;
+
+    gpu::ci()?;
+
+    if no_mpi {
+        eprintln!("\n==> MPI tests skipped (--no-mpi)");
+    } else if mpi {
+        // The default clippy run above does not compile the `mpi` feature's code.
+        let mut clippy_mpi = cargo();
+        clippy_mpi.args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--locked",
+            "--features",
+            MPI_FEATURES,
+            "--",
+            "-D",
+            "warnings",
+        ]);
+        run("clippy (mpi feature)", clippy_mpi)?;
+        test_mpi_with(&[("ZEROPP_MPI_PROFILE", "test"), ("ZEROPP_MPI_UNIT_TESTS_RAN", "1")])?;
+    } else {
+        eprintln!("\n==> MPI tests skipped: no `mpirun` on PATH (install libopenmpi-dev openmpi-bin)");
+    }
+    if !no_mpi {
+        // Skips (one counted line) without root/netns/mpirun; fails instead under CI=true.
+        cluster::test(&["--profile".into(), if mpi { "test" } else { "dev" }.into()])?;
+    }
+    // Skips without a torch venv; fails instead under CI=true.
+    venv.wait();
+    torch::test(&[])?;
+    eprintln!("\nxtask ci: all green");
+    Ok(())
+}
+
+fn mpi_backend_exists() -> bool {
+    root().join("crates/zeropp-comm/src/mpi").exists()
+        || root().join("crates/zeropp-comm/src/mpi.rs").exists()
+}
+
+/// The features of an MPI build of the stack (the CLI, the candle example and
+/// comm's MPI programs), the same everywhere it is built so that the builds share
+/// their artefacts: `ci`'s tests, `xtask/mpi-tests.sh` and the cluster test.
+pub(crate) const MPI_FEATURES: &str = "zeropp-comm/mpi,zeropp/mpi,zeropp-candle/mpi";
+
+pub(crate) fn test() -> Result<(), String> {
+    test_with(None)
+}
+
+/// The workspace's tests, with `features` when given.
+fn test_with(features: Option<&str>) -> Result<(), String> {
+    let mut t = cargo();
+    t.args(["test", "--workspace", "--locked"]);
+    if let Some(f) = features {
+        t.args(["--features", f]);
+    }
+    run(if features.is_some() { "tests (mpi feature)" } else { "tests" }, t)
+}
+
+pub(crate) fn test_mpi() -> Result<(), String> {
+    test_mpi_with(&[])
+}
+
+/// `xtask/mpi-tests.sh` with `env` (`ZEROPP_MPI_PROFILE`: the cargo profile of
+/// its build; `ZEROPP_MPI_UNIT_TESTS_RAN=1`: comm's `mpi::` unit tests already
+/// ran in this job's workspace tests).
+fn test_mpi_with(env: &[(&str, &str)]) -> Result<(), String> {
+    if !has_mpirun() {
+        return Err(
+            "`mpirun` not found: install OpenMPI (apt-get install libopenmpi-dev openmpi-bin libclang-dev)"
+                .into(),
+        );
+    }
+    let script = root().join("xtask/mpi-tests.sh");
+    if !script.exists() {
+        return Err(format!("{} is missing", script.display()));
+    }
+    let mut c = Command::new("bash");
+    c.arg(script).current_dir(root()).envs(env.iter().copied());
+    run("mpi tests", c)
+}
