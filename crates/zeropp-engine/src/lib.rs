@@ -9,16 +9,20 @@
 //! with its [`ZeroConfig`] switches, schedule, checkpoints, metrics), on
 //! threads or under an MPI launcher ([`Backend`]), and returns a
 //! [`TrainReport`]. [`Launch`] is the same call with options (progress,
-//! start-up callback). [`train()`] is the CLI's run of a built-in model on
-//! built-in data ([`TrainConfig`]); [`ZeroEngine`] is the per-rank step
-//! underneath, for drivers of their own.
+//! start-up callback). The crate's root names that door, its configuration,
+//! the [`Model`] contract with the built-in models, and the error type; the
+//! rest is in the modules (docs/ARCHITECTURE.md, "API boundaries", says which
+//! are internal: [`engine`]'s per-rank step, and the run layer behind the
+//! CLI, [`train`](mod@train), [`compare`] and [`deepspeed`]).
 //!
 //! ```
-//! use zeropp_engine::{RunConfig, TrainConfig, ZeroConfig, launch};
-//! let (model, data, _) = TrainConfig::tiny().build()?;
-//! let run = RunConfig::tiny().with_steps(2).with_zero(ZeroConfig::zero3());
+//! use zeropp_engine::data::TextDataset;
+//! use zeropp_engine::{Gpt, GptConfig, RunConfig, ZeroConfig, launch};
+//! let data = TextDataset::from_text(&"to be, or not to be: that is the question. ".repeat(200))?;
+//! let model = Gpt::new(GptConfig::tiny().with_vocab(data.vocab_size()))?;
+//! let run = RunConfig::tiny().with_steps(2).with_zero(ZeroConfig::zeropp(2));
 //! let report = launch(&model, &data, &run)?;
-//! assert_eq!(report.summary.mode, "zero3");
+//! assert_eq!(report.summary.mode, "zeropp");
 //! assert_eq!(report.steps.len(), 2);
 //! # Ok::<(), zeropp_engine::EngineError>(())
 //! ```
@@ -61,8 +65,6 @@ pub mod reference;
 pub mod train;
 
 pub use config::{EngineConfig, ZeroConfig};
-pub use engine::ZeroEngine;
 pub use error::{EngineError, Result};
 pub use launch::{Backend, Job, Launch, RunConfig, Started, TrainReport, launch};
 pub use model::{Gpt, GptConfig, Mlp, MlpConfig, Model};
-pub use train::{DataChoice, ModelChoice, TrainConfig, train};

@@ -7,7 +7,8 @@
 //! ```
 //! use zeropp_engine::config::{CommDtype, EngineConfig, ZeroConfig};
 //! use zeropp_engine::reference::{Summation, train_sequential};
-//! use zeropp_engine::{RunConfig, TrainConfig, launch};
+//! use zeropp_engine::train::TrainConfig;
+//! use zeropp_engine::{RunConfig, launch};
 //! let (model, data, _) = TrainConfig::tiny().build()?;
 //! let zero = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
 //! let run = RunConfig::tiny().with_zero(zero).with_steps(3);

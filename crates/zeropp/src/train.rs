@@ -9,7 +9,8 @@ use std::cell::Cell;
 use indicatif::ProgressDrawTarget;
 use zeropp_engine::data::{DataInfo, TextDataset};
 use zeropp_engine::metrics::StepRecord;
-use zeropp_engine::{Backend, Launch, Model, Started, TrainConfig, launch::detect_job};
+use zeropp_engine::train::TrainConfig;
+use zeropp_engine::{Backend, Launch, Model, Started, launch::detect_job};
 
 use crate::CliError;
 use crate::config::{TrainArgs, faults_from_env, flag_given, train_config};

@@ -103,7 +103,8 @@ type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 /// starts it. [`launch`] is this with no options.
 ///
 /// ```
-/// use zeropp_engine::{Launch, RunConfig, TrainConfig};
+/// use zeropp_engine::Launch;
+/// use zeropp_engine::train::TrainConfig;
 /// let cfg = TrainConfig::tiny();
 /// let (model, data, info) = cfg.build()?;
 /// let mut seen = Vec::new();
