@@ -105,6 +105,8 @@ pub use baseline::{
 pub use hierarchical::{
     world_all_gather, world_all_gather_bytes, world_reduce_scatter, world_reduce_scatter_bytes,
 };
+/// qgZ's schedule, for the device collectives that execute it too.
+pub(crate) use qgz::schedule as qgz_schedule;
 pub use qgz::{
     ErrorFeedback, LocoConfig, PartSource, QgzConfig, QgzOptions, QgzSeeds, QgzStages, ResidualPrecision,
     qgz_bytes, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,

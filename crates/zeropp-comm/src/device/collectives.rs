@@ -10,14 +10,25 @@
 //! results are bitwise equal to the host collectives on the thread backend (the
 //! `device` tests), and the CUDA kernels are bit-identical to the CPU ones.
 //!
-//! Not here yet: hierarchical routing of the world gathers.
+//! qgZ executes the host's own schedule ([`QgzStages`]: which shard each
+//! quantization encodes, in which format, with which rounding stream and
+//! rotation, and where its bytes go), so the two cannot drift apart; only the
+//! kernels differ.
 
-use zeropp_quant::rng::stream_seed;
+mod world;
+
+use std::ops::Range;
+
+use zeropp_quant::Hadamard;
 
 use super::{Device, DeviceBuf, DeviceCommunicator, Elem, Kernel, View};
-use crate::collectives::{ErrorFeedback, QgzOptions, QwzOptions, Reduce, check_shard, shard_range};
-use crate::quant::{Options, QuantSpec, Rounding, encoded_len};
+use crate::collectives::qgz_schedule::{Buf, Dest};
+use crate::collectives::{
+    ErrorFeedback, QgzOptions, QgzStages, QwzOptions, Reduce, check_shard, shard_range,
+};
+use crate::quant::{Options, QuantSpec, encoded_len};
 use crate::{CommError, Group};
+pub use world::{world_all_gather, world_qwz_all_gather, world_reduce_scatter};
 
 fn index_in<C: DeviceCommunicator + ?Sized>(comm: &C, group: &Group) -> Result<usize, CommError> {
     group.index_of(comm.rank()).ok_or_else(|| {
@@ -85,18 +96,6 @@ fn quant<C: DeviceCommunicator + ?Sized>(comm: &C, kernel: Kernel<'_, C::Device>
     dev.synchronize(s)?;
     timer.add(t.elapsed());
     Ok(())
-}
-
-/// The stochastic-rounding stream of one quantization in qgZ, keyed by
-/// `(seed, rank, hop, slot)` exactly as the host qgZ keys it (the bitwise tests
-/// compare stochastic runs too).
-fn keyed(q: &Options, rank: usize, hop: u64, slot: usize) -> Options {
-    match q.rounding {
-        Rounding::Stochastic { seed } => q.with_rounding(Rounding::Stochastic {
-            seed: stream_seed(seed, &[rank as u64, hop, slot as u64]),
-        }),
-        _ => *q,
-    }
 }
 
 /// qwZ all-gather on device buffers: quantizes `shard` (`c` values of type
@@ -303,9 +302,10 @@ impl<D: Device> DeviceFeedback<D> {
     }
 }
 
-/// Quantizes `x` (`len` f32) into `out`; with a residual `(res, β)`, quantizes
-/// `c = x + res` and updates `res ← β·res + (1 − β)·(c − deq(q(c)))`, as the
-/// host's `encode_with_feedback`.
+/// Quantizes `x` (`len` f32) into `out`, rotated first at `rot` when there is
+/// a rotation (into a copy: `x` is the caller's gradient); with a residual
+/// `(res, β)`, quantizes `c = x' + res` (`x'` the rotated input) and updates
+/// `res ← β·res + (1 − β)·(c − deq(q(c)))`, as the host's `encode_with_feedback`.
 #[allow(clippy::too_many_arguments)] // the hop's state, as on the host
 fn encode<C: DeviceCommunicator + ?Sized>(
     comm: &C,
@@ -313,17 +313,26 @@ fn encode<C: DeviceCommunicator + ?Sized>(
     len: usize,
     spec: QuantSpec,
     opts: Options,
+    rot: Option<(Hadamard, u64)>,
     out: View<'_, C::Device>,
     feedback: Option<(View<'_, C::Device>, f32)>,
 ) -> Result<(), CommError> {
-    let Some((res, beta)) = feedback else {
+    if rot.is_none() && feedback.is_none() {
         return quant(comm, Kernel::Quantize { src: x, elem: Elem::F32, spec, opts, dst: out });
-    };
+    }
     let (dev, st) = (comm.device(), comm.stream());
     let comp = DeviceBuf::zeroed(dev, 4 * len)?;
     dev.copy(st, x, comp.view())?;
-    dev.kernel(st, Kernel::Add { src: res, elem: Elem::F32, dst: comp.view() })?;
+    if let Some((h, position)) = rot {
+        dev.kernel(st, Kernel::Hadamard { buf: comp.view(), h, position, inverse: false })?;
+    }
+    if let Some((res, _)) = feedback {
+        dev.kernel(st, Kernel::Add { src: res, elem: Elem::F32, dst: comp.view() })?;
+    }
     quant(comm, Kernel::Quantize { src: comp.view(), elem: Elem::F32, spec, opts, dst: out })?;
+    let Some((res, beta)) = feedback else {
+        return Ok(());
+    };
     let deq = DeviceBuf::zeroed(dev, 4 * len)?;
     quant(comm, Kernel::Dequantize { src: out, spec, len, dst: deq.view(), add: false })?;
     dev.kernel(st, Kernel::Feedback { comp: comp.view(), deq: deq.view(), res, beta })
@@ -339,6 +348,13 @@ fn residual<D: Device>(
     b.as_ref().map(|b| Ok((b.slice(4 * i * s, 4 * s)?, beta))).transpose()
 }
 
+/// Bytes `range` of the device buffer `buf`.
+fn at<'b, D: Device>(buf: &'b DeviceBuf<D>, range: Range<usize>) -> Result<View<'b, D>, CommError> {
+    buf.slice(range.start, range.len())
+}
+
+/// qgZ on device buffers: [`QgzStages`]' schedule (the host stages' own)
+/// executed with the device's kernels, every payload staying on the device.
 fn qgz_impl<C: DeviceCommunicator + ?Sized>(
     comm: &mut C,
     grad: View<'_, C::Device>,
@@ -346,26 +362,16 @@ fn qgz_impl<C: DeviceCommunicator + ?Sized>(
     opts: &QgzOptions,
     feedback: Option<&mut DeviceFeedback<C::Device>>,
 ) -> Result<(), CommError> {
-    if opts.hadamard.is_some() {
-        // The rotation has a CUDA kernel in zeropp-quant, but these device
-        // collectives do not call it yet: refuse rather than skip it.
-        return Err(CommError::Mismatch(
-            "qgz on device buffers: the Hadamard rotation (QgzOptions::hadamard) is not supported here yet; \
-             use the host collective"
-                .into(),
-        ));
-    }
     let topo = *comm.topology();
     let (w, nodes, local) = (topo.world(), topo.nodes(), topo.local_size());
     let rank = comm.rank();
     let n = elements(grad, Elem::F32, "qgz_reduce_scatter")?;
     let s = check_shard("qgz_reduce_scatter", n, w, elements(shard, Elem::F32, "qgz_reduce_scatter")?)?;
+    let plan = QgzStages::new(&topo, rank, n, opts)?;
     let dev = comm.device().clone();
     if w == 1 {
         return dev.copy(comm.stream(), grad, shard);
     }
-    let (me_node, me_local) = (topo.node_of(rank), topo.local_rank(rank));
-    let q = &opts.quant;
     let (beta, hop1, hop2) = match feedback {
         Some(fb) => (
             fb.beta,
@@ -375,52 +381,62 @@ fn qgz_impl<C: DeviceCommunicator + ?Sized>(
         None => (0.0, None, None),
     };
     dev.zero(comm.stream(), shard)?;
-    let ei = encoded_len(opts.inter_spec, s);
-    let inter_send = DeviceBuf::zeroed(&dev, if nodes > 1 { ei * nodes } else { 0 })?;
+    let intra_send = DeviceBuf::zeroed(&dev, local * plan.intra_chunk_len())?;
+    let own = DeviceBuf::zeroed(&dev, plan.own_len())?;
+    let inter_send = DeviceBuf::zeroed(&dev, nodes * plan.inter_chunk_len())?;
 
-    if local > 1 {
-        // Steps 1-2: reorder + quantize (own chunk in local_spec, kept), intra-node all-to-all.
-        let ea = encoded_len(opts.intra_spec, s);
-        let el = encoded_len(opts.local_spec, s);
-        let send = DeviceBuf::zeroed(&dev, nodes * ea * local)?;
-        let own = DeviceBuf::zeroed(&dev, el * nodes)?;
-        for j in 0..local {
-            for m in 0..nodes {
-                let part = topo.rank_of(m, j);
-                let (spec, out) = if j == me_local {
-                    (opts.local_spec, own.view().chunk(m, el)?)
-                } else {
-                    (opts.intra_spec, send.view().chunk(j, nodes * ea)?.chunk(m, ea)?)
+    // Steps 1-2: reorder + quantize (own chunk in local_spec, kept), intra-node all-to-all.
+    for e in plan.encodings() {
+        let res = residual(&hop1, e.part, s, beta)?;
+        match e.dest {
+            Dest::Shard => {
+                if let Some((res, _)) = res {
+                    dev.zero(comm.stream(), res)?;
+                }
+                with_part(comm, grad, n, s, e.part, |src| {
+                    dev.kernel(comm.stream(), Kernel::Add { src, elem: Elem::F32, dst: shard })
+                })?;
+                if let Some((h, position)) = e.rot {
+                    dev.kernel(comm.stream(), Kernel::Hadamard { buf: shard, h, position, inverse: false })?;
+                }
+            }
+            Dest::Slot(buf, range) => {
+                let out = match buf {
+                    Buf::IntraSend => at(&intra_send, range)?,
+                    Buf::Own => at(&own, range)?,
+                    Buf::InterSend => at(&inter_send, range)?,
+                    Buf::IntraRecv => {
+                        return Err(CommError::Mismatch("qgz: hop 1 writes no receive buffer".into()));
+                    }
                 };
-                let kq = keyed(q, rank, 1, part);
-                let res = residual(&hop1, part, s, beta)?;
-                with_part(comm, grad, n, s, part, |src| encode(comm, src, s, spec, kq, out, res))?;
+                with_part(comm, grad, n, s, e.part, |src| {
+                    encode(comm, src, s, e.spec, e.opts, e.rot, out, res)
+                })?;
             }
         }
-        let recv = DeviceBuf::zeroed(&dev, nodes * ea * local)?;
-        comm.all_to_all(&Group::intra_node(&topo, rank), send.view(), recv.view())?;
-        drop(send);
+    }
+    if local > 1 {
+        let recv = DeviceBuf::zeroed(&dev, intra_send.len())?;
+        comm.all_to_all(&Group::intra_node(&topo, rank), intra_send.view(), recv.view())?;
+        drop(intra_send);
         // Step 3: per destination node, the fused kernel over the L encodings (the
         // own node's partial is summed in f32 instead).
-        for m in 0..nodes {
-            let inputs = (0..local)
-                .map(|j| {
-                    Ok(if j == me_local {
-                        (own.view().chunk(m, el)?, opts.local_spec)
-                    } else {
-                        (recv.view().chunk(j, nodes * ea)?.chunk(m, ea)?, opts.intra_spec)
-                    })
+        for red in plan.reductions() {
+            let inputs = red
+                .inputs
+                .iter()
+                .map(|(buf, range, spec)| {
+                    Ok((at(if *buf == Buf::Own { &own } else { &recv }, range.clone())?, *spec))
                 })
                 .collect::<Result<Vec<_>, CommError>>()?;
-            if m == me_node {
+            let Some((range, kq)) = red.out else {
                 for &(src, spec) in &inputs {
                     quant(comm, Kernel::Dequantize { src, spec, len: s, dst: shard, add: true })?;
                 }
                 continue;
-            }
-            let dst = inter_send.view().chunk(m, ei)?;
-            let kq = keyed(q, rank, 2, m);
-            match residual(&hop2, m, s, beta)? {
+            };
+            let dst = at(&inter_send, range)?;
+            match residual(&hop2, red.node, s, beta)? {
                 // Without feedback: the fused kernel (dequantize, sum in f32, requantize).
                 None => quant(
                     comm,
@@ -440,38 +456,24 @@ fn qgz_impl<C: DeviceCommunicator + ?Sized>(
                             Kernel::Dequantize { src, spec, len: s, dst: partial.view(), add: true },
                         )?;
                     }
-                    encode(comm, partial.view(), s, opts.inter_spec, kq, dst, Some(res))?;
+                    // Already in the rotated basis (the inputs were rotated at step 1).
+                    encode(comm, partial.view(), s, opts.inter_spec, kq, None, dst, Some(res))?;
                 }
-            }
-        }
-    } else {
-        // One rank per node: shards for other nodes straight in the inter spec, own shard exact.
-        for m in 0..nodes {
-            let part = topo.rank_of(m, me_local);
-            if m == me_node {
-                if let Some((res, _)) = residual(&hop1, part, s, beta)? {
-                    dev.zero(comm.stream(), res)?;
-                }
-                with_part(comm, grad, n, s, part, |src| {
-                    dev.kernel(comm.stream(), Kernel::Add { src, elem: Elem::F32, dst: shard })
-                })?;
-            } else {
-                let dst = inter_send.view().chunk(m, ei)?;
-                let kq = keyed(q, rank, 1, part);
-                let res = residual(&hop1, part, s, beta)?;
-                with_part(comm, grad, n, s, part, |src| encode(comm, src, s, opts.inter_spec, kq, dst, res))?;
             }
         }
     }
 
     if nodes > 1 {
         // Steps 4-5: inter-node all-to-all over the rail, dequantize + sum in node order.
-        let recv = DeviceBuf::zeroed(&dev, ei * nodes)?;
+        let recv = DeviceBuf::zeroed(&dev, inter_send.len())?;
         comm.all_to_all(&Group::rail(&topo, rank), inter_send.view(), recv.view())?;
-        for m in (0..nodes).filter(|&m| m != me_node) {
-            let src = recv.view().chunk(m, ei)?;
+        for (_, range) in plan.rail_inputs() {
+            let src = at(&recv, range)?;
             quant(comm, Kernel::Dequantize { src, spec: opts.inter_spec, len: s, dst: shard, add: true })?;
         }
+    }
+    if let Some((h, position)) = plan.unrotation() {
+        dev.kernel(comm.stream(), Kernel::Hadamard { buf: shard, h, position, inverse: true })?;
     }
     finish(comm, shard, n, w, rank, opts.reduce, w)
 }

@@ -397,6 +397,11 @@ impl Device for CudaDevice {
                 unsafe { gpu.elementwise_at(Elementwise::DivF32 { x: addr(buf), by }, buf.len() / 4)? };
                 Ok(())
             }
+            Kernel::Hadamard { buf, h, position, inverse } => {
+                // SAFETY: `buf` holds `len / 4` live, aligned f32.
+                unsafe { gpu.hadamard_at(addr(buf), buf.len() / 4, &h, position, inverse)? };
+                Ok(())
+            }
             Kernel::Feedback { comp, deq, res, beta } => {
                 let n = res.len() / 4;
                 need(comp, 4 * n, "feedback")?;
@@ -404,6 +409,21 @@ impl Device for CudaDevice {
                 let op = Elementwise::Feedback { comp: addr(comp), deq: addr(deq), res: addr(res), beta };
                 // SAFETY: `n` live, aligned f32 at each address (checked).
                 unsafe { gpu.elementwise_at(op, n)? };
+                Ok(())
+            }
+            Kernel::FromBf16 { src, dst } => {
+                let n = dst.len() / 4;
+                need(src, 2 * n, "from_bf16")?;
+                if n == 0 {
+                    return Ok(());
+                }
+                s.gpu.make_current()?;
+                // -0.0 is the additive identity of IEEE f32 (-0 + x = x for every x,
+                // -0 included), so adding the bf16 values to it widens them exactly.
+                // SAFETY: `dst` is a live window of `n` aligned f32 (checked).
+                check(unsafe { sys::cuMemsetD32Async(addr(dst), 0x8000_0000, n, stream_of(s)) }, "memset")?;
+                // SAFETY: `n` live bf16 and `n` live f32, aligned (checked).
+                unsafe { gpu.elementwise_at(Elementwise::AddBf16 { src: addr(src), acc: addr(dst) }, n)? };
                 Ok(())
             }
             Kernel::ToBf16 { src, dst } => {

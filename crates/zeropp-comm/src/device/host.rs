@@ -233,6 +233,18 @@ impl Device for HostDevice {
                     Ok(())
                 })
             }
+            Kernel::Hadamard { buf, h, position, inverse } => {
+                let mut x = f32s(buf, buf.len() / 4, "hadamard")?;
+                if inverse {
+                    h.inverse(&mut x, position, &Options::default())?;
+                } else {
+                    h.forward(&mut x, position, &Options::default())?;
+                }
+                write(buf, |w| {
+                    w.copy_from_slice(bytemuck::cast_slice(&x));
+                    Ok(())
+                })
+            }
             Kernel::Feedback { comp, deq, res, beta } => {
                 let n = res.len() / 4;
                 let (c, d) = (f32s(comp, n, "feedback")?, f32s(deq, n, "feedback")?);
@@ -242,6 +254,16 @@ impl Device for HostDevice {
                 }
                 write(res, |w| {
                     w.copy_from_slice(bytemuck::cast_slice(&r));
+                    Ok(())
+                })
+            }
+            Kernel::FromBf16 { src, dst } => {
+                let bytes = read(src)?;
+                check_len(dst, 2 * bytes.len(), "from_bf16")?;
+                let x: Vec<bf16> = bytemuck::pod_collect_to_vec(&bytes);
+                let y: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+                write(dst, |w| {
+                    w.copy_from_slice(bytemuck::cast_slice(&y));
                     Ok(())
                 })
             }

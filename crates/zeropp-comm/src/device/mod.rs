@@ -190,6 +190,27 @@ pub enum Kernel<'a, D: Device> {
         /// The moving-average factor β.
         beta: f32,
     },
+    /// The randomized Hadamard rotation of every whole group of the f32 vector
+    /// `buf`, in place (`buf`'s first element at stream position `position`;
+    /// forward, or back when `inverse`), like `Hadamard::forward` /
+    /// `Hadamard::inverse`. A partial last group is left as it is.
+    Hadamard {
+        /// f32 vector, in place.
+        buf: View<'a, D>,
+        /// The rotation (group size and sign seed).
+        h: zeropp_quant::Hadamard,
+        /// Stream position of `buf`'s first element.
+        position: u64,
+        /// Rotate back instead of forward.
+        inverse: bool,
+    },
+    /// `dst[i] = f32(src[i])` from bf16, exactly (`half::bf16::to_f32`).
+    FromBf16 {
+        /// bf16 input.
+        src: View<'a, D>,
+        /// f32 output.
+        dst: View<'a, D>,
+    },
     /// `dst[i] = bf16(src[i])`, rounded to nearest even (`half::bf16::from_f32`).
     ToBf16 {
         /// f32 input.
@@ -231,10 +252,15 @@ impl<D: Device> Kernel<'_, D> {
                 f32s(dst, "add accumulator")
             }
             Kernel::Div { buf, .. } => f32s(buf, "divide"),
+            Kernel::Hadamard { buf, .. } => f32s(buf, "hadamard"),
             Kernel::Feedback { comp, deq, res, .. } => {
                 f32s(comp, "feedback")?;
                 f32s(deq, "feedback")?;
                 f32s(res, "feedback")
+            }
+            Kernel::FromBf16 { src, dst } => {
+                check_aligned(src, 2, "from_bf16 input")?;
+                f32s(dst, "from_bf16 output")
             }
             Kernel::ToBf16 { src, dst } => {
                 f32s(src, "to_bf16 input")?;

@@ -53,6 +53,7 @@ use feedback::Residual;
 
 mod config;
 mod feedback;
+pub(crate) mod schedule;
 mod stages;
 
 pub use config::{LocoConfig, QgzConfig, QgzSeeds};

@@ -8,15 +8,18 @@
 //! `all_to_all_single`), so both paths reorder, quantize and reduce with the
 //! same code and give bit-identical shards for the same inputs and seed.
 
+use std::ops::Range;
+
 use zeropp_quant::hadamard::quantize_hadamard_to_wire;
-use zeropp_quant::rng::stream_seed;
+
 use zeropp_quant::{
-    Hadamard, Options, QuantSpec, QuantizedRef, Rounding, dequant_reduce_quant_to_wire, dequantize_add,
+    Hadamard, Options, QuantSpec, QuantizedRef, dequant_reduce_quant_to_wire, dequantize_add,
     dequantize_into, encoded_len, quantize_to_wire,
 };
 
 use super::QgzOptions;
 use super::feedback::{Residual, ResidualMut};
+use super::schedule::{Buf, Dest};
 use crate::collectives::{check_shard, finish_shard, shard_len, with_part};
 use crate::{CommError, Topology};
 
@@ -62,11 +65,11 @@ use crate::{CommError, Topology};
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct QgzStages {
-    topo: Topology,
-    rank: usize,
+    pub(super) topo: Topology,
+    pub(super) rank: usize,
     n: usize,
-    s: usize,
-    opts: QgzOptions,
+    pub(super) s: usize,
+    pub(super) opts: QgzOptions,
     /// The Hadamard rotation of [`QgzOptions::hadamard`].
     rot: Option<Hadamard>,
 }
@@ -194,7 +197,7 @@ impl QgzStages {
     }
 
     /// Where shard `part` starts in the rotation's stream.
-    fn rotated(&self, part: usize) -> Option<(Hadamard, u64)> {
+    pub(super) fn rotated(&self, part: usize) -> Option<(Hadamard, u64)> {
         self.rot.map(|h| (h, (part as u64).wrapping_mul(self.s as u64)))
     }
 
@@ -278,27 +281,27 @@ impl QgzStages {
     /// chunks in node order; this node's own chunk is ignored), then applies the
     /// mean and zeroes the padding.
     pub fn finish(&self, inter_recv: &[u8], shard: &mut [f32]) -> Result<(), CommError> {
-        let (nodes, s) = (self.topo.nodes(), self.s);
         self.check_shard(shard)?;
-        if nodes > 1 && self.topo.world() > 1 {
-            let ei = self.inter_chunk_len();
-            check_len("qgz: inter-node receive buffer", nodes * ei, inter_recv.len())?;
-            let me_node = self.topo.node_of(self.rank);
-            let q = &self.opts.quant;
-            for (m, bytes) in inter_recv.chunks_exact(ei).enumerate().filter(|&(m, _)| m != me_node) {
-                let x = QuantizedRef::from_bytes(bytes)?;
-                if x.len() != s {
-                    return Err(CommError::Mismatch(format!(
-                        "qgz: a rail peer (node {m}) sent a shard of {} elements, expected {s}",
-                        x.len()
-                    )));
-                }
-                dequantize_add(&x, shard, q)?;
-            }
+        let rail = self.rail_inputs();
+        if !rail.is_empty() {
+            check_len(
+                "qgz: inter-node receive buffer",
+                self.topo.nodes() * self.inter_chunk_len(),
+                inter_recv.len(),
+            )?;
         }
-        if self.topo.world() > 1
-            && let Some((h, at)) = self.rotated(self.rank)
-        {
+        for (m, range) in rail {
+            let x = QuantizedRef::from_bytes(bytes_at(inter_recv, range, "qgz: inter-node receive buffer")?)?;
+            if x.len() != self.s {
+                return Err(CommError::Mismatch(format!(
+                    "qgz: a rail peer (node {m}) sent a shard of {} elements, expected {}",
+                    x.len(),
+                    self.s
+                )));
+            }
+            dequantize_add(&x, shard, &self.opts.quant)?;
+        }
+        if let Some((h, at)) = self.unrotation() {
             h.inverse(shard, at, &self.opts.quant)?;
         }
         finish_shard(shard, self.n, self.topo.world(), self.rank, self.opts.reduce, self.topo.world());
@@ -311,27 +314,20 @@ impl QgzStages {
 
     /// Checks the buffers of hop 1 and of the hand-over to hop 2 (the shard, the
     /// intra-node buffer `intra`, named `what`, the own chunk and the inter-node
-    /// send buffer) and returns where this rank stands.
-    fn hop1(
+    /// send buffer).
+    fn check_hop1(
         &self,
         what: &str,
         shard: &[f32],
         intra: &[u8],
         own: &[u8],
         inter_send: &[u8],
-    ) -> Result<Here, CommError> {
+    ) -> Result<(), CommError> {
         let t = &self.topo;
         self.check_shard(shard)?;
         check_len(what, t.local_size() * self.intra_chunk_len(), intra.len())?;
         check_len("qgz: own-chunk buffer", self.own_len(), own.len())?;
-        check_len("qgz: inter-node send buffer", t.nodes() * self.inter_chunk_len(), inter_send.len())?;
-        Ok(Here {
-            s: self.s,
-            nodes: t.nodes(),
-            local: t.local_size(),
-            me_node: t.node_of(self.rank),
-            me_local: t.local_rank(self.rank),
-        })
+        check_len("qgz: inter-node send buffer", t.nodes() * self.inter_chunk_len(), inter_send.len())
     }
 
     pub(super) fn pack_with(
@@ -342,10 +338,9 @@ impl QgzStages {
     ) -> Result<(), CommError> {
         let PackBufs { intra_send, own, inter_send, shard } = bufs;
         check_len("qgz: gradient", self.n, grad.len())?;
-        let Here { s, nodes, local, me_node, me_local } =
-            self.hop1("qgz: intra-node send buffer", shard, intra_send, own, inter_send)?;
-        let topo = &self.topo;
-        if topo.world() == 1 {
+        self.check_hop1("qgz: intra-node send buffer", shard, intra_send, own, inter_send)?;
+        let s = self.s;
+        if self.topo.world() == 1 {
             return match grad.flat() {
                 Some(flat) => {
                     shard.copy_from_slice(flat);
@@ -357,43 +352,12 @@ impl QgzStages {
                 }),
             };
         }
-        let q = &self.opts.quant;
         let beta = feedback.as_ref().map_or(0.0, |f| f.beta);
         shard.fill(0.0);
-        if local > 1 {
-            // The chunk for local peer `j` holds the shards of ranks (m, j), m = 0..N,
-            // in node order, each its own encoding. The chunk this rank keeps never
-            // travels: it goes to `own`, in the finer `local_spec`.
-            let (ea, el) = (encoded_len(self.opts.intra_spec, s), encoded_len(self.opts.local_spec, s));
-            for (j, chunk) in intra_send.chunks_exact_mut(nodes * ea).enumerate() {
-                for m in 0..nodes {
-                    let part = topo.rank_of(m, j);
-                    let (spec, out) = if j == me_local {
-                        (self.opts.local_spec, own.chunks_exact_mut(el).nth(m))
-                    } else {
-                        (self.opts.intra_spec, chunk.chunks_exact_mut(ea).nth(m))
-                    };
-                    let out = out.ok_or_else(|| CommError::Mismatch("qgz: send buffer too small".into()))?;
-                    let kq = keyed(q, self.rank, 1, part);
-                    let res = feedback.as_deref_mut().map(|f| &mut *f.hop1);
-                    encode_part(
-                        grad,
-                        s,
-                        part,
-                        Encode { spec, opts: &kq, rot: self.rotated(part) },
-                        out,
-                        res,
-                        beta,
-                    )?;
-                }
-            }
-        } else {
-            // One rank per node: the shards for the other nodes go straight to the
-            // rail peers; the own shard is added exactly.
-            let ei = self.inter_chunk_len();
-            for m in 0..nodes {
-                let part = topo.rank_of(m, me_local);
-                if m == me_node {
+        for e in self.encodings() {
+            let part = e.part;
+            match e.dest {
+                Dest::Shard => {
                     if let Some(mut res) =
                         feedback.as_deref_mut().and_then(|f| f.hop1.slice_mut(part * s..(part + 1) * s))
                     {
@@ -404,14 +368,21 @@ impl QgzStages {
                         Ok(())
                     })?;
                     // The sum runs in the rotated basis; stage 5 rotates it back.
-                    if let Some((h, at)) = self.rotated(part) {
-                        h.forward(shard, at, q)?;
+                    if let Some((h, at)) = e.rot {
+                        h.forward(shard, at, &self.opts.quant)?;
                     }
-                } else {
-                    let out = inter_slot(inter_send, ei, m)?;
-                    let kq = keyed(q, self.rank, 1, part);
+                }
+                Dest::Slot(buf, range) => {
+                    let out = match buf {
+                        Buf::IntraSend => bytes_at_mut(intra_send, range, "qgz: intra-node send buffer")?,
+                        Buf::Own => bytes_at_mut(own, range, "qgz: own-chunk buffer")?,
+                        Buf::InterSend => bytes_at_mut(inter_send, range, "qgz: inter-node send buffer")?,
+                        Buf::IntraRecv => {
+                            return Err(CommError::Mismatch("qgz: hop 1 writes no receive buffer".into()));
+                        }
+                    };
                     let res = feedback.as_deref_mut().map(|f| &mut *f.hop1);
-                    let enc = Encode { spec: self.opts.inter_spec, opts: &kq, rot: self.rotated(part) };
+                    let enc = Encode { spec: e.spec, opts: &e.opts, rot: e.rot };
                     encode_part(grad, s, part, enc, out, res, beta)?;
                 }
             }
@@ -427,28 +398,17 @@ impl QgzStages {
         shard: &mut [f32],
         mut feedback: Option<&mut Feedback<'_>>,
     ) -> Result<(), CommError> {
-        let Here { s, nodes, local, me_node, me_local } =
-            self.hop1("qgz: intra-node receive buffer", shard, intra_recv, own, inter_send)?;
-        let ei = self.inter_chunk_len();
-        if local <= 1 || self.topo.world() == 1 {
-            return Ok(());
-        }
-        let q = &self.opts.quant;
-        let (ea, el) = (encoded_len(self.opts.intra_spec, s), encoded_len(self.opts.local_spec, s));
-        // Per destination node m: the L encodings of shard (m, me_local), in
-        // local-rank order; requantized for the rail peers, except the own node's
-        // partial, which stays in f32.
-        let chunks: Vec<&[u8]> = intra_recv.chunks_exact(nodes * ea).collect();
-        for m in 0..nodes {
-            let inputs = (0..local)
-                .map(|j| {
-                    let bytes = if j == me_local {
-                        own.chunks_exact(el).nth(m)
-                    } else {
-                        chunks.get(j).and_then(|c| c.chunks_exact(ea).nth(m))
+        self.check_hop1("qgz: intra-node receive buffer", shard, intra_recv, own, inter_send)?;
+        let (s, q) = (self.s, &self.opts.quant);
+        for red in self.reductions() {
+            let inputs = red
+                .inputs
+                .iter()
+                .map(|(buf, range, _)| {
+                    let bytes = match buf {
+                        Buf::Own => bytes_at(own, range.clone(), "qgz: own-chunk buffer")?,
+                        _ => bytes_at(intra_recv, range.clone(), "qgz: intra-node receive buffer")?,
                     };
-                    let bytes =
-                        bytes.ok_or_else(|| CommError::Mismatch("qgz: receive buffer too small".into()))?;
                     Ok(QuantizedRef::from_bytes(bytes)?)
                 })
                 .collect::<Result<Vec<_>, CommError>>()?;
@@ -458,14 +418,13 @@ impl QgzStages {
                     bad.len()
                 )));
             }
-            if m == me_node {
+            let Some((range, kq)) = red.out else {
                 for x in &inputs {
                     dequantize_add(x, shard, q)?;
                 }
                 continue;
-            }
-            let out = inter_slot(inter_send, ei, m)?;
-            let kq = keyed(q, self.rank, 2, m);
+            };
+            let out = bytes_at_mut(inter_send, range, "qgz: inter-node send buffer")?;
             match feedback.as_deref_mut() {
                 // Without feedback: the fused kernel (dequantize, sum in f32, requantize).
                 None => {
@@ -476,6 +435,7 @@ impl QgzStages {
                     for x in &inputs {
                         dequantize_add(x, &mut partial, q)?;
                     }
+                    let m = red.node;
                     let r = fb.hop2.slice_mut(m * s..(m + 1) * s).ok_or_else(|| residual_oob(m, s))?;
                     // Already in the rotated basis (the inputs were rotated at stage 1).
                     let enc = Encode { spec: self.opts.inter_spec, opts: &kq, rot: None };
@@ -487,12 +447,16 @@ impl QgzStages {
     }
 }
 
-/// The `ei` bytes of `inter_send` for rail peer (node) `m`.
-fn inter_slot(inter_send: &mut [u8], ei: usize, m: usize) -> Result<&mut [u8], CommError> {
-    inter_send
-        .chunks_exact_mut(ei)
-        .nth(m)
-        .ok_or_else(|| CommError::Mismatch("qgz: inter send buffer too small".into()))
+/// Bytes `range` of `buf` (a buffer the length checks already sized).
+fn bytes_at<'a>(buf: &'a [u8], range: Range<usize>, what: &str) -> Result<&'a [u8], CommError> {
+    let (lo, hi) = (range.start, range.end);
+    buf.get(range).ok_or_else(|| CommError::Mismatch(format!("{what}: no bytes {lo}..{hi} in {}", buf.len())))
+}
+
+/// Bytes `range` of `buf`, writable.
+fn bytes_at_mut<'a>(buf: &'a mut [u8], range: Range<usize>, what: &str) -> Result<&'a mut [u8], CommError> {
+    let (lo, hi, len) = (range.start, range.end, buf.len());
+    buf.get_mut(range).ok_or_else(|| CommError::Mismatch(format!("{what}: no bytes {lo}..{hi} in {len}")))
 }
 
 fn check_len(what: &str, expected: usize, actual: usize) -> Result<(), CommError> {
@@ -500,19 +464,6 @@ fn check_len(what: &str, expected: usize, actual: usize) -> Result<(), CommError
         Ok(())
     } else {
         Err(CommError::Mismatch(format!("{what} has {actual} bytes or elements, expected {expected}")))
-    }
-}
-
-/// The kernel options of one quantization inside qgZ: with stochastic rounding,
-/// the stream is keyed by `(seed, rank, hop, slot)`, so the contributions of
-/// different ranks to one element round with independent draws (their errors
-/// add in variance, `∝ L`, instead of in amplitude, `∝ L²`).
-fn keyed(q: &Options, rank: usize, hop: u64, slot: usize) -> Options {
-    match q.rounding {
-        Rounding::Stochastic { seed } => q.with_rounding(Rounding::Stochastic {
-            seed: stream_seed(seed, &[rank as u64, hop, slot as u64]),
-        }),
-        _ => *q,
     }
 }
 
@@ -590,14 +541,4 @@ fn encode_part(
 
 fn residual_oob(part: usize, s: usize) -> CommError {
     CommError::Mismatch(format!("qgz: error-feedback residual has no shard {part} of {s} elements"))
-}
-
-/// Where a rank stands in hop 1: the shard length, the cluster's shape and its
-/// own node and local rank.
-struct Here {
-    s: usize,
-    nodes: usize,
-    local: usize,
-    me_node: usize,
-    me_local: usize,
 }
