@@ -30,9 +30,12 @@
 //!   [`Communicator`](crate::Communicator) (staging through device buffers), so the
 //!   conformance suite runs on it unchanged.
 //! - [`collectives`]: qwZ all-gather, hpZ gathers, the qgZ two-hop reduce-scatter
-//!   (fused kernel) and the bf16 baselines, written once on [`DeviceCommunicator`],
-//!   with no host round trip of the payload. On [`HostDevice`] their results are
-//!   bitwise equal to the host collectives on the thread backend (tests).
+//!   (fused kernel; LoCo, two-level specs and the Hadamard rotation, by the host
+//!   stages' own schedule), the world gathers and reduce-scatters with flat or
+//!   hierarchical routing, and the bf16 baselines, written once on
+//!   [`DeviceCommunicator`], with no host round trip of the payload. On
+//!   [`HostDevice`] their results are bitwise equal to the host collectives on the
+//!   thread backend (tests). Not here: qwZ-Δ's exchange.
 //! - `NcclComm` (feature `nccl`): the same trait on NCCL, loaded at run time,
 //!   bootstrapped over any host communicator (MPI under `mpirun`).
 
