@@ -28,13 +28,14 @@ pub(crate) fn ci(args: &[String]) -> Result<(), String> {
     // tests come from the tests' artefacts instead of a second build of the
     // whole stack (about 4 of CI's minutes; the second clippy run was 30 s).
     let mpi = !no_mpi && has_mpirun() && mpi_backend_exists();
-    let mut clippy = cargo();
-    clippy.args(["clippy", "--workspace", "--all-targets", "--locked"]);
-    if mpi {
-        clippy.args(["--features", MPI_FEATURES]);
-    }
+    // The GPU features join too (`cuda`, `nccl`: the CUDA device and NCCL code
+    // of quant and comm, checked against the stub driver), so this one run is
+    // also the GPU code's clippy (it was a separate 80 s run).
+    let features = all_features(mpi);
+    let mut clippy = crate::ptx::cuda_cargo()?;
+    clippy.args(["clippy", "--workspace", "--all-targets", "--locked", "--features", &features]);
     clippy.args(["--", "-D", "warnings"]);
-    run(if mpi { "clippy (mpi feature)" } else { "clippy" }, clippy)?;
+    run(&format!("clippy ({features})"), clippy)?;
 
     if mpi {
         test_with(Some(MPI_FEATURES))?;
@@ -42,9 +43,10 @@ pub(crate) fn ci(args: &[String]) -> Result<(), String> {
         test()?;
     }
 
-    let mut doc = cargo();
-    doc.args(["doc", "--workspace", "--no-deps", "--locked"]).env("RUSTDOCFLAGS", "-D warnings");
-    run("rustdoc", doc)?;
+    let mut doc = crate::ptx::cuda_cargo()?;
+    doc.args(["doc", "--workspace", "--no-deps", "--locked", "--features", &features])
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(&format!("rustdoc ({features})"), doc)?;
 
     gpu::ci()?;
 
@@ -69,6 +71,19 @@ pub(crate) fn ci(args: &[String]) -> Result<(), String> {
 fn mpi_backend_exists() -> bool {
     root().join("crates/zeropp-comm/src/mpi").exists()
         || root().join("crates/zeropp-comm/src/mpi.rs").exists()
+}
+
+/// The features of the GPU code (quant's and comm's CUDA device, comm's NCCL),
+/// which build and lint without a GPU or a CUDA toolkit against the stub driver
+/// (`crate::ptx::cuda_cargo`).
+pub(crate) const GPU_FEATURES: &str = "zeropp-quant/cuda,zeropp-comm/nccl";
+
+/// Every feature CI lints and documents at once: the GPU features, and the MPI
+/// features when the MPI backend builds here. No item is compiled only without
+/// a feature (the two `not(feature)` items are compiled in both builds or only
+/// silence a lint), so one run covers every build's code.
+fn all_features(mpi: bool) -> String {
+    if mpi { format!("{MPI_FEATURES},{GPU_FEATURES}") } else { GPU_FEATURES.to_string() }
 }
 
 /// The features of an MPI build of the stack (the CLI, the candle example and

@@ -91,22 +91,14 @@ fn clippy() -> Result<(), String> {
     run("clippy (zeropp-quant and zeropp-comm, cuda feature)", c)
 }
 
-/// CI's share: the artefacts are current, clippy and rustdoc are clean with the
-/// feature, and the GPU tests build, link (stub) and run (skipping without a GPU).
+/// CI's share, after CI's one clippy and rustdoc run (which include the GPU
+/// features, `crate::ci::GPU_FEATURES`): the artefacts are current, and the GPU
+/// tests build, link (stub) and run (skipping without a GPU).
 pub(crate) fn ci() -> Result<(), String> {
     ptx::ptx(&["--check".to_string()])?;
-    clippy()?;
     test()?;
     // The GPU check's verdict, proved both ways on this machine (no GPU needed).
-    crate::gpu_check::verdict()?;
-    let mut doc = cuda_cargo()?;
-    doc.args(["doc", "--locked", "-p", "zeropp-quant", "--no-deps", "--features", "cuda"])
-        .env("RUSTDOCFLAGS", "-D warnings");
-    run("rustdoc (zeropp-quant, cuda feature)", doc)?;
-    let mut doc = cuda_cargo()?;
-    doc.args(["doc", "--locked", "-p", "zeropp-comm", "--no-deps", "--features", "nccl"])
-        .env("RUSTDOCFLAGS", "-D warnings");
-    run("rustdoc (zeropp-comm, cuda and nccl features)", doc)
+    crate::gpu_check::verdict()
 }
 
 /// `cargo xtask bench gpu`: the GPU bench (`benches/gpu.rs`) writes
