@@ -386,7 +386,7 @@ fn qgz_impl<C: DeviceCommunicator + ?Sized>(
     let inter_send = DeviceBuf::zeroed(&dev, nodes * plan.inter_chunk_len())?;
 
     // Steps 1-2: reorder + quantize (own chunk in local_spec, kept), intra-node all-to-all.
-    for e in plan.encodings() {
+    for e in plan.schedule().encodings() {
         let res = residual(&hop1, e.part, s, beta)?;
         match e.dest {
             Dest::Shard => {
@@ -421,7 +421,7 @@ fn qgz_impl<C: DeviceCommunicator + ?Sized>(
         drop(intra_send);
         // Step 3: per destination node, the fused kernel over the L encodings (the
         // own node's partial is summed in f32 instead).
-        for red in plan.reductions() {
+        for red in plan.schedule().reductions() {
             let inputs = red
                 .inputs
                 .iter()
@@ -467,12 +467,12 @@ fn qgz_impl<C: DeviceCommunicator + ?Sized>(
         // Steps 4-5: inter-node all-to-all over the rail, dequantize + sum in node order.
         let recv = DeviceBuf::zeroed(&dev, inter_send.len())?;
         comm.all_to_all(&Group::rail(&topo, rank), inter_send.view(), recv.view())?;
-        for (_, range) in plan.rail_inputs() {
+        for (_, range) in plan.schedule().rail_inputs() {
             let src = at(&recv, range)?;
             quant(comm, Kernel::Dequantize { src, spec: opts.inter_spec, len: s, dst: shard, add: true })?;
         }
     }
-    if let Some((h, position)) = plan.unrotation() {
+    if let Some((h, position)) = plan.schedule().unrotation() {
         dev.kernel(comm.stream(), Kernel::Hadamard { buf: shard, h, position, inverse: true })?;
     }
     finish(comm, shard, n, w, rank, opts.reduce, w)

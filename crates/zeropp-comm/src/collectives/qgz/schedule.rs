@@ -1,16 +1,16 @@
 //! qgZ's schedule: the one description of a rank's work around the two
 //! all-to-alls, which both executors run.
 //!
-//! For one rank, the schedule says which shard each quantization encodes, in
-//! which format, with which stochastic-rounding stream and Hadamard position,
-//! and where its bytes go (hop 1, [`QgzStages::encodings`]); which encodings are
-//! summed for each rail peer and how the sum is requantized (the hand-over to
-//! hop 2, [`QgzStages::reductions`]); and what the last stage adds and rotates
-//! back ([`QgzStages::rail_inputs`], [`QgzStages::unrotation`]).
+//! For one rank, the [`Schedule`] says which shard each quantization encodes,
+//! in which format, with which stochastic-rounding stream and Hadamard
+//! position, and where its bytes go (hop 1, [`Schedule::encodings`]); which
+//! encodings are summed for each rail peer and how the sum is requantized (the
+//! hand-over to hop 2, [`Schedule::reductions`]); and what the last stage adds
+//! and rotates back ([`Schedule::rail_inputs`], [`Schedule::unrotation`]).
 //!
 //! Two executors run it, each with its own kernels and no decision of its own:
-//! the host stages ([`QgzStages::pack`] and the rest, on byte slices, used by
-//! the host communicators and the Python bindings) and the device collectives
+//! the host stages (`QgzStages`, on byte slices, used by the host
+//! communicators and the Python bindings) and the device collectives
 //! ([`crate::device::collectives::qgz_reduce_scatter`], on device buffers). So
 //! a change of the algorithm (a new spec per hop, a new rounding key, a
 //! rotation) is made here once, and the two stay bitwise equal on
@@ -21,7 +21,22 @@ use std::ops::Range;
 use zeropp_quant::rng::stream_seed;
 use zeropp_quant::{Hadamard, Options, QuantSpec, Rounding, encoded_len};
 
-use super::QgzStages;
+use crate::Topology;
+
+/// One rank's schedule of one qgZ call: the world's shape, the shard length
+/// `s`, the three specs (intra-node hop, the kept own chunk, inter-node hop),
+/// the kernel options and the rotation.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Schedule {
+    pub(crate) topo: Topology,
+    pub(crate) rank: usize,
+    pub(crate) s: usize,
+    pub(crate) intra_spec: QuantSpec,
+    pub(crate) local_spec: QuantSpec,
+    pub(crate) inter_spec: QuantSpec,
+    pub(crate) quant: Options,
+    pub(crate) rot: Option<Hadamard>,
+}
 
 /// One of the byte buffers of a qgZ call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +100,12 @@ pub(crate) fn keyed(q: &Options, rank: usize, hop: u64, slot: usize) -> Options 
     }
 }
 
-impl QgzStages {
+impl Schedule {
+    /// Where shard `part` starts in the rotation's stream.
+    fn rotated(&self, part: usize) -> Option<(Hadamard, u64)> {
+        self.rot.map(|h| (h, (part as u64).wrapping_mul(self.s as u64)))
+    }
+
     /// Hop 1, in the order both executors run it. Empty for a world of one.
     ///
     /// With `L > 1` the chunk for local peer `j` holds the shards of ranks
@@ -94,7 +114,7 @@ impl QgzStages {
     /// rank per node the shards for the other nodes go straight to
     /// [`Buf::InterSend`] and the own shard to [`Dest::Shard`].
     pub(crate) fn encodings(&self) -> Vec<Encoding> {
-        let (t, s, o) = (&self.topo, self.s, &self.opts);
+        let (t, s) = (&self.topo, self.s);
         if t.world() == 1 {
             return Vec::new();
         }
@@ -102,28 +122,28 @@ impl QgzStages {
         let (me_node, me_local) = (t.node_of(self.rank), t.local_rank(self.rank));
         let mut out = Vec::with_capacity(t.world());
         if local > 1 {
-            let (ea, el) = (encoded_len(o.intra_spec, s), encoded_len(o.local_spec, s));
+            let (ea, el) = (encoded_len(self.intra_spec, s), encoded_len(self.local_spec, s));
             for j in 0..local {
                 for m in 0..nodes {
                     let part = t.rank_of(m, j);
                     let (spec, dest) = if j == me_local {
-                        (o.local_spec, Dest::Slot(Buf::Own, m * el..(m + 1) * el))
+                        (self.local_spec, Dest::Slot(Buf::Own, m * el..(m + 1) * el))
                     } else {
                         let at = (j * nodes + m) * ea;
-                        (o.intra_spec, Dest::Slot(Buf::IntraSend, at..at + ea))
+                        (self.intra_spec, Dest::Slot(Buf::IntraSend, at..at + ea))
                     };
-                    let opts = keyed(&o.quant, self.rank, 1, part);
+                    let opts = keyed(&self.quant, self.rank, 1, part);
                     out.push(Encoding { part, spec, opts, rot: self.rotated(part), dest });
                 }
             }
         } else {
-            let ei = encoded_len(o.inter_spec, s);
+            let ei = encoded_len(self.inter_spec, s);
             for m in 0..nodes {
                 let part = t.rank_of(m, me_local);
                 let dest =
                     if m == me_node { Dest::Shard } else { Dest::Slot(Buf::InterSend, m * ei..(m + 1) * ei) };
-                let opts = keyed(&o.quant, self.rank, 1, part);
-                out.push(Encoding { part, spec: o.inter_spec, opts, rot: self.rotated(part), dest });
+                let opts = keyed(&self.quant, self.rank, 1, part);
+                out.push(Encoding { part, spec: self.inter_spec, opts, rot: self.rotated(part), dest });
             }
         }
         out
@@ -133,27 +153,30 @@ impl QgzStages {
     /// empty unless `L > 1` (and `W > 1`). The inputs are already in the
     /// rotated basis, so nothing here rotates.
     pub(crate) fn reductions(&self) -> Vec<Reduction> {
-        let (t, s, o) = (&self.topo, self.s, &self.opts);
+        let (t, s) = (&self.topo, self.s);
         let (nodes, local) = (t.nodes(), t.local_size());
         if local <= 1 || t.world() == 1 {
             return Vec::new();
         }
         let (me_node, me_local) = (t.node_of(self.rank), t.local_rank(self.rank));
-        let (ea, el, ei) =
-            (encoded_len(o.intra_spec, s), encoded_len(o.local_spec, s), encoded_len(o.inter_spec, s));
+        let (ea, el, ei) = (
+            encoded_len(self.intra_spec, s),
+            encoded_len(self.local_spec, s),
+            encoded_len(self.inter_spec, s),
+        );
         (0..nodes)
             .map(|m| {
                 let inputs = (0..local)
                     .map(|j| {
                         if j == me_local {
-                            (Buf::Own, m * el..(m + 1) * el, o.local_spec)
+                            (Buf::Own, m * el..(m + 1) * el, self.local_spec)
                         } else {
                             let at = (j * nodes + m) * ea;
-                            (Buf::IntraRecv, at..at + ea, o.intra_spec)
+                            (Buf::IntraRecv, at..at + ea, self.intra_spec)
                         }
                     })
                     .collect();
-                let out = (m != me_node).then(|| (m * ei..(m + 1) * ei, keyed(&o.quant, self.rank, 2, m)));
+                let out = (m != me_node).then(|| (m * ei..(m + 1) * ei, keyed(&self.quant, self.rank, 2, m)));
                 Reduction { node: m, inputs, out }
             })
             .collect()
@@ -167,7 +190,7 @@ impl QgzStages {
         if t.nodes() <= 1 || t.world() == 1 {
             return Vec::new();
         }
-        let (me_node, ei) = (t.node_of(self.rank), self.inter_chunk_len());
+        let (me_node, ei) = (t.node_of(self.rank), encoded_len(self.inter_spec, self.s));
         (0..t.nodes()).filter(|&m| m != me_node).map(|m| (m, m * ei..(m + 1) * ei)).collect()
     }
 
@@ -180,26 +203,44 @@ impl QgzStages {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    // (A `crate::` path, not `super::*`: xtask/circles.py reads a `super::` in
+    // this inline module as a use of the parent folder's mod.rs.)
     use crate::Topology;
-    use crate::collectives::QgzOptions;
+    use crate::collectives::qgz::schedule::{Buf, Dest, Schedule};
+    use crate::quant::{Options, QuantSpec, encoded_len};
 
-    /// Every byte of every buffer is written by exactly one encoding (or, for
-    /// the receive side, read by exactly one reduction), and every shard of
-    /// the world is encoded once per rank.
+    /// Every byte of every send buffer is written by exactly one encoding
+    /// (except the chunk a rank would send itself), every received byte is read
+    /// by exactly one reduction, and every shard of the world is encoded once
+    /// per rank.
     #[test]
     fn the_schedule_covers_every_buffer_once() -> Result<(), crate::CommError> {
+        let (int8, int4) = (QuantSpec::int8(8)?, QuantSpec::int4(8)?);
         for (nodes, local) in [(1, 4), (2, 1), (2, 2), (3, 2), (2, 3)] {
             let topo = Topology::ranks(nodes * local).per_node(local)?;
+            let s = 37usize.div_ceil(topo.world());
+            let (ea, el, ei) = (encoded_len(int8, s), encoded_len(int8, s), encoded_len(int4, s));
+            let intra_chunk = if local > 1 { nodes * ea } else { 0 };
+            let inter_chunk = if nodes > 1 { ei } else { 0 };
             for rank in 0..topo.world() {
-                let st = QgzStages::new(&topo, rank, 37, &QgzOptions::two_level(8)?)?;
+                let st = Schedule {
+                    topo,
+                    rank,
+                    s,
+                    intra_spec: int8,
+                    local_spec: int8,
+                    inter_spec: int4,
+                    quant: Options::default(),
+                    rot: None,
+                };
                 let mut parts: Vec<usize> = st.encodings().iter().map(|e| e.part).collect();
                 parts.sort_unstable();
                 assert_eq!(parts, (0..topo.world()).collect::<Vec<_>>(), "{nodes}x{local} rank {rank}");
+                let own_len = if local > 1 { nodes * el } else { 0 };
                 for (buf, len) in [
-                    (Buf::IntraSend, local * st.intra_chunk_len()),
-                    (Buf::Own, st.own_len()),
-                    (Buf::InterSend, if local == 1 { nodes * st.inter_chunk_len() } else { 0 }),
+                    (Buf::IntraSend, local * intra_chunk),
+                    (Buf::Own, own_len),
+                    (Buf::InterSend, if local == 1 { nodes * inter_chunk } else { 0 }),
                 ] {
                     let mut hit = vec![0u8; len];
                     for e in st.encodings() {
@@ -211,8 +252,8 @@ mod tests {
                     }
                     // The chunk a rank would send itself is never written.
                     let hole = match buf {
-                        Buf::IntraSend => Some((st.intra_chunk_len(), topo.local_rank(rank))),
-                        Buf::InterSend => Some((st.inter_chunk_len(), topo.node_of(rank))),
+                        Buf::IntraSend => Some((intra_chunk, topo.local_rank(rank))),
+                        Buf::InterSend => Some((inter_chunk, topo.node_of(rank))),
                         _ => None,
                     };
                     for (i, h) in hit.iter().enumerate() {
@@ -220,7 +261,7 @@ mod tests {
                         assert_eq!(*h, u8::from(!in_hole), "{buf:?} byte {i}, {nodes}x{local} rank {rank}");
                     }
                 }
-                let mut read = vec![0u8; local * st.intra_chunk_len()];
+                let mut read = vec![0u8; local * intra_chunk];
                 for r in st.reductions() {
                     for (b, range, _) in r.inputs {
                         if b == Buf::IntraRecv {
@@ -230,7 +271,7 @@ mod tests {
                 }
                 let me = topo.local_rank(rank);
                 for (i, h) in read.iter().enumerate() {
-                    let in_hole = i / st.intra_chunk_len().max(1) == me;
+                    let in_hole = i / intra_chunk.max(1) == me;
                     assert_eq!(*h, u8::from(!in_hole), "intra recv byte {i}, {nodes}x{local} rank {rank}");
                 }
             }

@@ -19,7 +19,7 @@ use zeropp_quant::{
 
 use super::QgzOptions;
 use super::feedback::{Residual, ResidualMut};
-use super::schedule::{Buf, Dest};
+use super::schedule::{Buf, Dest, Schedule};
 use crate::collectives::{check_shard, finish_shard, shard_len, with_part};
 use crate::{CommError, Topology};
 
@@ -65,13 +65,13 @@ use crate::{CommError, Topology};
 /// ```
 #[derive(Debug, Clone, Copy)]
 pub struct QgzStages {
-    pub(super) topo: Topology,
-    pub(super) rank: usize,
+    topo: Topology,
+    rank: usize,
     n: usize,
-    pub(super) s: usize,
-    pub(super) opts: QgzOptions,
-    /// The Hadamard rotation of [`QgzOptions::hadamard`].
-    rot: Option<Hadamard>,
+    s: usize,
+    opts: QgzOptions,
+    /// What the stages do, as data (shared with the device collectives).
+    schedule: Schedule,
 }
 
 /// A gradient as qgZ's stage 1 reads it: `W` shards of `s` elements each,
@@ -193,12 +193,23 @@ impl QgzStages {
                 Some(Hadamard::new(g, seed)?)
             }
         };
-        Ok(Self { topo: *topology, rank, n, s: shard_len(n, topology.world()), opts: *opts, rot })
+        let s = shard_len(n, topology.world());
+        let schedule = Schedule {
+            topo: *topology,
+            rank,
+            s,
+            intra_spec: opts.intra_spec,
+            local_spec: opts.local_spec,
+            inter_spec: opts.inter_spec,
+            quant: opts.quant,
+            rot,
+        };
+        Ok(Self { topo: *topology, rank, n, s, opts: *opts, schedule })
     }
 
-    /// Where shard `part` starts in the rotation's stream.
-    pub(super) fn rotated(&self, part: usize) -> Option<(Hadamard, u64)> {
-        self.rot.map(|h| (h, (part as u64).wrapping_mul(self.s as u64)))
+    /// The schedule these stages execute (the device collectives execute it too).
+    pub(crate) fn schedule(&self) -> &Schedule {
+        &self.schedule
     }
 
     /// Elements of the output shard: `⌈n/W⌉`.
@@ -282,7 +293,7 @@ impl QgzStages {
     /// mean and zeroes the padding.
     pub fn finish(&self, inter_recv: &[u8], shard: &mut [f32]) -> Result<(), CommError> {
         self.check_shard(shard)?;
-        let rail = self.rail_inputs();
+        let rail = self.schedule.rail_inputs();
         if !rail.is_empty() {
             check_len(
                 "qgz: inter-node receive buffer",
@@ -301,7 +312,7 @@ impl QgzStages {
             }
             dequantize_add(&x, shard, &self.opts.quant)?;
         }
-        if let Some((h, at)) = self.unrotation() {
+        if let Some((h, at)) = self.schedule.unrotation() {
             h.inverse(shard, at, &self.opts.quant)?;
         }
         finish_shard(shard, self.n, self.topo.world(), self.rank, self.opts.reduce, self.topo.world());
@@ -354,7 +365,7 @@ impl QgzStages {
         }
         let beta = feedback.as_ref().map_or(0.0, |f| f.beta);
         shard.fill(0.0);
-        for e in self.encodings() {
+        for e in self.schedule.encodings() {
             let part = e.part;
             match e.dest {
                 Dest::Shard => {
@@ -400,7 +411,7 @@ impl QgzStages {
     ) -> Result<(), CommError> {
         self.check_hop1("qgz: intra-node receive buffer", shard, intra_recv, own, inter_send)?;
         let (s, q) = (self.s, &self.opts.quant);
-        for red in self.reductions() {
+        for red in self.schedule.reductions() {
             let inputs = red
                 .inputs
                 .iter()
