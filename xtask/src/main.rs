@@ -77,7 +77,7 @@ tasks:
 const BENCHES: &[(&str, &str, &str, &str)] = &[
     ("quant", "zeropp-quant", "quant", ""),
     ("comm", "zeropp-comm", "comm", ""),
-    ("e2e", "zeropp-engine", "e2e", ""),
+    ("e2e", "zeropp-run", "e2e", ""),
     ("mpi", "zeropp-comm", "mpi", "mpi"),
     ("candle", "zeropp-candle", "candle", ""),
 ];
@@ -212,14 +212,14 @@ fn bench(args: &[String]) -> Result<(), String> {
 }
 
 /// The fidelity bench: training runs, not criterion timings, so it is an example
-/// binary of zeropp-engine that writes its own markdown report. Its corpora are
+/// binary of zeropp-run that writes its own markdown report. Its corpora are
 /// the generated text, tinyshakespeare (when `../shared/data` has it) and the
 /// Python language reference ([`python_reference`]); `ZEROPP_FIDELITY_ARGS`
 /// adds or overrides options (`--seeds`, `--lrs`, `--variants`, `--data`).
 fn fidelity(report_dir: &Path) -> Result<(), String> {
     let out = report_dir.join("fidelity.md");
     let mut c = cargo();
-    c.args(["run", "--locked", "--release", "-p", "zeropp-engine", "--example", "fidelity", "--"]);
+    c.args(["run", "--locked", "--release", "-p", "zeropp-run", "--example", "fidelity", "--"]);
     let extra = std::env::var("ZEROPP_FIDELITY_ARGS").unwrap_or_default();
     if !extra.contains("--data") {
         c.arg("--data").arg(corpora()?);

@@ -1,6 +1,6 @@
 //! `cargo xtask bench scale`: GPT sizes from 1M to GPT-2 small's shape on 8
 //! ranks (2 nodes x 4, thread backend), one process per size (the
-//! `zeropp-engine` example `scale`), plus the GEMM rate of each size's largest
+//! `zeropp-run` example `scale`), plus the GEMM rate of each size's largest
 //! linear shapes against a reference SGEMM (numpy on OpenBLAS, installed by this
 //! bench into `target/scale-venv` with pip) on the same shapes in the same run.
 //! Writes `target/bench-report/scale.md`.
@@ -154,7 +154,7 @@ pub(crate) fn scale(report_dir: &Path) -> Result<(), String> {
         std::env::var("ZEROPP_SCALE_SIZES").unwrap_or_else(|_| "gpt-1m,gpt-10m,gpt-40m,gpt2-small".into());
     let seq = std::env::var("ZEROPP_SCALE_SEQ").unwrap_or_else(|_| "256".into());
     let mut build = cargo();
-    build.args(["build", "--locked", "--release", "-p", "zeropp-engine", "--example", "scale"]);
+    build.args(["build", "--locked", "--release", "-p", "zeropp-run", "--example", "scale"]);
     run("build the scale example", build)?;
     let python = numpy_python();
     let mpi = std::env::var("ZEROPP_SCALE_MPI").map_or(true, |v| v != "0")

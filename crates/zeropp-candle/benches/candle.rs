@@ -37,8 +37,8 @@ use candle_core::{D, DType, Device, Tensor};
 use zeropp_candle::{CandleModel, LlamaConfig};
 use zeropp_engine::config::{CommDtype, ZeroConfig};
 use zeropp_engine::data::TextDataset;
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::model::{Gpt, GptConfig, Model};
-use zeropp_engine::train::{DataChoice, load_data};
 use zeropp_engine::{TrainReport, launch};
 
 fn env_usize(name: &str, default: usize) -> usize {

@@ -10,7 +10,7 @@
 #![allow(clippy::unwrap_used)] // an example: failures abort
 use candle_nn::{Module, VarBuilder};
 use zeropp_candle::{CandleModel, StageContext};
-use zeropp_engine::train::{DataChoice, load_data};
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::{RunConfig, launch};
 
 fn main() -> Result<(), zeropp_candle::CandleError> {

@@ -1,6 +1,6 @@
 //! Memory, measured: the peak heap of a thread-backend run of the candle
 //! Llama against the engine's memory model (`launch::memory_prediction`), at W =
-//! 2, 4, 8, as the native GPT is measured (`zeropp-engine/tests/memory.rs`).
+//! 2, 4, 8, as the native GPT is measured (`zeropp-run/tests/memory.rs`).
 //!
 //! All ranks run in this process, so the measure is the process's peak of live
 //! heap bytes (a counting global allocator), divided by W, against the model's
@@ -16,7 +16,6 @@ use zeropp_engine::config::{EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
 use zeropp_engine::launch;
 use zeropp_engine::launch::memory_prediction;
-use zeropp_engine::train::TrainConfig;
 
 /// The counting allocator (live bytes, peak, largest block) of `zeropp_tests::heap`.
 #[global_allocator]
@@ -49,24 +48,21 @@ fn check(keep: bool) {
         let builder = shape(vocab).builder().unwrap();
         let model = if keep { builder } else { builder.keep_graph(false) }.build().unwrap();
         assert_eq!(model.keeps_graph(), keep, "the default keeps this model's graphs");
-        let cfg = TrainConfig {
-            run: RunConfig {
-                world,
-                local_size: local,
-                steps: 2,
-                eval_batches: 0,
-                engine: EngineConfig {
-                    zero: ZeroConfig::zeropp(local),
-                    global_batch: 8,
-                    ..EngineConfig::default()
-                },
-                ..RunConfig::default()
+        let run = RunConfig {
+            world,
+            local_size: local,
+            steps: 2,
+            eval_batches: 0,
+            engine: EngineConfig {
+                zero: ZeroConfig::zeropp(local),
+                global_batch: 8,
+                ..EngineConfig::default()
             },
-            ..TrainConfig::default()
+            ..RunConfig::default()
         };
-        let p = memory_prediction(&model, &cfg.run).unwrap();
+        let p = memory_prediction(&model, &run).unwrap();
         let window = zeropp_tests::heap::Window::start();
-        let r = launch(&model, &data, &cfg.run).unwrap();
+        let r = launch(&model, &data, &run).unwrap();
         assert!(r.summary.final_loss.is_finite());
         let per_rank = window.peak() as f64 / world as f64;
         let predicted = p.total() as f64;

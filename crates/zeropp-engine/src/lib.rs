@@ -12,8 +12,9 @@
 //! start-up callback). The crate's root names that door, its configuration,
 //! the [`Model`] contract with the built-in models, and the error type; the
 //! rest is in the modules (docs/ARCHITECTURE.md, "API boundaries", says which
-//! are internal: [`engine`]'s per-rank step, and the run layer behind the
-//! CLI, [`train`](mod@train), [`compare`] and [`deepspeed`]).
+//! are internal: [`engine`]'s per-rank step). The run layer behind the CLI
+//! (the built-in models by name, `zeropp compare`, the DeepSpeed reader) is
+//! the `zeropp-run` crate, above this one and zeropp-candle.
 //!
 //! ```
 //! use zeropp_engine::data::TextDataset;
@@ -35,18 +36,16 @@
 //! - [`model`]: the `Model` contract and two models, [`Mlp`] and [`Gpt`], with
 //!   GEMM through `matrixmultiply`.
 //! - [`data`]: a seeded Markov text source with an exact entropy rate, a
-//!   character-level text dataset and world-size-independent batch sampling.
-//! - [`config`], [`deepspeed`]: the ZeRO-3 / ZeRO++ switches, batch arithmetic
-//!   and a DeepSpeed JSON reader.
+//!   character-level text dataset, world-size-independent batch sampling, and
+//!   [`data::DataChoice`], where a run's text comes from.
+//! - [`config`]: the ZeRO-3 / ZeRO++ switches and batch arithmetic.
 //! - [`optim`]: AdamW on f32 master shards; [`reference`](mod@reference): the sequential
 //!   reference a sharded run must equal.
 //! - [`engine`]: the per-rank ZeRO-3 / ZeRO++ step (gathers, prefetch, hpZ,
 //!   qgZ, clipping, skip on non-finite gradients) and the analytic byte model.
 //! - [`launch`](mod@launch): the door, its [`RunConfig`], the launcher
 //!   detection and the two drivers (threads, MPI) over one per-rank loop.
-//! - [`metrics`], [`train`](mod@train), [`compare`]: JSON Lines metrics, the
-//!   built-in run behind `zeropp train`, and the side-by-side runs of
-//!   `zeropp compare` (their records; the CLI draws the plots).
+//! - [`metrics`]: JSON Lines metrics.
 
 mod error;
 
@@ -54,15 +53,12 @@ pub mod data;
 pub mod model;
 
 // Training half: configuration, optimizer, ZeRO-3/ZeRO++ step, metrics, driver.
-pub mod compare;
 pub mod config;
-pub mod deepspeed;
 pub mod engine;
 pub mod launch;
 pub mod metrics;
 pub mod optim;
 pub mod reference;
-pub mod train;
 
 pub use config::{EngineConfig, ZeroConfig};
 pub use error::{EngineError, Result};

@@ -7,9 +7,10 @@
 //! ```
 //! use zeropp_engine::config::{CommDtype, EngineConfig, ZeroConfig};
 //! use zeropp_engine::reference::{Summation, train_sequential};
-//! use zeropp_engine::train::TrainConfig;
-//! use zeropp_engine::{RunConfig, launch};
-//! let (model, data, _) = TrainConfig::tiny().build()?;
+//! use zeropp_engine::data::{DataChoice, load_data};
+//! use zeropp_engine::{Gpt, GptConfig, RunConfig, launch};
+//! let (data, _) = load_data(&DataChoice::Markov { seed: 1, chars: 20_000 })?;
+//! let model = Gpt::new(GptConfig::tiny().with_vocab(data.vocab_size()))?;
 //! let zero = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
 //! let run = RunConfig::tiny().with_zero(zero).with_steps(3);
 //! let sharded = launch(&model, &data, &run)?;

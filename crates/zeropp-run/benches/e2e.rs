@@ -14,11 +14,12 @@ use std::path::PathBuf;
 use std::time::Instant;
 use zeropp_engine::RunConfig;
 
-use zeropp_engine::compare::{Comparison, Variant, compare, standard_variants};
 use zeropp_engine::config::{AdamWConfig, EngineConfig, ZeroConfig};
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::model::{GptConfig, Model, full_forward_backward, init_params};
 use zeropp_engine::optim::AdamW;
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
+use zeropp_run::compare::{Comparison, Variant, compare, standard_variants};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 const SLOW: &str = "intra=200MB/s,inter=5MB/s,latency=20us";
 const FAST: &str = "intra=100GB/s,inter=25GB/s,latency=2us";

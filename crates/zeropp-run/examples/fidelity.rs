@@ -38,8 +38,9 @@ use zeropp_engine::config::{
     AdamWConfig, CommDtype, DeltaConfig, EngineConfig, HpzWire, LocoConfig, QgzConfig, QuantSpec, ZeroConfig,
     quant_spec,
 };
+use zeropp_engine::data::DataChoice;
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 const LOCAL: usize = 4;
 const WORLD: usize = 8;

@@ -19,10 +19,11 @@ use zeropp_engine::RunConfig;
 
 use zeropp_comm::Topology;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::engine::{build_plan, memory::predict};
 use zeropp_engine::model::gemm::{Trans, matmul};
 use zeropp_engine::model::{Gpt, GptConfig};
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 fn arg(args: &[String], key: &str) -> Option<String> {
     args.iter().position(|a| a == key).and_then(|i| args.get(i + 1)).cloned()

@@ -13,11 +13,11 @@
 
 use zeropp_comm::collectives::Routing;
 
-use crate::EngineError;
-use crate::config::{QgzConfig, ZeroConfig};
-use crate::launch::{Launch, TrainReport};
-use crate::metrics::{StepRecord, Summary};
+use crate::RunError;
 use crate::train::TrainConfig;
+use zeropp_engine::config::{QgzConfig, ZeroConfig};
+use zeropp_engine::launch::{Launch, TrainReport};
+use zeropp_engine::metrics::{StepRecord, Summary};
 
 /// Name of the baseline variant of [`standard_variants`]: ZeRO-3, hierarchical routing.
 pub const BASELINE: &str = "zero3";
@@ -54,7 +54,7 @@ impl Variant {
 ///
 /// ```
 /// use zeropp_comm::collectives::Routing;
-/// use zeropp_engine::compare::standard_variants;
+/// use zeropp_run::compare::standard_variants;
 /// use zeropp_engine::config::ZeroConfig;
 /// let v = standard_variants(&ZeroConfig::zero3(), 4);
 /// let names: Vec<&str> = v.iter().map(|v| v.name.as_str()).collect();
@@ -155,9 +155,9 @@ pub struct Comparison {
 /// `on_step(variant_index, record)` is called after every step.
 ///
 /// ```
-/// use zeropp_engine::compare::{Variant, compare};
+/// use zeropp_run::compare::{Variant, compare};
 /// use zeropp_engine::config::ZeroConfig;
-/// use zeropp_engine::train::TrainConfig;
+/// use zeropp_run::train::TrainConfig;
 /// let base = TrainConfig::tiny().with_steps(2);
 /// let variants = [
 ///     Variant { name: "zero3".into(), zero: ZeroConfig::zero3() },
@@ -167,13 +167,13 @@ pub struct Comparison {
 /// assert_eq!(cmp.results.len(), 2);
 /// assert_eq!(cmp.baseline().map(|b| b.variant.name.as_str()), Some("zero3"));
 /// assert!(cmp.ratios(&cmp.results[1]).baseline.inter_bytes < 0.5);
-/// # Ok::<(), zeropp_engine::EngineError>(())
+/// # Ok::<(), zeropp_run::RunError>(())
 /// ```
 pub fn compare(
     base: &TrainConfig,
     variants: &[Variant],
     on_step: &mut dyn FnMut(usize, &StepRecord),
-) -> Result<Comparison, EngineError> {
+) -> Result<Comparison, RunError> {
     let mut results = Vec::with_capacity(variants.len());
     let (model, data, info) = base.build()?;
     for (i, v) in variants.iter().enumerate() {

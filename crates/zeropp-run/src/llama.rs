@@ -1,14 +1,15 @@
-//! `--model llama[:d=,layers=,heads=,kv_heads=,seq=,ff=,tie=]`: the candle Llama
-//! decoder of `zeropp-candle`, parsed here (the CLI only parses; the model and
-//! its training are `zeropp-candle`'s and the engine's).
+//! The candle Llama's shape as a run names it,
+//! `llama[:d=,layers=,heads=,kv_heads=,seq=,ff=,tie=]` (`zeropp train
+//! --model`): parsed and checked here; the model and its training are
+//! zeropp-candle's and the engine's.
 
 use zeropp_candle::{CandleModel, LlamaConfig};
 
-use crate::CliError;
+use crate::RunError;
 
-/// A Llama shape from `--model`, before the data fixes the vocabulary.
+/// A Llama shape, before the data fixes the vocabulary.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct LlamaShape {
+pub struct LlamaShape {
     d: usize,
     layers: usize,
     heads: usize,
@@ -21,13 +22,29 @@ pub(crate) struct LlamaShape {
 
 impl LlamaShape {
     /// The model over `vocab` token ids.
-    pub(crate) fn build(&self, vocab: usize) -> Result<CandleModel, CliError> {
+    pub fn build(&self, vocab: usize) -> Result<CandleModel, RunError> {
         let mut c = LlamaConfig::shape(vocab, self.d, self.layers, self.heads, self.kv_heads, self.seq);
         if let Some(ff) = self.ff {
             c.d_ff = ff;
         }
         c.tie_word_embeddings = self.tie;
         Ok(c.build()?)
+    }
+
+    /// `Some(shape)` when `spec` names the Llama (`llama` or
+    /// `llama:KEY=VALUE,...`, with Hugging Face's key names accepted too),
+    /// `None` for any other name; a bad key or size is
+    /// [`RunError::InvalidConfig`] saying which.
+    ///
+    /// ```
+    /// use zeropp_run::llama::LlamaShape;
+    /// assert!(LlamaShape::parse("gpt")?.is_none());
+    /// assert!(LlamaShape::parse("llama:d=128,layers=3,heads=8,kv_heads=4")?.is_some());
+    /// assert!(LlamaShape::parse("llama:d=63").is_err()); // not a multiple of the heads
+    /// # Ok::<(), zeropp_run::RunError>(())
+    /// ```
+    pub fn parse(spec: &str) -> Result<Option<Self>, RunError> {
+        parse(spec)
     }
 
     /// Parameters at a byte vocabulary of 256 (for the help).
@@ -41,8 +58,9 @@ impl LlamaShape {
 const DEFAULT: LlamaShape =
     LlamaShape { d: 64, layers: 2, heads: 4, kv_heads: 2, seq: 64, ff: None, tie: false };
 
-/// `Some(shape)` when `spec` names the Llama (`llama` or `llama:KEY=VALUE,...`).
-pub(crate) fn parse(spec: &str) -> Result<Option<LlamaShape>, CliError> {
+/// The parser behind [`LlamaShape::parse`].
+fn parse(spec: &str) -> Result<Option<LlamaShape>, RunError> {
+    let bad = |msg: String| RunError::InvalidConfig(format!("model `{spec}`: {msg}"));
     let (name, keys) = match spec.split_once(':') {
         Some((n, k)) => (n.trim(), k),
         None => (spec.trim(), ""),
@@ -53,14 +71,14 @@ pub(crate) fn parse(spec: &str) -> Result<Option<LlamaShape>, CliError> {
     let mut s = DEFAULT;
     for kv in keys.split(',').map(str::trim).filter(|kv| !kv.is_empty()) {
         let Some((k, v)) = kv.split_once('=') else {
-            return Err(format!("--model: `{kv}` in `{spec}` is not key=value").into());
+            return Err(bad(format!("`{kv}` is not key=value")));
         };
         let (k, v) = (k.trim(), v.trim());
         if matches!(k.to_ascii_lowercase().as_str(), "tie" | "tie_word_embeddings") {
             s.tie = match v {
                 "1" | "true" => true,
                 "0" | "false" => false,
-                _ => return Err(format!("--model: `{k}={v}` must be 0 or 1").into()),
+                _ => return Err(bad(format!("`{k}={v}` must be 0 or 1"))),
             };
             continue;
         }
@@ -68,7 +86,7 @@ pub(crate) fn parse(spec: &str) -> Result<Option<LlamaShape>, CliError> {
             .parse::<usize>()
             .ok()
             .filter(|&x| x > 0)
-            .ok_or_else(|| format!("--model: `{k}={v}` is not a positive integer"))?;
+            .ok_or_else(|| bad(format!("`{k}={v}` is not a positive integer")))?;
         match k.to_ascii_lowercase().as_str() {
             "d" | "hidden_size" => s.d = value,
             "layers" | "num_hidden_layers" => s.layers = value,
@@ -77,22 +95,22 @@ pub(crate) fn parse(spec: &str) -> Result<Option<LlamaShape>, CliError> {
             "seq" | "seq_len" => s.seq = value,
             "ff" | "intermediate_size" => s.ff = Some(value),
             _ => {
-                return Err(format!(
-                    "--model: unknown key `{k}` in `{spec}` (expected d, layers, heads, kv_heads, seq, ff or tie)"
-                )
-                .into());
+                return Err(bad(format!(
+                    "unknown key `{k}` (expected d, layers, heads, kv_heads, seq, ff or tie)"
+                )));
             }
         }
     }
     // The sizes are checked now, with a placeholder vocabulary.
     LlamaConfig::shape(256, s.d, s.layers, s.heads, s.kv_heads, s.seq)
         .validate()
-        .map_err(|e| format!("--model `{spec}`: {e}"))?;
+        .map_err(|e| bad(e.to_string()))?;
     Ok(Some(s))
 }
 
-/// The help line of the Llama.
-pub(crate) fn help() -> String {
+/// The Llama's line of `zeropp train --model help`: the default shape, its
+/// size and the keys.
+pub fn help() -> String {
     format!(
         "  llama       d {:>3}, {:>2} layers, {:>2} heads, seq {:>4}: {:>6.2}M  (zeropp-candle's Llama decoder: RMSNorm, RoPE,\n\
          \x20             SwiGLU, {} key/value heads; `llama:d=,layers=,heads=,kv_heads=,seq=,ff=,tie=`; Hugging Face names)\n",
@@ -110,25 +128,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn llama_specs_parse_and_bad_ones_say_why() -> Result<(), CliError> {
+    fn llama_specs_parse_and_bad_ones_say_why() -> Result<(), RunError> {
         assert_eq!(parse("gpt")?, None);
         assert_eq!(parse("llama")?, Some(DEFAULT));
-        let s = parse("llama:d=128,layers=3,heads=8,kv_heads=4,seq=32,ff=256")?.ok_or("llama")?;
+        let s = parse("llama:d=128,layers=3,heads=8,kv_heads=4,seq=32,ff=256")?
+            .ok_or_else(|| RunError::InvalidConfig("llama".into()))?;
         assert_eq!((s.d, s.layers, s.heads, s.kv_heads, s.seq, s.ff), (128, 3, 8, 4, 32, Some(256)));
-        assert!(!s.tie && parse("llama:tie=1")?.ok_or("llama")?.tie);
+        assert!(!s.tie && parse("llama:tie=1")?.ok_or_else(|| RunError::InvalidConfig("llama".into()))?.tie);
         // A tied head is not stored: the parameter count drops by vocab x d.
-        assert_eq!(DEFAULT.params() - parse("llama:tie=1")?.ok_or("llama")?.params(), 256 * DEFAULT.d);
-        crate::test_util::refused(
-            parse,
-            &[
-                ("llama:d=63", "multiple of heads"),
-                ("llama:heads=4,kv_heads=3", "kv_heads"),
-                ("llama:depth=3", "unknown key `depth`"),
-                ("llama:d=x", "not a positive integer"),
-                ("llama:d", "not key=value"),
-                ("llama:tie=2", "must be 0 or 1"),
-            ],
+        assert_eq!(
+            DEFAULT.params()
+                - parse("llama:tie=1")?.ok_or_else(|| RunError::InvalidConfig("llama".into()))?.params(),
+            256 * DEFAULT.d
         );
+        for (spec, why) in [
+            ("llama:d=63", "multiple of heads"),
+            ("llama:heads=4,kv_heads=3", "kv_heads"),
+            ("llama:depth=3", "unknown key `depth`"),
+            ("llama:d=x", "not a positive integer"),
+            ("llama:d", "not key=value"),
+            ("llama:tie=2", "must be 0 or 1"),
+        ] {
+            match parse(spec) {
+                Err(RunError::InvalidConfig(msg)) => {
+                    assert!(msg.contains(why) && msg.contains(spec), "{spec}: {msg}")
+                }
+                other => panic!("{spec}: expected a refusal naming {why:?}, got {other:?}"),
+            }
+        }
         assert!(help().contains("llama"));
         Ok(())
     }

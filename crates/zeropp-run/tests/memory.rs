@@ -10,9 +10,10 @@
 use zeropp_comm::Topology;
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::engine::{build_plan, memory::predict};
 use zeropp_engine::model::{Gpt, GptConfig};
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 /// The counting allocator (live bytes, peak, largest block) of `zeropp_tests::heap`.
 #[global_allocator]

@@ -8,12 +8,10 @@ use clap::Args;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use zeropp_engine::Backend;
-use zeropp_engine::compare::{
-    BASELINE, Comparison, FLAT_BASELINE, VariantResult, compare, standard_variants,
-};
 use zeropp_engine::config::ZeroConfig;
 use zeropp_engine::metrics::LinkBytes;
-use zeropp_engine::train::OP_TAGS;
+use zeropp_run::compare::{BASELINE, Comparison, FLAT_BASELINE, VariantResult, compare, standard_variants};
+use zeropp_run::train::OP_TAGS;
 
 use crate::CliError;
 use crate::config::{RunArgs, build_config};
@@ -35,12 +33,7 @@ pub(crate) struct CompareArgs {
 
 /// Runs `zeropp compare`.
 pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
-    let crate::config::Planned { mut cfg, warnings, llama } = build_config(&args.run, ZeroConfig::zero3())?;
-    if llama.is_some() {
-        return Err(
-            "zeropp compare runs the built-in models; the candle Llama trains with `zeropp train`".into()
-        );
-    }
+    let crate::config::Planned { mut cfg, warnings } = build_config(&args.run, ZeroConfig::zero3())?;
     // The variants run one after another in this process, on simulated nodes.
     if cfg.run.backend == Backend::Mpi {
         return Err("zeropp compare runs on the thread backend (simulated nodes); drop --backend mpi".into());
@@ -63,6 +56,10 @@ pub(crate) fn run(args: &CompareArgs) -> Result<(), CliError> {
         }
     })?;
     println!();
+    if let Some(first) = result.results.first() {
+        let s = &first.report.summary;
+        println!("model {} ({:.3}M parameters), {} steps", s.model, s.params as f64 / 1e6, s.steps);
+    }
     print!("{}", table(&result));
     for p in write_plots(&result, &args.out)? {
         println!("wrote {}", p.display());
@@ -282,8 +279,7 @@ fn plot_ratios(cmp: &Comparison, path: &Path) -> Result<(), DrawError> {
             .iter()
             .map(|r| {
                 let q = cmp.ratios(r);
-                let flat =
-                    |f: fn(&zeropp_engine::compare::Ratios) -> f64| q.flat.as_ref().map_or(f64::NAN, f);
+                let flat = |f: fn(&zeropp_run::compare::Ratios) -> f64| q.flat.as_ref().map_or(f64::NAN, f);
                 vec![q.baseline.inter_bytes, flat(|f| f.inter_bytes), q.baseline.speedup, flat(|f| f.speedup)]
             })
             .collect(),

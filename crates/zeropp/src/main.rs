@@ -8,7 +8,6 @@ mod checkpoint;
 mod compare;
 mod config;
 mod error;
-mod llama;
 mod models;
 mod print;
 mod quant;

@@ -1,8 +1,9 @@
-//! The native models of a `--model` value (the GPT and MLP presets and GPT
-//! shapes; `llama:...` is `crate::llama`'s), and the flag's help text.
+//! The model of a `--model` value (the GPT and MLP presets and GPT shapes
+//! here; `llama:...` is zeropp-run's [`LlamaShape`](zeropp_run::llama::LlamaShape)),
+//! and the flag's help text.
 
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_engine::train::ModelChoice;
+use zeropp_run::train::ModelChoice;
 
 use crate::CliError;
 
@@ -11,6 +12,9 @@ use crate::CliError;
 /// overrides of a GPT's shape (`d`, `layers`, `heads`, `seq`, `mlp`), e.g.
 /// `gpt:d=768,layers=12,heads=12,seq=256`. The shape is validated by the engine.
 pub(crate) fn model_choice(spec: &str) -> Result<ModelChoice, CliError> {
+    if let Some(llama) = ModelChoice::llama(spec).map_err(|e| format!("--model: {e}"))? {
+        return Ok(llama);
+    }
     let (name, keys) = match spec.split_once(':') {
         Some((n, k)) => (n.trim(), Some(k)),
         None => (spec.trim(), None),
@@ -84,7 +88,7 @@ pub(crate) fn model_help() -> String {
             g.with_vocab(256).num_params() as f64 / 1e6
         );
     }
-    s += &crate::llama::help();
+    s += &zeropp_run::llama::help();
     s += "  mlp, mlp-tiny  context-window MLP language models\n\
           gpt2-small is GPT-2 small's shape; GPT-2's 124M counts a tied 50257-token embedding (38.6M).";
     s

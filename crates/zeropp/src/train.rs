@@ -9,8 +9,8 @@ use std::cell::Cell;
 use indicatif::ProgressDrawTarget;
 use zeropp_engine::data::{DataInfo, TextDataset};
 use zeropp_engine::metrics::StepRecord;
-use zeropp_engine::train::TrainConfig;
 use zeropp_engine::{Backend, Launch, Model, Started, launch::detect_job};
+use zeropp_run::train::TrainConfig;
 
 use crate::CliError;
 use crate::config::{TrainArgs, faults_from_env, flag_given, train_config};
@@ -20,7 +20,7 @@ use crate::print::{
 
 /// Runs `zeropp train` as its flags say.
 pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
-    let crate::config::Planned { mut cfg, warnings, llama } = train_config(args)?;
+    let crate::config::Planned { mut cfg, warnings } = train_config(args)?;
     cfg.run.faults = faults_from_env()?;
     // Under a launcher the world is the job's: an explicit --world must agree.
     if let Some(job) = detect_job(&|k| std::env::var(k).ok())?
@@ -35,17 +35,8 @@ pub(crate) fn run(args: &TrainArgs) -> Result<(), CliError> {
         )
         .into());
     }
-    match llama {
-        Some(shape) => {
-            let (data, info) = zeropp_engine::train::load_data(&cfg.data)?;
-            let model = shape.build(data.vocab_size())?;
-            go(args, &cfg, &warnings, &model, &data, info)
-        }
-        None => {
-            let (model, data, info) = cfg.build()?;
-            go(args, &cfg, &warnings, &model, &data, info)
-        }
-    }
+    let (model, data, info) = cfg.build()?;
+    go(args, &cfg, &warnings, &model, &data, info)
 }
 
 /// Launches `model` on `data` and prints the run: the plan when it starts (rank

@@ -8,8 +8,8 @@ use candle_transformers::models::llama::{Cache, Llama};
 use zeropp_candle::LlamaConfig;
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::ZeroConfig;
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::launch;
-use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
 use zeropp_partition::checkpoint::CheckpointReader;
 
 #[test]
@@ -18,23 +18,17 @@ fn an_export_loads_into_candle_transformers_llama_with_the_same_logits() {
     let c = LlamaConfig::shape(data.vocab_size(), 32, 2, 4, 2, 16);
     let model = c.build().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let cfg = TrainConfig {
-        run: RunConfig {
-            world: 4,
-            local_size: 2,
-            steps: 5,
-            eval_batches: 0,
-            keep_params: true,
-            save: Some(dir.path().join("ckpt")),
-            engine: zeropp_engine::EngineConfig {
-                zero: ZeroConfig::zeropp(2),
-                ..TrainConfig::tiny().run.engine
-            },
-            ..RunConfig::default()
-        },
-        ..TrainConfig::default()
+    let run = RunConfig {
+        world: 4,
+        local_size: 2,
+        steps: 5,
+        eval_batches: 0,
+        keep_params: true,
+        save: Some(dir.path().join("ckpt")),
+        engine: zeropp_engine::EngineConfig { zero: ZeroConfig::zeropp(2), ..RunConfig::tiny().engine },
+        ..RunConfig::default()
     };
-    let report = launch(&model, &data, &cfg.run).unwrap();
+    let report = launch(&model, &data, &run).unwrap();
     let out = dir.path().join("model.safetensors");
     CheckpointReader::open(&dir.path().join("ckpt")).unwrap().export_safetensors(&out).unwrap();
 

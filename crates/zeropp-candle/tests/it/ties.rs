@@ -9,8 +9,8 @@ use candle_transformers::models::llama::{Cache, Llama};
 use zeropp_candle::model::CandleModelBuilder;
 use zeropp_candle::{CandleModel, LlamaConfig};
 use zeropp_engine::config::{CommDtype, ZeroConfig};
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::model::{Model, full_forward, full_forward_backward, init_params};
-use zeropp_engine::train::{DataChoice, TrainConfig, load_data};
 use zeropp_engine::{RunConfig, launch};
 use zeropp_partition::checkpoint::CheckpointReader;
 
@@ -93,7 +93,7 @@ fn a_tied_model_trains_sharded() {
         steps: 6,
         eval_batches: 1,
         keep_params: true,
-        engine: zeropp_engine::EngineConfig { zero, ..TrainConfig::tiny().run.engine },
+        engine: zeropp_engine::EngineConfig { zero, ..RunConfig::tiny().engine },
         ..RunConfig::default()
     };
     let f32z = ZeroConfig { comm_dtype: CommDtype::F32, ..ZeroConfig::zero3() };
@@ -120,7 +120,7 @@ fn a_tied_llama_exports_as_hugging_face_ties_it() {
         eval_batches: 0,
         keep_params: true,
         save: Some(dir.path().join("ckpt")),
-        engine: zeropp_engine::EngineConfig { zero: ZeroConfig::zeropp(2), ..TrainConfig::tiny().run.engine },
+        engine: zeropp_engine::EngineConfig { zero: ZeroConfig::zeropp(2), ..RunConfig::tiny().engine },
         ..RunConfig::default()
     };
     let report = launch(&model, &data, &cfg).unwrap();
@@ -206,7 +206,7 @@ fn the_engines_validation_runs_without_dropout() {
             .build()
             .unwrap()
     };
-    let mut engine = TrainConfig::tiny().run.engine;
+    let mut engine = RunConfig::tiny().engine;
     engine.optim.lr = 0.0;
     let cfg =
         RunConfig { world: 2, local_size: 2, steps: 1, eval_batches: 2, engine, ..RunConfig::default() };

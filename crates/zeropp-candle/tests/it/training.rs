@@ -6,9 +6,9 @@ use zeropp_candle::CandleModel;
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::launch;
 use zeropp_engine::reference::{Summation, train_sequential};
-use zeropp_engine::train::{DataChoice, load_data};
 
 use crate::tiny_llama;
 

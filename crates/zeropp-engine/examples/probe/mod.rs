@@ -7,8 +7,8 @@
 use std::path::PathBuf;
 
 use zeropp_comm::Topology;
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::data::{DataInfo, TextDataset};
-use zeropp_engine::train::{DataChoice, load_data};
 use zeropp_engine::{Gpt, GptConfig};
 
 /// Nodes of the probes' cluster.

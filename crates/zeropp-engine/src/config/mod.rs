@@ -2,7 +2,7 @@
 //! and the optimizer.
 //!
 //! [`EngineConfig`] is what the per-rank engine needs; it can be built by hand,
-//! from the CLI flags, or from a DeepSpeed JSON file ([`crate::deepspeed`]). One
+//! from the CLI flags, or from a DeepSpeed JSON file (zeropp-run's `deepspeed` reader). One
 //! file per part: `zero.rs` ([`ZeroConfig`]: the stage, the techniques and
 //! DeepSpeed's bucket knobs), `delta.rs` (qwZ-Δ's [`DeltaConfig`]), `spec.rs` (quantization specs as ZeRO++ checks them, and
 //! their serde), `wire.rs` (the element types on the wire: [`CommDtype`],

@@ -13,7 +13,9 @@ use crate::EngineError;
 use crate::model::Batch;
 use crate::model::rng::{SplitMix64, below, hash_keys};
 
+mod choice;
 mod info;
+pub use choice::{DataChoice, load_data};
 pub use info::DataInfo;
 
 /// The default 32-symbol alphabet of [`MarkovSource`]: space, `a`-`z` and five punctuation marks.

@@ -46,7 +46,7 @@ pub struct Faults {
 /// The settings of a run of any model on any data: the cluster, the engine's
 /// ZeRO switches, batch and optimizer, the schedule, checkpoints and metrics.
 /// The model and the data are the caller's ([`launch`](super::launch)); the
-/// built-in ones are chosen by [`TrainConfig`](crate::train::TrainConfig).
+/// built-in ones are chosen by zeropp-run's `TrainConfig`.
 ///
 /// ```
 /// use zeropp_engine::{RunConfig, ZeroConfig};

@@ -103,12 +103,12 @@ type Env<'a> = &'a dyn Fn(&str) -> Option<String>;
 /// starts it. [`launch`] is this with no options.
 ///
 /// ```
-/// use zeropp_engine::Launch;
-/// use zeropp_engine::train::TrainConfig;
-/// let cfg = TrainConfig::tiny();
-/// let (model, data, info) = cfg.build()?;
+/// use zeropp_engine::data::{DataChoice, load_data};
+/// use zeropp_engine::{Gpt, GptConfig, Launch, RunConfig};
+/// let (data, info) = load_data(&DataChoice::Markov { seed: 1, chars: 20_000 })?;
+/// let model = Gpt::new(GptConfig::tiny().with_vocab(data.vocab_size()))?;
 /// let mut seen = Vec::new();
-/// let report = Launch::new(&model, &data, &cfg.run.clone().with_steps(2))
+/// let report = Launch::new(&model, &data, &RunConfig::tiny().with_steps(2))
 ///     .describe(info)
 ///     .on_step(&mut |r| seen.push(r.step))
 ///     .run()?;
@@ -147,7 +147,7 @@ impl<'a, M: Model> Launch<'a, M> {
     }
 
     /// Describes the data in the summary (its description and, when known, its
-    /// loss floor), as [`load_data`](crate::train::load_data) returns it.
+    /// loss floor), as [`load_data`](crate::data::load_data) returns it.
     pub fn describe(mut self, info: DataInfo) -> Self {
         self.info = Some(info);
         self

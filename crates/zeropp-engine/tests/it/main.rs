@@ -1,43 +1,17 @@
 //! The integration tests of `zeropp-engine`, in one test binary (one link
 //! instead of one per file): a module per area.
 //!
-//! - models and data: `models` (gradients, determinism, kernels), `model_data`;
-//! - the public API for a model of your own: `engine_api`;
-//! - the training engine: `engine_equivalence`, `engine_bytes`,
-//!   `engine_checkpoint`, `engine_faults`, `engine_zeropp_options` (INT8 hpZ
-//!   wire, 1-D exclusion, routing), `engine_fidelity` (needs
-//!   `../shared/data/tinyshakespeare.txt`, found by `zeropp_tests::data`).
+//! - `models`: gradients, determinism and kernels of the built-in models;
+//! - `model_data`: the Markov source, the text dataset and batch sharding.
+//!
+//! The engine's runs (the ZeRO-3 / ZeRO++ step, bytes, checkpoints, faults,
+//! fidelity) are tested through the run layer that builds them, in
+//! `crates/zeropp-run/tests/it`.
 //!
 //! Proptest failure seeds persist next to the module that found them
 //! (`tests/it/<module>.proptest-regressions`); commit them when they appear.
 //! Timings are benches (`benches/model_timing.rs`), not tests.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests may unwrap: a panic is a test failure
 
-mod engine_api;
-mod engine_bytes;
-mod engine_checkpoint;
-mod engine_delta;
-mod engine_equivalence;
-mod engine_faults;
-mod engine_fidelity;
-mod engine_knobs;
-mod engine_scale;
-mod engine_zeropp_options;
 mod model_data;
 mod models;
-
-use zeropp_engine::RunConfig;
-use zeropp_engine::config::EngineConfig;
-use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig};
-
-/// The tiny GPT on the seed-3 Markov text on `world` ranks of `local` per
-/// node, parameters kept: the run the engine tests vary (each sets its steps,
-/// evaluation and engine).
-fn tiny_gpt_run(world: usize, local: usize, engine: EngineConfig) -> TrainConfig {
-    TrainConfig {
-        model: ModelChoice::Gpt(GptConfig::tiny()),
-        data: DataChoice::Markov { seed: 3, chars: 20_000 },
-        run: RunConfig { world, local_size: local, engine, keep_params: true, ..RunConfig::default() },
-    }
-}

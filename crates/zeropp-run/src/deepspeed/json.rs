@@ -4,10 +4,10 @@
 
 use serde_json::{Map, Value};
 
-use crate::EngineError;
+use crate::RunError;
 
-pub(super) fn type_err(key: &str, want: &str, got: &Value) -> EngineError {
-    EngineError::InvalidConfig(format!("DeepSpeed config: `{key}` must be {want}, got {got}"))
+pub(super) fn type_err(key: &str, want: &str, got: &Value) -> RunError {
+    RunError::InvalidConfig(format!("DeepSpeed config: `{key}` must be {want}, got {got}"))
 }
 
 /// What a key must hold: its description in errors, what is used when it
@@ -62,12 +62,12 @@ pub(super) struct Section<'a> {
 
 impl<'a> Section<'a> {
     /// The config's root object.
-    pub(super) fn root(v: &'a Value) -> Result<Self, EngineError> {
+    pub(super) fn root(v: &'a Value) -> Result<Self, RunError> {
         Ok(Self { obj: as_object("<root>", v)?, path: "" })
     }
 
     /// The object `v` at `path`, or an error saying it must be one.
-    pub(super) fn at(path: &'a str, v: &'a Value) -> Result<Self, EngineError> {
+    pub(super) fn at(path: &'a str, v: &'a Value) -> Result<Self, RunError> {
         Ok(Self { obj: as_object(path, v)?, path })
     }
 
@@ -89,7 +89,7 @@ impl<'a> Section<'a> {
         key: &str,
         want: Want<T>,
         warnings: &mut Vec<String>,
-    ) -> Result<Option<T>, EngineError> {
+    ) -> Result<Option<T>, RunError> {
         match self.obj.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::String(s)) if s == "auto" => {
@@ -103,7 +103,7 @@ impl<'a> Section<'a> {
     }
 
     /// Reads `key` as `true` or `false` (`None` when absent or `null`).
-    pub(super) fn bool(&self, key: &str) -> Result<Option<bool>, EngineError> {
+    pub(super) fn bool(&self, key: &str) -> Result<Option<bool>, RunError> {
         match self.obj.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
@@ -112,6 +112,6 @@ impl<'a> Section<'a> {
     }
 }
 
-pub(super) fn as_object<'a>(key: &str, v: &'a Value) -> Result<&'a Map<String, Value>, EngineError> {
+pub(super) fn as_object<'a>(key: &str, v: &'a Value) -> Result<&'a Map<String, Value>, RunError> {
     v.as_object().ok_or_else(|| type_err(key, "an object", v))
 }

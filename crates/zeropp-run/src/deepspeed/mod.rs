@@ -15,7 +15,7 @@
 //! | `zero_optimization.zero_hpz_partition_size` | `zero.hpz_size` |
 //! | `zero_optimization.zero_quantized_gradients` | `zero.qgz` (on: the base's qgZ, or INT4 in groups of 256 without options) |
 //! | `zero_optimization.zeropp_loco_param.{err_beta,reset_T}` | `zero.qgz.error_feedback` (LoCo; ignored, with a warning, when qgZ is off) |
-//! | `zero_optimization.{reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters}` | `zero.buckets` ([`BucketKnobs`](crate::config::BucketKnobs); integers or integral numbers such as `5e8`) |
+//! | `zero_optimization.{reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold, stage3_max_live_parameters}` | `zero.buckets` ([`BucketKnobs`](zeropp_engine::config::BucketKnobs); integers or integral numbers such as `5e8`) |
 //!
 //! Keys DeepSpeed knows but this engine does not model (the all-gather bucket size, overlap
 //! switches, logging) are reported as warnings; unknown keys are warnings too.
@@ -24,8 +24,8 @@
 
 use serde_json::Value;
 
-use crate::EngineError;
-use crate::config::{CommDtype, EngineConfig, ZeroConfig};
+use crate::RunError;
+use zeropp_engine::config::{CommDtype, EngineConfig, ZeroConfig};
 
 mod json;
 mod sections;
@@ -72,9 +72,9 @@ pub fn resolve_batch(
     micro: Option<usize>,
     grad_accum: Option<usize>,
     world: usize,
-) -> Result<Option<(usize, usize)>, EngineError> {
+) -> Result<Option<(usize, usize)>, RunError> {
     let w = world.max(1);
-    let bad = |msg: String| Err(EngineError::InvalidConfig(format!("DeepSpeed config: {msg}")));
+    let bad = |msg: String| Err(RunError::InvalidConfig(format!("DeepSpeed config: {msg}")));
     match (train_batch_size, micro, grad_accum) {
         (None, None, None) => Ok(None),
         (Some(t), Some(m), Some(g)) => {
@@ -116,7 +116,7 @@ pub fn resolve_batch(
 ///
 /// ```
 /// use zeropp_engine::config::EngineConfig;
-/// use zeropp_engine::deepspeed::from_json_str;
+/// use zeropp_run::deepspeed::from_json_str;
 /// let json = r#"{
 ///   "train_batch_size": 32, "gradient_accumulation_steps": 2,
 ///   "bf16": {"enabled": true},
@@ -129,11 +129,11 @@ pub fn resolve_batch(
 /// assert_eq!(imp.config.micro_batch(8)?, 2);
 /// assert!(imp.config.zero.qwz.is_some() && imp.config.zero.qgz.is_some());
 /// assert_eq!(imp.warnings.len(), 1); // overlap_comm is not modelled
-/// # Ok::<(), zeropp_engine::EngineError>(())
+/// # Ok::<(), zeropp_run::RunError>(())
 /// ```
-pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<DeepSpeedImport, EngineError> {
+pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<DeepSpeedImport, RunError> {
     let root: Value = serde_json::from_str(text)
-        .map_err(|source| EngineError::Json { what: "DeepSpeed config is not valid JSON", source })?;
+        .map_err(|source| RunError::Json { what: "DeepSpeed config is not valid JSON", source })?;
     let obj = Section::root(&root)?;
     let mut warnings = Vec::new();
     let mut cfg = base.clone();
@@ -166,7 +166,7 @@ pub fn from_json_str(text: &str, world: usize, base: &EngineConfig) -> Result<De
             }
             "fp16" => {
                 if Section::at("fp16", value)?.bool("enabled")? == Some(true) {
-                    return Err(EngineError::InvalidConfig(
+                    return Err(RunError::InvalidConfig(
                         "DeepSpeed config: fp16.enabled is not supported (zeropp trains with bf16 or f32 communication and f32 master weights); use bf16".into(),
                     ));
                 }
@@ -226,9 +226,9 @@ pub fn from_file(
     path: &std::path::Path,
     world: usize,
     base: &EngineConfig,
-) -> Result<DeepSpeedImport, EngineError> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
+) -> Result<DeepSpeedImport, RunError> {
+    let text =
+        std::fs::read_to_string(path).map_err(|source| RunError::Io { path: path.to_path_buf(), source })?;
     from_json_str(&text, world, base)
 }
 

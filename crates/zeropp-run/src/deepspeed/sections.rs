@@ -5,8 +5,8 @@
 use serde_json::Value;
 
 use super::json::{COUNT, ELEMENTS, FINITE, POSITIVE, Section, type_err};
-use crate::EngineError;
-use crate::config::{AdamWConfig, LocoConfig, ZeroConfig};
+use crate::RunError;
+use zeropp_engine::config::{AdamWConfig, LocoConfig, ZeroConfig};
 
 /// `zero_optimization` keys DeepSpeed defines that have no effect here.
 const IGNORED_ZERO: &[&str] = &[
@@ -30,7 +30,7 @@ pub(super) fn optimizer(
     o: Section<'_>,
     optim: &mut AdamWConfig,
     warnings: &mut Vec<String>,
-) -> Result<(), EngineError> {
+) -> Result<(), RunError> {
     let mut ty = "adamw".to_string();
     let mut params = None;
     for (k, v) in o.entries() {
@@ -48,7 +48,7 @@ pub(super) fn optimizer(
         // DeepSpeed's Adam defaults to decoupled weight decay (adam_w_mode=True).
         "adam" => optim.weight_decay = 0.0,
         other => {
-            return Err(EngineError::InvalidConfig(format!(
+            return Err(RunError::InvalidConfig(format!(
                 "DeepSpeed config: optimizer `{other}` is not supported (only AdamW and Adam)"
             )));
         }
@@ -94,7 +94,7 @@ pub(super) struct ZeroSwitches {
 }
 
 /// Reads `zero_optimization.zeropp_loco_param`.
-fn loco_param(lp: Section<'_>, warnings: &mut Vec<String>) -> Result<LocoConfig, EngineError> {
+fn loco_param(lp: Section<'_>, warnings: &mut Vec<String>) -> Result<LocoConfig, RunError> {
     let mut loco = LocoConfig::default();
     for (lk, _) in lp.entries() {
         match lk.as_str() {
@@ -111,7 +111,7 @@ pub(super) fn zero_optimization(
     z: Section<'_>,
     zero: &mut ZeroConfig,
     warnings: &mut Vec<String>,
-) -> Result<ZeroSwitches, EngineError> {
+) -> Result<ZeroSwitches, RunError> {
     let mut switches = ZeroSwitches::default();
     let b = &mut zero.buckets;
     for (zk, zv) in z.entries() {
@@ -119,7 +119,7 @@ pub(super) fn zero_optimization(
             "stage" => match zv.as_u64() {
                 Some(3) => zero.stage = 3,
                 Some(s) => {
-                    return Err(EngineError::InvalidConfig(format!(
+                    return Err(RunError::InvalidConfig(format!(
                         "DeepSpeed config: zero_optimization.stage {s} is not supported (only stage 3)"
                     )));
                 }

@@ -30,7 +30,7 @@ fn loco_params_are_imported() {
     let imp = from_json_str(j, 4, &EngineConfig::default()).unwrap();
     assert_eq!(
         imp.config.zero.error_feedback(),
-        Some(crate::config::LocoConfig { err_beta: 0.6, reset_t: 512, ..Default::default() })
+        Some(zeropp_engine::config::LocoConfig { err_beta: 0.6, reset_t: 512, ..Default::default() })
     );
     assert!(imp.warnings.is_empty(), "{:?}", imp.warnings);
     let bad = r#"{"zero_optimization": {"zeropp_loco_param": {"err_beta": "high"}}}"#;
@@ -102,7 +102,7 @@ fn nested_keys_are_named_by_their_path() {
     let imp = from_json_str(j, 4, &base).unwrap();
     assert_eq!((imp.config.optim.lr, imp.config.optim.eps), (base.optim.lr, base.optim.eps));
     let loco = imp.config.zero.error_feedback().unwrap();
-    assert_eq!((loco.err_beta, loco.reset_t), (crate::config::LocoConfig::default().err_beta, 7));
+    assert_eq!((loco.err_beta, loco.reset_t), (zeropp_engine::config::LocoConfig::default().err_beta, 7));
     assert_eq!(imp.warnings.len(), 2, "{:?}", imp.warnings);
     assert!(imp.warnings[0].starts_with("`optimizer.params.lr`: \"auto\""), "{:?}", imp.warnings);
     assert!(

@@ -4,9 +4,10 @@
 
 use zeropp_engine::EngineError;
 use zeropp_engine::data::TextDataset;
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::launch;
 use zeropp_engine::model::{Batch, Gpt, GptConfig, GptTape, LayerSpec, Model};
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 /// The built-in GPT behind a renamed layer list (delegates everything else).
 struct Renamed {

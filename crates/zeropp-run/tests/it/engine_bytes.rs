@@ -3,8 +3,9 @@
 
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, QgzConfig, Routing, ZeroConfig, quant_spec};
+use zeropp_engine::data::DataChoice;
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 fn run(world: usize, local: usize, zero: ZeroConfig, accum: usize, model: ModelChoice) -> TrainConfig {
     TrainConfig {

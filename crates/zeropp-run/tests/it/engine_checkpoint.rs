@@ -3,8 +3,9 @@
 
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::{CommDtype, EngineConfig, QgzConfig, ZeroConfig};
+use zeropp_engine::data::DataChoice;
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 fn cfg(zero: ZeroConfig, steps: usize) -> TrainConfig {
     TrainConfig {

@@ -8,12 +8,13 @@
 use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::{CommDtype, DeltaConfig, EngineConfig, QgzConfig, ZeroConfig};
+use zeropp_engine::data::DataChoice;
 use zeropp_engine::data::shard;
 use zeropp_engine::engine::ZeroEngine;
 use zeropp_engine::engine::build_plan;
 use zeropp_engine::engine::bytes::{StepKind, step_bytes_of};
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 fn run(
     world: usize,

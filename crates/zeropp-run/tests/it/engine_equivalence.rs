@@ -5,7 +5,7 @@ use zeropp_engine::RunConfig;
 use zeropp_engine::config::{AdamWConfig, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::model::{Gpt, GptConfig, Model};
 use zeropp_engine::reference::{Summation, train_sequential};
-use zeropp_engine::train::{TrainConfig, train};
+use zeropp_run::train::{TrainConfig, train};
 
 const STEPS: usize = 20;
 

@@ -6,9 +6,11 @@ use zeropp_engine::RunConfig;
 
 use zeropp_engine::EngineError;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
+use zeropp_engine::data::DataChoice;
 use zeropp_engine::launch::Faults;
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
+use zeropp_run::RunError;
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 fn tiny(world: usize, local: usize) -> TrainConfig {
     TrainConfig {
@@ -44,7 +46,7 @@ fn a_failing_rank_is_named_with_its_cause() {
         let err = train(&cfg).unwrap_err();
         assert!(t0.elapsed() < Duration::from_secs(5), "took {:?}", t0.elapsed());
         match &err {
-            EngineError::RankFailed { rank: r, cause } => {
+            RunError::Engine(EngineError::RankFailed { rank: r, cause }) => {
                 assert_eq!(*r, rank, "{err}");
                 assert!(cause.to_string().contains("injected failure"), "{err}");
             }
@@ -146,7 +148,7 @@ fn bad_configs_and_data_are_clear_errors() {
 fn a_bad_deepspeed_config_is_an_error() {
     let bad =
         r#"{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}"#;
-    let e = zeropp_engine::deepspeed::from_json_str(bad, 4, &EngineConfig::default()).unwrap_err();
+    let e = zeropp_run::deepspeed::from_json_str(bad, 4, &EngineConfig::default()).unwrap_err();
     assert!(e.to_string().contains("train_batch_size 10"), "{e}");
 }
 
@@ -173,7 +175,7 @@ fn a_skipped_step_resets_the_loco_residuals() {
         cfg.run.engine.zero = zero;
         let r = train(&cfg).unwrap();
         assert_eq!(r.summary.skipped_steps, usize::from(faults.nan_gradient.is_some()));
-        let info = zeropp_engine::train::load_data(&cfg.data).unwrap().1;
+        let info = zeropp_engine::data::load_data(&cfg.data).unwrap().1;
         let model = zeropp_engine::Gpt::new(GptConfig::tiny().with_vocab(info.vocab)).unwrap();
         let topo = zeropp_comm::Topology::ranks(8).per_node(4).unwrap();
         let plan = build_plan(&model, &cfg.run.engine, topo).unwrap();

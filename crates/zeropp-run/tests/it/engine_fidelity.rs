@@ -27,8 +27,9 @@ use std::sync::OnceLock;
 use zeropp_engine::RunConfig;
 
 use zeropp_engine::config::{AdamWConfig, EngineConfig, LocoConfig, QgzConfig, ZeroConfig, quant_spec};
+use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, load_data, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 use zeropp_tests::data::{TINYSHAKESPEARE, require};
 use zeropp_tests::fidelity::{CALM, Judged, ratios};
 

@@ -5,8 +5,8 @@ use zeropp_comm::Topology;
 use zeropp_engine::config::{BucketKnobs, CommDtype, EngineConfig, ZeroConfig};
 use zeropp_engine::engine::{PERSISTENT_BUCKET, build_plan, tags};
 use zeropp_engine::model::{Gpt, GptConfig, Model};
-use zeropp_engine::train::{TrainConfig, train};
 use zeropp_engine::{RunConfig, TrainReport};
+use zeropp_run::train::{TrainConfig, train};
 
 use super::tiny_gpt_run;
 
@@ -20,7 +20,7 @@ fn run(zero: ZeroConfig) -> TrainReport {
 /// The vocabulary of the tiny runs' data (the model's, in training).
 fn markov_vocab() -> usize {
     let cfg = tiny_gpt_run(8, 4, EngineConfig::default());
-    zeropp_engine::train::load_data(&cfg.data).unwrap().0.vocab_size()
+    zeropp_engine::data::load_data(&cfg.data).unwrap().0.vocab_size()
 }
 
 fn knobs(f: impl Fn(&mut BucketKnobs)) -> impl Fn(ZeroConfig) -> ZeroConfig {

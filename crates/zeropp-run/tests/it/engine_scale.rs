@@ -6,8 +6,9 @@
 
 use zeropp_engine::RunConfig;
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
+use zeropp_engine::data::DataChoice;
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{DataChoice, ModelChoice, TrainConfig, train};
+use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 fn bytes(zero: ZeroConfig) -> zeropp_engine::TrainReport {
     let g = GptConfig::preset("gpt-1m").unwrap();

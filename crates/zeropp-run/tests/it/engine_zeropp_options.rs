@@ -5,7 +5,7 @@ use zeropp_engine::RunConfig;
 use zeropp_engine::TrainReport;
 use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, QgzConfig, Routing, ZeroConfig};
 use zeropp_engine::model::GptConfig;
-use zeropp_engine::train::{TrainConfig, train};
+use zeropp_run::train::{TrainConfig, train};
 
 fn cfg(world: usize, local: usize, zero: ZeroConfig) -> TrainConfig {
     let engine = EngineConfig { zero, global_batch: 2 * world, grad_accum: 2, ..EngineConfig::default() };
@@ -64,7 +64,7 @@ fn one_d_parameters_bypass_int4() {
     };
     let (p0, p1, p2) = (one_step(exact), one_step(qgz), one_step(excl));
     // The GPT's layers: embed (2-D only), blocks (LayerNorms and biases are 1-D), head.
-    let vocab = zeropp_engine::train::load_data(&cfg(8, 4, exact).data).unwrap().1.vocab;
+    let vocab = zeropp_engine::data::load_data(&cfg(8, 4, exact).data).unwrap().1.vocab;
     let model = zeropp_engine::model::Gpt::new(GptConfig::tiny().with_vocab(vocab)).unwrap();
     use zeropp_engine::model::Model;
     let (mut err_qgz, mut err_excl, mut n1d) = (0.0f64, 0.0f64, 0usize);

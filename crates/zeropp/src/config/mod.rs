@@ -1,6 +1,6 @@
 //! `zeropp train`'s and `zeropp compare`'s flags, and the one function that
 //! turns them (with a DeepSpeed file, when given) into a
-//! `zeropp_engine::train::TrainConfig`: [`train_config`] (its first half,
+//! `zeropp_run::train::TrainConfig`: [`train_config`] (its first half,
 //! [`build_config`], is what `compare` shares). Nothing here runs or prints.
 
 use std::path::PathBuf;
@@ -9,9 +9,10 @@ use std::time::Duration;
 use crate::models::{model_choice, model_help};
 use clap::{Args, ValueEnum};
 use zeropp_engine::config::{CommDtype, DeltaConfig, ZeroConfig, quant_spec};
+use zeropp_engine::data::DataChoice;
 use zeropp_engine::launch::Faults;
-use zeropp_engine::train::{DataChoice, TrainConfig};
 use zeropp_engine::{Backend, RunConfig};
+use zeropp_run::train::TrainConfig;
 
 use crate::CliError;
 
@@ -230,17 +231,14 @@ pub(crate) struct TrainArgs {
     pub resume: Option<PathBuf>,
 }
 
-/// What the flags (and the DeepSpeed file) of a run say: its configuration,
-/// the file's warnings, and the candle Llama's shape when `--model` names it
-/// (the Llama is built from the data by `train`, its vocabulary being the
-/// data's; `cfg.model` is then unused).
+/// What the flags (and the DeepSpeed file) of a run say: its configuration
+/// (whose `model` names any built-in model, the candle Llama included) and
+/// the file's warnings.
 pub(crate) struct Planned {
     /// The run.
     pub(crate) cfg: TrainConfig,
     /// The DeepSpeed import's warnings.
     pub(crate) warnings: Vec<String>,
-    /// `--model llama[...]`'s shape.
-    pub(crate) llama: Option<crate::llama::LlamaShape>,
 }
 
 /// Builds the run configuration shared by `train` and `compare`, the first two
@@ -250,12 +248,8 @@ pub(crate) struct Planned {
 /// flags last.
 pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<Planned, CliError> {
     let d = TrainConfig::default();
-    let llama = crate::llama::parse(&run.model)?;
     let mut cfg = TrainConfig {
-        model: match llama {
-            Some(_) => d.model,
-            None => model_choice(&run.model)?,
-        },
+        model: model_choice(&run.model)?,
         data: match &run.data {
             Some(p) => DataChoice::File(p.clone()),
             None => d.data,
@@ -278,7 +272,7 @@ pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<Planned, C
     cfg.run.engine.seed = run.seed;
     let mut warnings = Vec::new();
     if let Some(path) = &run.config {
-        let imp = zeropp_engine::deepspeed::from_file(path, run.world, &cfg.run.engine)?;
+        let imp = zeropp_run::deepspeed::from_file(path, run.world, &cfg.run.engine)?;
         cfg.run.engine = imp.config;
         warnings = imp.warnings;
     }
@@ -299,7 +293,7 @@ pub(crate) fn build_config(run: &RunArgs, zero: ZeroConfig) -> Result<Planned, C
     if let Some(l) = &run.link {
         cfg.run.link = Some(l.parse().map_err(|e| format!("--link: {e}"))?);
     }
-    Ok(Planned { cfg, warnings, llama })
+    Ok(Planned { cfg, warnings })
 }
 
 /// `--mode`'s ZeRO switches: the defaults of the precedence.

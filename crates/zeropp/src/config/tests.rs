@@ -3,7 +3,7 @@
 use super::*;
 use zeropp_engine::config::{QgzConfig, ResidualPrecision};
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_engine::train::ModelChoice;
+use zeropp_run::train::ModelChoice;
 
 use crate::models::model_choice;
 

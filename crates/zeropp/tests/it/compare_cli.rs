@@ -111,15 +111,24 @@ fn compare_prints_the_table_and_writes_the_plots() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `compare` runs the built-in models: asked for the candle Llama it says so in
-/// one line instead of comparing the default GPT under the Llama's name.
+/// `compare` runs every built-in model, the candle Llama included: asked for
+/// the Llama it compares the Llama (named, with its parameter count, above the
+/// table), not the default GPT under the Llama's name.
 #[test]
-fn compare_refuses_the_candle_llama() {
+fn compare_runs_the_candle_llama() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("compare-llama-{}", std::process::id()));
+    let spec = "llama:d=16,layers=1,heads=2,kv_heads=1,seq=16";
     let out = Command::new(env!("CARGO_BIN_EXE_zeropp"))
-        .args(["compare", "--model", "llama", "--steps", "1", "--world", "4", "--local-size", "2"])
+        .args(["compare", "--model", spec, "--steps", "1", "--world", "4", "--local-size", "2"])
+        .args(["--no-ablation", "--eval-batches", "0", "--out"])
+        .arg(&dir)
         .output()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "compare --model llama succeeded:\n{stderr}");
-    assert!(stderr.contains("zeropp train") && !stderr.contains("panicked"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line = stdout.lines().find(|l| l.starts_with("model ")).unwrap_or_default();
+    assert!(line.starts_with("model llama ("), "{stdout}");
+    let (_, rows) = table(&stdout);
+    assert_eq!(rows.len(), 4, "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
