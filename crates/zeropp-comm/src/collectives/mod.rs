@@ -90,7 +90,7 @@ mod baseline;
 mod hierarchical;
 mod qgz;
 mod qwz;
-mod qwz_delta;
+pub(crate) mod qwz_delta;
 mod ring;
 mod world_qwz;
 

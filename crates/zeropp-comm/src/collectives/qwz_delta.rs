@@ -93,6 +93,58 @@ fn owners_of(t: &Topology, hpz: usize, h: usize) -> impl Iterator<Item = usize> 
     h * per..(h + 1) * per
 }
 
+/// qwZ-Δ's routing for one rank: the one description of the exchange that the
+/// host ([`qwz_delta_exchange`]) and the device
+/// ([`crate::device::collectives::qwz_delta_exchange`]) both execute, so they
+/// route (and count) the same bytes.
+#[derive(Debug, Clone)]
+pub(crate) struct DeltaRoute {
+    /// Hop 1 over the world: whether this rank sends its encoding to each rank.
+    pub(crate) hop1_to: Vec<bool>,
+    /// Hop 1: whether this rank receives each rank's encoding.
+    pub(crate) hop1_from: Vec<bool>,
+    /// Hop 2 inside the node, when there is one.
+    pub(crate) hop2: Option<DeltaHop2>,
+    /// The owners of the shards this rank holds, in shard order.
+    pub(crate) holds: std::ops::Range<usize>,
+}
+
+/// Hop 2 of [`DeltaRoute`]: first-group holders forward other nodes'
+/// encodings to the holders of their index in the node's other groups.
+#[derive(Debug, Clone)]
+pub(crate) struct DeltaHop2 {
+    /// The node's group (the all-to-all-v's members).
+    pub(crate) node: Group,
+    /// The ranks this rank forwards to (empty unless it is a first-group holder).
+    pub(crate) to: Vec<usize>,
+    /// The owners whose encodings it forwards, in order.
+    pub(crate) forwards: Vec<usize>,
+    /// Who forwards to this rank (a holder of a later group), if anyone.
+    pub(crate) source: Option<usize>,
+    /// The owners whose encodings arrive from `source`, in order.
+    pub(crate) incoming: Vec<usize>,
+}
+
+impl DeltaRoute {
+    /// The route of `rank` with hpZ groups of `hpz` ranks.
+    pub(crate) fn new(t: &Topology, hpz: usize, rank: usize) -> Result<Self, CommError> {
+        check_hpz(t, hpz)?;
+        let w = t.world();
+        let hop1_to = (0..w).map(|to| hop1_target(t, hpz, rank, to)).collect();
+        let hop1_from = (0..w).map(|from| hop1_target(t, hpz, from, rank)).collect();
+        let hop2 = (t.local_size() / hpz > 1 && t.nodes() > 1).then(|| {
+            let (to, forwards) = hop2(t, hpz, rank);
+            let (l, m) = (t.local_rank(rank), t.node_of(rank));
+            let source = (l >= hpz).then(|| t.rank_of(m, l % hpz));
+            let incoming = source.map(|s| hop2(t, hpz, s).1).unwrap_or_default();
+            DeltaHop2 { node: Group::intra_node(t, rank), to, forwards, source, incoming }
+        });
+        let h = t.local_rank(rank) % hpz;
+        let per = w / hpz;
+        Ok(Self { hop1_to, hop1_from, hop2, holds: h * per..(h + 1) * per })
+    }
+}
+
 /// qwZ-Δ's exchange (collective over the world): `delta` is this rank's
 /// encoding of its primary shard's difference (the same length on every rank,
 /// from [`delta_encode`]); returns the encodings of the shards this rank holds
@@ -131,12 +183,11 @@ pub fn qwz_delta_exchange<C: Communicator + ?Sized>(
     delta: &[u8],
 ) -> Result<Vec<u8>, CommError> {
     let t = *comm.topology();
-    check_hpz(&t, hpz)?;
     let (w, me, e) = (t.world(), comm.rank(), delta.len());
+    let route = DeltaRoute::new(&t, hpz, me)?;
     // Hop 1: to the holders of my shard (own node: every group; other nodes: the first group).
-    let send_counts: Vec<usize> = (0..w).map(|to| if hop1_target(&t, hpz, me, to) { e } else { 0 }).collect();
-    let recv_counts: Vec<usize> =
-        (0..w).map(|from| if hop1_target(&t, hpz, from, me) { e } else { 0 }).collect();
+    let bytes = |on: &[bool]| -> Vec<usize> { on.iter().map(|&b| if b { e } else { 0 }).collect() };
+    let (send_counts, recv_counts) = (bytes(&route.hop1_to), bytes(&route.hop1_from));
     let send: Vec<u8> = send_counts.iter().filter(|&&c| c > 0).flat_map(|_| delta.iter().copied()).collect();
     let mut recv = vec![0u8; recv_counts.iter().sum()];
     comm.all_to_all_v_bytes(&Group::world(&t), &send, &send_counts, &mut recv, &recv_counts)?;
@@ -148,35 +199,27 @@ pub fn qwz_delta_exchange<C: Communicator + ?Sized>(
         at += c;
     }
     // Hop 2: first-group holders forward other nodes' encodings to the node's other groups.
-    let (forwarded, source) = if t.local_size() / hpz > 1 && t.nodes() > 1 {
-        let node = Group::intra_node(&t, me);
-        let (to, from) = hop2(&t, hpz, me);
+    let mut forwarded = Vec::new();
+    if let Some(h2) = &route.hop2 {
         let mine: Vec<u8> =
-            from.iter().flat_map(|&r| by_owner[r].unwrap_or_default().iter().copied()).collect();
-        let (l, m) = (t.local_rank(me), t.node_of(me));
-        // Who forwards to me: the first-group holder of my index (when I am in a later group).
-        let source = (l >= hpz).then(|| t.rank_of(m, l % hpz));
+            h2.forwards.iter().flat_map(|&r| by_owner[r].unwrap_or_default().iter().copied()).collect();
         let send_counts: Vec<usize> =
-            node.ranks().iter().map(|p| if to.contains(p) { mine.len() } else { 0 }).collect();
-        let incoming = source.map_or(0, |s| hop2(&t, hpz, s).1.len() * e);
+            h2.node.ranks().iter().map(|p| if h2.to.contains(p) { mine.len() } else { 0 }).collect();
+        let incoming = h2.incoming.len() * e;
         let recv_counts: Vec<usize> =
-            node.ranks().iter().map(|&p| if Some(p) == source { incoming } else { 0 }).collect();
+            h2.node.ranks().iter().map(|&p| if Some(p) == h2.source { incoming } else { 0 }).collect();
         let send: Vec<u8> =
             send_counts.iter().filter(|&&c| c > 0).flat_map(|_| mine.iter().copied()).collect();
-        let mut forwarded = vec![0u8; incoming];
-        comm.all_to_all_v_bytes(&node, &send, &send_counts, &mut forwarded, &recv_counts)?;
-        (forwarded, source)
-    } else {
-        (Vec::new(), None)
-    };
-    if let Some(s) = source {
-        for (k, r) in hop2(&t, hpz, s).1.into_iter().enumerate() {
+        forwarded = vec![0u8; incoming];
+        comm.all_to_all_v_bytes(&h2.node, &send, &send_counts, &mut forwarded, &recv_counts)?;
+    }
+    if let Some(h2) = &route.hop2 {
+        for (k, &r) in h2.incoming.iter().enumerate() {
             by_owner[r] = forwarded.get(k * e..(k + 1) * e);
         }
     }
-    let h = t.local_rank(me) % hpz;
-    let mut out = Vec::with_capacity(w / hpz * e);
-    for r in owners_of(&t, hpz, h) {
+    let mut out = Vec::with_capacity(route.holds.len() * e);
+    for r in route.holds {
         let bytes = by_owner[r].ok_or_else(|| {
             CommError::Mismatch(format!("qwz delta: rank {me} got no difference of shard {r}"))
         })?;

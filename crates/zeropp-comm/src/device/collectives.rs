@@ -15,6 +15,7 @@
 //! rotation, and where its bytes go), so the two cannot drift apart; only the
 //! kernels differ.
 
+mod delta;
 mod world;
 
 use std::ops::Range;
@@ -28,6 +29,7 @@ use crate::collectives::{
 };
 use crate::quant::{Options, QuantSpec, encoded_len};
 use crate::{CommError, Group};
+pub use delta::{delta_apply, delta_encode, qwz_delta_exchange};
 pub use world::{world_all_gather, world_qwz_all_gather, world_reduce_scatter};
 
 fn index_in<C: DeviceCommunicator + ?Sized>(comm: &C, group: &Group) -> Result<usize, CommError> {

@@ -35,7 +35,7 @@
 //!   hierarchical routing, and the bf16 baselines, written once on
 //!   [`DeviceCommunicator`], with no host round trip of the payload. On
 //!   [`HostDevice`] their results are bitwise equal to the host collectives on the
-//!   thread backend (tests). Not here: qwZ-Δ's exchange.
+//!   thread backend (tests); qwZ-Δ's encode, apply and exchange likewise.
 //! - `NcclComm` (feature `nccl`): the same trait on NCCL, loaded at run time,
 //!   bootstrapped over any host communicator (MPI under `mpirun`).
 

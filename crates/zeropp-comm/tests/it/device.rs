@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use half::bf16;
-use zeropp_comm::collectives::{self as host, DenseWire, QgzOptions, QwzOptions, Reduce, Routing, shard_len};
+use zeropp_comm::collectives::{self as host, QgzOptions, QwzOptions, Reduce, shard_len};
 use zeropp_comm::conformance::{Case, rank_data, run_all};
 use zeropp_comm::device::{
     Device, DeviceBuf, DeviceCluster, DeviceComm, DeviceCommunicator, Elem, HostDevice, Kernel,
@@ -24,7 +24,7 @@ fn opts() -> ThreadOptions {
     ThreadOptions::default().with_timeout(Duration::from_secs(20))
 }
 
-fn device_cluster(w: usize, l: usize) -> DeviceCluster<HostDevice> {
+pub(crate) fn device_cluster(w: usize, l: usize) -> DeviceCluster<HostDevice> {
     DeviceCluster::new(Topology::ranks(w).per_node(l).unwrap(), HostDevice, opts())
 }
 
@@ -78,7 +78,7 @@ pub(crate) struct Results {
     traffic: TrafficSnapshot,
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
+pub(crate) fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
@@ -92,7 +92,7 @@ fn int8_g7() -> QgzOptions {
     QgzOptions::default().with_spec(QuantSpec::int8(7).unwrap())
 }
 
-fn qwz_opts() -> QwzOptions {
+pub(crate) fn qwz_opts() -> QwzOptions {
     QwzOptions::with_spec(QuantSpec::int8(32).unwrap())
 }
 
@@ -386,62 +386,6 @@ pub(crate) fn feedback_options() -> Vec<QgzOptions> {
     ]
 }
 
-/// The host collective's shard of one plain qgZ call.
-fn host_once(comm: &mut zeropp_comm::ThreadComm, n: usize, opts: &QgzOptions) -> Result<Vec<u32>, CommError> {
-    let mut out = vec![0f32; shard_len(n, comm.topology().world())];
-    host::qgz_reduce_scatter(comm, &rank_data(9, comm.rank(), n), &mut out, opts)?;
-    Ok(bits(&out))
-}
-
-/// The device collective's shard of the same call.
-fn device_once(
-    comm: &mut DeviceComm<HostDevice>,
-    n: usize,
-    opts: &QgzOptions,
-) -> Result<Vec<u32>, CommError> {
-    let d = *comm.device();
-    let grad = DeviceBuf::from_f32(&d, comm.stream(), &rank_data(9, comm.rank(), n))?;
-    let out = DeviceBuf::zeroed(&d, 4 * shard_len(n, comm.topology().world()))?;
-    dev::qgz_reduce_scatter(comm, grad.view(), out.view(), opts)?;
-    Ok(bits(&out.to_f32(&d, comm.stream())?))
-}
-
-proptest::proptest! {
-    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(32))]
-
-    /// The device qgZ executes the host's schedule: for any shape, length and
-    /// combination of qgZ's options (specs per hop, group size, rounding,
-    /// rotation, sum or mean) its shards are the host's bit for bit.
-    #[test]
-    fn device_qgz_is_the_hosts_for_any_options(
-        shape in proptest::sample::select(SHAPES.to_vec()),
-        n in 0usize..3000,
-        gs in proptest::sample::select(vec![8usize, 64, 256]),
-        two_level in proptest::bool::ANY,
-        hadamard in proptest::option::of(proptest::num::u64::ANY),
-        seed in proptest::option::of(proptest::num::u64::ANY),
-        sum in proptest::bool::ANY,
-    ) {
-        let mut opts = if two_level { QgzOptions::two_level(gs).unwrap() } else {
-            QgzOptions::default().with_spec(QuantSpec::int4(gs).unwrap())
-        };
-        opts.local_spec = QuantSpec::int8(gs).unwrap();
-        if let Some(h) = hadamard {
-            opts = opts.with_hadamard(h);
-        }
-        if let Some(seed) = seed {
-            opts.quant = opts.quant.stochastic(seed);
-        }
-        if sum {
-            opts = opts.sum();
-        }
-        let (w, l) = shape;
-        let host = thread_cluster(w, l).run(|comm| host_once(comm, n, &opts)).unwrap();
-        let device = device_cluster(w, l).run(|comm| device_once(comm, n, &opts)).unwrap();
-        proptest::prop_assert_eq!(host, device, "world {} local {} n {} {:?}", w, l, n, opts);
-    }
-}
-
 /// Three steps of qgZ with LoCo error feedback: outputs and both residuals equal
 /// the host's (`qgz_reduce_scatter_with_feedback`) bit for bit after every step.
 #[test]
@@ -533,73 +477,4 @@ pub(crate) fn check_misaligned(results: Vec<(Vec<String>, Vec<f32>)>) {
 #[test]
 fn misaligned_element_views_are_refused_and_wire_views_realigned() {
     check_misaligned(device_cluster(2, 2).run(misaligned_views).unwrap());
-}
-
-/// Every result's bits, and the traffic counters.
-type World = (Vec<Vec<u32>>, TrafficSnapshot);
-
-/// The world gather and reduce-scatter of every routing and wire, host side.
-fn host_world(comm: &mut zeropp_comm::ThreadComm, n: usize) -> Result<World, CommError> {
-    let w = comm.topology().world();
-    let (grad, shard) = (rank_data(21, comm.rank(), n), rank_data(22, comm.rank(), n / 5 + 1));
-    let mut got = Vec::new();
-    for routing in [Routing::Flat, Routing::Hierarchical] {
-        for wire in [DenseWire::F32, DenseWire::Bf16] {
-            let mut full = vec![0f32; shard.len() * w];
-            host::world_all_gather(comm, routing, wire, &shard, &mut full)?;
-            got.push(bits(&full));
-            if wire == DenseWire::F32 {
-                host::world_qwz_all_gather(comm, routing, &shard, &mut full, &qwz_opts())?;
-                got.push(bits(&full));
-            }
-            for reduce in [Reduce::Mean, Reduce::Sum] {
-                let mut out = vec![0f32; shard_len(n, w)];
-                host::world_reduce_scatter(comm, routing, wire, &grad, &mut out, reduce)?;
-                got.push(bits(&out));
-            }
-        }
-    }
-    Ok((got, comm.traffic().snapshot()))
-}
-
-/// The same calls on device buffers.
-fn device_world(comm: &mut DeviceComm<HostDevice>, n: usize) -> Result<World, CommError> {
-    let (d, w) = (*comm.device(), comm.topology().world());
-    let grad = DeviceBuf::from_f32(&d, comm.stream(), &rank_data(21, comm.rank(), n))?;
-    let c = n / 5 + 1;
-    let shard = DeviceBuf::from_f32(&d, comm.stream(), &rank_data(22, comm.rank(), c))?;
-    let mut got = Vec::new();
-    for routing in [Routing::Flat, Routing::Hierarchical] {
-        for wire in [DenseWire::F32, DenseWire::Bf16] {
-            let full = DeviceBuf::zeroed(&d, 4 * c * w)?;
-            dev::world_all_gather(comm, routing, wire, shard.view(), full.view())?;
-            got.push(bits(&full.to_f32(&d, comm.stream())?));
-            if wire == DenseWire::F32 {
-                dev::world_qwz_all_gather(comm, routing, shard.view(), Elem::F32, full.view(), &qwz_opts())?;
-                got.push(bits(&full.to_f32(&d, comm.stream())?));
-            }
-            for reduce in [Reduce::Mean, Reduce::Sum] {
-                let out = DeviceBuf::zeroed(&d, 4 * shard_len(n, w))?;
-                dev::world_reduce_scatter(comm, routing, wire, grad.view(), out.view(), reduce)?;
-                got.push(bits(&out.to_f32(&d, comm.stream())?));
-            }
-        }
-    }
-    Ok((got, DeviceComm::traffic(comm).snapshot()))
-}
-
-/// The device world collectives (the ZeRO-3 baseline's and qwZ's world gather,
-/// flat and hierarchical, f32 and bf16 wires) give the host's results bit for
-/// bit and count the host's traffic.
-#[test]
-fn device_world_collectives_are_the_hosts_for_every_route() {
-    for (w, l) in SHAPES {
-        for n in [0, 1, 13, 700, 2048 * w + 5] {
-            let host = thread_cluster(w, l).run(|comm| host_world(comm, n)).unwrap();
-            let device = device_cluster(w, l).run(|comm| device_world(comm, n)).unwrap();
-            for (rank, (h, d)) in host.iter().zip(&device).enumerate() {
-                assert_eq!(h, d, "world {w} local {l} n {n} rank {rank}");
-            }
-        }
-    }
 }

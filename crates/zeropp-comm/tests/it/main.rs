@@ -15,6 +15,7 @@ mod device;
 mod device_gpu;
 #[cfg(feature = "nccl")]
 mod device_nccl;
+mod device_parity;
 mod faults;
 mod hierarchical;
 mod link_model;
