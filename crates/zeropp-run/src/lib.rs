@@ -37,4 +37,4 @@ pub mod llama;
 pub mod train;
 
 pub use error::{Result, RunError};
-pub use model::{RunModel, RunTape};
+pub use model::{NativeModel, RunModel};

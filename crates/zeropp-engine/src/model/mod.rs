@@ -11,7 +11,7 @@
 //! order. Out-of-order calls return [`EngineError::CallOrder`]. See [`Model`]
 //! for a runnable example.
 
-pub mod builtin;
+pub mod either;
 pub mod gemm;
 pub mod gpt;
 pub mod kit;
@@ -20,7 +20,7 @@ pub mod ops;
 pub(crate) mod rng;
 mod stack;
 
-pub use builtin::{BuiltIn, BuiltInTape};
+pub use either::Either;
 pub use gpt::{Gpt, GptConfig, GptTape};
 pub use kit::{
     CallOrder, check_backward_order, check_forward_order, fill_normal, split_params, split_params_mut,

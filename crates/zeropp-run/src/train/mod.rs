@@ -12,7 +12,7 @@ use zeropp_engine::data::{DataChoice, DataInfo, TextDataset, load_data};
 use zeropp_engine::engine::memory::MemoryPrediction;
 use zeropp_engine::engine::tags;
 use zeropp_engine::launch::{Launch, RunConfig, TrainReport, memory_prediction};
-use zeropp_engine::model::BuiltIn;
+use zeropp_engine::model::Either;
 use zeropp_engine::{Gpt, GptConfig, Mlp, MlpConfig};
 
 use crate::RunError;
@@ -42,9 +42,9 @@ impl ModelChoice {
     /// The model, with the vocabulary `vocab`.
     pub fn build(&self, vocab: usize) -> Result<RunModel, RunError> {
         Ok(match self {
-            Self::Gpt(g) => RunModel::Native(BuiltIn::Gpt(Gpt::new(g.with_vocab(vocab))?)),
-            Self::Mlp(m) => RunModel::Native(BuiltIn::Mlp(Mlp::new(m.with_vocab(vocab))?)),
-            Self::Llama(s) => RunModel::Llama(Box::new(s.build(vocab)?)),
+            Self::Gpt(g) => Either::Left(Either::Left(Gpt::new(g.with_vocab(vocab))?)),
+            Self::Mlp(m) => Either::Left(Either::Right(Mlp::new(m.with_vocab(vocab))?)),
+            Self::Llama(s) => Either::Right(s.build(vocab)?),
         })
     }
 }

@@ -11,7 +11,7 @@
 //! [`world_all_gather_bytes`](crate::collectives::world_all_gather_bytes) and
 //! [`world_reduce_scatter_bytes`](crate::collectives::world_reduce_scatter_bytes).
 
-use super::{elements, finish, quant, reduce_scatter_bf16_wire, with_part};
+use super::{elements, finish, index_in, quant, reduce_scatter_bf16_wire, with_part};
 use crate::collectives::{DenseWire, QwzOptions, Reduce, Routing, check_shard};
 use crate::device::{Device, DeviceBuf, DeviceCommunicator, Elem, Kernel, View};
 use crate::quant::encoded_len;
@@ -292,9 +292,7 @@ fn flat_f32<C: DeviceCommunicator + ?Sized>(
     let g = group.size();
     let n = elements(full, Elem::F32, WHAT)?;
     let s = check_shard(WHAT, n, g, elements(shard, Elem::F32, WHAT)?)?;
-    let me = group.index_of(comm.rank()).ok_or_else(|| {
-        CommError::InvalidGroup(format!("rank {} is not a member of group {:?}", comm.rank(), group.ranks()))
-    })?;
+    let me = index_in(comm, group)?;
     if n == s * g {
         comm.reduce_scatter_f32(group, full, shard)?;
     } else {
