@@ -113,6 +113,10 @@ fn build(out: &Path) -> Result<String, String> {
     let nv = toolchain()?;
     let nvrtc_lib = nv.join("cuda_nvrtc/lib");
     let tool = root().join("target/cuda/nvrtcc");
+    // `ptx` without `--check` writes into the source tree, so on a fresh
+    // checkout nothing has made target/cuda yet.
+    let tool_dir = root().join("target/cuda");
+    std::fs::create_dir_all(&tool_dir).map_err(|e| format!("{}: {e}", tool_dir.display()))?;
     let mut gcc = Command::new("gcc");
     gcc.args(["-O2", "-Wall", "-Werror", "-o"])
         .arg(&tool)

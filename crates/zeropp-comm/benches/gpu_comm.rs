@@ -143,7 +143,8 @@ fn measure<D: Device>(device: D, nodes: usize, local: usize, n: usize, reps: usi
 /// and options: the baseline the device code on `HostDevice` is compared with.
 fn host_path(nodes: usize, local: usize, n: usize, reps: usize) -> Result<(f64, f64), String> {
     let t = Topology::ranks(nodes * local).per_node(local).map_err(|e| e.to_string())?;
-    let cluster = zeropp_comm::ThreadCluster::new(t, ThreadOptions::default().with_timeout(Duration::from_secs(300)));
+    let cluster =
+        zeropp_comm::ThreadCluster::new(t, ThreadOptions::default().with_timeout(Duration::from_secs(300)));
     let times = cluster
         .run(|comm| {
             let (w, rank) = (t.world(), comm.rank());
@@ -165,7 +166,8 @@ fn host_path(nodes: usize, local: usize, n: usize, reps: usize) -> Result<(f64, 
                 Ok::<_, CommError>(median(v))
             };
             let q = time(&mut |c| zeropp_comm::collectives::qgz_reduce_scatter(c, &grad, &mut out, &qgz))?;
-            let a = time(&mut |c| zeropp_comm::collectives::qwz_all_gather(c, &world, &shard, &mut full, &qwz))?;
+            let a =
+                time(&mut |c| zeropp_comm::collectives::qwz_all_gather(c, &world, &shard, &mut full, &qwz))?;
             Ok::<_, CommError>((q, a))
         })
         .map_err(|e| e.to_string())?;

@@ -23,8 +23,8 @@
 /// [`all_gather_bf16`](crate::collectives::all_gather_bf16) and of qwZ's inputs and outputs.
 pub use zeropp_quant::half;
 pub use zeropp_quant::{
-    Bits, DecodeError, Element, Kernel, Options, Parallelism, QuantError, QuantSpec, Rounding, Scheme,
-    encoded_len,
+    Bits, DecodeError, Element, Kernel, NonFinite, Options, Parallelism, QuantError, QuantSpec, Rounding,
+    Scheme, encoded_len,
 };
 
 /// Serde for [`QuantSpec`] (zeropp-quant has no serde): `{bits, scheme,

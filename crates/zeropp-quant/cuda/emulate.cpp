@@ -20,7 +20,7 @@
 //   u32 op = 1 quantize: u32 dtype (0 f32, 1 bf16, 2 f16), u64 len, OUT, input bytes
 //   u32 op = 2 reduce:   u32 k, u64 len, k x (u32 gs, u32 bits, u32 asym, payload), OUT
 //   u32 op = 3 dequant:  u64 len, u32 gs, u32 bits, u32 asym, payload, u32 add, f32 x len
-//   OUT = u32 gs, u32 bits, u32 asym, u32 stochastic, u64 seed
+//   OUT = u32 gs, u32 bits, u32 asym, u32 stochastic, u64 seed, u32 propagate
 //   u32 op = 4 element-wise: u32 kind (0 add_f32, 1 add_bf16, 2 div_f32, 3 to_bf16,
 //            4 feedback with beta = by), u64 n, f32 by, src (f32 x n, bf16 x n for
 //            kind 1, none for kind 2, c then d: f32 x 2n for kind 4), acc f32 x n
@@ -259,6 +259,7 @@ static Layout layout(u64 len, u32 gs, u32 bits, u32 asym) {
 struct Out {
     u32 gs, bits, asym, stochastic;
     u64 seed;
+    u32 propagate;
 };
 
 static Out rd_out() {
@@ -268,6 +269,7 @@ static Out rd_out() {
     o.asym = rd<u32>();
     o.stochastic = rd<u32>();
     o.seed = rd<u64>();
+    o.propagate = rd<u32>();
     return o;
 }
 
@@ -283,7 +285,7 @@ static void quantize_reply(u64 len, const Out& o, K kernel) {
     u8* data = out.data() + l.data;
     const u32 atomic_pack = o.bits == 4 && o.gs % 2 == 1;
     if (len > 0) {
-        launch([&] { kernel(len, o.gs, o.bits, o.asym, o.stochastic, o.seed, atomic_pack, scales, offsets, data, &bad); });
+        launch([&] { kernel(len, o.gs, o.bits, o.asym, o.stochastic, o.seed, atomic_pack, o.propagate, scales, offsets, data, &bad); });
     }
     std::fwrite(&bad, 8, 1, stdout);
     std::fwrite(out.data(), 1, l.total, stdout);

@@ -181,14 +181,23 @@ struct QuantArgs {
     u32 stochastic;
     u64 seed;
     u32 atomic_pack;  // INT4 with an odd group size: bytes are shared by two groups
+    u32 propagate;    // NonFinite::Propagate: a group holding NaN or ±Inf is poisoned
     float* scales;
     float* offsets;
     u8* data;
     u64* bad;  // atomicMin of the first non-finite index (starts at u64::MAX)
 };
 
-// scalar::round_nearest / round_stochastic for one element.
+// The canonical quiet NaN a poisoned group stores as its scale (and offset):
+// wire::POISON_BITS.
+#define ZQ_POISON_BITS 0x7FC00000u
+
+// A poisoned group's parameters (core::GroupParams::POISON): `s` NaN.
+__device__ __forceinline__ bool is_poison(GroupParams p) { return p.s != p.s; }
+
+// scalar::round_nearest / round_stochastic for one element; 0 in a poisoned group.
 __device__ __forceinline__ int round_one(const QuantArgs& a, GroupParams p, float v, u64 i) {
+    if (is_poison(p)) return 0;
     const float y = __fmul_rn(__fsub_rn(v, p.offset), p.s);
     float r;
     if (a.stochastic) {
@@ -208,6 +217,9 @@ __device__ void quantize_groups(const Src& src, const QuantArgs& a) {
     __shared__ float sh_a[32];
     __shared__ float sh_b[32];
     __shared__ GroupParams sh_p;
+    __shared__ int sh_nonfinite;  // some element of this group is NaN or ±Inf
+    if (threadIdx.x == 0) sh_nonfinite = 0;
+    __syncthreads();
     const u64 groups = (a.len + a.gs - 1) / a.gs;
     const bool asym = a.asym != 0;
     for (u64 g = blockIdx.x; g < groups; g += gridDim.x) {
@@ -217,7 +229,10 @@ __device__ void quantize_groups(const Src& src, const QuantArgs& a) {
         float m = 0.0f, nlo = -ZQ_FLT_MAX, hi = -ZQ_FLT_MAX;
         for (u64 i = start + threadIdx.x; i < end; i += blockDim.x) {
             const float v = src(i);
-            if (!finite(v)) atomicMin(a.bad, i);
+            if (!finite(v)) {
+                atomicMin(a.bad, i);
+                sh_nonfinite = 1;  // every writer stores the same value
+            }
             m = fmaxf(m, fabsf(v));
             nlo = fmaxf(nlo, -v);  // min(x) = -max(-x): exact, one reduction kind
             hi = fmaxf(hi, v);
@@ -230,10 +245,22 @@ __device__ void quantize_groups(const Src& src, const QuantArgs& a) {
         } else {
             m = block_max(m, sh_a);
         }
+        // block_max's barriers order every thread's pass 1 (and its write of
+        // sh_nonfinite) before thread 0 reads here; thread 0 clears the flag
+        // before the barrier below, so before any thread starts the next group.
         if (threadIdx.x == 0) {
-            const GroupParams p = params(a.bits, asym, m, lo, hi);
-            a.scales[g] = __fdiv_rn(1.0f, p.s);
-            if (asym) a.offsets[g] = p.offset;
+            GroupParams p;
+            if (a.propagate && sh_nonfinite) {
+                p.s = __uint_as_float(ZQ_POISON_BITS);
+                p.offset = p.s;
+                a.scales[g] = p.s;
+                if (asym) a.offsets[g] = p.s;
+            } else {
+                p = params(a.bits, asym, m, lo, hi);
+                a.scales[g] = __fdiv_rn(1.0f, p.s);
+                if (asym) a.offsets[g] = p.offset;
+            }
+            sh_nonfinite = 0;
             sh_p = p;
         }
         __syncthreads();
@@ -267,9 +294,9 @@ __device__ void quantize_groups(const Src& src, const QuantArgs& a) {
 }
 
 #define ZQ_QUANT_ARGS                                                                                   \
-    u64 len, u32 gs, u32 bits, u32 asym, u32 stochastic, u64 seed, u32 atomic_pack, float *scales, \
-        float *offsets, u8 *data, u64 *bad
-#define ZQ_QUANT_INIT {len, gs, bits, asym, stochastic, seed, atomic_pack, scales, offsets, data, bad}
+    u64 len, u32 gs, u32 bits, u32 asym, u32 stochastic, u64 seed, u32 atomic_pack, u32 propagate, \
+        float *scales, float *offsets, u8 *data, u64 *bad
+#define ZQ_QUANT_INIT {len, gs, bits, asym, stochastic, seed, atomic_pack, propagate, scales, offsets, data, bad}
 
 extern "C" __global__ void __launch_bounds__(ZQ_BLOCK) zq_quantize_f32(const float* x, ZQ_QUANT_ARGS) {
     const QuantArgs a = ZQ_QUANT_INIT;

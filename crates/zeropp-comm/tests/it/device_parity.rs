@@ -15,11 +15,37 @@ use zeropp_comm::{CommError, Communicator, TrafficSnapshot};
 
 use crate::device::{SHAPES, bits, device_cluster, qwz_opts, thread_cluster};
 
+/// A non-finite value planted in one rank's gradient: (rank, index, value).
+type Plant = Option<(usize, usize, f32)>;
+
+/// Rank `rank`'s gradient of length `n`, with `plant`'s value if it is this rank's.
+fn grad_of(rank: usize, n: usize, plant: Plant) -> Vec<f32> {
+    let mut g = rank_data(9, rank, n);
+    if let Some((r, i, v)) = plant
+        && r == rank
+        && i < n
+    {
+        g[i] = v;
+    }
+    g
+}
+
 /// The host collective's shard of one plain qgZ call.
-fn host_once(comm: &mut zeropp_comm::ThreadComm, n: usize, opts: &QgzOptions) -> Result<Vec<u32>, CommError> {
+fn host_once(
+    comm: &mut zeropp_comm::ThreadComm,
+    n: usize,
+    opts: &QgzOptions,
+    plant: Plant,
+) -> Result<Vec<u32>, CommError> {
     let mut out = vec![0f32; shard_len(n, comm.topology().world())];
-    host::qgz_reduce_scatter(comm, &rank_data(9, comm.rank(), n), &mut out, opts)?;
-    Ok(bits(&out))
+    host::qgz_reduce_scatter(comm, &grad_of(comm.rank(), n, plant), &mut out, opts)?;
+    Ok(canon(&bits(&out)))
+}
+
+/// f32 bits with every NaN made the canonical one: which NaN an arithmetic
+/// operation returns is the hardware's choice, not the collective's.
+fn canon(v: &[u32]) -> Vec<u32> {
+    v.iter().map(|&b| if f32::from_bits(b).is_nan() { 0x7FC0_0000 } else { b }).collect()
 }
 
 /// The device collective's shard of the same call.
@@ -27,12 +53,13 @@ fn device_once(
     comm: &mut DeviceComm<HostDevice>,
     n: usize,
     opts: &QgzOptions,
+    plant: Plant,
 ) -> Result<Vec<u32>, CommError> {
     let d = *comm.device();
-    let grad = DeviceBuf::from_f32(&d, comm.stream(), &rank_data(9, comm.rank(), n))?;
+    let grad = DeviceBuf::from_f32(&d, comm.stream(), &grad_of(comm.rank(), n, plant))?;
     let out = DeviceBuf::zeroed(&d, 4 * shard_len(n, comm.topology().world()))?;
     dev::qgz_reduce_scatter(comm, grad.view(), out.view(), opts)?;
-    Ok(bits(&out.to_f32(&d, comm.stream())?))
+    Ok(canon(&bits(&out.to_f32(&d, comm.stream())?)))
 }
 
 proptest::proptest! {
@@ -40,7 +67,9 @@ proptest::proptest! {
 
     /// The device qgZ executes the host's schedule: for any shape, length and
     /// combination of qgZ's options (specs per hop, group size, rounding,
-    /// rotation, sum or mean) its shards are the host's bit for bit.
+    /// rotation, sum or mean) its shards are the host's bit for bit; with a
+    /// NaN or ±Inf planted in one rank's gradient under
+    /// `NonFinite::Propagate`, the same elements are NaN on both.
     #[test]
     fn device_qgz_is_the_hosts_for_any_options(
         shape in proptest::sample::select(SHAPES.to_vec()),
@@ -50,6 +79,11 @@ proptest::proptest! {
         hadamard in proptest::option::of(proptest::num::u64::ANY),
         seed in proptest::option::of(proptest::num::u64::ANY),
         sum in proptest::bool::ANY,
+        plant in proptest::option::of((
+            proptest::prelude::any::<proptest::sample::Index>(),
+            proptest::prelude::any::<proptest::sample::Index>(),
+            proptest::sample::select(vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY]),
+        )),
     ) {
         let mut opts = if two_level { QgzOptions::two_level(gs).unwrap() } else {
             QgzOptions::default().with_spec(QuantSpec::int4(gs).unwrap())
@@ -65,8 +99,19 @@ proptest::proptest! {
             opts = opts.sum();
         }
         let (w, l) = shape;
-        let host = thread_cluster(w, l).run(|comm| host_once(comm, n, &opts)).unwrap();
-        let device = device_cluster(w, l).run(|comm| device_once(comm, n, &opts)).unwrap();
+        let plant = plant.filter(|_| n > 0).map(|(r, i, v)| (r.index(w), i.index(n), v));
+        if plant.is_some() {
+            opts.quant = opts.quant.with_non_finite(zeropp_comm::quant::NonFinite::Propagate);
+        }
+        let host = thread_cluster(w, l).run(|comm| host_once(comm, n, &opts, plant));
+        let device = device_cluster(w, l).run(|comm| device_once(comm, n, &opts, plant));
+        proptest::prop_assert!(host.is_ok(), "host: {:?}", host.err());
+        proptest::prop_assert!(device.is_ok(), "device: {:?}", device.err());
+        let (host, device) = (host.unwrap(), device.unwrap());
+        if plant.is_some() {
+            // The planted value reached its owner (not a vacuous equality).
+            proptest::prop_assert!(host.iter().flatten().any(|&b| !f32::from_bits(b).is_finite()));
+        }
         proptest::prop_assert_eq!(host, device, "world {} local {} n {} {:?}", w, l, n, opts);
     }
 }

@@ -67,7 +67,7 @@ impl Gpu {
                 // the output's wire layout, one u64) by this function's contract.
                 unsafe {
                     launch!(f<<<grid, block, 0, stream>>>(
-                        src, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
+                        src, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack, a.propagate,
                         a.scales, a.offsets, a.data, a.bad
                     ))?;
                 }
@@ -155,7 +155,7 @@ impl Gpu {
                 // the output addresses are live, by this function's contract.
                 unsafe {
                     launch!(f<<<grid, block, 0, stream>>>(
-                        din, k, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack,
+                        din, k, a.len, a.gs, a.bits, a.asym, a.stochastic, a.seed, a.atomic_pack, a.propagate,
                         a.scales, a.offsets, a.data, a.bad
                     ))?;
                 }
@@ -165,7 +165,9 @@ impl Gpu {
     }
 
     /// Shared part of the quantizing calls: arguments, launch, synchronisation
-    /// and the non-finite check.
+    /// and the non-finite policy (the first non-finite element's error, or,
+    /// under [`crate::NonFinite::Propagate`], poisoned groups written by the
+    /// kernel as the CPU kernels write them).
     fn run_quantize(
         &self,
         out: WireAt,
@@ -173,12 +175,7 @@ impl Gpu {
         value_at: impl Fn(u64) -> Result<f32>,
         launch_fn: impl Fn(&Module, &QuantLaunch) -> Result<()>,
     ) -> Result<()> {
-        if opts.non_finite != crate::spec::NonFinite::Error {
-            // The kernels report the first non-finite element; they do not poison groups.
-            return Err(QuantError::Unsupported(
-                "NonFinite::Propagate in the CUDA kernels (non-finite input is an error there)",
-            ));
-        }
+        let propagate = opts.non_finite == crate::spec::NonFinite::Propagate;
         if out.len == 0 {
             return Ok(());
         }
@@ -221,6 +218,7 @@ impl Gpu {
             stochastic,
             seed,
             atomic_pack: u32::from(atomic_pack),
+            propagate: u32::from(propagate),
             scales: d.scales,
             offsets: d.offsets,
             data: d.data,
@@ -232,7 +230,7 @@ impl Gpu {
         unsafe { self.bad.async_copy_to(&mut first[..], &self.stream)? };
         self.stream.synchronize()?;
         let first_bad = first[0];
-        if first_bad != u64::MAX {
+        if first_bad != u64::MAX && !propagate {
             let value = value_at(first_bad)?;
             return Err(QuantError::NonFinite { index: first_bad as usize, value });
         }
@@ -329,6 +327,7 @@ struct QuantLaunch {
     stochastic: u32,
     seed: u64,
     atomic_pack: u32,
+    propagate: u32,
     scales: u64,
     offsets: u64,
     data: u64,

@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use proptest::prelude::*;
 use zeropp_quant::half::{bf16, f16};
 use zeropp_quant::{
-    Bits, QuantError, QuantSpec, Quantized, Rounding, Scheme, dequant_reduce_quant, dequantize,
+    Bits, NonFinite, QuantError, QuantSpec, Quantized, Rounding, Scheme, dequant_reduce_quant, dequantize,
     dequantize_add, encoded_len, quantize, quantize_to_wire, wire,
 };
 
@@ -43,11 +43,15 @@ impl Req {
         self.u32(s.group_size() as u32).u32(s.bits().bits()).u32(u32::from(s.scheme() == Scheme::Asymmetric))
     }
     fn out(self, s: QuantSpec, r: Rounding) -> Self {
+        self.out_nf(s, r, NonFinite::Error)
+    }
+    /// The output's spec, rounding and non-finite policy.
+    fn out_nf(self, s: QuantSpec, r: Rounding, nf: NonFinite) -> Self {
         let (st, seed) = match r {
             Rounding::Stochastic { seed } => (1, seed),
             _ => (0, 0),
         };
-        self.spec(s).u32(st).u64(seed)
+        self.spec(s).u32(st).u64(seed).u32(u32::from(nf == NonFinite::Propagate))
     }
     fn run(self, exe: &str) -> Vec<u8> {
         let mut child = Command::new(exe).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
@@ -59,10 +63,11 @@ impl Req {
 }
 
 /// A quantize reply as the kernel's result: the wire bytes (the CPU's header
-/// in front of the emulated payload), or the first non-finite index.
-fn reply(spec: QuantSpec, len: usize, out: &[u8]) -> Result<Vec<u8>, usize> {
+/// in front of the emulated payload), or the first non-finite index (which
+/// the host reads only under [`NonFinite::Error`], as `cuda/kernels.rs` does).
+fn reply(spec: QuantSpec, len: usize, out: &[u8], nf: NonFinite) -> Result<Vec<u8>, usize> {
     let bad = u64::from_le_bytes(out[..8].try_into().unwrap());
-    if bad != u64::MAX {
+    if bad != u64::MAX && nf == NonFinite::Error {
         return Err(bad as usize);
     }
     let mut w = Quantized::zeroed(spec, len).unwrap().to_bytes();
@@ -74,9 +79,10 @@ fn payload(q: &Quantized) -> Vec<u8> {
     q.to_bytes()[wire::HEADER_LEN..].to_vec()
 }
 
-/// Quantizes `x` (as dtype 0 f32, 1 bf16, 2 f16) in the emulator and on the CPU.
-fn same_quantize(exe: &str, x: &[f32], dtype: u32, spec: QuantSpec, r: Rounding) {
-    let o = cpu(r);
+/// Quantizes `x` (as dtype 0 f32, 1 bf16, 2 f16) in the emulator and on the
+/// CPU, under the non-finite policy `nf`.
+fn same_quantize(exe: &str, x: &[f32], dtype: u32, spec: QuantSpec, r: Rounding, nf: NonFinite) {
+    let o = cpu(r).with_non_finite(nf);
     let mut want = vec![0u8; encoded_len(spec, x.len())];
     let (cpu_res, raw): (_, Vec<u8>) = match dtype {
         0 => (quantize_to_wire(x, spec, &o, &mut want), x.iter().flat_map(|v| v.to_le_bytes()).collect()),
@@ -95,13 +101,13 @@ fn same_quantize(exe: &str, x: &[f32], dtype: u32, spec: QuantSpec, r: Rounding)
             )
         }
     };
-    let out = Req(Vec::new()).u32(1).u32(dtype).u64(x.len() as u64).out(spec, r).bytes(&raw).run(exe);
-    match (cpu_res, reply(spec, x.len(), &out)) {
+    let out = Req(Vec::new()).u32(1).u32(dtype).u64(x.len() as u64).out_nf(spec, r, nf).bytes(&raw).run(exe);
+    match (cpu_res, reply(spec, x.len(), &out, nf)) {
         (Ok(_), Ok(got)) => {
             let at = got.iter().zip(&want).position(|(a, b)| a != b);
             assert!(
                 at.is_none(),
-                "emulated kernel != CPU for {spec:?} {r:?} dtype {dtype} len {}: byte {at:?}",
+                "emulated kernel != CPU for {spec:?} {r:?} {nf:?} dtype {dtype} len {}: byte {at:?}",
                 x.len()
             );
         }
@@ -121,7 +127,7 @@ fn suite() {
         );
         let _ = writeln!(
             std::io::stderr(),
-            "gpu_emu: 6 tests skipped: no kernel emulator ({ENV} unset; `cargo xtask gpu test` builds it)"
+            "gpu_emu: 7 tests skipped: no kernel emulator ({ENV} unset; `cargo xtask gpu test` builds it)"
         );
         return;
     };
@@ -131,6 +137,60 @@ fn suite() {
     reduce_matches_cpu(&exe);
     elementwise_matches_cpu(&exe);
     hadamard_matches_cpu(&exe);
+    propagate_matches_cpu(&exe);
+}
+
+/// `NonFinite::Propagate` in the kernels against the CPU's, bit for bit: NaN
+/// and ±Inf planted at any positions, in every dtype, spec and rounding, give
+/// the same poisoned groups (canonical-NaN scale and offset, integers 0) and
+/// the same bytes in every other group; the fused reduce of inputs that hold
+/// poisoned groups poisons the same output groups; a poisoned group decodes
+/// to NaN on both.
+fn propagate_matches_cpu(exe: &str) {
+    let bad = prop::sample::select(vec![f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY]);
+    let plant = prop::collection::vec((any::<prop::sample::Index>(), bad), 0..4);
+    proptest!(config(64), |(x in vector(), plant in plant.clone(), spec in spec_strategy(), r in rounding_strategy(), dtype in 0u32..3)| {
+        let mut x: Vec<f32> = if dtype == 2 { x.iter().map(|v| v / 64.0).collect() } else { x };
+        if !x.is_empty() {
+            for (at, v) in &plant {
+                let i = at.index(x.len());
+                x[i] = *v;
+            }
+        }
+        same_quantize(exe, &x, dtype, spec, r, NonFinite::Propagate);
+    });
+    let inputs = (1usize..=6, prop::collection::vec(spec_strategy(), 6), 1usize..1500, any::<u64>());
+    proptest!(config(48), |((k, specs, len, seed) in inputs, plant in plant, out_spec in spec_strategy(), r in rounding_strategy())| {
+        let p = cpu(r).with_non_finite(NonFinite::Propagate);
+        // Each input re-encoded from its values with the planted non-finite
+        // ones, so that some of its groups are poisoned.
+        let qs: Vec<Quantized> = reduce_inputs(k, &specs, len, seed)
+            .iter()
+            .enumerate()
+            .map(|(j, q)| {
+                let mut x = dequantize(q, &p).unwrap();
+                for (at, v) in plant.iter().filter(|(at, _)| at.index(k) == j) {
+                    let i = at.index(len);
+                    x[i] = *v;
+                }
+                quantize(&x, q.spec(), &p.with_rounding(Rounding::NearestEven)).unwrap()
+            })
+            .collect();
+        let want = dequant_reduce_quant(&qs, out_spec, &p).unwrap();
+        let mut req = Req(Vec::new()).u32(2).u32(k as u32).u64(len as u64);
+        for q in &qs {
+            req = req.spec(q.spec()).bytes(&payload(q));
+        }
+        let out = req.out_nf(out_spec, r, NonFinite::Propagate).run(exe);
+        prop_assert_eq!(reply(out_spec, len, &out, NonFinite::Propagate).unwrap(), want.to_bytes());
+        // Decoding: NaN exactly where the CPU decodes NaN.
+        let o = cpu(Rounding::NearestEven);
+        let cpu_y = dequantize(&want, &o).unwrap();
+        let zeros = vec![0u8; 4 * len];
+        let out = Req(Vec::new()).u32(3).u64(len as u64).spec(out_spec).bytes(&payload(&want)).u32(0).bytes(&zeros).run(exe);
+        let got: Vec<u32> = out.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        prop_assert_eq!(canon(&got), canon(&cpu_y.iter().map(|v| v.to_bits()).collect::<Vec<_>>()));
+    });
 }
 
 /// The Hadamard rotation kernel against the CPU's, both ways, bit for bit:
@@ -213,7 +273,7 @@ fn quantize_matches_cpu(exe: &str) {
     proptest!(config(96), |(x in vector(), spec in spec_strategy(), r in rounding_strategy(), dtype in 0u32..3)| {
         // f16 tops out at 65504: scale into its range (subnormals included).
         let x: Vec<f32> = if dtype == 2 { x.iter().map(|v| v / 64.0).collect() } else { x };
-        same_quantize(exe, &x, dtype, spec, r);
+        same_quantize(exe, &x, dtype, spec, r, NonFinite::Error);
     });
 }
 
@@ -234,8 +294,10 @@ fn edge_cases(exe: &str) {
             for b in [Bits::Int4, Bits::Int8] {
                 for s in [Scheme::Symmetric, Scheme::Asymmetric] {
                     let spec = QuantSpec::new(b, s, gs).unwrap();
-                    same_quantize(exe, x, 0, spec, Rounding::NearestEven);
-                    same_quantize(exe, x, 0, spec, Rounding::Stochastic { seed: 42 });
+                    for nf in [NonFinite::Error, NonFinite::Propagate] {
+                        same_quantize(exe, x, 0, spec, Rounding::NearestEven, nf);
+                        same_quantize(exe, x, 0, spec, Rounding::Stochastic { seed: 42 }, nf);
+                    }
                 }
             }
         }
@@ -271,6 +333,6 @@ fn reduce_matches_cpu(exe: &str) {
             req = req.spec(q.spec()).bytes(&payload(q));
         }
         let out = req.out(out_spec, r).run(exe);
-        prop_assert_eq!(reply(out_spec, len, &out).unwrap(), want.to_bytes());
+        prop_assert_eq!(reply(out_spec, len, &out, NonFinite::Error).unwrap(), want.to_bytes());
     });
 }
