@@ -1,22 +1,26 @@
 //! The checks of the ZeRO++ collectives and their baselines: dense and bf16
 //! baselines, qwZ, qgZ (with its error bound), the world (routed) collectives,
 //! and a duplicated communicator on a worker thread.
+//!
+//! The checks generic over [`Collectives`] run on the host and the device
+//! implementations alike; the others check host functions that have no device
+//! twin (the f32 baseline reduce-scatter, qwZ into bf16, the ring baseline,
+//! qwZ's gathered encodings, async jobs).
 
 use half::bf16;
 use zeropp_quant::{Bits, QuantSpec, dequantize, encoded_len, quantize, quantize_to_wire};
 
 use crate::collectives::{
-    DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, all_gather_f32_via_bf16,
-    dense_reduce_scatter, dequantize_encodings, qgz_reduce_scatter, qwz_all_gather, reduce_scatter,
-    ring_quantized_reduce_scatter, shard_len, world_all_gather, world_qwz_all_gather,
-    world_qwz_gather_encoded, world_reduce_scatter,
+    DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, dequantize_encodings, qwz_all_gather,
+    reduce_scatter, ring_quantized_reduce_scatter, shard_len, world_qwz_gather_encoded,
 };
 use crate::{AsyncComm, CommExt, Communicator, Group, Topology};
 
 use super::common::*;
+use super::paths::Collectives;
 
-/// The ZeRO-3 baselines: f32 and bf16-wire reduce-scatter (sum and mean) and the
-/// bf16-wire all-gather, on the world and the node group.
+/// The f32 ZeRO-3 baseline reduce-scatter (sum and mean), on the world and the
+/// node group.
 pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
     let topo = *comm.topology();
     let rank = comm.rank();
@@ -37,9 +41,27 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
             ensure(out == expect, || {
                 format!("reduce_scatter {reduce:?} on {:?}: wrong result", group.ranks())
             })?;
+        }
+    }
+    Ok(())
+}
 
+/// The bf16-wire ZeRO-3 baselines: the reduce-scatter (sum and mean) and the
+/// all-gather, on the world and the node group.
+pub fn check_bf16_baselines<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), String> {
+    let topo = x.topology();
+    let rank = x.rank();
+    for (gi, group) in [Group::world(&topo), Group::intra_node(&topo, rank)].iter().enumerate() {
+        let seed = case.seed + 500 + gi as u64;
+        let g = group.size();
+        let me = group.index_of(rank).unwrap_or(0);
+        let n = case.len;
+        let s = shard_len(n, g);
+        let inputs: Vec<Vec<f32>> = group.ranks().iter().map(|&r| rank_data(seed, r, n)).collect();
+        let at = |x: &Vec<f32>, k: usize| x.get(me * s + k).copied().unwrap_or(0.0);
+        for reduce in [Reduce::Sum, Reduce::Mean] {
             let mut out = vec![f32::NAN; s];
-            dense_reduce_scatter(comm, group, DenseWire::Bf16, &inputs[me], &mut out, reduce)
+            x.reduce_scatter_bf16_wire(group, &inputs[me], &mut out, reduce)
                 .map_err(|e| err("reduce_scatter_bf16_wire", e))?;
             let expect: Vec<f32> = (0..s)
                 .map(|k| {
@@ -55,36 +77,60 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
         }
         let mine = rank_data(seed, rank, n);
         let mut full = vec![0f32; n * g];
-        all_gather_f32_via_bf16(comm, group, &mine, &mut full)
-            .map_err(|e| err("all_gather_f32_via_bf16", e))?;
-        let expect: Vec<f32> = inputs.iter().flatten().map(|&x| bf16::from_f32(x).to_f32()).collect();
+        x.all_gather_via_bf16(group, &mine, &mut full).map_err(|e| err("all_gather_f32_via_bf16", e))?;
+        let expect: Vec<f32> = inputs.iter().flatten().map(|&v| bf16::from_f32(v).to_f32()).collect();
         ensure(full == expect, || format!("all_gather_f32_via_bf16 on {:?}: wrong result", group.ranks()))?;
     }
     Ok(())
 }
 
-/// qwZ on the world, the node and the hpZ groups, with f32 and bf16 outputs; the
-/// result must equal a local quantize/dequantize of every member's shard, bit for bit.
-pub fn check_qwz<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
-    let topo = *comm.topology();
-    let rank = comm.rank();
-    let opts = [QwzOptions::default(), QwzOptions::with_spec(QuantSpec::int4(7).map_err(|e| e.to_string())?)];
+/// The local reference of qwZ on `group`: every member's shard quantized and
+/// dequantized.
+fn qwz_reference(group: &Group, seed: u64, len: usize, o: &QwzOptions) -> Result<Vec<f32>, String> {
+    let mut expect = Vec::with_capacity(len * group.size());
+    for &r in group.ranks() {
+        let q = quantize(&rank_data(seed, r, len), o.spec, &o.quant).map_err(|e| e.to_string())?;
+        expect.extend(dequantize(&q, &o.quant).map_err(|e| e.to_string())?);
+    }
+    Ok(expect)
+}
+
+/// The qwZ options the checks use: INT8 in groups of 2048, and INT4 in groups of 7.
+fn qwz_options() -> Result<[QwzOptions; 2], String> {
+    Ok([QwzOptions::default(), QwzOptions::with_spec(QuantSpec::int4(7).map_err(|e| e.to_string())?)])
+}
+
+/// qwZ on the world, the node and the hpZ groups into f32; the result must
+/// equal a local quantize/dequantize of every member's shard, bit for bit.
+pub fn check_qwz<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), String> {
+    let topo = x.topology();
+    let rank = x.rank();
     for (gi, group) in groups(&topo, rank).iter().enumerate() {
-        for o in &opts {
+        for o in &qwz_options()? {
             let seed = case.seed + 600 + gi as u64;
-            let g = group.size();
             let mine = rank_data(seed, rank, case.len);
-            let mut full = vec![0f32; case.len * g];
-            qwz_all_gather(comm, group, &mine, &mut full, o).map_err(|e| err("qwz_all_gather", e))?;
-            let mut expect = Vec::with_capacity(full.len());
-            for &r in group.ranks() {
-                let q =
-                    quantize(&rank_data(seed, r, case.len), o.spec, &o.quant).map_err(|e| e.to_string())?;
-                expect.extend(dequantize(&q, &o.quant).map_err(|e| e.to_string())?);
-            }
+            let mut full = vec![0f32; case.len * group.size()];
+            x.qwz_all_gather(group, &mine, &mut full, o).map_err(|e| err("qwz_all_gather", e))?;
+            let expect = qwz_reference(group, seed, case.len, o)?;
             ensure(full == expect, || {
                 format!("qwz_all_gather on {:?}: differs from the local reference", group.ranks())
             })?;
+        }
+    }
+    Ok(())
+}
+
+/// qwZ into bf16 (a host output type only) on the world, the node and the hpZ
+/// groups: the local reference rounded to bf16.
+pub fn check_qwz_bf16<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
+    let topo = *comm.topology();
+    let rank = comm.rank();
+    for (gi, group) in groups(&topo, rank).iter().enumerate() {
+        for o in &qwz_options()? {
+            let seed = case.seed + 600 + gi as u64;
+            let g = group.size();
+            let mine = rank_data(seed, rank, case.len);
+            let expect = qwz_reference(group, seed, case.len, o)?;
             let mut full16 = vec![bf16::ZERO; case.len * g];
             qwz_all_gather(comm, group, &mine, &mut full16, o).map_err(|e| err("qwz_all_gather(bf16)", e))?;
             ensure(full16.iter().zip(&expect).all(|(a, b)| *a == bf16::from_f32(*b)), || {
@@ -137,21 +183,37 @@ fn world_reduce_reference(
     finish(sum, reduce, w)
 }
 
+/// Every rank's shard of the world checks, and qwZ's reference encodings and
+/// gather of them for options `o`.
+fn world_qwz_reference(shards: &[Vec<f32>], o: &QwzOptions) -> Result<(Vec<u8>, Vec<f32>), String> {
+    let c = shards.first().map_or(0, Vec::len);
+    let e = encoded_len(o.spec, c);
+    let mut expect_enc = vec![0u8; e * shards.len()];
+    let mut expect_full = Vec::with_capacity(c * shards.len());
+    for (r, x) in shards.iter().enumerate() {
+        quantize_to_wire(x, o.spec, &o.quant, &mut expect_enc[r * e..(r + 1) * e])
+            .map_err(|e| e.to_string())?;
+        let q = quantize(x, o.spec, &o.quant).map_err(|e| e.to_string())?;
+        expect_full.extend(dequantize(&q, &o.quant).map_err(|e| e.to_string())?);
+    }
+    Ok((expect_enc, expect_full))
+}
+
 /// The world collectives with both [`Routing`]s and both [`DenseWire`] types:
-/// dense all-gathers equal the wire-rounded inputs bit for bit; qwZ's gathered
-/// encodings equal every rank's local `quantize_to_wire`, byte for byte, and its
-/// gather (and [`dequantize_encodings`] of any suffix) a local dequantization, bit
-/// for bit; reduce-scatters (sum and mean) equal the sequential reference of their
-/// routing ([`world_reduce_scatter`]'s documented summation order) bit for bit.
-pub fn check_world_collectives<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
-    let topo = *comm.topology();
-    let (w, rank, c) = (topo.world(), comm.rank(), case.len);
+/// dense all-gathers equal the wire-rounded inputs bit for bit; qwZ's gather
+/// equals a local dequantization, bit for bit; reduce-scatters (sum and mean)
+/// equal the sequential reference of their routing
+/// ([`world_reduce_scatter`](crate::collectives::world_reduce_scatter)'s
+/// documented summation order) bit for bit.
+pub fn check_world_collectives<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), String> {
+    let topo = x.topology();
+    let (w, rank, c) = (topo.world(), x.rank(), case.len);
     let seed = case.seed + 900;
     let shards: Vec<Vec<f32>> = (0..w).map(|r| rank_data(seed, r, c)).collect();
     for routing in Routing::ALL {
         for wire in DenseWire::ALL {
             let mut full = vec![f32::NAN; c * w];
-            world_all_gather(comm, routing, wire, &shards[rank], &mut full)
+            x.world_all_gather(routing, wire, &shards[rank], &mut full)
                 .map_err(|e| err("world_all_gather", e))?;
             let expect = shards.iter().flatten().map(|&x| on_wire(wire, x));
             ensure(full.iter().zip(expect).all(|(a, b)| a.to_bits() == b.to_bits()), || {
@@ -160,35 +222,15 @@ pub fn check_world_collectives<C: Communicator + ?Sized>(comm: &mut C, case: &Ca
         }
     }
 
-    let int4 = QwzOptions::with_spec(QuantSpec::int4(7).map_err(|e| e.to_string())?);
-    for o in [QwzOptions::default(), int4] {
-        let e = encoded_len(o.spec, c);
-        let mut expect_enc = vec![0u8; e * w];
-        let mut expect_full = Vec::with_capacity(c * w);
-        for (r, x) in shards.iter().enumerate() {
-            quantize_to_wire(x, o.spec, &o.quant, &mut expect_enc[r * e..(r + 1) * e])
-                .map_err(|e| e.to_string())?;
-            let q = quantize(x, o.spec, &o.quant).map_err(|e| e.to_string())?;
-            expect_full.extend(dequantize(&q, &o.quant).map_err(|e| e.to_string())?);
-        }
+    for o in qwz_options()? {
+        let (_, expect_full) = world_qwz_reference(&shards, &o)?;
         for routing in Routing::ALL {
-            let enc = world_qwz_gather_encoded(comm, routing, &shards[rank], &o)
-                .map_err(|e| err("world_qwz_gather_encoded", e))?;
-            ensure(enc == expect_enc, || format!("world_qwz_gather_encoded {routing}: wrong bytes"))?;
             let mut full = vec![f32::NAN; c * w];
-            world_qwz_all_gather(comm, routing, &shards[rank], &mut full, &o)
+            x.world_qwz_all_gather(routing, &shards[rank], &mut full, &o)
                 .map_err(|e| err("world_qwz_all_gather", e))?;
             ensure(full.iter().zip(&expect_full).all(|(a, b)| a.to_bits() == b.to_bits()), || {
                 format!("world_qwz_all_gather {routing}: differs from the local reference")
             })?;
-            // The encodings of ranks rank..W (a suffix, as the engine keeps a range).
-            let mut part = vec![f32::NAN; c * (w - rank)];
-            dequantize_encodings(&enc[rank * e..], c, &mut part, &o.quant)
-                .map_err(|e| err("dequantize_encodings", e))?;
-            ensure(
-                part.iter().zip(&expect_full[rank * c..]).all(|(a, b)| a.to_bits() == b.to_bits()),
-                || format!("dequantize_encodings of ranks {rank}..{w}: wrong result"),
-            )?;
         }
     }
 
@@ -199,7 +241,7 @@ pub fn check_world_collectives<C: Communicator + ?Sized>(comm: &mut C, case: &Ca
         for wire in DenseWire::ALL {
             for reduce in [Reduce::Sum, Reduce::Mean] {
                 let mut out = vec![f32::NAN; s];
-                world_reduce_scatter(comm, routing, wire, &inputs[rank], &mut out, reduce)
+                x.world_reduce_scatter(routing, wire, &inputs[rank], &mut out, reduce)
                     .map_err(|e| err("world_reduce_scatter", e))?;
                 for (k, &y) in out.iter().enumerate() {
                     let i = rank * s + k;
@@ -215,6 +257,34 @@ pub fn check_world_collectives<C: Communicator + ?Sized>(comm: &mut C, case: &Ca
                     })?;
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// qwZ's world gather of encodings (a host function): the encodings equal every
+/// rank's local `quantize_to_wire`, byte for byte, with either [`Routing`], and
+/// [`dequantize_encodings`] of any suffix of them a local dequantization, bit
+/// for bit.
+pub fn check_world_qwz_encodings<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
+    let topo = *comm.topology();
+    let (w, rank, c) = (topo.world(), comm.rank(), case.len);
+    let shards: Vec<Vec<f32>> = (0..w).map(|r| rank_data(case.seed + 900, r, c)).collect();
+    for o in qwz_options()? {
+        let e = encoded_len(o.spec, c);
+        let (expect_enc, expect_full) = world_qwz_reference(&shards, &o)?;
+        for routing in Routing::ALL {
+            let enc = world_qwz_gather_encoded(comm, routing, &shards[rank], &o)
+                .map_err(|e| err("world_qwz_gather_encoded", e))?;
+            ensure(enc == expect_enc, || format!("world_qwz_gather_encoded {routing}: wrong bytes"))?;
+            // The encodings of ranks rank..W (a suffix, as the engine keeps a range).
+            let mut part = vec![f32::NAN; c * (w - rank)];
+            dequantize_encodings(&enc[rank * e..], c, &mut part, &o.quant)
+                .map_err(|e| err("dequantize_encodings", e))?;
+            ensure(
+                part.iter().zip(&expect_full[rank * c..]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                || format!("dequantize_encodings of ranks {rank}..{w}: wrong result"),
+            )?;
         }
     }
     Ok(())
@@ -317,12 +387,12 @@ pub fn qgz_error_bound(
         .collect()
 }
 
-/// qgZ over the world (sum and mean): within [`qgz_error_bound`] of the exact f64
-/// result; the ring-quantized baseline within a loose bound.
-pub fn check_qgz<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
-    let topo = *comm.topology();
+/// qgZ over the world (sum and mean, one and two levels, with and without the
+/// Hadamard rotation): within [`qgz_error_bound`] of the exact f64 result.
+pub fn check_qgz<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), String> {
+    let topo = x.topology();
     let w = topo.world();
-    let rank = comm.rank();
+    let rank = x.rank();
     let n = case.len;
     let s = shard_len(n, w);
     let seed = case.seed + 700;
@@ -342,7 +412,7 @@ pub fn check_qgz<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<
     {
         let bound = qgz_error_bound(&topo, &inputs, opts, rank);
         let mut out = vec![f32::NAN; s];
-        qgz_reduce_scatter(comm, &inputs[rank], &mut out, opts).map_err(|e| err("qgz_reduce_scatter", e))?;
+        x.qgz_reduce_scatter(&inputs[rank], &mut out, opts).map_err(|e| err("qgz_reduce_scatter", e))?;
         let scale = if opts.reduce == Reduce::Mean { 1.0 / w as f64 } else { 1.0 };
         for (k, &y) in out.iter().enumerate() {
             let i = rank * s + k;
@@ -354,6 +424,16 @@ pub fn check_qgz<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<
             })?;
         }
     }
+    Ok(())
+}
+
+/// The ring-quantized baseline reduce-scatter over the world: within a loose
+/// bound of the exact f64 mean.
+pub fn check_ring<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
+    let topo = *comm.topology();
+    let (w, rank, n) = (topo.world(), comm.rank(), case.len);
+    let s = shard_len(n, w);
+    let inputs: Vec<Vec<f32>> = (0..w).map(|r| rank_data(case.seed + 700, r, n)).collect();
     let opts = RingOptions::default();
     let mut out = vec![f32::NAN; s];
     ring_quantized_reduce_scatter(comm, &Group::world(&topo), &inputs[rank], &mut out, &opts)

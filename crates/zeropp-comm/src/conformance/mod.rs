@@ -6,6 +6,10 @@
 //! collective: all ranks of the world must call it with the same [`Case`]. It
 //! returns `Err(description)` on a wrong result or a communication error.
 //!
+//! The ZeRO++ collectives' checks take a [`Collectives`]: the host
+//! implementation on a communicator ([`HostPath`]) or the device one on a
+//! device communicator ([`DevicePath`]), so one suite checks both.
+//!
 //! ```
 //! use zeropp_comm::conformance::{Case, run_all};
 //! use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
@@ -20,15 +24,19 @@ mod collectives;
 mod common;
 mod delta;
 mod errors;
+mod paths;
 mod primitives;
 
 pub use collectives::*;
 pub use common::{Case, groups, rank_bytes, rank_data};
 pub use delta::check_qwz_delta;
 pub use errors::*;
+pub use paths::{Collectives, CopyElem, DevicePath, HostPath};
 pub use primitives::*;
 
-/// Runs every check of the suite, in a fixed order.
+/// Runs every check of the suite on a communicator, in a fixed order: the
+/// primitives, [`run_collectives`] on the host collectives ([`HostPath`]), and
+/// the host functions that have no device twin.
 pub fn run_all<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
     check_all_gather(comm, case)?;
     check_all_to_all(comm, case)?;
@@ -36,9 +44,21 @@ pub fn run_all<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<()
     check_reductions(comm, case)?;
     check_broadcast_barrier(comm, case)?;
     check_baselines(comm, case)?;
-    check_qwz(comm, case)?;
-    check_qgz(comm, case)?;
-    check_qwz_delta(comm, case)?;
-    check_world_collectives(comm, case)?;
+    run_collectives(&mut HostPath(&mut *comm), case)?;
+    check_qwz_bf16(comm, case)?;
+    check_ring(comm, case)?;
+    check_world_qwz_encodings(comm, case)?;
     check_duplicate_async(comm, case)
+}
+
+/// Runs the checks of the ZeRO++ collectives that both implementations have,
+/// in a fixed order, on either ([`HostPath`] or [`DevicePath`]): the same
+/// checks against the same references, so a device path passes exactly what
+/// the host path passes.
+pub fn run_collectives<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), String> {
+    check_bf16_baselines(x, case)?;
+    check_qwz(x, case)?;
+    check_qgz(x, case)?;
+    check_qwz_delta(x, case)?;
+    check_world_collectives(x, case)
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use half::bf16;
 use zeropp_comm::collectives::{self as host, QgzOptions, QwzOptions, Reduce, shard_len};
-use zeropp_comm::conformance::{Case, rank_data, run_all};
+use zeropp_comm::conformance::{Case, DevicePath, HostPath, rank_data, run_all, run_collectives};
 use zeropp_comm::device::{
     Device, DeviceBuf, DeviceCluster, DeviceComm, DeviceCommunicator, Elem, HostDevice, Kernel,
     collectives as dev, collectives::DeviceFeedback,
@@ -45,6 +45,34 @@ fn conformance_suite_runs_unchanged() {
             let r =
                 device_cluster(w, l).run(|comm| run_all(comm, &case)).map(|_| ()).map_err(|e| e.to_string());
             assert_eq!(r, Ok(()), "world {w} local {l} len {len}");
+        }
+    }
+}
+
+/// The device collectives pass the suite's checks of the ZeRO++ collectives
+/// unchanged (the same sequential and f64 references the host collectives
+/// pass), and send exactly the host collectives' traffic doing so.
+#[test]
+fn the_device_collectives_pass_the_conformance_suite() {
+    for (w, l) in SHAPES {
+        for len in [0, 1, 5, 97] {
+            let case = Case { seed: 42, len };
+            let on_device = device_cluster(w, l)
+                .run(|comm| {
+                    run_collectives(&mut DevicePath(&mut *comm), &case)
+                        .map_err(zeropp_comm::CommError::Mismatch)?;
+                    Ok::<_, zeropp_comm::CommError>(DeviceCommunicator::traffic(comm).snapshot())
+                })
+                .map_err(|e| e.to_string());
+            assert!(on_device.is_ok(), "world {w} local {l} len {len}: {on_device:?}");
+            let on_threads = thread_cluster(w, l)
+                .run(|comm| {
+                    run_collectives(&mut HostPath(&mut *comm), &case)
+                        .map_err(zeropp_comm::CommError::Mismatch)?;
+                    Ok::<_, zeropp_comm::CommError>(comm.traffic().snapshot())
+                })
+                .map_err(|e| e.to_string());
+            assert_eq!(on_device, on_threads, "traffic, world {w} local {l} len {len}");
         }
     }
 }

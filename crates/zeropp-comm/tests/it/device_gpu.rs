@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use zeropp_comm::conformance::{Case, run_all};
+use zeropp_comm::conformance::{Case, DevicePath, run_all, run_collectives};
 use zeropp_comm::device::{CudaDevice, DeviceCluster};
 use zeropp_comm::{ThreadOptions, Topology};
 
@@ -22,7 +22,7 @@ use super::device::{
 type Check = fn(&CudaDevice);
 
 const CHECKS: &[(&str, Check)] = &[
-    ("conformance suite on the one-GPU cluster", conformance),
+    ("conformance suite on the one-GPU cluster (communicator and device collectives)", conformance),
     ("qwZ, hpZ, qgZ and bf16 baselines on GPU buffers, bitwise vs the thread backend", bitwise),
     (
         "qgZ with LoCo error feedback (residuals on the GPU), three steps, bitwise vs the thread backend",
@@ -46,6 +46,14 @@ fn conformance(dev: &CudaDevice) {
             let r =
                 cluster(dev, w, l).run(|comm| run_all(comm, &case)).map(|_| ()).map_err(|e| e.to_string());
             assert_eq!(r, Ok(()), "world {w} local {l} len {len}");
+            // The device collectives on GPU buffers, through the same checks.
+            let r = cluster(dev, w, l)
+                .run(|comm| {
+                    run_collectives(&mut DevicePath(comm), &case).map_err(zeropp_comm::CommError::Mismatch)
+                })
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            assert_eq!(r, Ok(()), "device collectives, world {w} local {l} len {len}");
         }
     }
 }

@@ -16,7 +16,7 @@ use zeropp_comm::device::{CudaDevice, DeviceBuf, DeviceCommunicator, Elem, NcclC
 use zeropp_comm::{CommError, Group, ThreadCluster, ThreadOptions, Topology};
 use zeropp_tests::gpu::{REQUIRE_ENV, skip};
 
-const CHECKS: usize = 4;
+const CHECKS: usize = 5;
 
 fn f32s(c: &NcclComm, b: &DeviceBuf<CudaDevice>) -> Vec<f32> {
     b.to_f32(c.device(), c.stream()).unwrap()
@@ -113,4 +113,18 @@ fn device_nccl_suite() {
     errors(&mut c);
     collectives(&mut c);
     traffic(&mut c);
+    conformance(&mut c);
+}
+
+/// The conformance suite's checks of the ZeRO++ collectives, unchanged, on
+/// NCCL's device buffers (a world of one rank).
+fn conformance(c: &mut NcclComm) {
+    for len in [0, 5, 97] {
+        let case = zeropp_comm::conformance::Case { seed: 42, len };
+        let r = zeropp_comm::conformance::run_collectives(
+            &mut zeropp_comm::conformance::DevicePath(&mut *c),
+            &case,
+        );
+        assert_eq!(r, Ok(()), "NCCL, len {len}");
+    }
 }
