@@ -82,7 +82,9 @@ fn run_op<D: Device>(
             Op::RsBf16 => {
                 dev::reduce_scatter_bf16_wire(comm, &world, grad.view(), out.slice(0, 4 * s)?, Reduce::Mean)
             }
-            Op::Qwz => dev::qwz_all_gather(comm, &world, shard.view(), Elem::F32, out.view(), &qwz),
+            Op::Qwz => {
+                dev::qwz_all_gather(comm, &world, shard.view(), Elem::F32, out.view(), Elem::F32, &qwz)
+            }
             Op::AgBf16 => dev::all_gather_bf16(comm, &world, shard16.view(), full16.view()),
         }
     };

@@ -133,14 +133,22 @@ fn run(mpi: &Mpi) -> Result<usize, String> {
     qwz_all_gather(&mut host, &world, &shard, &mut want, &QwzOptions::default()).map_err(e("host qwz"))?;
     let gshard = up(&nc, &shard)?;
     let got = zeros(&nc, want.len())?;
-    dev::qwz_all_gather(&mut nc, &world, gshard.view(), Elem::F32, got.view(), &QwzOptions::default())
-        .map_err(e("device qwz"))?;
+    dev::qwz_all_gather(
+        &mut nc,
+        &world,
+        gshard.view(),
+        Elem::F32,
+        got.view(),
+        Elem::F32,
+        &QwzOptions::default(),
+    )
+    .map_err(e("device qwz"))?;
     same("qwz_all_gather", down(&nc, &got)?, want)?;
     let node = Group::intra_node(&t, rank);
     let mut want = vec![0f32; 1000 * node.size()];
     qwz_all_gather(&mut host, &node, &shard, &mut want, &QwzOptions::default()).map_err(e("host hpz"))?;
     let got = zeros(&nc, want.len())?;
-    dev::hpz_qwz_all_gather(&mut nc, gshard.view(), Elem::F32, got.view(), &QwzOptions::default())
+    dev::hpz_qwz_all_gather(&mut nc, gshard.view(), Elem::F32, got.view(), Elem::F32, &QwzOptions::default())
         .map_err(e("device hpz"))?;
     same("hpz_qwz_all_gather", down(&nc, &got)?, want)?;
     if nc.traffic().snapshot().total().inter.bytes_sent + nc.traffic().snapshot().total().intra.bytes_sent

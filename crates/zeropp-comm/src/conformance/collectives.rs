@@ -4,15 +4,15 @@
 //!
 //! The checks generic over [`Collectives`] run on the host and the device
 //! implementations alike; the others check host functions that have no device
-//! twin (the f32 baseline reduce-scatter, qwZ into bf16, the ring baseline,
-//! qwZ's gathered encodings, async jobs).
+//! twin (the f32 baseline reduce-scatter, the ring baseline, qwZ's gathered
+//! encodings, async jobs).
 
 use half::bf16;
 use zeropp_quant::{Bits, QuantSpec, dequantize, encoded_len, quantize, quantize_to_wire};
 
 use crate::collectives::{
-    DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, dequantize_encodings, qwz_all_gather,
-    reduce_scatter, ring_quantized_reduce_scatter, shard_len, world_qwz_gather_encoded,
+    DenseWire, QgzOptions, QwzOptions, Reduce, RingOptions, Routing, dequantize_encodings, reduce_scatter,
+    ring_quantized_reduce_scatter, shard_len, world_qwz_gather_encoded,
 };
 use crate::{AsyncComm, CommExt, Communicator, Group, Topology};
 
@@ -120,11 +120,11 @@ pub fn check_qwz<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), 
     Ok(())
 }
 
-/// qwZ into bf16 (a host output type only) on the world, the node and the hpZ
-/// groups: the local reference rounded to bf16.
-pub fn check_qwz_bf16<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
-    let topo = *comm.topology();
-    let rank = comm.rank();
+/// qwZ into bf16 on the world, the node and the hpZ groups: the local
+/// reference rounded to bf16.
+pub fn check_qwz_bf16<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), String> {
+    let topo = x.topology();
+    let rank = x.rank();
     for (gi, group) in groups(&topo, rank).iter().enumerate() {
         for o in &qwz_options()? {
             let seed = case.seed + 600 + gi as u64;
@@ -132,10 +132,12 @@ pub fn check_qwz_bf16<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Re
             let mine = rank_data(seed, rank, case.len);
             let expect = qwz_reference(group, seed, case.len, o)?;
             let mut full16 = vec![bf16::ZERO; case.len * g];
-            qwz_all_gather(comm, group, &mine, &mut full16, o).map_err(|e| err("qwz_all_gather(bf16)", e))?;
-            ensure(full16.iter().zip(&expect).all(|(a, b)| *a == bf16::from_f32(*b)), || {
-                "qwz_all_gather to bf16: wrong result".into()
-            })?;
+            x.qwz_all_gather_bf16(group, &mine, &mut full16, o)
+                .map_err(|e| err("qwz_all_gather(bf16)", e))?;
+            ensure(
+                full16.iter().zip(&expect).all(|(a, b)| a.to_bits() == bf16::from_f32(*b).to_bits()),
+                || "qwz_all_gather to bf16: wrong result".into(),
+            )?;
         }
     }
     Ok(())

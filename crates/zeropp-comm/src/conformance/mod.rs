@@ -45,7 +45,6 @@ pub fn run_all<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<()
     check_broadcast_barrier(comm, case)?;
     check_baselines(comm, case)?;
     run_collectives(&mut HostPath(&mut *comm), case)?;
-    check_qwz_bf16(comm, case)?;
     check_ring(comm, case)?;
     check_world_qwz_encodings(comm, case)?;
     check_duplicate_async(comm, case)
@@ -58,6 +57,7 @@ pub fn run_all<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<()
 pub fn run_collectives<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), String> {
     check_bf16_baselines(x, case)?;
     check_qwz(x, case)?;
+    check_qwz_bf16(x, case)?;
     check_qgz(x, case)?;
     check_qwz_delta(x, case)?;
     check_world_collectives(x, case)

@@ -50,6 +50,14 @@ pub trait Collectives {
         full: &mut [f32],
         opts: &QwzOptions,
     ) -> Result<(), CommError>;
+    /// [`host::qwz_all_gather`] from f32 into bf16.
+    fn qwz_all_gather_bf16(
+        &mut self,
+        group: &Group,
+        shard: &[f32],
+        full: &mut [bf16],
+        opts: &QwzOptions,
+    ) -> Result<(), CommError>;
     /// [`host::dense_reduce_scatter`] with [`DenseWire::Bf16`].
     fn reduce_scatter_bf16_wire(
         &mut self,
@@ -141,6 +149,15 @@ impl<C: Communicator + ?Sized> Collectives for HostPath<'_, C> {
         group: &Group,
         shard: &[f32],
         full: &mut [f32],
+        opts: &QwzOptions,
+    ) -> Result<(), CommError> {
+        host::qwz_all_gather(self.0, group, shard, full, opts)
+    }
+    fn qwz_all_gather_bf16(
+        &mut self,
+        group: &Group,
+        shard: &[f32],
+        full: &mut [bf16],
         opts: &QwzOptions,
     ) -> Result<(), CommError> {
         host::qwz_all_gather(self.0, group, shard, full, opts)
@@ -267,7 +284,18 @@ impl<C: DeviceCommunicator + ?Sized> Collectives for DevicePath<'_, C> {
         opts: &QwzOptions,
     ) -> Result<(), CommError> {
         let (s, f) = (self.up(shard)?, self.out(full)?);
-        dev::qwz_all_gather(self.0, group, s.view(), Elem::F32, f.view(), opts)?;
+        dev::qwz_all_gather(self.0, group, s.view(), Elem::F32, f.view(), Elem::F32, opts)?;
+        self.down(&f, full)
+    }
+    fn qwz_all_gather_bf16(
+        &mut self,
+        group: &Group,
+        shard: &[f32],
+        full: &mut [bf16],
+        opts: &QwzOptions,
+    ) -> Result<(), CommError> {
+        let (s, f) = (self.up(shard)?, self.out(full)?);
+        dev::qwz_all_gather(self.0, group, s.view(), Elem::F32, f.view(), Elem::Bf16, opts)?;
         self.down(&f, full)
     }
     fn reduce_scatter_bf16_wire(
@@ -319,7 +347,7 @@ impl<C: DeviceCommunicator + ?Sized> Collectives for DevicePath<'_, C> {
         opts: &QwzOptions,
     ) -> Result<(), CommError> {
         let (s, f) = (self.up(shard)?, self.out(full)?);
-        dev::world_qwz_all_gather(self.0, routing, s.view(), Elem::F32, f.view(), opts)?;
+        dev::world_qwz_all_gather(self.0, routing, s.view(), Elem::F32, f.view(), Elem::F32, opts)?;
         self.down(&f, full)
     }
     fn world_reduce_scatter(

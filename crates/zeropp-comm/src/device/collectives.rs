@@ -100,10 +100,46 @@ fn quant<C: DeviceCommunicator + ?Sized>(comm: &C, kernel: Kernel<'_, C::Device>
     Ok(())
 }
 
+/// Checks that `full` holds `count` elements of type `out`.
+fn check_full<D: Device>(full: View<'_, D>, out: Elem, count: usize, what: &str) -> Result<(), CommError> {
+    if full.len() != out.size() * count {
+        return Err(CommError::Mismatch(format!(
+            "{what}: an output of {} bytes for {count} {out:?} elements",
+            full.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Dequantizes the encoding `src` of `len` values into `dst`, as f32 or, for
+/// `out` = bf16, as f32 rounded to nearest even (what the host's dequantization
+/// into bf16 does).
+fn dequantize_to<C: DeviceCommunicator + ?Sized>(
+    comm: &C,
+    src: View<'_, C::Device>,
+    spec: QuantSpec,
+    len: usize,
+    dst: View<'_, C::Device>,
+    out: Elem,
+) -> Result<(), CommError> {
+    match out {
+        Elem::F32 => quant(comm, Kernel::Dequantize { src, spec, len, dst, add: false }),
+        Elem::Bf16 => {
+            let wide = DeviceBuf::zeroed(comm.device(), 4 * len)?;
+            quant(comm, Kernel::Dequantize { src, spec, len, dst: wide.view(), add: false })?;
+            if len == 0 {
+                return Ok(());
+            }
+            comm.device().kernel(comm.stream(), Kernel::ToBf16 { src: wide.view(), dst })
+        }
+    }
+}
+
 /// qwZ all-gather on device buffers: quantizes `shard` (`c` values of type
 /// `elem`) on the device, all-gathers the wire encodings (`E(spec, c)` bytes to
 /// each other member, one message) and dequantizes every member's encoding into
-/// `full` (f32, `c·g` values), like [`crate::collectives::qwz_all_gather`].
+/// `full` (`c·g` values of type `out`: f32, or bf16 rounded to nearest even),
+/// like [`crate::collectives::qwz_all_gather`].
 ///
 /// ```
 /// use zeropp_comm::collectives::QwzOptions;
@@ -115,7 +151,7 @@ fn quant<C: DeviceCommunicator + ?Sized>(comm: &C, kernel: Kernel<'_, C::Device>
 ///     let x: Vec<f32> = (0..64).map(|i| (comm.rank() * 64 + i) as f32 / 128.0).collect();
 ///     let shard = DeviceBuf::from_f32(&dev, comm.stream(), &x)?;
 ///     let full = DeviceBuf::zeroed(&dev, 4 * 128)?;
-///     qwz_all_gather(comm, &world, shard.view(), Elem::F32, full.view(), &QwzOptions::default())?;
+///     qwz_all_gather(comm, &world, shard.view(), Elem::F32, full.view(), Elem::F32, &QwzOptions::default())?;
 ///     full.to_f32(&dev, comm.stream())
 /// })?;
 /// assert_eq!(fulls[0], fulls[1]);
@@ -128,16 +164,12 @@ pub fn qwz_all_gather<C: DeviceCommunicator + ?Sized>(
     shard: View<'_, C::Device>,
     elem: Elem,
     full: View<'_, C::Device>,
+    out: Elem,
     opts: &QwzOptions,
 ) -> Result<(), CommError> {
     let g = group.size();
     let c = elements(shard, elem, "qwz_all_gather")?;
-    if full.len() != 4 * c * g {
-        return Err(CommError::Mismatch(format!(
-            "qwz_all_gather: output of {} elements for {g} shards of {c}",
-            full.len() / 4
-        )));
-    }
+    check_full(full, out, c * g, "qwz_all_gather")?;
     index_in(comm, group)?;
     let dev = comm.device().clone();
     let e = encoded_len(opts.spec, c);
@@ -147,8 +179,7 @@ pub fn qwz_all_gather<C: DeviceCommunicator + ?Sized>(
     comm.all_gather(group, send.view(), gathered.view())?;
     for j in 0..g {
         let src = gathered.view().chunk(j, e)?;
-        let dst = full.chunk(j, 4 * c)?;
-        quant(comm, Kernel::Dequantize { src, spec: opts.spec, len: c, dst, add: false })?;
+        dequantize_to(comm, src, opts.spec, c, full.chunk(j, out.size() * c)?, out)?;
     }
     Ok(())
 }
@@ -171,10 +202,11 @@ pub fn hpz_qwz_all_gather<C: DeviceCommunicator + ?Sized>(
     shard: View<'_, C::Device>,
     elem: Elem,
     full: View<'_, C::Device>,
+    out: Elem,
     opts: &QwzOptions,
 ) -> Result<(), CommError> {
     let node = Group::intra_node(comm.topology(), comm.rank());
-    qwz_all_gather(comm, &node, shard, elem, full, opts)
+    qwz_all_gather(comm, &node, shard, elem, full, out, opts)
 }
 
 /// The bf16 baseline all-gather: a byte all-gather of bf16 shards

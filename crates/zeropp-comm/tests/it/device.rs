@@ -193,15 +193,30 @@ pub(crate) fn on_device<D: Device>(comm: &mut DeviceComm<D>, n: usize) -> Result
     };
     let full = DeviceBuf::zeroed(&d, 4 * c * w)?;
     comm.traffic_mut().set_op("qwz");
-    dev::qwz_all_gather(comm, &world, shard.view(), Elem::F32, full.view(), &qwz_opts())?;
+    dev::qwz_all_gather(comm, &world, shard.view(), Elem::F32, full.view(), Elem::F32, &qwz_opts())?;
     let qwz_f32 = f32s(&full, comm)?;
-    dev::qwz_all_gather(comm, &world, shard16.view(), Elem::Bf16, full.view(), &QwzOptions::default())?;
+    dev::qwz_all_gather(
+        comm,
+        &world,
+        shard16.view(),
+        Elem::Bf16,
+        full.view(),
+        Elem::F32,
+        &QwzOptions::default(),
+    )?;
     let qwz_bf16 = f32s(&full, comm)?;
     comm.traffic_mut().set_op("hpz");
     let node_full = DeviceBuf::zeroed(&d, 4 * c * node.size())?;
     dev::hpz_all_gather(comm, shard.view(), node_full.view())?;
     let hpz = f32s(&node_full, comm)?;
-    dev::hpz_qwz_all_gather(comm, shard.view(), Elem::F32, node_full.view(), &QwzOptions::default())?;
+    dev::hpz_qwz_all_gather(
+        comm,
+        shard.view(),
+        Elem::F32,
+        node_full.view(),
+        Elem::F32,
+        &QwzOptions::default(),
+    )?;
     let hpz_int8 = f32s(&node_full, comm)?;
     comm.traffic_mut().set_op("bf16");
     let full16 = DeviceBuf::zeroed(&d, 2 * c * w)?;

@@ -75,7 +75,8 @@ fn collectives(c: &mut NcclComm) {
         .remove(0);
     let src = DeviceBuf::from_f32(&d, c.stream(), &x).unwrap();
     let out = DeviceBuf::zeroed(&d, src.len()).unwrap();
-    dev::qwz_all_gather(c, &world, src.view(), Elem::F32, out.view(), &QwzOptions::default()).unwrap();
+    dev::qwz_all_gather(c, &world, src.view(), Elem::F32, out.view(), Elem::F32, &QwzOptions::default())
+        .unwrap();
     assert_eq!(f32s(c, &out), qwz_ref);
     dev::qgz_reduce_scatter(c, src.view(), out.view(), &QgzOptions::default()).unwrap();
     assert_eq!(f32s(c, &out), qgz_ref);

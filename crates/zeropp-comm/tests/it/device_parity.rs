@@ -132,6 +132,10 @@ fn host_world(comm: &mut zeropp_comm::ThreadComm, n: usize) -> Result<World, Com
             if wire == DenseWire::F32 {
                 host::world_qwz_all_gather(comm, routing, &shard, &mut full, &qwz_opts())?;
                 got.push(bits(&full));
+                // Into bf16: the f32 gather rounded to nearest even (the host
+                // has no bf16 output here; the call repeats for the traffic).
+                host::world_qwz_all_gather(comm, routing, &shard, &mut full, &qwz_opts())?;
+                got.push(full.iter().map(|&v| u32::from(half::bf16::from_f32(v).to_bits())).collect());
             }
             for reduce in [Reduce::Mean, Reduce::Sum] {
                 let mut out = vec![0f32; shard_len(n, w)];
@@ -156,8 +160,28 @@ fn device_world(comm: &mut DeviceComm<HostDevice>, n: usize) -> Result<World, Co
             dev::world_all_gather(comm, routing, wire, shard.view(), full.view())?;
             got.push(bits(&full.to_f32(&d, comm.stream())?));
             if wire == DenseWire::F32 {
-                dev::world_qwz_all_gather(comm, routing, shard.view(), Elem::F32, full.view(), &qwz_opts())?;
+                dev::world_qwz_all_gather(
+                    comm,
+                    routing,
+                    shard.view(),
+                    Elem::F32,
+                    full.view(),
+                    Elem::F32,
+                    &qwz_opts(),
+                )?;
                 got.push(bits(&full.to_f32(&d, comm.stream())?));
+                let full16 = DeviceBuf::zeroed(&d, 2 * c * w)?;
+                dev::world_qwz_all_gather(
+                    comm,
+                    routing,
+                    shard.view(),
+                    Elem::F32,
+                    full16.view(),
+                    Elem::Bf16,
+                    &qwz_opts(),
+                )?;
+                let b = full16.to_bytes(&d, comm.stream())?;
+                got.push(b.chunks_exact(2).map(|p| u32::from(u16::from_le_bytes([p[0], p[1]]))).collect());
             }
             for reduce in [Reduce::Mean, Reduce::Sum] {
                 let out = DeviceBuf::zeroed(&d, 4 * shard_len(n, w))?;
@@ -170,8 +194,8 @@ fn device_world(comm: &mut DeviceComm<HostDevice>, n: usize) -> Result<World, Co
 }
 
 /// The device world collectives (the ZeRO-3 baseline's and qwZ's world gather,
-/// flat and hierarchical, f32 and bf16 wires) give the host's results bit for
-/// bit and count the host's traffic.
+/// flat and hierarchical, f32 and bf16 wires, qwZ into f32 and bf16) give the
+/// host's results bit for bit and count the host's traffic.
 #[test]
 fn device_world_collectives_are_the_hosts_for_every_route() {
     for (w, l) in SHAPES {

@@ -11,7 +11,9 @@
 //! [`world_all_gather_bytes`](crate::collectives::world_all_gather_bytes) and
 //! [`world_reduce_scatter_bytes`](crate::collectives::world_reduce_scatter_bytes).
 
-use super::{elements, finish, index_in, quant, reduce_scatter_bf16_wire, with_part};
+use super::{
+    check_full, dequantize_to, elements, finish, index_in, quant, reduce_scatter_bf16_wire, with_part,
+};
 use crate::collectives::{DenseWire, QwzOptions, Reduce, Routing, check_shard};
 use crate::device::{Device, DeviceBuf, DeviceCommunicator, Elem, Kernel, View};
 use crate::quant::encoded_len;
@@ -104,7 +106,8 @@ pub fn world_all_gather<C: DeviceCommunicator + ?Sized>(
 /// qwZ's world gather on device buffers: `shard` (`c` values of type `elem`)
 /// quantized once, the encodings gathered by `routing` (forwarded as they are,
 /// never requantized) and every rank's dequantized into its world position of
-/// `full` (`c·W` f32): the device twin of
+/// `full` (`c·W` values of type `out`: f32, or bf16 rounded to nearest even):
+/// the device twin of
 /// [`crate::collectives::world_qwz_all_gather`], bitwise equal to it on
 /// [`HostDevice`](crate::device::HostDevice) for either routing, with its bytes
 /// ([`world_qwz_bytes`](crate::collectives::world_qwz_bytes)).
@@ -114,27 +117,18 @@ pub fn world_qwz_all_gather<C: DeviceCommunicator + ?Sized>(
     shard: View<'_, C::Device>,
     elem: Elem,
     full: View<'_, C::Device>,
+    out: Elem,
     opts: &QwzOptions,
 ) -> Result<(), CommError> {
     const WHAT: &str = "world_qwz_all_gather";
     let w = comm.topology().world();
     let c = elements(shard, elem, WHAT)?;
-    if full.len() != 4 * c * w {
-        return Err(CommError::Mismatch(format!(
-            "{WHAT}: output of {} elements for {w} shards of {c}",
-            full.len() / 4
-        )));
-    }
+    check_full(full, out, c * w, WHAT)?;
     let e = encoded_len(opts.spec, c);
     let mine = DeviceBuf::zeroed(comm.device(), e)?;
     quant(comm, Kernel::Quantize { src: shard, elem, spec: opts.spec, opts: opts.quant, dst: mine.view() })?;
     let gathered = gather(comm, routing, mine.view())?;
-    gathered.each(|r, src| {
-        quant(
-            comm,
-            Kernel::Dequantize { src, spec: opts.spec, len: c, dst: full.chunk(r, 4 * c)?, add: false },
-        )
-    })
+    gathered.each(|r, src| dequantize_to(comm, src, opts.spec, c, full.chunk(r, out.size() * c)?, out))
 }
 
 /// The world's chunks gathered by `routing`, each with the rank it came from.
