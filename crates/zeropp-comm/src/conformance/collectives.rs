@@ -19,19 +19,44 @@ use crate::{AsyncComm, CommExt, Communicator, Group, Topology};
 use super::common::*;
 use super::paths::Collectives;
 
+/// One group of the baseline checks (the world, then the node): every
+/// member's input, this rank's index in the group and the shard length.
+struct BaselineGroup {
+    group: Group,
+    seed: u64,
+    inputs: Vec<Vec<f32>>,
+    me: usize,
+    s: usize,
+}
+
+impl BaselineGroup {
+    fn all(topo: &Topology, rank: usize, case: &Case) -> Vec<Self> {
+        [Group::world(topo), Group::intra_node(topo, rank)]
+            .into_iter()
+            .enumerate()
+            .map(|(gi, group)| {
+                let seed = case.seed + 500 + gi as u64;
+                let inputs = group.ranks().iter().map(|&r| rank_data(seed, r, case.len)).collect();
+                let (me, s) = (group.index_of(rank).unwrap_or(0), shard_len(case.len, group.size()));
+                Self { group, seed, inputs, me, s }
+            })
+            .collect()
+    }
+
+    /// Element `k` of this rank's shard in member `x`'s input (0 past the end).
+    fn at(&self, x: &[f32], k: usize) -> f32 {
+        x.get(self.me * self.s + k).copied().unwrap_or(0.0)
+    }
+}
+
 /// The f32 ZeRO-3 baseline reduce-scatter (sum and mean), on the world and the
 /// node group.
 pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> Result<(), String> {
     let topo = *comm.topology();
-    let rank = comm.rank();
-    for (gi, group) in [Group::world(&topo), Group::intra_node(&topo, rank)].iter().enumerate() {
-        let seed = case.seed + 500 + gi as u64;
-        let g = group.size();
-        let me = group.index_of(rank).unwrap_or(0);
-        let n = case.len;
-        let s = shard_len(n, g);
-        let inputs: Vec<Vec<f32>> = group.ranks().iter().map(|&r| rank_data(seed, r, n)).collect();
-        let at = |x: &Vec<f32>, k: usize| x.get(me * s + k).copied().unwrap_or(0.0);
+    for b in BaselineGroup::all(&topo, comm.rank(), case) {
+        let BaselineGroup { group, inputs, me, s, .. } = &b;
+        let (g, s, me) = (group.size(), *s, *me);
+        let at = |x: &Vec<f32>, k: usize| b.at(x, k);
         for reduce in [Reduce::Sum, Reduce::Mean] {
             let mut out = vec![f32::NAN; s];
             reduce_scatter(comm, group, &inputs[me], &mut out, reduce)
@@ -49,16 +74,11 @@ pub fn check_baselines<C: Communicator + ?Sized>(comm: &mut C, case: &Case) -> R
 /// The bf16-wire ZeRO-3 baselines: the reduce-scatter (sum and mean) and the
 /// all-gather, on the world and the node group.
 pub fn check_bf16_baselines<X: Collectives + ?Sized>(x: &mut X, case: &Case) -> Result<(), String> {
-    let topo = x.topology();
-    let rank = x.rank();
-    for (gi, group) in [Group::world(&topo), Group::intra_node(&topo, rank)].iter().enumerate() {
-        let seed = case.seed + 500 + gi as u64;
-        let g = group.size();
-        let me = group.index_of(rank).unwrap_or(0);
-        let n = case.len;
-        let s = shard_len(n, g);
-        let inputs: Vec<Vec<f32>> = group.ranks().iter().map(|&r| rank_data(seed, r, n)).collect();
-        let at = |x: &Vec<f32>, k: usize| x.get(me * s + k).copied().unwrap_or(0.0);
+    let (topo, rank, n) = (x.topology(), x.rank(), case.len);
+    for b in BaselineGroup::all(&topo, rank, case) {
+        let BaselineGroup { group, seed, inputs, me, s } = &b;
+        let (g, s, me, seed) = (group.size(), *s, *me, *seed);
+        let at = |x: &Vec<f32>, k: usize| b.at(x, k);
         for reduce in [Reduce::Sum, Reduce::Mean] {
             let mut out = vec![f32::NAN; s];
             x.reduce_scatter_bf16_wire(group, &inputs[me], &mut out, reduce)
