@@ -26,6 +26,7 @@ mod delta;
 mod errors;
 mod paths;
 mod primitives;
+mod qgz;
 
 pub use collectives::*;
 pub use common::{Case, groups, rank_bytes, rank_data};
@@ -33,6 +34,7 @@ pub use delta::check_qwz_delta;
 pub use errors::*;
 pub use paths::{Collectives, CopyElem, DevicePath, HostPath};
 pub use primitives::*;
+pub use qgz::{check_qgz, check_ring, qgz_error_bound};
 
 /// Runs every check of the suite on a communicator, in a fixed order: the
 /// primitives, [`run_collectives`] on the host collectives ([`HostPath`]), and
