@@ -47,7 +47,9 @@ tasks:
                    `candle-build`: the candle Llama's build (its gradient check) and first steps at
                    3 sizes: time against a step, peak against the model and the memory model, on
                    threads and under MPI limited to 1.15x the model (xtask/candle-build.sh;
-                   ZEROPP_BUILD_SIZES, ZEROPP_BUILD_BEFORE)
+                   ZEROPP_BUILD_SIZES, ZEROPP_BUILD_BEFORE);
+                   `plan`: `zeropp plan`'s predictions against DeepSpeed's published ZeRO++
+                   throughput on 384 V100s (prediction, publication, error)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
@@ -175,6 +177,7 @@ fn bench(args: &[String]) -> Result<(), String> {
             "torch" => Some(cluster::bench_torch),
             "torch-scale" => Some(torch_scale::bench),
             "candle-build" => Some(candle_build),
+            "plan" => Some(plan_bench),
             _ => None,
         };
         if let Some(bench) = own {
@@ -184,7 +187,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
             return Err(format!(
-                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch, torch-scale, candle-build)",
+                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch, torch-scale, candle-build, plan)",
                 known.join(", ")
             ));
         };
@@ -270,6 +273,24 @@ fn qgz_error(report_dir: &Path) -> Result<(), String> {
         md.push('\n');
     }
     std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
+    eprintln!("==> wrote {}", out.display());
+    Ok(())
+}
+
+/// `bench plan`: the planner against the published ZeRO++ figures (the
+/// `plan_published` example of zeropp-run); `target/bench-report/plan.md`.
+fn plan_bench(report_dir: &Path) -> Result<(), String> {
+    let out = report_dir.join("plan.md");
+    let mut c = cargo();
+    c.args(["run", "--locked", "--release", "-q", "-p", "zeropp-run", "--example", "plan_published"]);
+    eprintln!("==> bench plan: {c:?}");
+    let o = c.output().map_err(|e| format!("bench plan: {e}"))?;
+    if !o.status.success() {
+        return Err(format!("bench plan failed ({}): {}", o.status, String::from_utf8_lossy(&o.stderr)));
+    }
+    let md = String::from_utf8_lossy(&o.stdout);
+    print!("{md}");
+    std::fs::write(&out, md.as_bytes()).map_err(|e| format!("{}: {e}", out.display()))?;
     eprintln!("==> wrote {}", out.display());
     Ok(())
 }

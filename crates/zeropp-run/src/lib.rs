@@ -16,6 +16,8 @@
 //!   [`EngineConfig`](zeropp_engine::EngineConfig), with a warning for each
 //!   key that has no effect here.
 //! - [`llama`]: the candle Llama's shape as a run names it.
+//! - [`plan`](mod@plan): step time, bytes and memory per GPU of every mode on
+//!   any cluster, from the engine's byte and memory models (`zeropp plan`).
 //!
 //! A model or data of your own needs none of this: call
 //! [`zeropp_engine::launch()`] (or `zeropp_candle`'s builder for a candle
@@ -34,6 +36,7 @@ mod model;
 pub mod compare;
 pub mod deepspeed;
 pub mod llama;
+pub mod plan;
 pub mod train;
 
 pub use error::{Result, RunError};

@@ -9,6 +9,7 @@ mod compare;
 mod config;
 mod error;
 mod models;
+mod plan;
 mod print;
 mod quant;
 #[cfg(test)]
@@ -37,6 +38,9 @@ enum Command {
     Train(Box<config::TrainArgs>),
     /// Run ZeRO-3, ZeRO++ and each technique alone on one workload, side by side.
     Compare(compare::CompareArgs),
+    /// Predict step time, bytes and memory per GPU of ZeRO-3, ZeRO++ and
+    /// zeropp-delta on a cluster of any size, without running.
+    Plan(Box<plan::PlanArgs>),
 }
 
 fn main() -> ExitCode {
@@ -49,6 +53,7 @@ fn main() -> ExitCode {
             zeropp_candle::alloc::retain_freed_memory();
             train::run(&args)
         }
+        Command::Plan(args) => plan::run(&args),
         Command::Compare(args) => {
             zeropp_candle::alloc::retain_freed_memory();
             compare::run(&args)

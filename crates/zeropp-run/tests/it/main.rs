@@ -9,7 +9,8 @@
 //!   routing), `engine_fidelity` (needs `../shared/data/tinyshakespeare.txt`,
 //!   found by `zeropp_tests::data`);
 //! - the run layer itself: `run_models` (every [`ModelChoice`], the candle
-//!   Llama included, through one `train`).
+//!   Llama included, through one `train`), `plan` (the planner's bytes against
+//!   a run's counters, its time model's invariants).
 //!
 //! Proptest failure seeds persist next to the module that found them
 //! (`tests/it/<module>.proptest-regressions`); commit them when they appear.
@@ -25,6 +26,7 @@ mod engine_fidelity;
 mod engine_knobs;
 mod engine_scale;
 mod engine_zeropp_options;
+mod plan;
 mod run_models;
 
 use zeropp_engine::RunConfig;

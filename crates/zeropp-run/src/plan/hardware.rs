@@ -1,0 +1,172 @@
+//! The planner's hardware: GPU presets ([`GpuSpec`]), the cluster
+//! ([`Cluster`]) and the bandwidth notation of the flags (`100Gbit/s`,
+//! `300GB/s`).
+
+use crate::{Result, RunError};
+
+/// One GPU model's figures: peak dense 16-bit tensor throughput and memory
+/// bandwidth, from the vendor's datasheet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuSpec {
+    /// The preset's name (`v100`, `a100`, `h100`, `h200`), or `custom`.
+    pub name: String,
+    /// Peak dense fp16/bf16 tensor-core FLOP/s.
+    pub peak_flops: f64,
+    /// Memory (HBM) bandwidth, bytes/s.
+    pub hbm_bytes_per_s: f64,
+    /// Memory per GPU, bytes (0 when unknown).
+    pub memory_bytes: f64,
+}
+
+impl GpuSpec {
+    /// The presets, from NVIDIA's datasheets (dense 16-bit tensor peak, HBM
+    /// bandwidth, memory): V100 SXM 125 TFLOP/s, 900 GB/s, 32 GB; A100 SXM
+    /// 80GB 312 TFLOP/s, 2039 GB/s; H100 SXM 989 TFLOP/s, 3350 GB/s, 80 GB;
+    /// H200 SXM 989 TFLOP/s, 4800 GB/s, 141 GB.
+    ///
+    /// ```
+    /// use zeropp_run::plan::GpuSpec;
+    /// let v100 = GpuSpec::preset("V100").ok_or("no preset")?;
+    /// assert_eq!(v100.peak_flops, 125e12);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn presets() -> [Self; 4] {
+        let g = |name: &str, tflops: f64, hbm_gbs: f64, mem_gb: f64| Self {
+            name: name.into(),
+            peak_flops: tflops * 1e12,
+            hbm_bytes_per_s: hbm_gbs * 1e9,
+            memory_bytes: mem_gb * 1e9,
+        };
+        [
+            g("v100", 125.0, 900.0, 32.0),
+            g("a100", 312.0, 2039.0, 80.0),
+            g("h100", 989.0, 3350.0, 80.0),
+            g("h200", 989.0, 4800.0, 141.0),
+        ]
+    }
+
+    /// The preset called `name`, case-insensitive.
+    pub fn preset(name: &str) -> Option<Self> {
+        Self::presets().into_iter().find(|g| g.name.eq_ignore_ascii_case(name))
+    }
+
+    /// `--gpu`'s value: a preset name, or `tflops=T[,hbm=B]` (B a bandwidth
+    /// such as `2TB/s`; the H100's 3350 GB/s when absent).
+    pub fn parse(s: &str) -> Result<Self> {
+        if let Some(g) = Self::preset(s) {
+            return Ok(g);
+        }
+        let mut custom =
+            Self { name: "custom".into(), peak_flops: 0.0, hbm_bytes_per_s: 3350e9, memory_bytes: 0.0 };
+        for part in s.split(',') {
+            match part.split_once('=') {
+                Some(("tflops", v)) => {
+                    custom.peak_flops = positive(v, "--gpu tflops")? * 1e12;
+                }
+                Some(("hbm", v)) => custom.hbm_bytes_per_s = parse_bandwidth(v)?,
+                _ => {
+                    return Err(RunError::InvalidConfig(format!(
+                        "--gpu `{s}`: expected one of v100, a100, h100, h200, or tflops=T[,hbm=BANDWIDTH]"
+                    )));
+                }
+            }
+        }
+        if custom.peak_flops == 0.0 {
+            return Err(RunError::InvalidConfig(format!("--gpu `{s}`: tflops=T is required")));
+        }
+        Ok(custom)
+    }
+}
+
+/// The cluster: nodes of GPUs, the links between and inside them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Cluster {
+    /// Nodes.
+    pub nodes: usize,
+    /// GPUs per node.
+    pub gpus_per_node: usize,
+    /// Inter-node bandwidth **per node** (all its NICs together), bytes/s, each way.
+    pub inter_bytes_per_s: f64,
+    /// Intra-node bandwidth **per GPU** (NVLink / NVSwitch), bytes/s, each way.
+    pub intra_bytes_per_s: f64,
+    /// One collective call's latency, seconds (added once per call).
+    pub latency_s: f64,
+}
+
+impl Cluster {
+    /// GPUs in the cluster.
+    pub fn world(&self) -> usize {
+        self.nodes * self.gpus_per_node
+    }
+}
+
+fn positive(v: &str, what: &str) -> Result<f64> {
+    match v.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(RunError::InvalidConfig(format!("{what}: `{v}` is not a positive number"))),
+    }
+}
+
+/// A bandwidth as the flags write it, in bytes/s: a number, a decimal prefix
+/// (`k`, `M`, `G`, `T`) and a unit, bits (`bit/s`, `b/s`, `bps`) or bytes
+/// (`B/s`, `Bps`). `100Gbit/s` = `100Gbps` = 12.5e9, `300GB/s` = 300e9.
+///
+/// ```
+/// use zeropp_run::plan::parse_bandwidth;
+/// assert_eq!(parse_bandwidth("100Gbit/s")?, 12.5e9);
+/// assert_eq!(parse_bandwidth("300GB/s")?, 300e9);
+/// assert!(parse_bandwidth("300G").is_err()); // bits or bytes?
+/// # Ok::<(), zeropp_run::RunError>(())
+/// ```
+pub fn parse_bandwidth(s: &str) -> Result<f64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.' || c == 'e' || c == '-' || c == '+'));
+    // `e` is also a digit of `1e9`; a unit never starts with `e`.
+    let (num, unit) = t.split_at(split.unwrap_or(t.len()));
+    let unit = unit.trim_start();
+    let bad = || {
+        RunError::InvalidConfig(format!(
+            "bandwidth `{s}`: expected a number and a unit such as 100Gbit/s, 100Gbps, 300GB/s or 50Mbit/s"
+        ))
+    };
+    let x = num.parse::<f64>().map_err(|_| bad())?;
+    let (scale, rest) = match unit.chars().next() {
+        Some('k') => (1e3, &unit[1..]),
+        Some('M') => (1e6, &unit[1..]),
+        Some('G') => (1e9, &unit[1..]),
+        Some('T') => (1e12, &unit[1..]),
+        _ => (1.0, unit),
+    };
+    let per_byte = match rest {
+        "bit/s" | "b/s" | "bps" => 1.0 / 8.0,
+        "B/s" | "Bps" => 1.0,
+        _ => return Err(bad()),
+    };
+    let v = x * scale * per_byte;
+    if v.is_finite() && v > 0.0 { Ok(v) } else { Err(bad()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bandwidths_read_bits_and_bytes() {
+        assert_eq!(parse_bandwidth("400Gbps").ok(), Some(50e9));
+        assert_eq!(parse_bandwidth("10Mbit/s").ok(), Some(1.25e6));
+        assert_eq!(parse_bandwidth("1.5TB/s").ok(), Some(1.5e12));
+        assert_eq!(parse_bandwidth("12.5e9B/s").ok(), Some(12.5e9));
+        for bad in ["", "fast", "100", "100Gb", "-5GB/s", "0GB/s", "100 GB/s/s"] {
+            assert!(parse_bandwidth(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn gpus_by_name_or_figures() {
+        assert_eq!(GpuSpec::parse("H200").map(|g| g.peak_flops).ok(), Some(989e12));
+        let c = GpuSpec::parse("tflops=125,hbm=900GB/s");
+        assert_eq!(c.as_ref().map(|g| (g.peak_flops, g.hbm_bytes_per_s)).ok(), Some((125e12, 900e9)));
+        assert!(GpuSpec::parse("b200").is_err());
+        assert!(GpuSpec::parse("hbm=1TB/s").is_err());
+    }
+}

@@ -1,0 +1,144 @@
+//! The planner's time model over the engine's byte model: each operation's
+//! time on the links ([`OpTime`]) and the step's compute and exposed
+//! communication under ZeRO's prefetch ([`StepTimes`]); the formulas are in
+//! the [parent module's docs](super).
+
+use std::collections::BTreeMap;
+
+use zeropp_engine::engine::{CommPlan, WeightGather, tags};
+use zeropp_engine::metrics::LinkBytes;
+
+use super::{Overlap, PlanInput};
+
+/// Bytes each quantized element moves through HBM in a quantization kernel:
+/// read at one width, written at the other (2 + 1 for 16-bit and INT8).
+const KERNEL_BYTES_PER_ELEMENT: f64 = 3.0;
+
+/// Per operation tag: the collective calls of one step and the elements their
+/// quantization kernels process.
+#[derive(Debug, Default)]
+pub(super) struct Calls {
+    calls: BTreeMap<&'static str, f64>,
+    quantized: BTreeMap<&'static str, f64>,
+    /// Latency hops per world collective: 2 when it is routed over the rail
+    /// and then the node, 1 flat.
+    hops: f64,
+}
+
+/// The calls and kernel elements of one step of `cp` (one micro-batch).
+pub(super) fn calls_per_step(cp: &CommPlan) -> Calls {
+    let t = cp.topology();
+    let routed = cp.routing() == zeropp_comm::collectives::Routing::Hierarchical
+        && t.nodes() > 1
+        && t.local_size() > 1;
+    let mut c = Calls { hops: if routed { 2.0 } else { 1.0 }, ..Calls::default() };
+    let qwz = matches!(cp.weights(), WeightGather::Qwz { .. });
+    let hpz = cp.hpz_size() > 1;
+    let add = |map: &mut BTreeMap<&'static str, f64>, tag: &'static str, v: f64| {
+        *map.entry(tag).or_default() += v;
+    };
+    for layer in cp.layers().iter().filter(|l| l.padded_len > 0) {
+        let p = layer.padded_len as f64;
+        if layer.persistent {
+            add(&mut c.calls, tags::PERSIST_GATHER, 1.0);
+            continue;
+        }
+        add(&mut c.calls, tags::FWD_GATHER, 1.0);
+        add(&mut c.calls, tags::BWD_GATHER, 1.0);
+        add(&mut c.calls, tags::FWD_DELTA, 1.0);
+        add(&mut c.calls, tags::GRAD_REDUCE, layer.reduces.len() as f64);
+        if qwz {
+            add(&mut c.quantized, tags::FWD_GATHER, p);
+            if !hpz || cp.hpz_int8() {
+                add(&mut c.quantized, tags::BWD_GATHER, p);
+            }
+        }
+        if cp.delta().is_some() {
+            add(&mut c.quantized, tags::FWD_DELTA, p / cp.hpz_size().max(1) as f64);
+        }
+        if cp.qgz().is_some() {
+            // Hop 1 quantizes the whole gradient; the fused kernels read it again.
+            add(&mut c.quantized, tags::GRAD_REDUCE, 2.0 * p);
+        }
+    }
+    add(&mut c.calls, tags::GRAD_NORM, 1.0);
+    c
+}
+
+/// One operation's time on the links for a whole step.
+#[derive(Debug, Clone)]
+pub(super) struct OpTime {
+    tag: String,
+    seconds: f64,
+}
+
+impl OpTime {
+    /// The time of operation `tag` moving `bytes` per GPU (see the module docs).
+    pub(super) fn of(tag: &str, bytes: LinkBytes, calls: &Calls, input: &PlanInput) -> Self {
+        let c = &input.cluster;
+        let e = input.efficiency.link;
+        let intra = bytes.intra / (c.intra_bytes_per_s * e);
+        let inter = c.gpus_per_node as f64 * bytes.inter / (c.inter_bytes_per_s * e);
+        let n = calls.calls.get(tag).copied().unwrap_or(0.0);
+        let hops = if tag == tags::GRAD_NORM || tag == tags::FWD_DELTA { 2.0 } else { calls.hops };
+        // An operation that moved nothing this step (hpZ's forward delta on a
+        // full step) has no latency either.
+        let latency = if bytes.intra + bytes.inter > 0.0 { n * hops * c.latency_s } else { 0.0 };
+        let kernel = calls.quantized.get(tag).copied().unwrap_or(0.0) * KERNEL_BYTES_PER_ELEMENT
+            / input.gpu.hbm_bytes_per_s;
+        Self { tag: tag.to_string(), seconds: intra.max(inter) + latency + kernel }
+    }
+}
+
+/// A step's compute and exposed communication, seconds.
+#[derive(Debug, Default, Clone)]
+pub(super) struct StepTimes {
+    pub(super) compute: f64,
+    pub(super) exposed: BTreeMap<String, f64>,
+}
+
+impl StepTimes {
+    /// The step of `ops` with `flops` (forward, the rest) under the prefetch
+    /// overlap of `stages` layers.
+    pub(super) fn of(ops: &[OpTime], flops: (f64, f64), input: &PlanInput, stages: usize) -> Self {
+        let rate = input.gpu.peak_flops * input.efficiency.compute;
+        let (cf, cb) = (flops.0 / rate, flops.1 / rate);
+        // Without overlap nothing hides: one stage, no compute under it.
+        let (n, hide) = match input.overlap {
+            Overlap::Prefetch => (stages.max(1) as f64, 1.0),
+            Overlap::None => (1.0, 0.0),
+        };
+        let forward = |t: &str| t == tags::FWD_GATHER || t == tags::FWD_DELTA;
+        let backward = |t: &str| t == tags::BWD_GATHER || t == tags::GRAD_REDUCE;
+        let mut exposed = BTreeMap::new();
+        for (hidden_by, side) in [(hide * cf, &forward as &dyn Fn(&str) -> bool), (hide * cb, &backward)] {
+            let total: f64 = ops.iter().filter(|o| side(&o.tag)).map(|o| o.seconds).sum();
+            if total <= 0.0 {
+                continue;
+            }
+            // n stages of gather g and compute c, prefetched one ahead: the first
+            // gather is exposed, then each stage's max(0, g - c).
+            let e = total / n + (n - 1.0) / n * (total - hidden_by).max(0.0);
+            for o in ops.iter().filter(|o| side(&o.tag)) {
+                *exposed.entry(o.tag.clone()).or_default() += e * o.seconds / total;
+            }
+        }
+        for o in ops.iter().filter(|o| !forward(&o.tag) && !backward(&o.tag)) {
+            *exposed.entry(o.tag.clone()).or_default() += o.seconds;
+        }
+        Self { compute: cf + cb, exposed }
+    }
+
+    /// Adds `weight` times `other` (a mean over step kinds).
+    pub(super) fn add(&mut self, other: &StepTimes, weight: f64) {
+        self.compute += weight * other.compute;
+        for (k, v) in &other.exposed {
+            *self.exposed.entry(k.clone()).or_default() += weight * v;
+        }
+    }
+
+    /// Compute plus everything exposed.
+    pub(super) fn step(&self) -> f64 {
+        self.compute + self.exposed.values().sum::<f64>()
+    }
+}

@@ -1,0 +1,285 @@
+//! `zeropp plan`: step time, bytes and memory per GPU of each mode on a
+//! cluster, as a table, as JSON (`--json`), and as an SVG of the speedup
+//! against the inter-node bandwidth (`--svg`, over `--sweep`'s range).
+
+use std::path::PathBuf;
+
+use clap::Args;
+use plotters::prelude::*;
+use zeropp_run::plan::{
+    Cluster, Efficiency, GpuSpec, Overlap, Plan, PlanInput, PlanMode, PlanModel, parse_bandwidth, plan,
+};
+
+use crate::CliError;
+
+/// Flags of `zeropp plan`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct PlanArgs {
+    /// Parameters of the model (`18e9`); the shape is derived from it
+    /// (`--layers` and `--hidden` override).
+    #[arg(long, default_value = "7e9")]
+    pub params: f64,
+    /// A built-in GPT preset instead of `--params` (gpt-medium, gpt2-small, ...).
+    #[arg(long, conflicts_with = "params")]
+    pub model: Option<String>,
+    /// Transformer blocks (default: derived from `--params`).
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Model width (default: derived from `--params`).
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// Vocabulary.
+    #[arg(long, default_value_t = PlanModel::DEFAULT_VOCAB)]
+    pub vocab: usize,
+    /// Context: tokens per sequence (at most `--tokens`).
+    #[arg(long, default_value_t = 2048)]
+    pub seq: usize,
+    /// Tokens per GPU per micro-batch.
+    #[arg(long, default_value_t = 2048)]
+    pub tokens: usize,
+    /// Nodes.
+    #[arg(long, default_value_t = 16)]
+    pub nodes: usize,
+    /// GPUs per node.
+    #[arg(long = "gpus-per-node", default_value_t = 8)]
+    pub gpus_per_node: usize,
+    /// Inter-node bandwidth per node (`100Gbit/s`, `400Gbps`, `50GB/s`).
+    #[arg(long, default_value = "100Gbit/s")]
+    pub inter: String,
+    /// Intra-node bandwidth per GPU (`300GB/s`).
+    #[arg(long, default_value = "300GB/s")]
+    pub intra: String,
+    /// Latency of one collective call, microseconds.
+    #[arg(long = "latency-us", default_value_t = 20.0)]
+    pub latency_us: f64,
+    /// GPU: v100, a100, h100, h200, or `tflops=T[,hbm=BANDWIDTH]`.
+    #[arg(long, default_value = "h100")]
+    pub gpu: String,
+    /// Modes, comma-separated: zero3, zero3-flat, zeropp, zeropp-delta, qwz,
+    /// hpz, qgz (the first is the speedup's baseline).
+    #[arg(long, default_value = "zero3,zeropp,zeropp-delta")]
+    pub mode: String,
+    /// Achieved / peak compute (the time model's first free constant).
+    #[arg(long = "compute-efficiency", default_value_t = Efficiency::default().compute)]
+    pub compute_efficiency: f64,
+    /// Achieved / nominal link bandwidth (its second).
+    #[arg(long = "link-efficiency", default_value_t = Efficiency::default().link)]
+    pub link_efficiency: f64,
+    /// No activation checkpointing (the blocks' forward is not recomputed).
+    #[arg(long = "no-checkpointing")]
+    pub no_checkpointing: bool,
+    /// How communication overlaps compute: `prefetch` (ZeRO's, the default)
+    /// or `none` (every collective adds to the step).
+    #[arg(long, default_value = "prefetch")]
+    pub overlap: String,
+    /// Print the plan as JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Replan over a range of inter-node bandwidths: `inter=10Gbps..800Gbps`;
+    /// prints where each mode's speedup over the first crosses 1.1x.
+    #[arg(long)]
+    pub sweep: Option<String>,
+    /// Draw the speedup against the inter-node bandwidth (over `--sweep`'s
+    /// range, 10Gbps..800Gbps without it) into this SVG.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+}
+
+/// The plan's input from the flags, at inter-node bandwidth `inter`.
+fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
+    let model = match &a.model {
+        Some(name) => {
+            let g = zeropp_engine::model::GptConfig::preset(name)
+                .ok_or_else(|| format!("--model `{name}`: not a GPT preset"))?;
+            PlanModel { gpt: g }
+        }
+        None => {
+            let derived = PlanModel::from_params(a.params, a.seq)?;
+            PlanModel::shaped(
+                a.layers.unwrap_or(derived.gpt.n_layer),
+                a.hidden.unwrap_or(derived.gpt.d_model),
+                a.vocab,
+                a.seq,
+            )?
+        }
+    };
+    let modes = a.mode.split(',').map(PlanMode::parse).collect::<Result<Vec<_>, _>>()?;
+    Ok(PlanInput {
+        model,
+        tokens: a.tokens,
+        cluster: Cluster {
+            nodes: a.nodes,
+            gpus_per_node: a.gpus_per_node,
+            inter_bytes_per_s: inter,
+            intra_bytes_per_s: parse_bandwidth(&a.intra)?,
+            latency_s: a.latency_us * 1e-6,
+        },
+        gpu: GpuSpec::parse(&a.gpu)?,
+        efficiency: Efficiency { compute: a.compute_efficiency, link: a.link_efficiency },
+        checkpointing: !a.no_checkpointing,
+        overlap: Overlap::parse(&a.overlap)?,
+        modes,
+    })
+}
+
+/// `--sweep inter=A..B`'s range in bytes/s.
+fn sweep_range(s: &str) -> Result<(f64, f64), CliError> {
+    let bad = || format!("--sweep `{s}`: expected inter=LOW..HIGH, e.g. inter=10Gbps..800Gbps");
+    let range = s.strip_prefix("inter=").ok_or_else(bad)?;
+    let (lo, hi) = range.split_once("..").ok_or_else(bad)?;
+    let bw = |x: &str| parse_bandwidth(x).map_err(|e| format!("--sweep `{s}`: {e}"));
+    let (lo, hi) = (bw(lo)?, bw(hi)?);
+    if lo >= hi {
+        return Err(bad().into());
+    }
+    Ok((lo, hi))
+}
+
+/// Runs `zeropp plan`.
+pub(crate) fn run(a: &PlanArgs) -> Result<(), CliError> {
+    let p = plan(&input(a, parse_bandwidth(&a.inter)?)?)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&p)?);
+    } else {
+        print!("{}", table(&p, a));
+    }
+    if a.sweep.is_none() && a.svg.is_none() {
+        return Ok(());
+    }
+    let (lo, hi) = sweep_range(a.sweep.as_deref().unwrap_or("inter=10Gbps..800Gbps"))?;
+    let points = sweep(a, lo, hi)?;
+    if !a.json {
+        print!("{}", crossings(&p.order, &points));
+    }
+    if let Some(path) = &a.svg {
+        draw(path, &p.order, &points).map_err(|e| format!("{}: {e}", path.display()))?;
+        if !a.json {
+            println!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// The plan at 41 inter-node bandwidths, log-spaced from `lo` to `hi`.
+fn sweep(a: &PlanArgs, lo: f64, hi: f64) -> Result<Vec<(f64, Plan)>, CliError> {
+    const POINTS: usize = 41;
+    (0..POINTS)
+        .map(|i| {
+            let bw = lo * (hi / lo).powf(i as f64 / (POINTS - 1) as f64);
+            Ok((bw, plan(&input(a, bw)?)?))
+        })
+        .collect()
+}
+
+fn gb(bytes: f64) -> String {
+    format!("{:.2}", bytes / 1e9)
+}
+
+/// The table of one plan.
+fn table(p: &Plan, a: &PlanArgs) -> String {
+    let mut s = format!(
+        "model: {:.2}B parameters ({} blocks, width {}, vocab {}, context {}), {} tokens/GPU/micro-batch\n\
+         cluster: {} GPUs ({} nodes x {}), inter {} per node, intra {} per GPU, GPU {}\n\
+         constants: compute efficiency {}, link efficiency {}, overlap {:?} (docs/PERFORMANCE.md, \"Planning\")\n\n",
+        p.params as f64 / 1e9,
+        p.layers,
+        p.hidden,
+        p.vocab,
+        p.seq,
+        p.tokens,
+        p.gpus,
+        a.nodes,
+        a.gpus_per_node,
+        a.inter,
+        a.intra,
+        p.gpu,
+        p.compute_efficiency,
+        p.link_efficiency,
+        p.overlap,
+    );
+    s.push_str(
+        "| mode | step (s) | speedup | TFLOP/s per GPU | compute (s) | exposed comm (s) | inter-node GB/GPU | intra-node GB/GPU | memory GB/GPU |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for name in &p.order {
+        if let Some(m) = p.modes.get(name) {
+            let exposed: f64 = m.exposed_s.values().sum();
+            s.push_str(&format!(
+                "| {name} | {:.3} | {:.2}x | {:.1} | {:.3} | {:.3} | {} | {} | {} |\n",
+                m.step_s,
+                m.speedup,
+                m.tflops_per_gpu,
+                m.compute_s,
+                exposed,
+                gb(m.inter_node_bytes),
+                gb(m.intra_node_bytes),
+                gb(m.memory_bytes),
+            ));
+        }
+    }
+    s
+}
+
+/// Where each mode's speedup over the first crosses 1.1x in the sweep.
+fn crossings(order: &[String], points: &[(f64, Plan)]) -> String {
+    let mut s = String::from("\n| mode | speedup >= 1.1x below (inter-node, per node) |\n|---|---|\n");
+    for name in order.iter().skip(1) {
+        let speedup = |p: &Plan| p.modes.get(name).map_or(0.0, |m| m.speedup);
+        // The highest bandwidth at which the speedup is still at least 1.1x.
+        let last = points.iter().rev().find(|(_, p)| speedup(p) >= 1.1);
+        let text = match last {
+            Some((bw, _)) if points.last().is_some_and(|(top, _)| bw >= top) => "the whole range".to_string(),
+            Some((bw, _)) => format!("{:.0} Gbit/s", bw * 8.0 / 1e9),
+            None => "nowhere in the range".to_string(),
+        };
+        s.push_str(&format!("| {name} | {text} |\n"));
+    }
+    s
+}
+
+type DrawError = Box<dyn std::error::Error>;
+
+/// The speedup of every mode over the first against the inter-node bandwidth.
+fn draw(path: &std::path::Path, order: &[String], points: &[(f64, Plan)]) -> Result<(), DrawError> {
+    let root = SVGBackend::new(path, (900, 540)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let gbits = |bw: f64| bw * 8.0 / 1e9;
+    let (lo, hi) = match (points.first(), points.last()) {
+        (Some((a, _)), Some((b, _))) => (gbits(*a), gbits(*b)),
+        _ => return Err("no sweep points".into()),
+    };
+    let top = points.iter().flat_map(|(_, p)| p.modes.values().map(|m| m.speedup)).fold(1.2f64, f64::max);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("speedup over {}", order.first().map_or("", String::as_str)), ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(56)
+        .build_cartesian_2d((lo..hi).log_scale(), 0.0..top * 1.05)?;
+    chart.configure_mesh().x_desc("inter-node bandwidth per node (Gbit/s)").y_desc("speedup").draw()?;
+    for (i, name) in order.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let pts: Vec<(f64, f64)> =
+            points.iter().filter_map(|(bw, p)| p.modes.get(name).map(|m| (gbits(*bw), m.speedup))).collect();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+    }
+    chart.draw_series(LineSeries::new(vec![(lo, 1.1), (hi, 1.1)], BLACK.mix(0.4)))?;
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweeps_read_a_bandwidth_range() {
+        assert_eq!(sweep_range("inter=10Gbps..800Gbps").ok(), Some((1.25e9, 100e9)));
+        for bad in ["10Gbps..800Gbps", "inter=800Gbps..10Gbps", "inter=10Gbps", "inter=a..b"] {
+            assert!(sweep_range(bad).is_err(), "{bad}");
+        }
+    }
+}

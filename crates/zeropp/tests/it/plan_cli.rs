@@ -1,0 +1,83 @@
+//! `zeropp plan`: the flags scripts rely on, the JSON's shape, the sweep and
+//! the SVG, and the errors of bad flags.
+
+use std::process::Command;
+
+fn plan(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_zeropp")).arg("plan").args(args).output().unwrap()
+}
+
+const PAPER: &[&str] = &[
+    "--params",
+    "18e9",
+    "--tokens",
+    "2048",
+    "--nodes",
+    "24",
+    "--gpus-per-node",
+    "16",
+    "--inter",
+    "100Gbit/s",
+    "--intra",
+    "300GB/s",
+    "--gpu",
+    "v100",
+    "--mode",
+    "zero3,zeropp,zeropp-delta",
+];
+
+/// `--json` has a `modes` object keyed by mode name, each with at least
+/// `step_s`, `tflops_per_gpu`, `inter_node_bytes` and `memory_bytes`; ZeRO++
+/// sends under 0.3 of ZeRO-3's cross-node bytes and is not slower.
+#[test]
+fn json_has_every_mode_with_its_figures() {
+    let out = plan(&[PAPER, &["--json"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for mode in ["zero3", "zeropp", "zeropp-delta"] {
+        let m = &v["modes"][mode];
+        for key in ["step_s", "tflops_per_gpu", "inter_node_bytes", "memory_bytes"] {
+            assert!(m[key].as_f64().is_some_and(|x| x.is_finite() && x > 0.0), "{mode}.{key}: {}", m[key]);
+        }
+    }
+    let f = |mode: &str, key: &str| v["modes"][mode][key].as_f64().unwrap();
+    assert!(f("zeropp", "inter_node_bytes") < 0.3 * f("zero3", "inter_node_bytes"));
+    assert!(f("zeropp", "step_s") <= f("zero3", "step_s"));
+    assert_eq!(v["gpus"].as_u64(), Some(384));
+}
+
+/// The table names every mode, the sweep finds where the speedup crosses
+/// 1.1x, and `--svg` writes a plot.
+#[test]
+fn table_sweep_and_svg() {
+    let svg = std::env::temp_dir().join(format!("zeropp-plan-{}.svg", std::process::id()));
+    let out = plan(&[PAPER, &["--sweep", "inter=10Gbps..800Gbps", "--svg", svg.to_str().unwrap()]].concat());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for mode in ["| zero3 |", "| zeropp |", "| zeropp-delta |", "speedup >= 1.1x below"] {
+        assert!(stdout.contains(mode), "{mode} missing:\n{stdout}");
+    }
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    assert!(
+        drawn.starts_with("<svg") && drawn.contains("zeropp-delta"),
+        "{}",
+        &drawn[..drawn.len().min(200)]
+    );
+    std::fs::remove_file(&svg).unwrap();
+}
+
+#[test]
+fn bad_flags_are_named() {
+    for (args, says) in [
+        (&["--inter", "100G"][..], "bandwidth `100G`"),
+        (&["--gpu", "b200"][..], "--gpu `b200`"),
+        (&["--mode", "zero3,zero4"][..], "--mode `zero4`"),
+        (&["--tokens", "3000"][..], "--tokens 3000"),
+        (&["--sweep", "inter=9..8"][..], "--sweep"),
+        (&["--overlap", "some"][..], "--overlap `some`"),
+    ] {
+        let out = plan(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{args:?}: {stderr}");
+    }
+}
