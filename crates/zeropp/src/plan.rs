@@ -198,14 +198,14 @@ fn table(p: &Plan, a: &PlanArgs) -> String {
         p.overlap,
     );
     s.push_str(
-        "| mode | step (s) | speedup | TFLOP/s per GPU | compute (s) | exposed comm (s) | inter-node GB/GPU | intra-node GB/GPU | memory GB/GPU |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+        "| mode | step (s) | speedup | TFLOP/s per GPU | compute (s) | exposed comm (s) | inter-node GB/GPU | intra-node GB/GPU | memory GB/GPU | of it, states GB/GPU |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     for name in &p.order {
         if let Some(m) = p.modes.get(name) {
             let exposed: f64 = m.exposed_s.values().sum();
             s.push_str(&format!(
-                "| {name} | {:.3} | {:.2}x | {:.1} | {:.3} | {:.3} | {} | {} | {} |\n",
+                "| {name} | {:.3} | {:.2}x | {:.1} | {:.3} | {:.3} | {} | {} | {} | {} |\n",
                 m.step_s,
                 m.speedup,
                 m.tflops_per_gpu,
@@ -214,6 +214,7 @@ fn table(p: &Plan, a: &PlanArgs) -> String {
                 gb(m.inter_node_bytes),
                 gb(m.intra_node_bytes),
                 gb(m.memory_bytes),
+                gb(m.state_bytes),
             ));
         }
     }

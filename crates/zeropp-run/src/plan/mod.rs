@@ -224,7 +224,8 @@ impl PlanModel {
                 "model shape: layers {layers}, hidden {hidden}, vocab {vocab}, seq {seq} must all be positive"
             )));
         }
-        let n_head = [Self::HEAD_DIM, 64].into_iter().find(|d| hidden % d == 0).map_or(1, |d| hidden / d);
+        let n_head =
+            [Self::HEAD_DIM, 64].into_iter().find(|d| hidden.is_multiple_of(*d)).map_or(1, |d| hidden / d);
         Ok(Self {
             gpt: GptConfig { vocab, seq_len: seq, d_model: hidden, n_head, n_layer: layers, mlp_ratio: 4 },
         })
@@ -293,8 +294,14 @@ pub struct ModePlan {
     pub intra_node_bytes: f64,
     /// Bytes per GPU per step sent to GPUs of other nodes.
     pub inter_node_bytes: f64,
-    /// The engine's memory model: bytes per GPU.
+    /// The engine's memory model: bytes per GPU, everything (its activations
+    /// are the engine's: an f32 tape without checkpointing, attention
+    /// probabilities included).
     pub memory_bytes: f64,
+    /// Of that, all but the activations: the sharded states (fp32 master,
+    /// AdamW moments, the gradient shard), hpZ's secondary shards, LoCo's
+    /// residuals, qwZ-Δ's reconstruction and the gathered layers in flight.
+    pub state_bytes: f64,
     /// Speedup over the first mode of the plan (its step / this step).
     pub speedup: f64,
 }
@@ -375,7 +382,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     }
     let mut model = input.model;
     let seq = model.gpt.seq_len.min(input.tokens.max(1));
-    if input.tokens == 0 || input.tokens > seq && input.tokens % seq != 0 {
+    if input.tokens == 0 || input.tokens > seq && !input.tokens.is_multiple_of(seq) {
         return Err(RunError::InvalidConfig(format!(
             "--tokens {}: expected a positive multiple of the context ({seq}) or at most one context",
             input.tokens
@@ -438,6 +445,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
                 intra_node_bytes: intra,
                 inter_node_bytes: inter,
                 memory_bytes: mem.total() as f64,
+                state_bytes: (mem.total() - mem.activations) as f64,
                 speedup: first / step,
             },
         );
