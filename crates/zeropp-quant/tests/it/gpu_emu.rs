@@ -149,7 +149,7 @@ fn suite() {
 fn propagate_matches_cpu(exe: &str) {
     let bad = prop::sample::select(vec![f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY]);
     let plant = prop::collection::vec((any::<prop::sample::Index>(), bad), 0..4);
-    proptest!(config(64), |(x in vector(), plant in plant.clone(), spec in spec_strategy(), r in rounding_strategy(), dtype in 0u32..3)| {
+    proptest!(config(32), |(x in vector(), plant in plant.clone(), spec in spec_strategy(), r in rounding_strategy(), dtype in 0u32..3)| {
         let mut x: Vec<f32> = if dtype == 2 { x.iter().map(|v| v / 64.0).collect() } else { x };
         if !x.is_empty() {
             for (at, v) in &plant {
@@ -160,7 +160,7 @@ fn propagate_matches_cpu(exe: &str) {
         same_quantize(exe, &x, dtype, spec, r, NonFinite::Propagate);
     });
     let inputs = (1usize..=6, prop::collection::vec(spec_strategy(), 6), 1usize..1500, any::<u64>());
-    proptest!(config(48), |((k, specs, len, seed) in inputs, plant in plant, out_spec in spec_strategy(), r in rounding_strategy())| {
+    proptest!(config(24), |((k, specs, len, seed) in inputs, plant in plant, out_spec in spec_strategy(), r in rounding_strategy())| {
         let p = cpu(r).with_non_finite(NonFinite::Propagate);
         // Each input re-encoded from its values with the planted non-finite
         // ones, so that some of its groups are poisoned.
@@ -294,7 +294,11 @@ fn edge_cases(exe: &str) {
             for b in [Bits::Int4, Bits::Int8] {
                 for s in [Scheme::Symmetric, Scheme::Asymmetric] {
                     let spec = QuantSpec::new(b, s, gs).unwrap();
-                    for nf in [NonFinite::Error, NonFinite::Propagate] {
+                    // Propagate differs from Error only where an input is not finite.
+                    let propagate = x.iter().any(|v| !v.is_finite());
+                    for nf in
+                        [NonFinite::Error, NonFinite::Propagate].into_iter().take(1 + usize::from(propagate))
+                    {
                         same_quantize(exe, x, 0, spec, Rounding::NearestEven, nf);
                         same_quantize(exe, x, 0, spec, Rounding::Stochastic { seed: 42 }, nf);
                     }
