@@ -19,8 +19,9 @@ pub(crate) struct PlanArgs {
     /// (`--layers` and `--hidden` override).
     #[arg(long, default_value = "7e9")]
     pub params: f64,
-    /// A built-in GPT preset instead of `--params` (gpt-medium, gpt2-small, ...).
-    #[arg(long, conflicts_with = "params")]
+    /// A built-in GPT preset instead of `--params` and the shape flags
+    /// (gpt-medium, gpt2-small, ...).
+    #[arg(long, conflicts_with_all = ["params", "layers", "hidden", "vocab", "seq"])]
     pub model: Option<String>,
     /// Transformer blocks (default: derived from `--params`).
     #[arg(long)]
@@ -46,10 +47,12 @@ pub(crate) struct PlanArgs {
     /// Inter-node bandwidth per node (`100Gbit/s`, `400Gbps`, `50GB/s`).
     #[arg(long, default_value = "100Gbit/s")]
     pub inter: String,
-    /// Intra-node bandwidth per GPU (`300GB/s`).
+    /// Intra-node bandwidth per GPU, each way (`300GB/s`: an A100's NVLink;
+    /// an H100 SXM's is 450GB/s).
     #[arg(long, default_value = "300GB/s")]
     pub intra: String,
-    /// Latency of one collective call, microseconds.
+    /// Latency of one hop of a collective call, microseconds (a call routed
+    /// over the rail then the node, and qgZ, take 2 hops).
     #[arg(long = "latency-us", default_value_t = 20.0)]
     pub latency_us: f64,
     /// GPU: v100, a100, h100, h200, or `tflops=T[,hbm=BANDWIDTH]`.
@@ -94,7 +97,7 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
             PlanModel { gpt: g }
         }
         None => {
-            let derived = PlanModel::from_params(a.params, a.seq)?;
+            let derived = PlanModel::from_params(a.params, a.vocab, a.seq)?;
             PlanModel::shaped(
                 a.layers.unwrap_or(derived.gpt.n_layer),
                 a.hidden.unwrap_or(derived.gpt.d_model),
@@ -111,7 +114,7 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
             nodes: a.nodes,
             gpus_per_node: a.gpus_per_node,
             inter_bytes_per_s: inter,
-            intra_bytes_per_s: parse_bandwidth(&a.intra)?,
+            intra_bytes_per_s: parse_bandwidth(&a.intra).map_err(|e| format!("--intra: {e}"))?,
             latency_s: a.latency_us * 1e-6,
         },
         gpu: GpuSpec::parse(&a.gpu)?,
@@ -137,18 +140,35 @@ fn sweep_range(s: &str) -> Result<(f64, f64), CliError> {
 
 /// Runs `zeropp plan`.
 pub(crate) fn run(a: &PlanArgs) -> Result<(), CliError> {
-    let p = plan(&input(a, parse_bandwidth(&a.inter)?)?)?;
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&p)?);
-    } else {
-        print!("{}", table(&p, a));
-    }
+    let inter = parse_bandwidth(&a.inter).map_err(|e| format!("--inter: {e}"))?;
+    let p = plan(&input(a, inter)?)?;
     if a.sweep.is_none() && a.svg.is_none() {
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&p)?);
+        } else {
+            print!("{}", table(&p, a));
+        }
         return Ok(());
     }
     let (lo, hi) = sweep_range(a.sweep.as_deref().unwrap_or("inter=10Gbps..800Gbps"))?;
     let points = sweep(a, lo, hi)?;
-    if !a.json {
+    if a.json {
+        // The plan, plus `sweep`: each bandwidth's speedup per mode.
+        let mut v = serde_json::to_value(&p)?;
+        let sweep: Vec<serde_json::Value> = points
+            .iter()
+            .map(|(bw, q)| {
+                let speedups: serde_json::Map<String, serde_json::Value> =
+                    q.modes.iter().map(|(k, m)| (k.clone(), m.speedup.into())).collect();
+                serde_json::json!({ "inter_bytes_per_s": bw, "speedup": speedups })
+            })
+            .collect();
+        if let Some(o) = v.as_object_mut() {
+            o.insert("sweep".into(), sweep.into());
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", table(&p, a));
         print!("{}", crossings(&p.order, &points));
     }
     if let Some(path) = &a.svg {

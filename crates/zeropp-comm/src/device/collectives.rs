@@ -21,7 +21,7 @@ mod world;
 
 use super::{Device, DeviceBuf, DeviceCommunicator, Elem, Kernel, View};
 use crate::collectives::{QwzOptions, Reduce, check_shard, shard_range};
-use crate::quant::{QuantSpec, encoded_len};
+use crate::quant::encoded_len;
 use crate::{CommError, Group};
 pub use delta::{delta_apply, delta_encode, qwz_delta_exchange};
 pub use qgz::{DeviceFeedback, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback};
@@ -106,27 +106,43 @@ fn check_full<D: Device>(full: View<'_, D>, out: Elem, count: usize, what: &str)
     Ok(())
 }
 
-/// Dequantizes the encoding `src` of `len` values into `dst`, as f32 or, for
-/// `out` = bf16, as f32 rounded to nearest even (what the host's dequantization
-/// into bf16 does).
-fn dequantize_to<C: DeviceCommunicator + ?Sized>(
-    comm: &C,
-    src: View<'_, C::Device>,
-    spec: QuantSpec,
-    len: usize,
-    dst: View<'_, C::Device>,
-    out: Elem,
-) -> Result<(), CommError> {
+/// Where a gather dequantizes `count` f32 values for an output of type `out`:
+/// into the output itself (`None`, f32), or into one f32 staging buffer that
+/// [`round_out`] then rounds into it (bf16), so a whole gather is one
+/// allocation and one rounding kernel, not one per member.
+fn f32_staging<D: Device>(dev: &D, out: Elem, count: usize) -> Result<Option<DeviceBuf<D>>, CommError> {
     match out {
-        Elem::F32 => quant(comm, Kernel::Dequantize { src, spec, len, dst, add: false }),
-        Elem::Bf16 => {
-            let wide = DeviceBuf::zeroed(comm.device(), 4 * len)?;
-            quant(comm, Kernel::Dequantize { src, spec, len, dst: wide.view(), add: false })?;
-            if len == 0 {
-                return Ok(());
-            }
-            comm.device().kernel(comm.stream(), Kernel::ToBf16 { src: wide.view(), dst })
+        Elem::F32 => Ok(None),
+        Elem::Bf16 => DeviceBuf::zeroed(dev, 4 * count).map(Some),
+    }
+}
+
+/// Chunk `j` (`c` f32 values) of the dequantization target: the staging
+/// buffer when there is one, else `full`.
+fn f32_chunk<'a, D: Device>(
+    staging: Option<&'a DeviceBuf<D>>,
+    full: View<'a, D>,
+    j: usize,
+    c: usize,
+) -> Result<View<'a, D>, CommError> {
+    match staging {
+        Some(s) => s.view().chunk(j, 4 * c),
+        None => full.chunk(j, 4 * c),
+    }
+}
+
+/// Rounds the staging buffer's f32 values into the bf16 output `full`, to
+/// nearest even (what the host's dequantization into bf16 does).
+fn round_out<C: DeviceCommunicator + ?Sized>(
+    comm: &C,
+    staging: Option<&DeviceBuf<C::Device>>,
+    full: View<'_, C::Device>,
+) -> Result<(), CommError> {
+    match staging {
+        Some(s) if !s.is_empty() => {
+            comm.device().kernel(comm.stream(), Kernel::ToBf16 { src: s.view(), dst: full })
         }
+        _ => Ok(()),
     }
 }
 
@@ -172,11 +188,13 @@ pub fn qwz_all_gather<C: DeviceCommunicator + ?Sized>(
     quant(comm, Kernel::Quantize { src: shard, elem, spec: opts.spec, opts: opts.quant, dst: send.view() })?;
     let gathered = DeviceBuf::zeroed(&dev, e * g)?;
     comm.all_gather(group, send.view(), gathered.view())?;
+    let staging = f32_staging(&dev, out, c * g)?;
     for j in 0..g {
         let src = gathered.view().chunk(j, e)?;
-        dequantize_to(comm, src, opts.spec, c, full.chunk(j, out.size() * c)?, out)?;
+        let dst = f32_chunk(staging.as_ref(), full, j, c)?;
+        quant(comm, Kernel::Dequantize { src, spec: opts.spec, len: c, dst, add: false })?;
     }
-    Ok(())
+    round_out(comm, staging.as_ref(), full)
 }
 
 /// hpZ gather of the secondary shards: a dense all-gather of `shard` (any

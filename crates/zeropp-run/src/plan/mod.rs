@@ -18,10 +18,14 @@
 //! - **Links.** An operation's bytes per GPU (intra-node, inter-node) take
 //!   `intra / (intra_bw · link_efficiency)` on the GPU's own intra-node link and
 //!   `L · inter / (inter_bw · link_efficiency)` on its node's inter-node link
-//!   (`inter_bw` is per node, shared by its `L` GPUs); the two links run at
-//!   once, so an operation takes the longer, plus one latency per collective
-//!   call and its quantization kernels' time (each quantized element passes
-//!   HBM once read and once written, 3 bytes at the 16-bit/8-bit widths).
+//!   (`inter_bw` is per node, shared by its `L` GPUs); the two link classes run
+//!   at once (a routed collective's rail and node stages are serial within
+//!   one call, but the prefetch keeps several layers' calls in flight), so an
+//!   operation takes the longer, plus one latency per hop of each collective
+//!   call (2 for a call routed over the rail then the node, for qgZ's two
+//!   hops, for the norm's exchange and qwZ-Δ's; 1 for a flat call) and its
+//!   quantization kernels' time (each quantized element passes HBM once read
+//!   and once written, 3 bytes at the 16-bit/8-bit widths).
 //! - **Overlap ([`Overlap::Prefetch`], ZeRO's prefetch, the default).** The
 //!   forward gathers run under the forward compute, the backward gathers and
 //!   the gradient reduce-scatters under the backward compute (recompute
@@ -38,6 +42,7 @@
 //! each comes from; every other figure is a prediction.
 
 mod hardware;
+mod model;
 mod time;
 
 use std::collections::BTreeMap;
@@ -50,6 +55,7 @@ use zeropp_engine::model::{Gpt, GptConfig};
 
 use crate::{Result, RunError};
 pub use hardware::{Cluster, GpuSpec, parse_bandwidth};
+pub use model::PlanModel;
 use time::{OpTime, StepTimes};
 
 /// What a mode turns on: ZeRO-3 (hierarchical or flat routing), ZeRO++,
@@ -165,97 +171,6 @@ impl Default for Efficiency {
     }
 }
 
-/// The model the planner plans for: a GPT ([`GptConfig`]) of the shape given,
-/// or derived from a parameter count ([`PlanModel::from_params`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlanModel {
-    /// The shape.
-    pub gpt: GptConfig,
-}
-
-impl PlanModel {
-    /// GPT-2's vocabulary, the default.
-    pub const DEFAULT_VOCAB: usize = 50257;
-    /// Width per attention head.
-    pub const HEAD_DIM: usize = 128;
-
-    /// The GPT of about `params` parameters with the default shape, GPT-3's
-    /// aspect ratio of about 128 (13B is 40 × 5120, 175B 96 × 12288):
-    /// `l = round((params / 196608)^(1/3))` blocks (`12·l·(128·l)² = params`),
-    /// then the width, a multiple of 64, whose whole model (blocks, the
-    /// untied embedding and head of GPT-2's vocabulary, context `seq`) comes
-    /// nearest to `params`; heads of 128 (of 64 where the width is not a
-    /// multiple of 128), MLP ratio 4.
-    ///
-    /// ```
-    /// use zeropp_run::plan::PlanModel;
-    /// let m = PlanModel::from_params(18e9, 2048)?;
-    /// assert_eq!((m.gpt.n_layer, m.gpt.d_model), (45, 5696));
-    /// assert!((m.params() as f64 / 18e9 - 1.0).abs() < 0.01);
-    /// # Ok::<(), zeropp_run::RunError>(())
-    /// ```
-    pub fn from_params(params: f64, seq: usize) -> Result<Self> {
-        if !(params.is_finite() && (1e6..=1e14).contains(&params)) {
-            return Err(RunError::InvalidConfig(format!("--params {params}: expected 1e6 to 1e14")));
-        }
-        let l = (params / 196_608.0).cbrt().round().max(1.0) as usize;
-        let count = |h: usize| Self::shaped(l, h, Self::DEFAULT_VOCAB, seq).map(|m| m.params() as f64);
-        // params grows with h: scan the multiples of 64 up to where it passes `params`.
-        let mut best = (f64::INFINITY, 64);
-        let mut h = 64;
-        loop {
-            let off = count(h)? - params;
-            if off.abs() < best.0 {
-                best = (off.abs(), h);
-            }
-            if off > 0.0 {
-                break;
-            }
-            h += 64;
-        }
-        Self::shaped(l, best.1, Self::DEFAULT_VOCAB, seq)
-    }
-
-    /// A GPT of `layers` blocks of width `hidden` (heads of 128, else of 64,
-    /// else one head), vocabulary `vocab` and context `seq`.
-    pub fn shaped(layers: usize, hidden: usize, vocab: usize, seq: usize) -> Result<Self> {
-        if layers == 0 || hidden == 0 || vocab == 0 || seq == 0 {
-            return Err(RunError::InvalidConfig(format!(
-                "model shape: layers {layers}, hidden {hidden}, vocab {vocab}, seq {seq} must all be positive"
-            )));
-        }
-        let n_head =
-            [Self::HEAD_DIM, 64].into_iter().find(|d| hidden.is_multiple_of(*d)).map_or(1, |d| hidden / d);
-        Ok(Self {
-            gpt: GptConfig { vocab, seq_len: seq, d_model: hidden, n_head, n_layer: layers, mlp_ratio: 4 },
-        })
-    }
-
-    /// Parameters.
-    pub fn params(&self) -> usize {
-        self.gpt.num_params()
-    }
-
-    /// FLOPs of one micro-batch of `batch` sequences (forward, backward, and
-    /// the blocks' recomputation with checkpointing), split (forward, rest).
-    pub fn flops(&self, batch: usize, checkpointing: bool) -> (f64, f64) {
-        let g = &self.gpt;
-        let (b, s, l, h, v, r) = (
-            batch as f64,
-            g.seq_len as f64,
-            g.n_layer as f64,
-            g.d_model as f64,
-            g.vocab as f64,
-            g.mlp_ratio as f64,
-        );
-        let blocks = (8.0 + 4.0 * r) * b * s * l * h * h + 4.0 * b * s * s * l * h;
-        let head = 2.0 * b * s * h * v;
-        let forward = blocks + head;
-        let rest = 2.0 * forward + if checkpointing { blocks } else { 0.0 };
-        (forward, rest)
-    }
-}
-
 /// Everything a plan needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlanInput {
@@ -288,7 +203,9 @@ pub struct ModePlan {
     pub compute_s: f64,
     /// Exposed (not hidden) communication time per operation tag, seconds.
     pub exposed_s: BTreeMap<String, f64>,
-    /// Model FLOP/s per GPU (the FLOPs of [`PlanModel::flops`] over the step), in TFLOP/s.
+    /// FLOP/s per GPU in TFLOP/s: the FLOPs of [`PlanModel::flops`] (Megatron-LM's
+    /// count, the recomputed forward included under checkpointing, as
+    /// DeepSpeed reports its throughput) over the step.
     pub tflops_per_gpu: f64,
     /// Bytes per GPU per step sent to GPUs of the same node.
     pub intra_node_bytes: f64,
@@ -342,7 +259,7 @@ pub struct Plan {
 /// ```
 /// use zeropp_run::plan::{Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, plan};
 /// let input = PlanInput {
-///     model: PlanModel::from_params(1e9, 2048)?,
+///     model: PlanModel::from_params(1e9, PlanModel::DEFAULT_VOCAB, 2048)?,
 ///     tokens: 2048,
 ///     cluster: Cluster { nodes: 4, gpus_per_node: 8, inter_bytes_per_s: 12.5e9, intra_bytes_per_s: 300e9, latency_s: 20e-6 },
 ///     gpu: GpuSpec::preset("a100").ok_or("preset")?,
@@ -362,11 +279,22 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     if c.nodes == 0 || c.gpus_per_node == 0 {
         return Err(RunError::InvalidConfig("--nodes and --gpus-per-node must be positive".into()));
     }
+    if c.nodes.saturating_mul(c.gpus_per_node) > 1 << 20 {
+        return Err(RunError::InvalidConfig(format!(
+            "--nodes {} x --gpus-per-node {}: at most 2^20 GPUs",
+            c.nodes, c.gpus_per_node
+        )));
+    }
+    for (what, v) in
+        [("--compute-efficiency", input.efficiency.compute), ("--link-efficiency", input.efficiency.link)]
+    {
+        if !(v > 0.0 && v <= 1.0) {
+            return Err(RunError::InvalidConfig(format!("{what} {v}: expected a fraction in (0, 1]")));
+        }
+    }
     for (what, v) in [
         ("inter-node bandwidth", c.inter_bytes_per_s),
         ("intra-node bandwidth", c.intra_bytes_per_s),
-        ("compute efficiency", input.efficiency.compute),
-        ("link efficiency", input.efficiency.link),
         ("GPU peak", input.gpu.peak_flops),
         ("GPU memory bandwidth", input.gpu.hbm_bytes_per_s),
     ] {
@@ -381,8 +309,11 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         return Err(RunError::InvalidConfig("--mode: no mode to plan".into()));
     }
     let mut model = input.model;
-    let seq = model.gpt.seq_len.min(input.tokens.max(1));
-    if input.tokens == 0 || input.tokens > seq && !input.tokens.is_multiple_of(seq) {
+    if input.tokens == 0 {
+        return Err(RunError::InvalidConfig("--tokens 0: expected a positive number of tokens".into()));
+    }
+    let seq = model.gpt.seq_len.min(input.tokens);
+    if input.tokens > seq && !input.tokens.is_multiple_of(seq) {
         return Err(RunError::InvalidConfig(format!(
             "--tokens {}: expected a positive multiple of the context ({seq}) or at most one context",
             input.tokens
@@ -412,7 +343,6 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         };
         let pp = build_plan(&gpt, &cfg, topo)?;
         let cp = CommPlan::new(&pp, &cfg)?;
-        let calls = time::calls_per_step(&cp);
         let mut kinds = vec![(StepKind::Full, 1.0)];
         if let Some(d) = cfg.zero.qwz_delta.filter(|d| d.refresh_every > 1 && cfg.zero.hpz_size > 1) {
             let r = d.refresh_every as f64;
@@ -422,6 +352,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         let (mut intra, mut inter) = (0.0, 0.0);
         for (kind, weight) in kinds {
             let bytes = step_bytes_of(&pp, &cfg, 1, kind)?;
+            let calls = time::calls_per_step(&cp, kind);
             let ops: Vec<OpTime> =
                 bytes.by_op.iter().map(|(tag, b)| OpTime::of(tag, *b, &calls, input)).collect();
             // The embedding, the blocks and the head: one gather each.

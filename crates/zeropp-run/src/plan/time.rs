@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use zeropp_engine::engine::bytes::StepKind;
 use zeropp_engine::engine::{CommPlan, WeightGather, tags};
 use zeropp_engine::metrics::LinkBytes;
 
@@ -23,17 +24,22 @@ pub(super) struct Calls {
     /// Latency hops per world collective: 2 when it is routed over the rail
     /// and then the node, 1 flat.
     hops: f64,
+    /// The forward gather's hops: 1 on qwZ-Δ's difference step, whose forward
+    /// gathers from the hpZ copy inside the node.
+    fwd_hops: f64,
 }
 
-/// The calls and kernel elements of one step of `cp` (one micro-batch).
-pub(super) fn calls_per_step(cp: &CommPlan) -> Calls {
+/// The calls and kernel elements of one step of `kind` of `cp` (one micro-batch).
+pub(super) fn calls_per_step(cp: &CommPlan, kind: StepKind) -> Calls {
     let t = cp.topology();
     let routed = cp.routing() == zeropp_comm::collectives::Routing::Hierarchical
         && t.nodes() > 1
         && t.local_size() > 1;
-    let mut c = Calls { hops: if routed { 2.0 } else { 1.0 }, ..Calls::default() };
-    let qwz = matches!(cp.weights(), WeightGather::Qwz { .. });
     let hpz = cp.hpz_size() > 1;
+    let delta_step = kind == StepKind::Delta && cp.delta().is_some() && hpz;
+    let hops = if routed { 2.0 } else { 1.0 };
+    let mut c = Calls { hops, fwd_hops: if delta_step { 1.0 } else { hops }, ..Calls::default() };
+    let qwz = matches!(cp.weights(), WeightGather::Qwz { .. });
     let add = |map: &mut BTreeMap<&'static str, f64>, tag: &'static str, v: f64| {
         *map.entry(tag).or_default() += v;
     };
@@ -48,12 +54,16 @@ pub(super) fn calls_per_step(cp: &CommPlan) -> Calls {
         add(&mut c.calls, tags::FWD_DELTA, 1.0);
         add(&mut c.calls, tags::GRAD_REDUCE, layer.reduces.len() as f64);
         if qwz {
-            add(&mut c.quantized, tags::FWD_GATHER, p);
-            if !hpz || cp.hpz_int8() {
+            // The hpZ copy is dense unless it is held in INT8 (`--hpz-wire int8`).
+            let bwd_dequantizes = !hpz || cp.hpz_int8();
+            if !delta_step || cp.hpz_int8() {
+                add(&mut c.quantized, tags::FWD_GATHER, p);
+            }
+            if bwd_dequantizes {
                 add(&mut c.quantized, tags::BWD_GATHER, p);
             }
         }
-        if cp.delta().is_some() {
+        if delta_step {
             add(&mut c.quantized, tags::FWD_DELTA, p / cp.hpz_size().max(1) as f64);
         }
         if cp.qgz().is_some() {
@@ -80,7 +90,11 @@ impl OpTime {
         let intra = bytes.intra / (c.intra_bytes_per_s * e);
         let inter = c.gpus_per_node as f64 * bytes.inter / (c.inter_bytes_per_s * e);
         let n = calls.calls.get(tag).copied().unwrap_or(0.0);
-        let hops = if tag == tags::GRAD_NORM || tag == tags::FWD_DELTA { 2.0 } else { calls.hops };
+        let hops = match tag {
+            t if t == tags::GRAD_NORM || t == tags::FWD_DELTA => 2.0,
+            t if t == tags::FWD_GATHER => calls.fwd_hops,
+            _ => calls.hops,
+        };
         // An operation that moved nothing this step (hpZ's forward delta on a
         // full step) has no latency either.
         let latency = if bytes.intra + bytes.inter > 0.0 { n * hops * c.latency_s } else { 0.0 };

@@ -101,7 +101,7 @@ fn the_planners_bytes_are_what_a_run_counts() {
 #[test]
 fn derived_shapes_have_the_parameters_asked() {
     for params in [1e8, 1.3e9, 7e9, 18e9, 70e9, 175e9, 1e12] {
-        let m = PlanModel::from_params(params, 2048).unwrap();
+        let m = PlanModel::from_params(params, PlanModel::DEFAULT_VOCAB, 2048).unwrap();
         let got = m.params() as f64;
         let tol = if params < 1e9 { 0.06 } else { 0.01 };
         assert!((got / params - 1.0).abs() < tol, "{params}: {got}");
@@ -113,7 +113,13 @@ fn derived_shapes_have_the_parameters_asked() {
             m.gpt.n_layer
         );
     }
-    assert!(PlanModel::from_params(f64::NAN, 2048).is_err());
+    assert!(PlanModel::from_params(f64::NAN, PlanModel::DEFAULT_VOCAB, 2048).is_err());
+    // 2M parameters cannot hold GPT-2's vocabulary twice over: refused, not 6.5M.
+    let e = PlanModel::from_params(2e6, PlanModel::DEFAULT_VOCAB, 2048).unwrap_err().to_string();
+    assert!(e.contains("nearest GPT"), "{e}");
+    // The vocabulary asked for is the one the shape is fitted with.
+    let m = PlanModel::from_params(1e8, 32_000, 2048).unwrap();
+    assert!((m.params() as f64 / 1e8 - 1.0).abs() < 0.06, "{}", m.params());
 }
 
 proptest! {
@@ -155,7 +161,7 @@ proptest! {
 /// about what it saves in cross-node bytes.
 #[test]
 fn the_extremes_are_compute_and_bytes() {
-    let model = PlanModel::from_params(1e9, 1024).unwrap();
+    let model = PlanModel::from_params(1e9, PlanModel::DEFAULT_VOCAB, 1024).unwrap();
     let modes = vec![PlanMode::Zero3, PlanMode::Zeropp];
     let fast = plan(&input(model, 2048, cluster(4, 8, 1e18), modes.clone())).unwrap();
     let (a, b) = (&fast.modes["zero3"], &fast.modes["zeropp"]);
@@ -169,7 +175,7 @@ fn the_extremes_are_compute_and_bytes() {
 
 #[test]
 fn bad_inputs_are_named() {
-    let model = PlanModel::from_params(1e9, 2048).unwrap();
+    let model = PlanModel::from_params(1e9, PlanModel::DEFAULT_VOCAB, 2048).unwrap();
     let e = |i: PlanInput| plan(&i).unwrap_err().to_string();
     assert!(e(input(model, 3000, cluster(2, 8, 1e9), vec![PlanMode::Zero3])).contains("--tokens 3000"));
     assert!(e(input(model, 2048, cluster(0, 8, 1e9), vec![PlanMode::Zero3])).contains("--nodes"));
@@ -177,5 +183,10 @@ fn bad_inputs_are_named() {
         e(input(model, 2048, cluster(2, 8, 0.0), vec![PlanMode::Zero3])).contains("inter-node bandwidth")
     );
     assert!(e(input(model, 2048, cluster(2, 8, 1e9), vec![])).contains("no mode"));
+    assert!(e(input(model, 0, cluster(2, 8, 1e9), vec![PlanMode::Zero3])).contains("--tokens 0"));
+    let mut i = input(model, 2048, cluster(2, 8, 1e9), vec![PlanMode::Zero3]);
+    i.efficiency.compute = 50.0;
+    assert!(e(i).contains("--compute-efficiency 50"));
+    assert!(PlanModel::shaped(1, 10_000_000_000, 1, 1).unwrap_err().to_string().contains("1e15"));
     assert!(PlanMode::parse("zero4").unwrap_err().to_string().contains("zeropp-delta"));
 }

@@ -69,7 +69,9 @@ fn table_sweep_and_svg() {
 #[test]
 fn bad_flags_are_named() {
     for (args, says) in [
-        (&["--inter", "100G"][..], "bandwidth `100G`"),
+        (&["--inter", "100G"][..], "--inter: bandwidth `100G`"),
+        (&["--compute-efficiency", "50"][..], "--compute-efficiency 50"),
+        (&["--model", "gpt-medium", "--layers", "3"][..], "cannot be used with"),
         (&["--gpu", "b200"][..], "--gpu `b200`"),
         (&["--mode", "zero3,zero4"][..], "--mode `zero4`"),
         (&["--tokens", "3000"][..], "--tokens 3000"),

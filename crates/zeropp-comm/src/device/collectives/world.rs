@@ -12,7 +12,8 @@
 //! [`world_reduce_scatter_bytes`](crate::collectives::world_reduce_scatter_bytes).
 
 use super::{
-    check_full, dequantize_to, elements, finish, index_in, quant, reduce_scatter_bf16_wire, with_part,
+    check_full, elements, f32_chunk, f32_staging, finish, index_in, quant, reduce_scatter_bf16_wire,
+    round_out, with_part,
 };
 use crate::collectives::{DenseWire, QwzOptions, Reduce, Routing, check_shard};
 use crate::device::{Device, DeviceBuf, DeviceCommunicator, Elem, Kernel, View};
@@ -128,7 +129,12 @@ pub fn world_qwz_all_gather<C: DeviceCommunicator + ?Sized>(
     let mine = DeviceBuf::zeroed(comm.device(), e)?;
     quant(comm, Kernel::Quantize { src: shard, elem, spec: opts.spec, opts: opts.quant, dst: mine.view() })?;
     let gathered = gather(comm, routing, mine.view())?;
-    gathered.each(|r, src| dequantize_to(comm, src, opts.spec, c, full.chunk(r, out.size() * c)?, out))
+    let staging = f32_staging(comm.device(), out, c * w)?;
+    gathered.each(|r, src| {
+        let dst = f32_chunk(staging.as_ref(), full, r, c)?;
+        quant(comm, Kernel::Dequantize { src, spec: opts.spec, len: c, dst, add: false })
+    })?;
+    round_out(comm, staging.as_ref(), full)
 }
 
 /// The world's chunks gathered by `routing`, each with the rank it came from.
