@@ -49,7 +49,9 @@ tasks:
                    threads and under MPI limited to 1.15x the model (xtask/candle-build.sh;
                    ZEROPP_BUILD_SIZES, ZEROPP_BUILD_BEFORE);
                    `plan`: `zeropp plan`'s predictions against DeepSpeed's published ZeRO++
-                   throughput on 384 V100s (prediction, publication, error)
+                   throughput on 384 V100s (prediction, publication, error), then against
+                   the namespace cluster's measured steps (gpt-medium 2 x 2 at 10, 20 and
+                   50 Mbit/s, ZEROPP_PLAN_RATES; needs root and OpenMPI, else says so)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
@@ -278,7 +280,8 @@ fn qgz_error(report_dir: &Path) -> Result<(), String> {
 }
 
 /// `bench plan`: the planner against the published ZeRO++ figures (the
-/// `plan_published` example of zeropp-run); `target/bench-report/plan.md`.
+/// `plan_published` example of zeropp-run), then against the namespace
+/// cluster (`cluster::bench_plan_cluster`); `target/bench-report/plan.md`.
 fn plan_bench(report_dir: &Path) -> Result<(), String> {
     let out = report_dir.join("plan.md");
     let mut c = cargo();
@@ -288,7 +291,8 @@ fn plan_bench(report_dir: &Path) -> Result<(), String> {
     if !o.status.success() {
         return Err(format!("bench plan failed ({}): {}", o.status, String::from_utf8_lossy(&o.stderr)));
     }
-    let md = String::from_utf8_lossy(&o.stdout);
+    let mut md = String::from_utf8_lossy(&o.stdout).into_owned();
+    md += &cluster::bench_plan_cluster()?;
     print!("{md}");
     std::fs::write(&out, md.as_bytes()).map_err(|e| format!("{}: {e}", out.display()))?;
     eprintln!("==> wrote {}", out.display());

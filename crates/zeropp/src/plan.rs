@@ -55,7 +55,8 @@ pub(crate) struct PlanArgs {
     /// over the rail then the node, and qgZ, take 2 hops).
     #[arg(long = "latency-us", default_value_t = 20.0)]
     pub latency_us: f64,
-    /// GPU: v100, a100, h100, h200, or `tflops=T[,hbm=BANDWIDTH]`.
+    /// GPU: v100, a100, h100, h200, or `tflops=T[,hbm=BANDWIDTH][,kernel=ELEMENTS_PER_S]`
+    /// (`kernel`: the quantization kernels' measured rate; the HBM bound, hbm / 3, when absent).
     #[arg(long, default_value = "h100")]
     pub gpu: String,
     /// Modes, comma-separated: zero3, zero3-flat, zeropp, zeropp-delta, qwz,
@@ -191,17 +192,24 @@ fn sweep(a: &PlanArgs, lo: f64, hi: f64) -> Result<Vec<(f64, Plan)>, CliError> {
         .collect()
 }
 
+/// Gigabytes, with two decimals, or three significant digits below 0.1 GB
+/// (a test model's megabytes would all print as 0.00).
 fn gb(bytes: f64) -> String {
-    format!("{:.2}", bytes / 1e9)
+    let g = bytes / 1e9;
+    if g == 0.0 || g >= 0.1 { format!("{g:.2}") } else { format!("{g:.3e}") }
 }
 
 /// The table of one plan.
 fn table(p: &Plan, a: &PlanArgs) -> String {
     let mut s = format!(
-        "model: {:.2}B parameters ({} blocks, width {}, vocab {}, context {}), {} tokens/GPU/micro-batch\n\
+        "model: {} parameters ({} blocks, width {}, vocab {}, context {}), {} tokens/GPU/micro-batch\n\
          cluster: {} GPUs ({} nodes x {}), inter {} per node, intra {} per GPU, GPU {}\n\
          constants: compute efficiency {}, link efficiency {}, overlap {:?} (docs/PERFORMANCE.md, \"Planning\")\n\n",
-        p.params as f64 / 1e9,
+        if p.params >= 1_000_000_000 {
+            format!("{:.2}B", p.params as f64 / 1e9)
+        } else {
+            format!("{:.2}M", p.params as f64 / 1e6)
+        },
         p.layers,
         p.hidden,
         p.vocab,

@@ -29,12 +29,14 @@ use crate::{cargo, root, run as run_step};
 mod bench;
 mod checks;
 mod faults;
+mod plan_bench;
 mod probe;
 mod run;
 mod test;
 mod torch_bench;
 
 pub(crate) use bench::bench;
+pub(crate) use plan_bench::cluster_part as bench_plan_cluster;
 pub(crate) use test::test;
 pub(crate) use torch_bench::bench as bench_torch;
 

@@ -4,6 +4,10 @@
 
 use crate::{Result, RunError};
 
+/// Bytes each quantized element moves through HBM in a quantization kernel
+/// pass: read at one width, written at the other (2 + 1 for 16-bit and INT8).
+pub(super) const KERNEL_BYTES_PER_ELEMENT: f64 = 3.0;
+
 /// One GPU model's figures: peak dense 16-bit tensor throughput and memory
 /// bandwidth, from the vendor's datasheet.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,6 +20,11 @@ pub struct GpuSpec {
     pub hbm_bytes_per_s: f64,
     /// Memory per GPU, bytes (0 when unknown).
     pub memory_bytes: f64,
+    /// Elements per second one quantization kernel pass processes (a
+    /// quantize or a dequantize of one element): by default the HBM bound,
+    /// `hbm / 3` (2 bytes read and 1 written, or the reverse); `kernel=RATE`
+    /// gives a measured rate instead (a CPU's, in `cargo xtask bench plan`).
+    pub kernel_elements_per_s: f64,
 }
 
 impl GpuSpec {
@@ -36,6 +45,7 @@ impl GpuSpec {
             peak_flops: tflops * 1e12,
             hbm_bytes_per_s: hbm_gbs * 1e9,
             memory_bytes: mem_gb * 1e9,
+            kernel_elements_per_s: hbm_gbs * 1e9 / KERNEL_BYTES_PER_ELEMENT,
         };
         [
             g("v100", 125.0, 900.0, 32.0),
@@ -50,23 +60,40 @@ impl GpuSpec {
         Self::presets().into_iter().find(|g| g.name.eq_ignore_ascii_case(name))
     }
 
-    /// `--gpu`'s value: a preset name, or `tflops=T[,hbm=B]` (B a bandwidth
-    /// such as `2TB/s`; the H100's 3350 GB/s when absent).
+    /// `--gpu`'s value: a preset name, or `tflops=T[,hbm=B][,kernel=K]` (B a
+    /// bandwidth such as `2TB/s`, the H100's 3350 GB/s when absent; K the
+    /// quantization kernels' elements per second, `hbm / 3` when absent).
+    ///
+    /// ```
+    /// use zeropp_run::plan::GpuSpec;
+    /// let cpu = GpuSpec::parse("tflops=0.02,kernel=3e8")?;
+    /// assert_eq!((cpu.peak_flops, cpu.kernel_elements_per_s), (0.02e12, 3e8));
+    /// let g = GpuSpec::parse("tflops=125,hbm=900GB/s")?;
+    /// assert_eq!(g.kernel_elements_per_s, 300e9);
+    /// # Ok::<(), zeropp_run::RunError>(())
+    /// ```
     pub fn parse(s: &str) -> Result<Self> {
         if let Some(g) = Self::preset(s) {
             return Ok(g);
         }
-        let mut custom =
-            Self { name: "custom".into(), peak_flops: 0.0, hbm_bytes_per_s: 3350e9, memory_bytes: 0.0 };
+        let mut custom = Self {
+            name: "custom".into(),
+            peak_flops: 0.0,
+            hbm_bytes_per_s: 3350e9,
+            memory_bytes: 0.0,
+            kernel_elements_per_s: 0.0,
+        };
+        let mut kernel = None;
         for part in s.split(',') {
             match part.split_once('=') {
                 Some(("tflops", v)) => {
                     custom.peak_flops = positive(v, "--gpu tflops")? * 1e12;
                 }
                 Some(("hbm", v)) => custom.hbm_bytes_per_s = parse_bandwidth(v)?,
+                Some(("kernel", v)) => kernel = Some(positive(v, "--gpu kernel")?),
                 _ => {
                     return Err(RunError::InvalidConfig(format!(
-                        "--gpu `{s}`: expected one of v100, a100, h100, h200, or tflops=T[,hbm=BANDWIDTH]"
+                        "--gpu `{s}`: expected one of v100, a100, h100, h200, or tflops=T[,hbm=BANDWIDTH][,kernel=ELEMENTS_PER_S]"
                     )));
                 }
             }
@@ -74,6 +101,7 @@ impl GpuSpec {
         if custom.peak_flops == 0.0 {
             return Err(RunError::InvalidConfig(format!("--gpu `{s}`: tflops=T is required")));
         }
+        custom.kernel_elements_per_s = kernel.unwrap_or(custom.hbm_bytes_per_s / KERNEL_BYTES_PER_ELEMENT);
         Ok(custom)
     }
 }
@@ -168,5 +196,7 @@ mod tests {
         assert_eq!(c.as_ref().map(|g| (g.peak_flops, g.hbm_bytes_per_s)).ok(), Some((125e12, 900e9)));
         assert!(GpuSpec::parse("b200").is_err());
         assert!(GpuSpec::parse("hbm=1TB/s").is_err());
+        assert!(GpuSpec::parse("tflops=1,kernel=0").is_err());
+        assert!(GpuSpec::parse("tflops=1,kernel=fast").is_err());
     }
 }

@@ -24,8 +24,10 @@
 //!   operation takes the longer, plus one latency per hop of each collective
 //!   call (2 for a call routed over the rail then the node, for qgZ's two
 //!   hops, for the norm's exchange and qwZ-Δ's; 1 for a flat call) and its
-//!   quantization kernels' time (each quantized element passes HBM once read
-//!   and once written, 3 bytes at the 16-bit/8-bit widths).
+//!   quantization kernels' time: the elements they pass over the device's
+//!   kernel rate ([`GpuSpec::kernel_elements_per_s`]; for a GPU preset its
+//!   HBM bound, each element read at one width and written at the other, 3
+//!   bytes at the 16-bit/8-bit widths).
 //! - **Overlap ([`Overlap::Prefetch`], ZeRO's prefetch, the default).** The
 //!   forward gathers run under the forward compute, the backward gathers and
 //!   the gradient reduce-scatters under the backward compute (recompute
@@ -221,6 +223,9 @@ pub struct ModePlan {
     pub state_bytes: f64,
     /// Speedup over the first mode of the plan (its step / this step).
     pub speedup: f64,
+    /// Elements through the quantization kernels per GPU per step (quantize
+    /// and dequantize passes, the fused qgZ reduce counted as a second pass).
+    pub quantized_elements: f64,
 }
 
 /// A plan: the modes' figures, keyed by mode name, with the inputs that made them.
@@ -238,6 +243,9 @@ pub struct Plan {
     pub seq: usize,
     /// Tokens per GPU per micro-batch.
     pub tokens: usize,
+    /// FLOPs per GPU per step ([`PlanModel::flops`], the recomputed forward
+    /// included under checkpointing).
+    pub flops_per_gpu: f64,
     /// GPUs.
     pub gpus: usize,
     /// The GPU preset.
@@ -297,6 +305,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         ("intra-node bandwidth", c.intra_bytes_per_s),
         ("GPU peak", input.gpu.peak_flops),
         ("GPU memory bandwidth", input.gpu.hbm_bytes_per_s),
+        ("GPU quantization kernel rate", input.gpu.kernel_elements_per_s),
     ] {
         if !(v.is_finite() && v > 0.0) {
             return Err(RunError::InvalidConfig(format!("{what} must be positive, not {v}")));
@@ -349,10 +358,11 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
             kinds = vec![(StepKind::Full, 1.0 / r), (StepKind::Delta, (r - 1.0) / r)];
         }
         let mut acc = StepTimes::default();
-        let (mut intra, mut inter) = (0.0, 0.0);
+        let (mut intra, mut inter, mut quantized) = (0.0, 0.0, 0.0);
         for (kind, weight) in kinds {
             let bytes = step_bytes_of(&pp, &cfg, 1, kind)?;
             let calls = time::calls_per_step(&cp, kind);
+            quantized += weight * calls.quantized_elements();
             let ops: Vec<OpTime> =
                 bytes.by_op.iter().map(|(tag, b)| OpTime::of(tag, *b, &calls, input)).collect();
             // The embedding, the blocks and the head: one gather each.
@@ -378,6 +388,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
                 memory_bytes: mem.total() as f64,
                 state_bytes: (mem.total() - mem.activations) as f64,
                 speedup: first / step,
+                quantized_elements: quantized,
             },
         );
         order.push(mode.name().to_string());
@@ -389,6 +400,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         vocab: model.gpt.vocab,
         seq,
         tokens: input.tokens,
+        flops_per_gpu: flops.0 + flops.1,
         gpus: c.world(),
         gpu: input.gpu.name.clone(),
         compute_efficiency: input.efficiency.compute,

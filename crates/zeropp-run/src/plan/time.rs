@@ -11,10 +11,6 @@ use zeropp_engine::metrics::LinkBytes;
 
 use super::{Overlap, PlanInput};
 
-/// Bytes each quantized element moves through HBM in a quantization kernel:
-/// read at one width, written at the other (2 + 1 for 16-bit and INT8).
-const KERNEL_BYTES_PER_ELEMENT: f64 = 3.0;
-
 /// Per operation tag: the collective calls of one step and the elements their
 /// quantization kernels process.
 #[derive(Debug, Default)]
@@ -75,6 +71,13 @@ pub(super) fn calls_per_step(cp: &CommPlan, kind: StepKind) -> Calls {
     c
 }
 
+impl Calls {
+    /// Elements through the quantization kernels in the step, every operation.
+    pub(super) fn quantized_elements(&self) -> f64 {
+        self.quantized.values().sum()
+    }
+}
+
 /// One operation's time on the links for a whole step.
 #[derive(Debug, Clone)]
 pub(super) struct OpTime {
@@ -98,8 +101,7 @@ impl OpTime {
         // An operation that moved nothing this step (hpZ's forward delta on a
         // full step) has no latency either.
         let latency = if bytes.intra + bytes.inter > 0.0 { n * hops * c.latency_s } else { 0.0 };
-        let kernel = calls.quantized.get(tag).copied().unwrap_or(0.0) * KERNEL_BYTES_PER_ELEMENT
-            / input.gpu.hbm_bytes_per_s;
+        let kernel = calls.quantized.get(tag).copied().unwrap_or(0.0) / input.gpu.kernel_elements_per_s;
         Self { tag: tag.to_string(), seconds: intra.max(inter) + latency + kernel }
     }
 }

@@ -190,3 +190,34 @@ fn bad_inputs_are_named() {
     assert!(PlanModel::shaped(1, 10_000_000_000, 1, 1).unwrap_err().to_string().contains("1e15"));
     assert!(PlanMode::parse("zero4").unwrap_err().to_string().contains("zeropp-delta"));
 }
+
+/// The quantization kernels cost their elements over the device's kernel rate
+/// (`--gpu ...,kernel=K`), which only modes that quantize feel; the FLOPs
+/// reported are what the compute time is made of.
+#[test]
+fn the_kernel_term_is_the_elements_over_the_kernel_rate() {
+    let model = PlanModel::from_params(1e9, PlanModel::DEFAULT_VOCAB, 1024).unwrap();
+    let at = |kernel: f64| {
+        let mut i = input(model, 2048, cluster(4, 8, 12.5e9), vec![PlanMode::Zero3, PlanMode::Zeropp]);
+        // Everything adds without overlap, so the kernel term shows whole.
+        i.overlap = Overlap::None;
+        i.gpu.kernel_elements_per_s = kernel;
+        plan(&i).unwrap()
+    };
+    let (fast, slow) = (at(1e11), at(5e10));
+    let (z3, zpp) = (&fast.modes["zero3"], &fast.modes["zeropp"]);
+    assert_eq!(z3.quantized_elements, 0.0);
+    assert_eq!(z3.step_s, slow.modes["zero3"].step_s);
+    // qwZ dequantizes each gathered layer once, qgZ passes each gradient twice:
+    // about three passes over the model.
+    let passes = zpp.quantized_elements / model.params() as f64;
+    assert!((2.5..3.5).contains(&passes), "{passes} passes over the parameters");
+    let extra = slow.modes["zeropp"].step_s - zpp.step_s;
+    let expected = zpp.quantized_elements / 5e10 - zpp.quantized_elements / 1e11;
+    assert!(
+        (extra / expected - 1.0).abs() < 1e-9,
+        "{extra} s more at half the kernel rate, expected {expected}"
+    );
+    let rate = GpuSpec::preset("h100").unwrap().peak_flops * Efficiency::default().compute;
+    assert!((fast.flops_per_gpu / rate / zpp.compute_s - 1.0).abs() < 1e-12);
+}

@@ -44,6 +44,35 @@ fn json_has_every_mode_with_its_figures() {
     assert!(f("zeropp", "inter_node_bytes") < 0.3 * f("zero3", "inter_node_bytes"));
     assert!(f("zeropp", "step_s") <= f("zero3", "step_s"));
     assert_eq!(v["gpus"].as_u64(), Some(384));
+    assert!(v["flops_per_gpu"].as_f64().is_some_and(|x| x > 0.0), "flops_per_gpu: {}", v["flops_per_gpu"]);
+    assert_eq!(f("zero3", "quantized_elements"), 0.0);
+    assert!(f("zeropp", "quantized_elements") > 1e10, "ZeRO++ quantizes about three passes over 18e9");
+}
+
+/// A test model's megabytes print as such, not as 0.00 GB; a measured kernel
+/// rate (`--gpu tflops=T,kernel=K`) slows only the modes that quantize.
+#[test]
+fn small_models_and_measured_kernel_rates() {
+    let cpu = |kernel: &str| {
+        let gpu = format!("tflops=0.02,kernel={kernel}");
+        let out = plan(&[
+            "--model", "gpt-medium", "--tokens", "32", "--nodes", "2", "--gpus-per-node", "2",
+            "--inter", "50Mbit/s", "--intra", "10GB/s", "--gpu", &gpu, "--compute-efficiency", "1",
+            "--mode", "zero3,zeropp",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let table = cpu("3e8");
+    assert!(table.contains("2.39M parameters"), "{table}");
+    assert!(!table.contains("| 0.00 |"), "{table}");
+    let step = |t: &str, mode: &str| -> f64 {
+        let row = t.lines().find(|l| l.starts_with(&format!("| {mode} |"))).unwrap();
+        row.split('|').nth(2).unwrap().trim().parse().unwrap()
+    };
+    let slow = cpu("3e6");
+    assert_eq!(step(&table, "zero3"), step(&slow, "zero3"));
+    assert!(step(&slow, "zeropp") > step(&table, "zeropp") + 0.1, "{table}\n{slow}");
 }
 
 /// The table names every mode, the sweep finds where the speedup crosses
@@ -77,6 +106,7 @@ fn bad_flags_are_named() {
         (&["--tokens", "3000"][..], "--tokens 3000"),
         (&["--sweep", "inter=9..8"][..], "--sweep"),
         (&["--overlap", "some"][..], "--overlap `some`"),
+        (&["--gpu", "tflops=10,kernel=0"][..], "--gpu kernel"),
     ] {
         let out = plan(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
