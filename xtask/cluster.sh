@@ -3,7 +3,7 @@
 # calls this script). Needs root, iproute2 (ip, tc) and OpenMPI.
 #
 #   cluster.sh --nodes N --local-size L --rate RATE --delay DELAY [--loss P] [--jitter J]
-#              [--out DIR] [--time-limit S] [--mpi-verbose] [--fault SPEC]
+#              [--queue T] [--out DIR] [--time-limit S] [--mpi-verbose] [--fault SPEC]
 #              [--launcher mpirun|each-node] -- PROGRAM ARGS...
 #
 # - One network namespace per node (zpp-ID-nI) and one for the switch (zpp-ID-sw), which
@@ -14,7 +14,8 @@
 #   subnet is private to the run's switch).
 # - Each uplink is shaped in both directions: tbf at RATE (`unshaped`: none), under a
 #   netem parent when DELAY or jitter is set (delay/2 each way, so a node-to-node one-way
-#   delay of DELAY). LOSS (percent) drops packets at random on each node's egress with
+#   delay of DELAY). The tbf queue holds T of traffic (--queue, default 100ms); what
+#   overflows it is dropped, and TCP recovers by retransmission (at 10 Mbit/s, 125 KB). LOSS (percent) drops packets at random on each node's egress with
 #   nftables (numgen), so that it works on kernels without netem.
 # - mpirun runs inside node 0's namespace; its rsh agent (written into the run directory)
 #   starts OpenMPI's daemons on the other nodes through `ip netns exec`. BTLs are
@@ -36,7 +37,7 @@
 # if mpirun has not ended it by then.
 set -uo pipefail
 
-nodes=2 local_size=1 rate=unshaped delay=0ms loss="" jitter="" out="" time_limit=600
+nodes=2 local_size=1 rate=unshaped delay=0ms loss="" jitter="" queue=100ms out="" time_limit=600
 verbose=0 fault="" launcher=mpirun
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -46,6 +47,7 @@ while [ $# -gt 0 ]; do
     --delay) delay="$2"; shift 2 ;;
     --loss) loss="$2"; shift 2 ;;
     --jitter) jitter="$2"; shift 2 ;;
+    --queue) queue="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --time-limit) time_limit="$2"; shift 2 ;;
     --mpi-verbose) verbose=1; shift ;;
@@ -106,13 +108,13 @@ shape() {
   if [ "$rate" != unshaped ]; then
     # burst: 25 ms of traffic (at least 64 KiB): one 64 KiB GSO packet always fits, and a
     # sender that the CPU scheduler held back can catch up (4 ms reached 0.68 of 1 Gbit/s);
-    # latency: at most 100 ms of queue.
+    # latency: at most $queue of queue (100 ms unless --queue).
     local bits
     bits="$(rate_bits "$rate")"
     local burst=$((bits / 8 / 40))
     [ "$burst" -lt 65536 ] && burst=65536
     ip netns exec "$ns" tc qdisc add dev "$dev" "${parent[@]}" handle 10: tbf rate "${bits}bit" \
-      burst "$burst" latency 100ms || return 1
+      burst "$burst" latency "$queue" || return 1
   fi
 }
 

@@ -20,8 +20,9 @@ pub(crate) struct PlanArgs {
     #[arg(long, default_value = "7e9")]
     pub params: f64,
     /// A built-in GPT preset instead of `--params` and the shape flags
-    /// (gpt-medium, gpt2-small, ...).
-    #[arg(long, conflicts_with_all = ["params", "layers", "hidden", "vocab", "seq"])]
+    /// (gpt-medium, gpt2-small, ...); `--vocab` may still replace its
+    /// vocabulary, as `zeropp train` replaces it with the data's.
+    #[arg(long, conflicts_with_all = ["params", "layers", "hidden", "seq"])]
     pub model: Option<String>,
     /// Transformer blocks (default: derived from `--params`).
     #[arg(long)]
@@ -29,9 +30,9 @@ pub(crate) struct PlanArgs {
     /// Model width (default: derived from `--params`).
     #[arg(long)]
     pub hidden: Option<usize>,
-    /// Vocabulary.
-    #[arg(long, default_value_t = PlanModel::DEFAULT_VOCAB)]
-    pub vocab: usize,
+    /// Vocabulary (default: GPT-2's 50257, or the `--model` preset's).
+    #[arg(long)]
+    pub vocab: Option<usize>,
     /// Context: tokens per sequence (at most `--tokens`).
     #[arg(long, default_value_t = 2048)]
     pub seq: usize,
@@ -95,14 +96,19 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
         Some(name) => {
             let g = zeropp_engine::model::GptConfig::preset(name)
                 .ok_or_else(|| format!("--model `{name}`: not a GPT preset"))?;
-            PlanModel { gpt: g }
+            match a.vocab {
+                Some(0) => return Err("--vocab 0: expected a positive vocabulary".to_string().into()),
+                Some(v) => PlanModel { gpt: g.with_vocab(v) },
+                None => PlanModel { gpt: g },
+            }
         }
         None => {
-            let derived = PlanModel::from_params(a.params, a.vocab, a.seq)?;
+            let vocab = a.vocab.unwrap_or(PlanModel::DEFAULT_VOCAB);
+            let derived = PlanModel::from_params(a.params, vocab, a.seq)?;
             PlanModel::shaped(
                 a.layers.unwrap_or(derived.gpt.n_layer),
                 a.hidden.unwrap_or(derived.gpt.d_model),
-                a.vocab,
+                vocab,
                 a.seq,
             )?
         }
@@ -195,8 +201,17 @@ fn sweep(a: &PlanArgs, lo: f64, hi: f64) -> Result<Vec<(f64, Plan)>, CliError> {
 /// Gigabytes, with two decimals, or three significant digits below 0.1 GB
 /// (a test model's megabytes would all print as 0.00).
 fn gb(bytes: f64) -> String {
-    let g = bytes / 1e9;
-    if g == 0.0 || g >= 0.1 { format!("{g:.2}") } else { format!("{g:.3e}") }
+    small(bytes / 1e9, 2)
+}
+
+/// `x` with `decimals` decimals, or three significant digits where those
+/// would print it as zero.
+fn small(x: f64, decimals: usize) -> String {
+    if x == 0.0 || x >= 10f64.powi(-(decimals as i32)) * 10.0 {
+        format!("{x:.decimals$}")
+    } else {
+        format!("{x:.3e}")
+    }
 }
 
 /// The table of one plan.
@@ -233,10 +248,10 @@ fn table(p: &Plan, a: &PlanArgs) -> String {
         if let Some(m) = p.modes.get(name) {
             let exposed: f64 = m.exposed_s.values().sum();
             s.push_str(&format!(
-                "| {name} | {:.3} | {:.2}x | {:.1} | {:.3} | {:.3} | {} | {} | {} | {} |\n",
+                "| {name} | {:.3} | {:.2}x | {} | {:.3} | {:.3} | {} | {} | {} | {} |\n",
                 m.step_s,
                 m.speedup,
-                m.tflops_per_gpu,
+                small(m.tflops_per_gpu, 1),
                 m.compute_s,
                 exposed,
                 gb(m.inter_node_bytes),

@@ -44,10 +44,11 @@ const HELP: &str = "\
 cargo xtask cluster <command>
 
 commands:
-  run --nodes N --local-size L --rate RATE --delay DELAY [--loss P] [--jitter J] [--out DIR]
+  run --nodes N --local-size L --rate RATE --delay DELAY [--loss P] [--jitter J] [--queue T] [--out DIR]
       [--time-limit S] [--debug] -- ZEROPP_TRAIN_ARGS...
         builds zeropp (--features mpi), brings up N network namespaces with shaped uplinks
-        (RATE: 100mbit, 1gbit, ..., or unshaped; DELAY: 5ms, 0; LOSS in percent) and runs
+        (RATE: 100mbit, 1gbit, ..., or unshaped; DELAY: 5ms, 0; LOSS in percent; T: the
+        tbf queue as time at the rate, 100ms by default, beyond which packets drop) and runs
         `zeropp train --backend mpi --local-size L ZEROPP_TRAIN_ARGS` across them under
         mpirun (TCP between nodes, shared memory within). Writes DIR/metrics.jsonl,
         DIR/netdev.json (each node's kernel counters before/after) and prints one summary.
@@ -68,11 +69,21 @@ pub(crate) struct Shape {
     delay: String,
     loss: Option<String>,
     jitter: Option<String>,
+    /// The tbf queue as time at the rate (`cluster.sh --queue`; 100 ms when `None`).
+    queue: Option<String>,
 }
 
 impl Shape {
     fn new(nodes: usize, local_size: usize, rate: &str) -> Self {
-        Self { nodes, local_size, rate: rate.into(), delay: "0".into(), loss: None, jitter: None }
+        Self {
+            nodes,
+            local_size,
+            rate: rate.into(),
+            delay: "0".into(),
+            loss: None,
+            jitter: None,
+            queue: None,
+        }
     }
     fn world(&self) -> usize {
         self.nodes * self.local_size
@@ -161,6 +172,9 @@ fn launch(
     }
     if let Some(j) = &shape.jitter {
         c.args(["--jitter", j]);
+    }
+    if let Some(q) = &shape.queue {
+        c.args(["--queue", q]);
     }
     if opts.btl_verbose {
         c.arg("--mpi-verbose");

@@ -10,7 +10,8 @@
 //!   cluster's do);
 //! - **kernels**: `zeropp quant --single-thread`'s quantize and dequantize rates,
 //!   INT8 and INT4, as elements per second of one pass, divided by the ranks per core;
-//! - **links**: the tc rate, at TCP's payload per Ethernet frame (1448 of 1514 bytes,
+//! - **links**: the tc rate (its tbf queue 1 s deep, so that the link drops
+//!   nothing, as the lossless fabrics the planner describes), at TCP's payload per Ethernet frame (1448 of 1514 bytes,
 //!   the link efficiency; `cluster probe` measures 0.957 one way); intra-node copies
 //!   at 10 GB/s (shared memory; under 0.1% of any step here), no latency term.
 //!
@@ -32,6 +33,9 @@ use super::{Launch, Shape, build_zeropp, rate_bits, read_metrics, tail, target_d
 const TCP_PAYLOAD_PER_FRAME: f64 = 1448.0 / 1514.0;
 /// gpt-medium's context; `--batch 4` over 4 ranks is one sequence per rank.
 const TOKENS_PER_RANK: usize = 32;
+/// The vocabulary of `zeropp train`'s default data, which replaces the preset's
+/// (checked: the plan's parameters must be the run's).
+const DATA_VOCAB: usize = 32;
 /// The goal of issue 40: every prediction within this of the measured median.
 const GOAL: f64 = 0.15;
 const MODES: [&str; 3] = ["zero3", "zeropp", "zeropp-delta"];
@@ -46,33 +50,41 @@ pub(crate) fn cluster_part() -> Result<String, String> {
     }
     let zeropp = build_zeropp(true, "dev")?;
     let rates = std::env::var("ZEROPP_PLAN_RATES").unwrap_or_else(|_| "10mbit,20mbit,50mbit".into());
-    let shape0 = Shape::new(2, 2, "unshaped");
-    // 12 steps: ZeRO++'s steps vary by up to 25% from one to the next on this TCP
-    // network (its prefetch stream and the main stream share the uplink), so the
-    // median needs a dozen.
-    let common =
-        ["--model", "gpt-medium", "--steps", "12", "--seed", "1", "--eval-batches", "0", "--batch", "4"];
+    // A queue of 1 s at the rate instead of 100 ms: the planner's links are lossless
+    // (InfiniBand's credits, RoCE's pause frames), and with 100 ms (125 KB at 10 Mbit/s)
+    // tbf drops ZeRO++'s concurrent bursts, whose steps then take 50% longer while TCP
+    // retransmits (1.6 s and 2.4 s steps in one run at 10 Mbit/s; steady with 1 s).
+    let shape0 = Shape { queue: Some("1000ms".into()), ..Shape::new(2, 2, "unshaped") };
+    // 12 steps on the cluster: ZeRO++'s steps vary by up to 25% from one to the
+    // next on this TCP network (its prefetch stream and the main stream share the
+    // uplink), so the median needs a dozen. 24 for the compute (20-40 ms a step).
+    let job = |steps: &'static str| {
+        ["--model", "gpt-medium", "--steps", steps, "--seed", "1", "--eval-batches", "0", "--batch", "4"]
+    };
+    let common = job("12");
     let base = target_dir().join("cluster/plan");
     let _ = std::fs::remove_dir_all(&base);
     std::fs::create_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;
 
-    // Compute: the same job on the thread backend, no link model, 24 steps (a
-    // step's compute is 20-40 ms here, from one to the next).
+    // Compute: the same job on the thread backend, no link model.
     let calib = base.join("compute.jsonl");
-    let args: Vec<String> = ["--mode", "zero3"]
-        .iter()
-        .chain(&common)
-        .map(|s| s.to_string())
-        .map(|s| if s == "12" { "24".into() } else { s })
-        .collect();
+    let args: Vec<String> = ["--mode", "zero3"].iter().chain(&job("24")).map(|s| s.to_string()).collect();
     threads_run(&zeropp, &shape0, &args, &calib, None)?;
-    let (steps, _) = read_metrics(&calib)?;
+    let (steps, summary) = read_metrics(&calib)?;
     let compute_s = median(steps.iter().skip(1).filter_map(|s| s.pointer("/times/compute_s")?.as_f64()));
     let probe = plan_json(&zeropp, "1Gbit/s", 1.0, 1e9, "prefetch")?;
     let flops = probe.get("flops_per_gpu").and_then(Value::as_f64).ok_or("plan: no flops_per_gpu")?;
     if probe.get("seq").and_then(Value::as_u64) != Some(TOKENS_PER_RANK as u64) {
         return Err(format!(
             "bench plan: gpt-medium's context is no longer {TOKENS_PER_RANK}; update TOKENS_PER_RANK"
+        ));
+    }
+    let (planned, ran) =
+        (probe.get("params").and_then(Value::as_u64), summary.get("params").and_then(Value::as_u64));
+    if planned != ran {
+        return Err(format!(
+            "bench plan: the plan's model has {planned:?} parameters, the run's {ran:?}: the default data's \
+             vocabulary is no longer {DATA_VOCAB}; update DATA_VOCAB"
         ));
     }
     let tflops = flops / compute_s / 1e12;
@@ -87,7 +99,7 @@ pub(crate) fn cluster_part() -> Result<String, String> {
         "Measured before the cluster ran, on this machine ({cores} cores, 4 ranks): compute {:.4} TFLOP/s per \
          rank (a step's {flops:.3e} FLOPs in the thread backend's median compute of {:.1} ms), quantization \
          kernels {:.3e} elements/s per rank (`zeropp quant --single-thread`, INT8 and INT4, one pass {:.2} ns, \
-         x{share} ranks per core). Link efficiency {TCP_PAYLOAD_PER_FRAME:.3} (TCP payload per Ethernet frame). \
+         x{share} ranks per core). Link efficiency {TCP_PAYLOAD_PER_FRAME:.3} (TCP payload per Ethernet frame); tbf queues 1 s deep. \
          Overlap: the planner's default (prefetch). Measured: the cluster's median step after the first, 12 steps.\n",
         tflops,
         compute_s * 1e3,
@@ -95,7 +107,7 @@ pub(crate) fn cluster_part() -> Result<String, String> {
         pass_s * 1e9
     );
     md.push_str(
-        "| inter-node rate | mode | predicted s/step | measured s/step | error | `--overlap none`: predicted (error) | inter-node bytes/GPU: plan (mean) / rank 0's counter |\n\
+        "| inter-node rate | mode | predicted s/step | measured s/step | error | `--overlap none`: predicted (error) | inter-node bytes/GPU: plan / counted |\n\
          |---|---|---|---|---|---|---|\n",
     );
     let (mut worst, mut worst_none): (f64, f64) = (0.0, 0.0);
@@ -153,7 +165,8 @@ pub(crate) fn cluster_part() -> Result<String, String> {
 /// under the overlap model `overlap`.
 fn plan_json(zeropp: &Path, inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Result<Value, String> {
     let mut c = Command::new(zeropp);
-    c.args(["plan", "--model", "gpt-medium", "--tokens", &TOKENS_PER_RANK.to_string()])
+    c.args(["plan", "--model", "gpt-medium", "--vocab", &DATA_VOCAB.to_string()])
+        .args(["--tokens", &TOKENS_PER_RANK.to_string()])
         .args(["--nodes", "2", "--gpus-per-node", "2", "--inter", inter, "--intra", "10GB/s"])
         .args(["--latency-us", "0", "--gpu", &format!("tflops={tflops:e},kernel={kernel:e}")])
         .args(["--compute-efficiency", "1", "--link-efficiency", &TCP_PAYLOAD_PER_FRAME.to_string()])

@@ -26,6 +26,7 @@ pub(super) fn run_cmd(args: &[String]) -> Result<(), String> {
             "--delay" => shape.delay = value(ours, &mut i, flag)?.into(),
             "--loss" => shape.loss = Some(value(ours, &mut i, flag)?.into()),
             "--jitter" => shape.jitter = Some(value(ours, &mut i, flag)?.into()),
+            "--queue" => shape.queue = Some(value(ours, &mut i, flag)?.into()),
             "--out" => out = Some(PathBuf::from(value(ours, &mut i, flag)?)),
             "--time-limit" => time_limit_s = parse_num(value(ours, &mut i, flag)?, flag)? as u64,
             "--debug" => release = false,
