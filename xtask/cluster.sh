@@ -15,7 +15,8 @@
 # - Each uplink is shaped in both directions: tbf at RATE (`unshaped`: none), under a
 #   netem parent when DELAY or jitter is set (delay/2 each way, so a node-to-node one-way
 #   delay of DELAY). The tbf queue holds T of traffic (--queue, default 100ms); what
-#   overflows it is dropped, and TCP recovers by retransmission (at 10 Mbit/s, 125 KB). LOSS (percent) drops packets at random on each node's egress with
+#   overflows it is dropped, and TCP recovers by retransmission (100 ms at 10 Mbit/s
+#   is 125 KB). LOSS (percent) drops packets at random on each node's egress with
 #   nftables (numgen), so that it works on kernels without netem.
 # - mpirun runs inside node 0's namespace; its rsh agent (written into the run directory)
 #   starts OpenMPI's daemons on the other nodes through `ip netns exec`. BTLs are

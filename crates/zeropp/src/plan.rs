@@ -56,8 +56,9 @@ pub(crate) struct PlanArgs {
     /// over the rail then the node, and qgZ, take 2 hops).
     #[arg(long = "latency-us", default_value_t = 20.0)]
     pub latency_us: f64,
-    /// GPU: v100, a100, h100, h200, or `tflops=T[,hbm=BANDWIDTH][,kernel=ELEMENTS_PER_S]`
-    /// (`kernel`: the quantization kernels' measured rate; the HBM bound, hbm / 3, when absent).
+    /// GPU: v100, a100, h100, h200, or `tflops=T[,hbm=BANDWIDTH][,kernel=ELEMENTS_PER_S]`,
+    /// or a preset with any of those replaced (`h100,kernel=1e11`). `kernel`: the
+    /// quantization kernels' measured rate (the HBM bound, hbm / 3, when absent).
     #[arg(long, default_value = "h100")]
     pub gpu: String,
     /// Modes, comma-separated: zero3, zero3-flat, zeropp, zeropp-delta, qwz,
@@ -97,8 +98,7 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
             let g = zeropp_engine::model::GptConfig::preset(name)
                 .ok_or_else(|| format!("--model `{name}`: not a GPT preset"))?;
             match a.vocab {
-                Some(0) => return Err("--vocab 0: expected a positive vocabulary".to_string().into()),
-                Some(v) => PlanModel { gpt: g.with_vocab(v) },
+                Some(v) => PlanModel { gpt: g }.with_vocab(v)?,
                 None => PlanModel { gpt: g },
             }
         }
@@ -204,14 +204,13 @@ fn gb(bytes: f64) -> String {
     small(bytes / 1e9, 2)
 }
 
-/// `x` with `decimals` decimals, or three significant digits where those
-/// would print it as zero.
+/// `x` with `decimals` decimals where those show at least two significant
+/// digits, else with as many as three significant digits take (0.0143, not
+/// 0.0; at most 12 decimals).
 fn small(x: f64, decimals: usize) -> String {
-    if x == 0.0 || x >= 10f64.powi(-(decimals as i32)) * 10.0 {
-        format!("{x:.decimals$}")
-    } else {
-        format!("{x:.3e}")
-    }
+    let shows_two = x == 0.0 || !x.is_finite() || x.abs() >= 10f64.powi(1 - decimals as i32);
+    let d = if shows_two { decimals } else { ((2.0 - x.abs().log10().floor()) as usize).clamp(decimals, 12) };
+    format!("{x:.d$}")
 }
 
 /// The table of one plan.
@@ -324,6 +323,22 @@ mod tests {
         assert_eq!(sweep_range("inter=10Gbps..800Gbps").ok(), Some((1.25e9, 100e9)));
         for bad in ["10Gbps..800Gbps", "inter=800Gbps..10Gbps", "inter=10Gbps", "inter=a..b"] {
             assert!(sweep_range(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn small_figures_keep_three_significant_digits() {
+        for (x, decimals, shown) in [
+            (0.86, 2, "0.86"),
+            (0.0362, 2, "0.0362"),
+            (3.62e-5, 2, "0.0000362"),
+            (45.3, 1, "45.3"),
+            (0.5, 1, "0.500"),
+            (0.0143, 1, "0.0143"),
+            (0.0, 2, "0.00"),
+            (1e-20, 2, "0.000000000000"),
+        ] {
+            assert_eq!(small(x, decimals), shown, "{x}");
         }
     }
 }

@@ -71,7 +71,10 @@ pub(crate) fn cluster_part() -> Result<String, String> {
     let args: Vec<String> = ["--mode", "zero3"].iter().chain(&job("24")).map(|s| s.to_string()).collect();
     threads_run(&zeropp, &shape0, &args, &calib, None)?;
     let (steps, summary) = read_metrics(&calib)?;
-    let compute_s = median(steps.iter().skip(1).filter_map(|s| s.pointer("/times/compute_s")?.as_f64()));
+    let compute_s = positive(
+        median(steps.iter().skip(1).filter_map(|s| s.pointer("/times/compute_s")?.as_f64())),
+        || format!("the calibration run {} recorded no compute time", calib.display()),
+    )?;
     let probe = plan_json(&zeropp, "1Gbit/s", 1.0, 1e9, "prefetch")?;
     let flops = probe.get("flops_per_gpu").and_then(Value::as_f64).ok_or("plan: no flops_per_gpu")?;
     if probe.get("seq").and_then(Value::as_u64) != Some(TOKENS_PER_RANK as u64) {
@@ -81,6 +84,9 @@ pub(crate) fn cluster_part() -> Result<String, String> {
     }
     let (planned, ran) =
         (probe.get("params").and_then(Value::as_u64), summary.get("params").and_then(Value::as_u64));
+    if ran.is_none() {
+        return Err(format!("bench plan: {} has no summary with the model's parameters", calib.display()));
+    }
     if planned != ran {
         return Err(format!(
             "bench plan: the plan's model has {planned:?} parameters, the run's {ran:?}: the default data's \
@@ -106,6 +112,11 @@ pub(crate) fn cluster_part() -> Result<String, String> {
         kernel,
         pass_s * 1e9
     );
+    let _ = writeln!(
+        md,
+        "Each prediction is `zeropp {} --json` at the row's rate (`--overlap none` for the second one).\n",
+        plan_args("RATE", tflops, kernel, "prefetch").join(" ")
+    );
     md.push_str(
         "| inter-node rate | mode | predicted s/step | measured s/step | error | `--overlap none`: predicted (error) | inter-node bytes/GPU: plan / counted |\n\
          |---|---|---|---|---|---|---|\n",
@@ -127,8 +138,12 @@ pub(crate) fn cluster_part() -> Result<String, String> {
                 return Err(format!("bench plan: {mode} at {rate} failed:\n{}", tail(&o.log, 20)));
             }
             let (msteps, _) = read_metrics(&metrics)?;
-            let measured = steady_step_time(&msteps);
-            let counted = median(msteps.iter().skip(1).filter_map(|s| s.get("inter_node_bytes")?.as_f64()));
+            let what = || format!("the {mode} run at {rate} ({}) recorded no steps", metrics.display());
+            let measured = positive(steady_step_time(&msteps), what)?;
+            let counted = positive(
+                median(msteps.iter().skip(1).filter_map(|s| s.get("inter_node_bytes")?.as_f64())),
+                what,
+            )?;
             let m = plan.pointer(&format!("/modes/{mode}")).ok_or_else(|| format!("plan: no mode {mode}"))?;
             let predicted = m.get("step_s").and_then(Value::as_f64).ok_or("plan: no step_s")?;
             let unhidden = serial
@@ -164,18 +179,61 @@ pub(crate) fn cluster_part() -> Result<String, String> {
 /// `zeropp plan --json` of the cluster's job at `inter`, with the measured rates,
 /// under the overlap model `overlap`.
 fn plan_json(zeropp: &Path, inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Result<Value, String> {
-    let mut c = Command::new(zeropp);
-    c.args(["plan", "--model", "gpt-medium", "--vocab", &DATA_VOCAB.to_string()])
-        .args(["--tokens", &TOKENS_PER_RANK.to_string()])
-        .args(["--nodes", "2", "--gpus-per-node", "2", "--inter", inter, "--intra", "10GB/s"])
-        .args(["--latency-us", "0", "--gpu", &format!("tflops={tflops:e},kernel={kernel:e}")])
-        .args(["--compute-efficiency", "1", "--link-efficiency", &TCP_PAYLOAD_PER_FRAME.to_string()])
-        .args(["--no-checkpointing", "--overlap", overlap, "--mode", &MODES.join(","), "--json"]);
-    let o = c.output().map_err(|e| format!("{}: {e}", zeropp.display()))?;
+    let o = Command::new(zeropp)
+        .args(plan_args(inter, tflops, kernel, overlap))
+        .arg("--json")
+        .output()
+        .map_err(|e| format!("{}: {e}", zeropp.display()))?;
     if !o.status.success() {
         return Err(format!("zeropp plan failed: {}", String::from_utf8_lossy(&o.stderr)));
     }
     serde_json::from_slice(&o.stdout).map_err(|e| format!("zeropp plan --json: {e}"))
+}
+
+/// `zeropp plan`'s arguments for the cluster's job (printed in the report, so
+/// that a reader can rerun one prediction).
+fn plan_args(inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Vec<String> {
+    let tokens = TOKENS_PER_RANK.to_string();
+    let vocab = DATA_VOCAB.to_string();
+    let gpu = format!("tflops={tflops:.4e},kernel={kernel:.4e}");
+    let link = format!("{TCP_PAYLOAD_PER_FRAME:.4}");
+    let modes = MODES.join(",");
+    let args = [
+        "plan",
+        "--model",
+        "gpt-medium",
+        "--vocab",
+        &vocab,
+        "--tokens",
+        &tokens,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--inter",
+        inter,
+        "--intra",
+        "10GB/s",
+        "--latency-us",
+        "0",
+        "--gpu",
+        &gpu,
+        "--compute-efficiency",
+        "1",
+        "--link-efficiency",
+        &link,
+        "--no-checkpointing",
+        "--overlap",
+        overlap,
+        "--mode",
+        &modes,
+    ];
+    args.iter().map(|s| s.to_string()).collect()
+}
+
+/// `x` when it is a positive number, else the error `what` says.
+fn positive(x: f64, what: impl Fn() -> String) -> Result<f64, String> {
+    if x.is_finite() && x > 0.0 { Ok(x) } else { Err(format!("bench plan: {}", what())) }
 }
 
 /// Seconds of one quantization pass over one element on one thread: the mean of
@@ -187,6 +245,13 @@ fn quant_pass_seconds(zeropp: &Path) -> Result<f64, String> {
             .args(["quant", "--random", "4194304", "--single-thread", "--bits", bits])
             .output()
             .map_err(|e| format!("{}: {e}", zeropp.display()))?;
+        if !o.status.success() {
+            return Err(format!(
+                "zeropp quant --bits {bits} failed ({}): {}",
+                o.status,
+                String::from_utf8_lossy(&o.stderr)
+            ));
+        }
         let text = String::from_utf8_lossy(&o.stdout);
         for what in ["quantize:", "dequantize:"] {
             let gbps = text

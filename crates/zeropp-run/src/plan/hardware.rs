@@ -60,9 +60,11 @@ impl GpuSpec {
         Self::presets().into_iter().find(|g| g.name.eq_ignore_ascii_case(name))
     }
 
-    /// `--gpu`'s value: a preset name, or `tflops=T[,hbm=B][,kernel=K]` (B a
-    /// bandwidth such as `2TB/s`, the H100's 3350 GB/s when absent; K the
-    /// quantization kernels' elements per second, `hbm / 3` when absent).
+    /// `--gpu`'s value: a preset name, `tflops=T[,hbm=B][,kernel=K]`, or a
+    /// preset with any of those replaced (`h100,kernel=1e11`). B is a
+    /// bandwidth such as `2TB/s` (the H100's 3350 GB/s when neither a preset
+    /// nor `hbm` gives one); K the quantization kernels' elements per second
+    /// (`hbm / 3` when absent).
     ///
     /// ```
     /// use zeropp_run::plan::GpuSpec;
@@ -70,39 +72,60 @@ impl GpuSpec {
     /// assert_eq!((cpu.peak_flops, cpu.kernel_elements_per_s), (0.02e12, 3e8));
     /// let g = GpuSpec::parse("tflops=125,hbm=900GB/s")?;
     /// assert_eq!(g.kernel_elements_per_s, 300e9);
+    /// let h = GpuSpec::parse("h100,kernel=1e11")?;
+    /// assert_eq!((h.peak_flops, h.kernel_elements_per_s), (989e12, 1e11));
     /// # Ok::<(), zeropp_run::RunError>(())
     /// ```
     pub fn parse(s: &str) -> Result<Self> {
-        if let Some(g) = Self::preset(s) {
-            return Ok(g);
-        }
-        let mut custom = Self {
-            name: "custom".into(),
-            peak_flops: 0.0,
-            hbm_bytes_per_s: 3350e9,
-            memory_bytes: 0.0,
-            kernel_elements_per_s: 0.0,
+        let bad = || {
+            RunError::InvalidConfig(format!(
+                "--gpu `{s}`: expected one of v100, a100, h100, h200, or tflops=T[,hbm=BANDWIDTH][,kernel=ELEMENTS_PER_S], \
+                 or a preset followed by any of those (h100,kernel=1e11)"
+            ))
+        };
+        let mut parts = s.split(',').peekable();
+        let mut g = match parts.peek().and_then(|first| Self::preset(first.trim())) {
+            Some(preset) => {
+                parts.next();
+                preset
+            }
+            None => Self {
+                name: "custom".into(),
+                peak_flops: 0.0,
+                hbm_bytes_per_s: 3350e9,
+                memory_bytes: 0.0,
+                kernel_elements_per_s: 0.0,
+            },
         };
         let mut kernel = None;
-        for part in s.split(',') {
-            match part.split_once('=') {
-                Some(("tflops", v)) => {
-                    custom.peak_flops = positive(v, "--gpu tflops")? * 1e12;
+        let mut hbm = false;
+        if parts.peek().is_some() && g.name != "custom" {
+            // A preset with figures replaced is named as asked.
+            g.name = s.trim().to_string();
+        }
+        for part in parts {
+            match part.trim().split_once('=') {
+                Some(("tflops", v)) => g.peak_flops = positive(v, "--gpu tflops")? * 1e12,
+                Some(("hbm", v)) => {
+                    g.hbm_bytes_per_s = parse_bandwidth(v)?;
+                    hbm = true;
                 }
-                Some(("hbm", v)) => custom.hbm_bytes_per_s = parse_bandwidth(v)?,
                 Some(("kernel", v)) => kernel = Some(positive(v, "--gpu kernel")?),
-                _ => {
-                    return Err(RunError::InvalidConfig(format!(
-                        "--gpu `{s}`: expected one of v100, a100, h100, h200, or tflops=T[,hbm=BANDWIDTH][,kernel=ELEMENTS_PER_S]"
-                    )));
-                }
+                _ => return Err(bad()),
             }
         }
-        if custom.peak_flops == 0.0 {
+        if g.peak_flops == 0.0 {
             return Err(RunError::InvalidConfig(format!("--gpu `{s}`: tflops=T is required")));
         }
-        custom.kernel_elements_per_s = kernel.unwrap_or(custom.hbm_bytes_per_s / KERNEL_BYTES_PER_ELEMENT);
-        Ok(custom)
+        match kernel {
+            Some(k) => g.kernel_elements_per_s = k,
+            // A preset keeps its own bound unless its HBM was replaced.
+            None if hbm || g.kernel_elements_per_s == 0.0 => {
+                g.kernel_elements_per_s = g.hbm_bytes_per_s / KERNEL_BYTES_PER_ELEMENT;
+            }
+            None => {}
+        }
+        Ok(g)
     }
 }
 
@@ -198,5 +221,12 @@ mod tests {
         assert!(GpuSpec::parse("hbm=1TB/s").is_err());
         assert!(GpuSpec::parse("tflops=1,kernel=0").is_err());
         assert!(GpuSpec::parse("tflops=1,kernel=fast").is_err());
+        // A preset with figures replaced: the HBM bound follows a new hbm.
+        let h = GpuSpec::parse("h100,hbm=1TB/s").ok();
+        assert_eq!(h.as_ref().map(|g| (g.peak_flops, g.kernel_elements_per_s)), Some((989e12, 1e12 / 3.0)));
+        assert_eq!(h.map(|g| g.name), Some("h100,hbm=1TB/s".to_string()));
+        assert_eq!(GpuSpec::parse("a100").map(|g| g.kernel_elements_per_s).ok(), Some(2039e9 / 3.0));
+        assert!(GpuSpec::parse("kernel=1e9").is_err());
+        assert!(GpuSpec::parse("h100,b200").is_err());
     }
 }

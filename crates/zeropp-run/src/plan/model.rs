@@ -67,23 +67,30 @@ impl PlanModel {
     /// A GPT of `layers` blocks of width `hidden` (heads of 128, else of 64,
     /// else one head), vocabulary `vocab` and context `seq`.
     pub fn shaped(layers: usize, hidden: usize, vocab: usize, seq: usize) -> Result<Self> {
-        if layers == 0 || hidden == 0 || vocab == 0 || seq == 0 {
-            return Err(RunError::InvalidConfig(format!(
-                "model shape: layers {layers}, hidden {hidden}, vocab {vocab}, seq {seq} must all be positive"
-            )));
-        }
-        // The parameter count and the activations must fit in usize on the way.
-        let (l, h, v, s) = (layers as f64, hidden as f64, vocab as f64, seq as f64);
-        if 12.0 * l * h * h + 2.0 * v * h + s * h > 1e15 || s * s * h > 1e15 {
-            return Err(RunError::InvalidConfig(format!(
-                "model shape: layers {layers}, hidden {hidden}, vocab {vocab}, seq {seq} is beyond 1e15 parameters"
-            )));
-        }
+        check_shape(layers, hidden, vocab, seq)?;
         let n_head =
             [Self::HEAD_DIM, 64].into_iter().find(|d| hidden.is_multiple_of(*d)).map_or(1, |d| hidden / d);
         Ok(Self {
             gpt: GptConfig { vocab, seq_len: seq, d_model: hidden, n_head, n_layer: layers, mlp_ratio: 4 },
         })
+    }
+
+    /// This model with vocabulary `vocab` in place of its own (as training puts
+    /// the data's vocabulary in place of a preset's); the rest of the shape,
+    /// heads and MLP ratio included, is kept.
+    ///
+    /// ```
+    /// use zeropp_engine::model::GptConfig;
+    /// use zeropp_run::plan::PlanModel;
+    /// let preset = PlanModel { gpt: GptConfig::preset("gpt-medium").ok_or("preset")? };
+    /// assert_eq!(preset.with_vocab(32)?.gpt.vocab, 32);
+    /// assert!(preset.with_vocab(usize::MAX).is_err());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn with_vocab(self, vocab: usize) -> Result<Self> {
+        let g = self.gpt;
+        check_shape(g.n_layer, g.d_model, vocab, g.seq_len)?;
+        Ok(Self { gpt: g.with_vocab(vocab) })
     }
 
     /// Parameters.
@@ -109,4 +116,21 @@ impl PlanModel {
         let rest = 2.0 * forward + if checkpointing { blocks } else { 0.0 };
         (forward, rest)
     }
+}
+
+/// A shape's sizes are positive and its parameter count and activations fit
+/// in `usize` on the way (at most 1e15).
+fn check_shape(layers: usize, hidden: usize, vocab: usize, seq: usize) -> Result<()> {
+    if layers == 0 || hidden == 0 || vocab == 0 || seq == 0 {
+        return Err(RunError::InvalidConfig(format!(
+            "model shape: layers {layers}, hidden {hidden}, vocab {vocab}, seq {seq} must all be positive"
+        )));
+    }
+    let (l, h, v, s) = (layers as f64, hidden as f64, vocab as f64, seq as f64);
+    if 12.0 * l * h * h + 2.0 * v * h + s * h > 1e15 || s * s * h > 1e15 {
+        return Err(RunError::InvalidConfig(format!(
+            "model shape: layers {layers}, hidden {hidden}, vocab {vocab}, seq {seq} is beyond 1e15 parameters"
+        )));
+    }
+    Ok(())
 }
