@@ -148,13 +148,17 @@ fn link_for(rate: &str, local_size: usize) -> String {
 
 /// Median step time without the first step (warm-up: connection set-up, allocation).
 pub(super) fn steady_step_time(steps: &[Value]) -> f64 {
-    let mut t: Vec<f64> =
-        steps.iter().skip(1).filter_map(|s| s.get("step_time_s").and_then(Value::as_f64)).collect();
-    t.sort_by(f64::total_cmp);
-    match t.len() {
+    median(steps.iter().skip(1).filter_map(|s| s.get("step_time_s").and_then(Value::as_f64)))
+}
+
+/// The median of `v` (NaN when empty).
+pub(super) fn median(v: impl Iterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = v.collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
         0 => f64::NAN,
-        n if n % 2 == 1 => t[n / 2],
-        n => (t[n / 2 - 1] + t[n / 2]) / 2.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
 }
 

@@ -23,7 +23,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use super::bench::steady_step_time;
+use super::bench::{median, steady_step_time};
 use super::checks::threads_run;
 use super::test::{missing_prerequisite, train};
 use super::{Launch, Shape, build_zeropp, rate_bits, read_metrics, tail, target_dir};
@@ -263,14 +263,4 @@ fn quant_pass_seconds(zeropp: &Path) -> Result<f64, String> {
         }
     }
     Ok(passes.iter().sum::<f64>() / passes.len() as f64)
-}
-
-fn median(v: impl Iterator<Item = f64>) -> f64 {
-    let mut v: Vec<f64> = v.collect();
-    v.sort_by(f64::total_cmp);
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
 }
