@@ -134,8 +134,9 @@ pub struct ThreadCluster {
     options: ThreadOptions,
 }
 
-/// Stack size of each rank thread (models recurse little, but kernels may use big frames).
-const RANK_STACK: usize = 16 << 20;
+/// Stack size of each rank thread, bytes (models recurse little, but kernels
+/// may use big frames); a rank's compute threads take the same.
+pub const RANK_STACK: usize = 16 << 20;
 
 fn panic_message(p: &(dyn Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {

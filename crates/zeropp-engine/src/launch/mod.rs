@@ -49,6 +49,7 @@ mod detect;
 mod failure;
 #[cfg(feature = "mpi")]
 mod mpi;
+mod pool;
 mod preflight;
 mod rank;
 mod summary;

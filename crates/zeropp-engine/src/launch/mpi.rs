@@ -27,6 +27,7 @@ use crate::metrics::{MetricsWriter, StepRecord};
 use crate::model::Model;
 
 use super::aggregate::aggregate;
+use super::pool::{cores, threads_per_rank};
 use super::preflight::{Prepared, prepare, resume_point};
 use super::rank::{RankJob, RankStep, run_rank};
 use super::summary::{mean_val_loss, summarize};
@@ -87,27 +88,11 @@ pub(super) fn run<M: Model>(
     }
 }
 
-/// Compute threads for one of `ranks_on_host` ranks sharing this host's cores:
-/// the available cores divided among them, at least 1. `None` when the user
-/// chose (`RAYON_NUM_THREADS`, which rayon reads itself) or there is nothing to
-/// divide.
-fn threads_per_rank(
-    env: &dyn Fn(&str) -> Option<std::ffi::OsString>,
-    cores: usize,
-    ranks_on_host: usize,
-) -> Option<usize> {
-    if env("RAYON_NUM_THREADS").is_some() || ranks_on_host <= 1 {
-        return None;
-    }
-    Some((cores / ranks_on_host).max(1))
-}
-
 /// Builds rayon's global pool with [`threads_per_rank`] threads, before the first
 /// parallel loop would build it with one thread per core. (If something in this
 /// process built it already, that pool stays: its size is what `Started` reports.)
 fn size_thread_pool(env: &dyn Fn(&str) -> Option<std::ffi::OsString>, ranks_on_host: usize) {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    if let Some(n) = threads_per_rank(env, cores, ranks_on_host) {
+    if let Some(n) = threads_per_rank(env, cores(), ranks_on_host) {
         let _already_built = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
     }
 }
@@ -389,16 +374,5 @@ mod tests {
         assert_eq!(back.traffic, r.traffic);
         assert!(decode(&encode(&r)[..20]).is_err());
         Ok(())
-    }
-
-    #[test]
-    fn ranks_on_a_host_share_its_cores() {
-        let unset = |_: &str| None;
-        assert_eq!(threads_per_rank(&unset, 2, 4), Some(1), "more ranks than cores: one each");
-        assert_eq!(threads_per_rank(&unset, 16, 4), Some(4));
-        assert_eq!(threads_per_rank(&unset, 16, 3), Some(5));
-        assert_eq!(threads_per_rank(&unset, 16, 1), None, "one rank keeps rayon's default");
-        let chosen = |k: &str| (k == "RAYON_NUM_THREADS").then(|| "3".into());
-        assert_eq!(threads_per_rank(&chosen, 16, 4), None, "the user's RAYON_NUM_THREADS wins");
     }
 }

@@ -13,6 +13,7 @@ use crate::model::Model;
 
 use super::aggregate::aggregate;
 use super::failure::root_cause;
+use super::pool::{on_rank_pool, rank_pool};
 use super::preflight::{Prepared, prepare, resume_point};
 use super::rank::{RankJob, RankResult, RankStep, run_rank};
 use super::summary::{mean_val_loss, summarize};
@@ -57,11 +58,15 @@ pub(super) fn run<M: Model>(
                     start_step,
                     resume: resume_states.as_ref().and_then(|s| s.get(comm.rank()).cloned()),
                 };
-                let sink = |r: RankStep| {
-                    // The driver only stops listening once every rank is done.
-                    let _ = tx.send(r);
-                };
-                run_rank(comm, &job, &sink)
+                let pool = rank_pool(comm.rank(), cfg.world, zeropp_comm::threads::RANK_STACK);
+                let tx = tx.clone();
+                on_rank_pool(pool.as_ref(), move || {
+                    let sink = |r: RankStep| {
+                        // The driver only stops listening once every rank is done.
+                        let _ = tx.send(r);
+                    };
+                    run_rank(comm, &job, &sink)
+                })
             })
         });
         for ev in rx {

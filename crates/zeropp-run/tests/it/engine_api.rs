@@ -120,3 +120,85 @@ fn clashing_layer_names_are_clear_errors() {
     let ok = Renamed::new(v, |i, _| format!("unit{i}"));
     assert!(launch(&ok, &data, &cfg.run).is_ok());
 }
+
+/// The built-in GPT that notes, at each forward, which thread ran it and how
+/// many threads its parallel loops may use.
+struct Watched {
+    inner: Gpt,
+    seen: std::sync::Mutex<std::collections::BTreeSet<(String, usize)>>,
+}
+
+impl Model for Watched {
+    type Tape = GptTape;
+    fn name(&self) -> &str {
+        "watched-gpt"
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn seq_len(&self) -> usize {
+        self.inner.seq_len()
+    }
+    fn layers(&self) -> &[LayerSpec] {
+        self.inner.layers()
+    }
+    fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError> {
+        self.inner.init_layer(layer, seed, out)
+    }
+    fn start(&self, batch: &Batch) -> Result<GptTape, EngineError> {
+        self.inner.start(batch)
+    }
+    fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<(), EngineError> {
+        let name = std::thread::current().name().unwrap_or("unnamed").to_string();
+        self.seen.lock().unwrap().insert((name, rayon::current_num_threads()));
+        self.inner.forward(layer, params, tape)
+    }
+    fn loss(&self, tape: &GptTape) -> f32 {
+        self.inner.loss(tape)
+    }
+    fn backward(
+        &self,
+        layer: usize,
+        p: &[f32],
+        tape: &mut GptTape,
+        g: &mut [f32],
+    ) -> Result<(), EngineError> {
+        self.inner.backward(layer, p, tape, g)
+    }
+}
+
+/// On the thread backend each rank computes on its own pool of `cores / ranks`
+/// threads (at least one), not on one pool all ranks queue on: its parallel
+/// loops run on its own threads, with no hand-off to a shared pool.
+#[test]
+fn each_rank_computes_on_its_own_share_of_the_cores() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        eprintln!("skipped: RAYON_NUM_THREADS is set, so the ranks share rayon's global pool by choice");
+        return;
+    }
+    let cfg = TrainConfig::tiny().with_steps(2);
+    let (data, _) = load_data(&cfg.data).unwrap();
+    let ModelChoice::Gpt(g) = cfg.model.clone() else { panic!("tiny is a GPT") };
+    let model =
+        Watched { inner: Gpt::new(g.with_vocab(data.vocab_size())).unwrap(), seen: Default::default() };
+    launch(&model, &data, &cfg.run).unwrap();
+    let world = cfg.run.world;
+    assert!(world > 1, "the check needs ranks that share the host");
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let share = (cores / world).max(1);
+    let seen = model.seen.into_inner().unwrap();
+    let ranks: std::collections::BTreeSet<&str> = seen
+        .iter()
+        .map(|(name, threads)| {
+            assert_eq!(
+                *threads, share,
+                "{name}: {threads} threads for its loops, not its share {share} of {cores} cores"
+            );
+            // `zeropp-rank-R-compute-I`; the rank's own thread is `zeropp-rank-R`.
+            let rank =
+                name.strip_prefix("zeropp-rank-").and_then(|r| r.split_once("-compute-")).map(|(r, _)| r);
+            rank.unwrap_or_else(|| panic!("a forward ran on `{name}`, not on a rank's compute pool"))
+        })
+        .collect();
+    assert_eq!(ranks.len(), world, "every rank computes on its own pool: {seen:?}");
+}
