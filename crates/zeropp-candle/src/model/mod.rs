@@ -62,10 +62,13 @@ mod builder;
 mod context;
 mod gradcheck;
 mod run;
+mod tape;
 
 pub use context::StageContext;
 use context::{batch_key, stage_key};
 use run::{loss_of, on_pool};
+pub use tape::CandleTape;
+use tape::Kept;
 
 /// A stage: builds its modules from `vb` and runs them on its input, in the
 /// run that `ctx` describes.
@@ -341,45 +344,8 @@ fn kept_from(layers: &[LayerSpec], budget: usize) -> usize {
     from
 }
 
-/// What the forward of one stage keeps for its backward (the stages in
-/// [`CandleModel::kept_stages`]).
-#[derive(Debug)]
-struct Kept {
-    /// The stage's output, or for the last stage the loss (computed once,
-    /// in the forward, and differentiated in the backward).
-    out: Tensor,
-    vars: Vec<Var>,
-    input: Option<Var>,
-    /// The tied parameters the stage borrows, as Vars (in `borrows` order).
-    borrowed: Vec<Var>,
-}
-
-/// One micro-batch's state between forward and backward (its `Debug` shows
-/// the tensors' shapes, the batch's among them, not their values).
-#[derive(Debug)]
-pub struct CandleTape {
-    order: CallOrder,
-    ids: Tensor,
-    targets: Tensor,
-    /// Stage `l`'s input (`l >= 1`) until its backward.
-    inputs: Vec<Option<Tensor>>,
-    /// The output of the last forward so far.
-    act: Option<Tensor>,
-    kept: Vec<Option<Kept>>,
-    /// d(loss)/d(output) of the stage whose backward is next.
-    upstream: Option<Tensor>,
-    loss: f32,
-    /// Training (dropout on) or evaluation.
-    train: bool,
-    /// The micro-batch's key (the stages' seeds derive from it).
-    key: u64,
-    /// Tied parameters, by `(owner stage, parameter)`: the owner's gathered
-    /// values from its forward, and the later stages' gradients of them.
-    lent: std::collections::HashMap<(usize, usize), Tensor>,
-    lent_grads: std::collections::HashMap<(usize, usize), Tensor>,
-}
-
 impl CandleModel {
+    /// A fresh tape for `batch`: training or evaluation, at `(step, micro-batch)`.
     fn start_tape(
         &self,
         batch: &Batch,
