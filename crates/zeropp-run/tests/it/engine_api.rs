@@ -9,10 +9,13 @@ use zeropp_engine::launch;
 use zeropp_engine::model::{Batch, Gpt, GptConfig, GptTape, LayerSpec, Model};
 use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
-/// The built-in GPT behind a renamed layer list (delegates everything else).
+/// The built-in GPT behind a renamed layer list (delegates everything else),
+/// noting at each forward which thread ran it and how many threads its
+/// parallel loops may use.
 struct Renamed {
     inner: Gpt,
     layers: Vec<LayerSpec>,
+    seen: std::sync::Mutex<std::collections::BTreeSet<(String, usize)>>,
 }
 
 impl Renamed {
@@ -24,7 +27,7 @@ impl Renamed {
             .enumerate()
             .map(|(i, l)| LayerSpec { name: rename(i, l), params: l.params.clone() })
             .collect();
-        Self { inner, layers }
+        Self { inner, layers, seen: Default::default() }
     }
 }
 
@@ -49,6 +52,8 @@ impl Model for Renamed {
         self.inner.start(batch)
     }
     fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<(), EngineError> {
+        let name = std::thread::current().name().unwrap_or("unnamed").to_string();
+        self.seen.lock().unwrap().insert((name, rayon::current_num_threads()));
         self.inner.forward(layer, params, tape)
     }
     fn loss(&self, tape: &GptTape) -> f32 {
@@ -121,52 +126,6 @@ fn clashing_layer_names_are_clear_errors() {
     assert!(launch(&ok, &data, &cfg.run).is_ok());
 }
 
-/// The built-in GPT that notes, at each forward, which thread ran it and how
-/// many threads its parallel loops may use.
-struct Watched {
-    inner: Gpt,
-    seen: std::sync::Mutex<std::collections::BTreeSet<(String, usize)>>,
-}
-
-impl Model for Watched {
-    type Tape = GptTape;
-    fn name(&self) -> &str {
-        "watched-gpt"
-    }
-    fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
-    }
-    fn seq_len(&self) -> usize {
-        self.inner.seq_len()
-    }
-    fn layers(&self) -> &[LayerSpec] {
-        self.inner.layers()
-    }
-    fn init_layer(&self, layer: usize, seed: u64, out: &mut [f32]) -> Result<(), EngineError> {
-        self.inner.init_layer(layer, seed, out)
-    }
-    fn start(&self, batch: &Batch) -> Result<GptTape, EngineError> {
-        self.inner.start(batch)
-    }
-    fn forward(&self, layer: usize, params: &[f32], tape: &mut GptTape) -> Result<(), EngineError> {
-        let name = std::thread::current().name().unwrap_or("unnamed").to_string();
-        self.seen.lock().unwrap().insert((name, rayon::current_num_threads()));
-        self.inner.forward(layer, params, tape)
-    }
-    fn loss(&self, tape: &GptTape) -> f32 {
-        self.inner.loss(tape)
-    }
-    fn backward(
-        &self,
-        layer: usize,
-        p: &[f32],
-        tape: &mut GptTape,
-        g: &mut [f32],
-    ) -> Result<(), EngineError> {
-        self.inner.backward(layer, p, tape, g)
-    }
-}
-
 /// On the thread backend each rank computes on its own pool of `cores / ranks`
 /// threads (at least one), not on one pool all ranks queue on: its parallel
 /// loops run on its own threads, with no hand-off to a shared pool.
@@ -178,9 +137,8 @@ fn each_rank_computes_on_its_own_share_of_the_cores() {
     }
     let cfg = TrainConfig::tiny().with_steps(2);
     let (data, _) = load_data(&cfg.data).unwrap();
-    let ModelChoice::Gpt(g) = cfg.model.clone() else { panic!("tiny is a GPT") };
-    let model =
-        Watched { inner: Gpt::new(g.with_vocab(data.vocab_size())).unwrap(), seen: Default::default() };
+    // The names as they are: this model only watches.
+    let model = Renamed::new(data.vocab_size(), |_, l| l.name.clone());
     launch(&model, &data, &cfg.run).unwrap();
     let world = cfg.run.world;
     assert!(world > 1, "the check needs ranks that share the host");
