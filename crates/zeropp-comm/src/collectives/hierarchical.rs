@@ -35,10 +35,14 @@ trait WireElem: Pod {
     fn widen(self) -> f32;
 }
 
+// `#[inline]`: these are called once per element from generic loops in other
+// codegen units, which cannot inline a non-generic function without it.
 impl WireElem for f32 {
+    #[inline]
     fn narrow(x: f32) -> Self {
         x
     }
+    #[inline]
     fn widen(self) -> f32 {
         self
     }
@@ -46,9 +50,11 @@ impl WireElem for f32 {
 
 impl WireElem for bf16 {
     /// Round to nearest even, as [`all_gather_f32_via_bf16`] does.
+    #[inline]
     fn narrow(x: f32) -> Self {
         bf16::from_f32(x)
     }
+    #[inline]
     fn widen(self) -> f32 {
         self.to_f32()
     }
