@@ -8,9 +8,9 @@
 //! one, was handed to that pool and waited for (a futex wake-up and sleep per
 //! loop, the ranks' loops queued behind each other). Now each rank runs on its
 //! own pool of `cores / ranks` threads, so a rank's loop runs on its own
-//! thread, or split over its own share of the cores. The loops split their
-//! work into independent rows and chunks, so the results are the same bit for
-//! bit whatever the pool (tests: `engine_equivalence`, `engine_fidelity`).
+//! thread, or split over its own share of the cores. The results do not
+//! depend on the pool: each loop writes disjoint rows or chunks, and every sum
+//! runs inside one of them, in order.
 
 /// Compute threads for one of `ranks_on_host` ranks sharing this host's cores:
 /// the available cores divided among them, at least 1. `None` when the user
