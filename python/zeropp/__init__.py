@@ -23,6 +23,7 @@ import numpy as _np
 
 from . import _zeropp
 from ._zeropp import (
+    __version__,
     QgzStages,
     ZeroppError,
     best_kernel,
@@ -34,6 +35,7 @@ from ._zeropp import (
 )
 
 __all__ = [
+    "__version__",
     "QgzStages",
     "ZeroppError",
     "best_kernel",

@@ -230,6 +230,10 @@ fn best_kernel() -> String {
 #[pymodule]
 fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ZeroppError", m.py().get_type::<ZeroppError>())?;
+    // The package's version: the workspace's, the one source that the crates,
+    // the wheel's metadata (pyproject.toml's `dynamic = ["version"]`, which maturin
+    // fills from this crate's manifest) and `zeropp.__version__` all read.
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(quantize, m)?)?;
     m.add_function(wrap_pyfunction!(dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(dequant_reduce_quant, m)?)?;

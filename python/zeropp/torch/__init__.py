@@ -48,13 +48,32 @@ on a GPU.
 
 from __future__ import annotations
 
-from .allreduce import QuantizedAllReduce
-from .bytes import ByteCounter
-from .collectives import QuantizedAllGather, QuantizedReduceScatter
-from .enable import enable, retained_bytes
-from .topology import Topology, local_size, release
+import re as _re
+
+# The oldest torch with FSDP2's custom collectives (FSDPModule.set_custom_all_gather
+# and set_custom_reduce_scatter); pyproject.toml's `torch` extra asks for the same.
+TORCH_FLOOR = (2, 9)
+_FIX = "pip install 'torch>=2.9' (or pip install 'zeropp[torch]')"
+
+try:
+    import torch as _torch
+except ImportError:
+    raise ImportError(f"zeropp.torch needs PyTorch >= 2.9, and torch is not installed: {_FIX}") from None
+_found = _re.match(r"(\d+)\.(\d+)", getattr(_torch, "__version__", ""))
+if _found is not None and (int(_found[1]), int(_found[2])) < TORCH_FLOOR:
+    raise ImportError(
+        f"zeropp.torch needs PyTorch >= 2.9 (FSDP2's custom collectives), this is torch "
+        f"{_torch.__version__}: {_FIX}"
+    )
+
+from .allreduce import QuantizedAllReduce  # noqa: E402 (after the torch check, on purpose)
+from .bytes import ByteCounter  # noqa: E402
+from .collectives import QuantizedAllGather, QuantizedReduceScatter  # noqa: E402
+from .enable import enable, retained_bytes  # noqa: E402
+from .topology import Topology, local_size, release  # noqa: E402
 
 __all__ = [
+    "TORCH_FLOOR",
     "ByteCounter",
     "QuantizedAllReduce",
     "QuantizedAllGather",
