@@ -12,13 +12,16 @@ use serde_json::Value;
 
 mod ci;
 mod cluster;
+mod dist;
 mod gpu;
 mod gpu_check;
+mod package;
 mod ptx;
 mod scale;
 mod torch;
 mod torch_floor;
 mod torch_scale;
+mod wheel;
 
 const HELP: &str = "\
 cargo xtask <task>
@@ -73,7 +76,19 @@ tasks:
                    kernels == Rust, zeropp.torch's collectives under torchrun (2 nodes x 2, gloo),
                    FSDP2's contract at a fault (contract.py), FSDP2 training parity over seeds
                    (ZEROPP_TORCH_SEEDS, ZEROPP_TORCH_STEPS), and seeded defects that must fail them;
+                   all from the wheel (`dist`, or `--wheel PATH`) in a fresh venv without cargo;
                    run by `ci`, which fails instead of skipping under CI=true
+  dist [--target TRIPLE] [--no-sdist]
+                   the Python package as an abi3 wheel for manylinux_2_28 (maturin, zig as the
+                   linker, auditwheel's check) and an sdist, into target/dist; tools pinned in
+                   ~/.cache/zeropp/dist-venv (ZEROPP_DIST_VENV)
+  package-check    the published crates from their packaged tarballs: doc tests, builds, and a
+                   user's crate (tests/registry-user) on zeropp-quant and zeropp-comm by version
+  publish [--execute]  cargo publish --workspace in stack order; a dry run unless --execute (which
+                   needs CARGO_REGISTRY_TOKEN)
+  lint-workflows   actionlint over .github/workflows (pinned in the dist tools' venv), and a seeded
+                   broken workflow that it must fail
+  release-check TAG  the tag is v<the crates' version> and CHANGELOG.md has a dated section for it
   help             this text
 ";
 
@@ -98,6 +113,11 @@ fn main() -> ExitCode {
         Some("cluster") => cluster::main(&args[1..]),
         Some("test-cluster") => cluster::test(&args[1..]),
         Some("test-torch") => torch::test(&args[1..]),
+        Some("dist") => dist::dist(&args[1..]),
+        Some("package-check") => package::check(&args[1..]),
+        Some("publish") => package::publish(&args[1..]),
+        Some("lint-workflows") => dist::lint_workflows(),
+        Some("release-check") => package::release_check(&args[1..]),
         Some("help") | Some("--help") | Some("-h") | None => {
             print!("{HELP}");
             Ok(())

@@ -4,9 +4,13 @@
 //! The venv lives outside the clone (`~/.cache/zeropp/torch-venv`, or
 //! `ZEROPP_TORCH_VENV`), so CI on the same machine reuses it; a stamp file holds
 //! the pins it was made with, and a venv with other pins is rebuilt. The package
-//! is installed the way users install it, `pip install ./python` (maturin builds
-//! the Rust extension), then the tests of issue 20 run:
+//! is installed the way users install it: `cargo xtask dist` builds the
+//! manylinux wheel, and the wheel goes into a fresh venv with no cargo or rustc
+//! on PATH (`wheel.rs`; torch comes from the pinned venv). Then:
 //!
+//! 0. `python/tests/installed.py`: every module of the source tree is in the
+//!    installed wheel and imports, one version, the import-time refusals; and
+//!    the same check on a wheel with a module dropped, which must fail;
 //! 1. `python/tests/test_kernels.py`: the kernels from Python are bit-identical to
 //!    the Rust ones (reference vectors written by zeropp-quant's `golden_vectors`);
 //! 2. `python/tests/dist_collectives.py` under torchrun, 4 processes as 2 nodes x 2
@@ -37,13 +41,12 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::torch_floor::path_with;
 use crate::{cargo, root, run};
 
 /// The pinned versions: torch's PyPI wheel (the latest release; the floor,
-/// 2.9.0, is `torch_floor.rs`'s), numpy, maturin (pyo3 is pinned in the
-/// workspace manifest).
-pub(crate) const PINS: &[&str] = &["torch==2.15.0", "numpy==2.2.6", "maturin==1.9.4"];
+/// 2.9.0, is `torch_floor.rs`'s) and numpy. maturin is the dist tools'
+/// (`dist.rs`); pyo3 is pinned in the workspace manifest.
+pub(crate) const PINS: &[&str] = &["torch==2.15.0", "numpy==2.2.6"];
 
 fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
@@ -119,7 +122,7 @@ fn ensure_venv_logged(log: Option<&std::fs::File>) -> Result<PathBuf, String> {
     }
     let mut c = Command::new(venv.join("bin/pip"));
     c.args(["install", "--quiet", "--disable-pip-version-check"]).args(PINS);
-    quiet("pip install (pinned torch, numpy, maturin; ~7 GB with torch's CUDA wheels)", c)?;
+    quiet("pip install (pinned torch, numpy; ~7 GB with torch's CUDA wheels)", c)?;
     std::fs::write(&stamp, want).map_err(|e| format!("{}: {e}", stamp.display()))?;
     Ok(venv)
 }
@@ -142,6 +145,7 @@ pub(crate) fn torchrun(
     // give) must fail the step, not sit until CI's limit: 20 minutes is several
     // times the slowest run here.
     let mut c = Command::new("timeout");
+    crate::wheel::without_rust(&mut c);
     c.args(["--kill-after=10", "1200"])
         .arg(venv.join("bin/python"))
         .args(["-m", "torch.distributed.run", "--nproc-per-node", "4", "--local-ranks-filter", "0"])
@@ -167,8 +171,11 @@ fn on_device_path(mut cmd: Command) -> Command {
     cmd
 }
 
+/// tinyshakespeare: `ZEROPP_SHAKESPEARE` when set (the release workflow
+/// fetches its own copy), else `shared/data` beside the checkout.
 fn shakespeare() -> PathBuf {
-    root().join("../shared/data/tinyshakespeare.txt")
+    std::env::var_os("ZEROPP_SHAKESPEARE")
+        .map_or_else(|| root().join("../shared/data/tinyshakespeare.txt"), PathBuf::from)
 }
 
 /// Runs `cmd`, which must fail the way a test fails on a seeded defect: exit
@@ -211,9 +218,19 @@ fn tail_lines(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// Installs the venv and the package; `None` when skipped outside CI.
-pub(crate) fn prepare() -> Result<Option<PathBuf>, String> {
-    let venv = match ensure_venv() {
+/// The venvs of a torch run: the pinned torch (`base`), the wheel that was
+/// built (`wheel`), and the fresh venv that holds it beside `base`'s packages
+/// (`venv`, where every test runs).
+pub(crate) struct Prepared {
+    pub(crate) base: PathBuf,
+    pub(crate) wheel: PathBuf,
+    pub(crate) venv: PathBuf,
+}
+
+/// Installs the pinned venv, builds the wheel and installs it into a fresh
+/// venv; `None` when skipped outside CI.
+fn prepare_wheel(given: Option<&Path>) -> Result<Option<Prepared>, String> {
+    let base = match ensure_venv() {
         Ok(v) => v,
         Err(e) if !in_ci() => {
             eprintln!("SKIP test-torch: no usable torch venv ({e}); CI=true makes this an error");
@@ -221,26 +238,48 @@ pub(crate) fn prepare() -> Result<Option<PathBuf>, String> {
         }
         Err(e) => return Err(e),
     };
-    let mut c = Command::new(venv.join("bin/pip"));
-    c.args([
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-build-isolation",
-        "--no-deps",
-        "--force-reinstall",
-    ])
-    .arg(root().join("python"))
-    .current_dir(root())
-    // maturin's PEP 517 hook runs the `maturin` binary from PATH.
-    .env("PATH", path_with(&venv.join("bin")));
-    run("pip install ./python (maturin builds crates/zeropp-py)", c)?;
-    Ok(Some(venv))
+    let wheel = match given {
+        Some(w) if w.is_file() => w.to_path_buf(),
+        Some(w) => return Err(format!("--wheel {}: no such file", w.display())),
+        None => crate::dist::build_wheel(None)?,
+    };
+    let venv = crate::wheel::install(&root().join("target/wheel-venv"), &base, &wheel)?;
+    Ok(Some(Prepared { base, wheel, venv }))
 }
 
-/// `cargo xtask test-torch`.
-pub(crate) fn test(_args: &[String]) -> Result<(), String> {
-    let Some(venv) = prepare()? else { return Ok(()) };
+/// The venv with the wheel installed (for the benches); `None` when skipped
+/// outside CI.
+pub(crate) fn prepare() -> Result<Option<PathBuf>, String> {
+    Ok(prepare_wheel(None)?.map(|p| p.venv))
+}
+
+/// `cargo xtask test-torch [--wheel PATH]`: the tests from the wheel at PATH
+/// (a release's artifact), or from one `dist` builds now.
+pub(crate) fn test(args: &[String]) -> Result<(), String> {
+    let given = match args {
+        [] => None,
+        [flag, path] if flag == "--wheel" => Some(PathBuf::from(path)),
+        other => return Err(format!("test-torch: unknown arguments {other:?} (use --wheel PATH)")),
+    };
+    let Some(Prepared { base, wheel, venv }) = prepare_wheel(given.as_deref())? else { return Ok(()) };
+    // 0. The installed wheel is the source tree's package, and a wheel that
+    //    lacks one of its modules fails the check on that module.
+    run(
+        "test 0: the installed wheel (python/tests/installed.py)",
+        crate::wheel::check_command(&venv, &wheel)?,
+    )?;
+    let dropped = crate::wheel::without_member(
+        &wheel,
+        "zeropp/torch/allreduce.py",
+        &root().join("target/dist-defect"),
+    )?;
+    let defect_venv = crate::wheel::install(&root().join("target/wheel-defect-venv"), &base, &dropped)?;
+    must_fail(
+        "test 0 with the seeded defect: a wheel without zeropp/torch/allreduce.py",
+        crate::wheel::check_command(&defect_venv, &dropped)?,
+        "FAIL ",
+    )?;
+
     let out = root().join("target/torch");
     std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
 
@@ -259,12 +298,14 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
     // Run as a script from target/, so `import zeropp` finds the installed package,
     // not the source folder python/zeropp (which has no extension module).
     let mut t1 = Command::new(venv.join("bin/python"));
+    crate::wheel::without_rust(&mut t1);
     t1.arg(root().join("python/tests/test_kernels.py"))
         .arg("-v")
         .current_dir(root().join("target"))
         .env("ZEROPP_GOLDEN", &golden);
     run("test 1: kernels from Python == Rust", t1)?;
     let mut t4 = Command::new(venv.join("bin/python"));
+    crate::wheel::without_rust(&mut t4);
     t4.arg(root().join("python/tests/test_torch_kernels.py")).arg("-v").current_dir(root().join("target"));
     run("test 4: the device path's torch-op kernels == the Rust kernels (bitwise, nearest rounding)", t4)?;
 
@@ -294,7 +335,7 @@ pub(crate) fn test(_args: &[String]) -> Result<(), String> {
         must_fail(&format!("test 5a with the seeded defect {defect} (tests {tests})"), c, "FAIL ")?;
     }
     // The floor: tests 2 and 5a on the oldest torch with FSDP2's custom collectives.
-    let floor = crate::torch_floor::venv(&venv)?;
+    let floor = crate::torch_floor::venv(&base, &wheel)?;
     run(
         &format!("test 2 on the floor release ({})", crate::torch_floor::FLOOR),
         torchrun(&floor, "python/tests/dist_collectives.py", &[], None)?,

@@ -11,7 +11,9 @@
 //! The floor venv (`torch-floor-venv` beside the main one) has its own
 //! dependencies: 2.9.0's CUDA 12 wheels are not 2.15.0's CUDA 13 ones, and
 //! torch will not import without the ones it was built against (about 3 GB
-//! and two minutes on a new machine, once; a stamp file keeps it).
+//! and two minutes on a new machine, once; a stamp file keeps it). The wheel
+//! under test goes into a fresh venv beside it (`target/wheel-floor-venv`),
+//! as into the main one's.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -21,13 +23,12 @@ use crate::{root, run};
 /// The floor release.
 pub(crate) const FLOOR: &str = "torch==2.9.0";
 
-/// The floor venv, made (or checked by its stamp) beside the main venv
-/// `main`, with the package installed from this checkout (built with the
-/// main venv's maturin).
-pub(crate) fn venv(main: &Path) -> Result<PathBuf, String> {
+/// A fresh venv holding `wheel`, beside the floor venv (made, or checked by
+/// its stamp, next to the main torch venv `main`).
+pub(crate) fn venv(main: &Path, wheel: &Path) -> Result<PathBuf, String> {
     let venv = main.with_file_name("torch-floor-venv");
     let stamp = venv.join("zeropp-pins.txt");
-    let pins = [FLOOR, "numpy==2.2.6", "maturin==1.9.4"];
+    let pins = [FLOOR, "numpy==2.2.6"];
     let want = pins.join("\n");
     if !(venv.join("bin/python").is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want)) {
         let mut c = Command::new("python3");
@@ -38,13 +39,8 @@ pub(crate) fn venv(main: &Path) -> Result<PathBuf, String> {
         run("pip install the floor torch with its own dependencies (CUDA 12 wheels)", c)?;
         std::fs::write(&stamp, want).map_err(|e| format!("{}: {e}", stamp.display()))?;
     }
-    let mut c = Command::new(venv.join("bin/pip"));
-    c.args(["install", "--quiet", "--disable-pip-version-check", "--no-build-isolation", "--no-deps"])
-        .arg("--force-reinstall")
-        .arg(root().join("python"))
-        .current_dir(root())
-        .env("PATH", path_with(&main.join("bin")));
-    run("pip install ./python into the floor venv", c)?;
+    let base = venv;
+    let venv = crate::wheel::install(&root().join("target/wheel-floor-venv"), &base, wheel)?;
     // The step must test the floor, not whatever torch the path resolves to.
     let version = FLOOR.trim_start_matches("torch==");
     let mut c = Command::new(venv.join("bin/python"));
@@ -52,13 +48,4 @@ pub(crate) fn venv(main: &Path) -> Result<PathBuf, String> {
         .current_dir(root().join("target"));
     run(&format!("the floor venv imports torch {version}"), c)?;
     Ok(venv)
-}
-
-/// `PATH` with `dir` in front.
-pub(crate) fn path_with(dir: &Path) -> std::ffi::OsString {
-    let mut parts = vec![dir.to_path_buf()];
-    if let Some(p) = std::env::var_os("PATH") {
-        parts.extend(std::env::split_paths(&p));
-    }
-    std::env::join_paths(parts).unwrap_or_default()
 }
