@@ -1,9 +1,10 @@
 //! `cargo xtask ci` (the README's test command) and the test tasks it runs:
-//! `test` (the workspace's tests) and `test-mpi` (`xtask/mpi-tests.sh`).
+//! `test` (the workspace's tests) and `test-mpi` (`xtask/mpi-tests.sh`); the
+//! others it calls live with their subjects (`torch`, `dist`, `package`).
 
 use std::process::Command;
 
-use crate::{cargo, cluster, gpu, has_mpirun, root, run, torch};
+use crate::{cargo, cluster, dist, gpu, has_mpirun, package, root, run, torch};
 
 pub(crate) fn ci(args: &[String]) -> Result<(), String> {
     let no_mpi = args.iter().any(|a| a == "--no-mpi");
@@ -61,9 +62,15 @@ pub(crate) fn ci(args: &[String]) -> Result<(), String> {
         // Skips (one counted line) without root/netns/mpirun; fails instead under CI=true.
         cluster::test(&["--profile".into(), if mpi { "test" } else { "dev" }.into()])?;
     }
-    // Skips without a torch venv; fails instead under CI=true.
+    // The release workflow is only run on a tag: lint it on every change.
+    dist::lint_workflows()?;
+    // Skips without a torch venv; fails instead under CI=true. Every Python
+    // test runs from the manylinux wheel, installed without cargo.
     venv.wait();
     torch::test(&[])?;
+    // Last: the published crates from their tarballs (it reuses the tests'
+    // dependency builds).
+    package::check(&[])?;
     eprintln!("\nxtask ci: all green");
     Ok(())
 }

@@ -51,3 +51,8 @@ pub use link::{Link, LinkModel};
 pub use threads::{RunError, ThreadCluster, ThreadComm, ThreadOptions};
 pub use topology::{Ranks, Topology};
 pub use traffic::{LinkBytes, LinkClass, LinkCounters, OpTraffic, TrafficCounter, TrafficSnapshot};
+
+/// The README's examples, run as doc tests, so the page a registry shows stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

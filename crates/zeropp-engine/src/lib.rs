@@ -64,3 +64,8 @@ pub use config::{EngineConfig, ZeroConfig};
 pub use error::{EngineError, Result};
 pub use launch::{Backend, Job, Launch, RunConfig, Started, TrainReport, launch};
 pub use model::{Gpt, GptConfig, Mlp, MlpConfig, Model};
+
+/// The README's examples, run as doc tests, so the page a registry shows stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -114,3 +114,8 @@ pub use wire::encoded_len;
 
 /// Re-export of the `half` crate, for the `bf16` / `f16` element types.
 pub use half;
+
+/// The README's examples, run as doc tests, so the page a registry shows stays true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
