@@ -77,6 +77,12 @@ pub(crate) fn check(_args: &[String]) -> Result<(), String> {
         run(&format!("unpack {name}-{version}.crate"), c)?;
         patch.push_str(&format!("{name} = {{ path = \"crates/{name}-{version}\" }}\n"));
     }
+    // The user's crate is outside the workspace, so `cargo fmt --all` skips it.
+    let mut fmt = Command::new("rustfmt");
+    fmt.args(["--check", "--edition", "2024", "--config-path"])
+        .arg(root().join("rustfmt.toml"))
+        .arg(root().join("tests/registry-user/src/main.rs"));
+    run("rustfmt --check tests/registry-user", fmt)?;
     copy_dir(&root().join("tests/registry-user"), &dir.join("registry-user"))?;
     let manifest = format!(
         "# Written by `cargo xtask package-check`: the unpacked tarballs and a user's crate.\n\

@@ -52,7 +52,11 @@ fn check() -> Result<String, Box<dyn std::error::Error>> {
     }
     for (rank, full) in fulls.iter().enumerate() {
         if let Some(i) = full.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits()) {
-            return Err(format!("rank {rank}: element {i} is {}, zeropp-quant's round trip gives {}", full[i], want[i]).into());
+            return Err(format!(
+                "rank {rank}: element {i} is {}, zeropp-quant's round trip gives {}",
+                full[i], want[i]
+            )
+            .into());
         }
     }
     Ok(format!(
