@@ -53,6 +53,13 @@ def import_error_of(code: str, extra_path: str | None = None) -> str:
     return "" if p.returncode == 0 else (lines[-1] if lines else f"exit {p.returncode} with no message")
 
 
+def pep440(version: str) -> str:
+    """A Cargo (SemVer) version as a wheel's metadata spells it: 1.2.3-rc.1 -> 1.2.3rc1."""
+    for semver, pep in (("-alpha.", "a"), ("-beta.", "b"), ("-rc.", "rc")):
+        version = version.replace(semver, pep)
+    return version
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--source", required=True, help="the source tree's package folder (python/zeropp)")
@@ -77,7 +84,11 @@ def main() -> int:
 
     # 3. Every module of the source tree is in the wheel and imports.
     installed_root = where.parent
-    for mod in source_modules(source):
+    modules = source_modules(source)
+    # The module check must have something to see: a wrong --source finds nothing.
+    check("the source tree has the package and zeropp.torch", {"zeropp", "zeropp.torch"} <= set(modules),
+          f"{source} gives {modules}")
+    for mod in modules:
         parts = mod.split(".")[1:]
         as_pkg = installed_root.joinpath(*parts, "__init__.py")
         as_file = installed_root.joinpath(*parts[:-1], parts[-1] + ".py") if parts else as_pkg
@@ -97,11 +108,12 @@ def main() -> int:
     gpu = [f for f in files if f.endswith((".ptx", ".cubin", ".fatbin"))]
     check("the wheel holds no PTX or cubins", not gpu, f"{gpu}")
 
-    # 5. One version: the crates', the wheel's metadata's and the module's.
+    # 5. One version: the crates', the wheel's metadata's and the module's
+    #    (the metadata in PEP 440's spelling: 0.2.0-rc.1 is 0.2.0rc1 there).
     check("zeropp.__version__ is the crates' version", zeropp.__version__ == a.version,
           f"{zeropp.__version__} != {a.version}")
-    check("the wheel's metadata has the same version", md.version("zeropp") == a.version,
-          f"{md.version('zeropp')} != {a.version}")
+    check("the wheel's metadata has the same version", md.version("zeropp") == pep440(a.version),
+          f"{md.version('zeropp')} != {pep440(a.version)}")
     check("Requires-Python is >=3.11", md.metadata("zeropp")["Requires-Python"] == ">=3.11",
           str(md.metadata("zeropp")["Requires-Python"]))
 
@@ -134,8 +146,8 @@ def main() -> int:
           old_torch.startswith("ImportError: zeropp.torch needs PyTorch >= 2.9") and "2.8.0+cpu" in old_torch
           and fix in old_torch, repr(old_torch))
     # The control: the real torch imports (so the two refusals are the guard's).
-    check("import zeropp.torch with this torch works", import_error_of("import zeropp.torch") == "",
-          import_error_of("import zeropp.torch"))
+    real = import_error_of("import zeropp.torch")
+    check("import zeropp.torch with this torch works", real == "", real)
 
     failed = RESULTS.count(False)
     print(f"installed wheel: {len(RESULTS) - failed} passed, {failed} failed")

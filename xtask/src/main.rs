@@ -156,6 +156,11 @@ pub(crate) fn run(step: &str, mut cmd: Command) -> Result<(), String> {
     if status.success() { Ok(()) } else { Err(format!("{step} failed ({status})")) }
 }
 
+/// Whether this runs under CI (`CI=true`), where a step that would skip fails.
+pub(crate) fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
 pub(crate) fn has_mpirun() -> bool {
     Command::new("mpirun").arg("--version").output().map(|o| o.status.success()).unwrap_or(false)
 }

@@ -10,7 +10,8 @@
 //!
 //! 1. runs every library crate's doc tests (the crate-level README's examples
 //!    among them),
-//! 2. builds every crate, the CLI included,
+//! 2. checks the CLI (`cargo check`: a linked `zeropp` would replace the
+//!    workspace's own binary),
 //! 3. builds and runs `tests/registry-user`, a crate that depends on
 //!    `zeropp-quant` and `zeropp-comm` by version only and checks a qwZ
 //!    all-gather on threads against zeropp-quant's own round trip.
@@ -38,6 +39,7 @@ pub(crate) const STACK: &[&str] = &[
     "zeropp",
 ];
 
+/// Where the tarballs are unpacked and checked.
 fn check_dir() -> PathBuf {
     root().join("target/package-check")
 }
@@ -53,6 +55,8 @@ fn profiles() -> Result<String, String> {
 /// `cargo xtask package-check`.
 pub(crate) fn check(_args: &[String]) -> Result<(), String> {
     let version = crate::wheel::workspace_version()?;
+    // cargo package writes to the target folder's `package/`, wherever it is.
+    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
     let mut pack = cargo();
     pack.args(["package", "--locked", "--no-verify", "--allow-dirty"]);
     for name in STACK {
@@ -68,7 +72,7 @@ pub(crate) fn check(_args: &[String]) -> Result<(), String> {
     std::fs::create_dir_all(&crates).map_err(|e| format!("{}: {e}", crates.display()))?;
     let mut patch = String::from("[patch.crates-io]\n");
     for name in STACK {
-        let tarball = root().join(format!("target/package/{name}-{version}.crate"));
+        let tarball = target.join(format!("package/{name}-{version}.crate"));
         // `-m`: the files get the time of unpacking. A tarball's entries carry
         // fixed times, and cargo, which judges a path crate fresh by its files'
         // times, would otherwise take a changed crate for the one built before.
@@ -94,7 +98,6 @@ pub(crate) fn check(_args: &[String]) -> Result<(), String> {
     std::fs::copy(root().join("Cargo.lock"), dir.join("Cargo.lock"))
         .map_err(|e| format!("Cargo.lock: {e}"))?;
 
-    let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
     // Everything in the tests' profile, so the registry dependencies the
     // workspace's tests built (at opt-level 3, the `"*"` override) are reused;
     // the unpacked crates themselves at opt-level 0, which compiles all seven in
@@ -156,8 +159,9 @@ pub(crate) fn publish(args: &[String]) -> Result<(), String> {
 }
 
 /// `cargo xtask release-check TAG`: the tag (`v0.1.0`) is the workspace's
-/// version, and CHANGELOG.md has a dated section for it (`## [0.1.0] - 2026-12-24`),
-/// so a release never ships an undated or missing entry.
+/// version, and CHANGELOG.md has a dated section for it (`## [0.1.0] - 2026-12-24`,
+/// what `## [Unreleased]` becomes when the release is cut), so a release never
+/// ships an undated or missing entry.
 pub(crate) fn release_check(args: &[String]) -> Result<(), String> {
     let tag = args.first().ok_or("release-check needs the tag, e.g. v0.1.0")?;
     let version = crate::wheel::workspace_version()?;

@@ -41,16 +41,12 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{cargo, root, run};
+use crate::{cargo, in_ci, root, run};
 
 /// The pinned versions: torch's PyPI wheel (the latest release; the floor,
 /// 2.9.0, is `torch_floor.rs`'s) and numpy. maturin is the dist tools'
 /// (`dist.rs`); pyo3 is pinned in the workspace manifest.
 pub(crate) const PINS: &[&str] = &["torch==2.15.0", "numpy==2.2.6"];
-
-fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
 
 /// The venv: `ZEROPP_TORCH_VENV`, else `~/.cache/zeropp/torch-venv`.
 fn venv_dir() -> PathBuf {
@@ -145,7 +141,7 @@ pub(crate) fn torchrun(
     // give) must fail the step, not sit until CI's limit: 20 minutes is several
     // times the slowest run here.
     let mut c = Command::new("timeout");
-    crate::wheel::without_rust(&mut c);
+    crate::wheel::without_rust(&mut c)?;
     c.args(["--kill-after=10", "1200"])
         .arg(venv.join("bin/python"))
         .args(["-m", "torch.distributed.run", "--nproc-per-node", "4", "--local-ranks-filter", "0"])
@@ -239,9 +235,19 @@ fn prepare_wheel(given: Option<&Path>) -> Result<Option<Prepared>, String> {
         Err(e) => return Err(e),
     };
     let wheel = match given {
-        Some(w) if w.is_file() => w.to_path_buf(),
+        // Absolute: pip and installed.py run from target/, not from here.
+        Some(w) if w.is_file() => {
+            std::path::absolute(w).map_err(|e| format!("--wheel {}: {e}", w.display()))?
+        }
         Some(w) => return Err(format!("--wheel {}: no such file", w.display())),
-        None => crate::dist::build_wheel(None)?,
+        None => match crate::dist::build_wheel(None) {
+            Ok(w) => w,
+            Err(e) if !in_ci() => {
+                eprintln!("SKIP test-torch: the wheel could not be built ({e}); CI=true makes this an error");
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        },
     };
     let venv = crate::wheel::install(&root().join("target/wheel-venv"), &base, &wheel)?;
     Ok(Some(Prepared { base, wheel, venv }))
@@ -277,7 +283,8 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     must_fail(
         "test 0 with the seeded defect: a wheel without zeropp/torch/allreduce.py",
         crate::wheel::check_command(&defect_venv, &dropped)?,
-        "FAIL ",
+        // The module check itself, not any failure the missing module causes.
+        "FAIL module zeropp.torch.allreduce is in the wheel",
     )?;
 
     let out = root().join("target/torch");
@@ -298,14 +305,14 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     // Run as a script from target/, so `import zeropp` finds the installed package,
     // not the source folder python/zeropp (which has no extension module).
     let mut t1 = Command::new(venv.join("bin/python"));
-    crate::wheel::without_rust(&mut t1);
+    crate::wheel::without_rust(&mut t1)?;
     t1.arg(root().join("python/tests/test_kernels.py"))
         .arg("-v")
         .current_dir(root().join("target"))
         .env("ZEROPP_GOLDEN", &golden);
     run("test 1: kernels from Python == Rust", t1)?;
     let mut t4 = Command::new(venv.join("bin/python"));
-    crate::wheel::without_rust(&mut t4);
+    crate::wheel::without_rust(&mut t4)?;
     t4.arg(root().join("python/tests/test_torch_kernels.py")).arg("-v").current_dir(root().join("target"));
     run("test 4: the device path's torch-op kernels == the Rust kernels (bitwise, nearest rounding)", t4)?;
 

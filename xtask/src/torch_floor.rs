@@ -26,19 +26,11 @@ pub(crate) const FLOOR: &str = "torch==2.9.0";
 /// A fresh venv holding `wheel`, beside the floor venv (made, or checked by
 /// its stamp, next to the main torch venv `main`).
 pub(crate) fn venv(main: &Path, wheel: &Path) -> Result<PathBuf, String> {
-    let venv = main.with_file_name("torch-floor-venv");
-    let stamp = venv.join("zeropp-pins.txt");
-    let pins = [FLOOR, "numpy==2.2.6"];
-    let want = pins.join("\n");
-    if !(venv.join("bin/python").is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want)) {
-        let mut c = Command::new("python3");
-        c.args(["-m", "venv", "--clear"]).arg(&venv);
-        run("floor venv", c)?;
-        let mut c = Command::new(venv.join("bin/pip"));
-        c.args(["install", "--quiet", "--disable-pip-version-check"]).args(pins);
-        run("pip install the floor torch with its own dependencies (CUDA 12 wheels)", c)?;
-        std::fs::write(&stamp, want).map_err(|e| format!("{}: {e}", stamp.display()))?;
-    }
+    let venv = crate::wheel::pinned_venv(
+        &main.with_file_name("torch-floor-venv"),
+        &[FLOOR, "numpy==2.2.6"],
+        "the floor torch with its own dependencies (CUDA 12 wheels)",
+    )?;
     let base = venv;
     let venv = crate::wheel::install(&root().join("target/wheel-floor-venv"), &base, wheel)?;
     // The step must test the floor, not whatever torch the path resolves to.

@@ -11,6 +11,33 @@ use std::process::Command;
 
 use crate::{root, run};
 
+/// `~/.cache/zeropp`, where the tools' venvs live, outside any clone.
+pub(crate) fn cache_dir() -> PathBuf {
+    let home = std::env::var("HOME").unwrap_or_else(|_| "/root".into());
+    Path::new(&home).join(".cache/zeropp")
+}
+
+/// A venv at `dir` holding `pins`, made anew unless its stamp file says it
+/// already holds exactly them.
+pub(crate) fn pinned_venv(dir: &Path, pins: &[&str], what: &str) -> Result<PathBuf, String> {
+    let stamp = dir.join("zeropp-pins.txt");
+    let want = pins.join("\n");
+    if dir.join("bin/python").is_file() && std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
+        return Ok(dir.to_path_buf());
+    }
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    }
+    let mut c = Command::new("python3");
+    c.args(["-m", "venv", "--clear"]).arg(dir);
+    run(&format!("a venv for {what}"), c)?;
+    let mut c = Command::new(dir.join("bin/pip"));
+    c.args(["install", "--quiet", "--disable-pip-version-check"]).args(pins);
+    run(&format!("pip install {what}"), c)?;
+    std::fs::write(&stamp, want).map_err(|e| format!("{}: {e}", stamp.display()))?;
+    Ok(dir.to_path_buf())
+}
+
 /// The Python of `venv`'s `purelib` (its site-packages).
 fn site_packages(venv: &Path) -> Result<PathBuf, String> {
     let out = Command::new(venv.join("bin/python"))
@@ -23,22 +50,35 @@ fn site_packages(venv: &Path) -> Result<PathBuf, String> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
-/// `PATH` without the folders that hold `cargo` or `rustc`.
-pub(crate) fn path_without_rust() -> std::ffi::OsString {
+/// `PATH` without the folders that hold `cargo` or `rustc` (rustup's
+/// `~/.cargo/bin`, a toolchain's `bin`). A system folder that holds them too
+/// (Debian's packaged cargo in `/usr/bin`) cannot be dropped without the
+/// system's tools: that is an error naming the fix, not a silent half-test.
+pub(crate) fn path_without_rust() -> Result<std::ffi::OsString, String> {
     let path = std::env::var_os("PATH").unwrap_or_default();
-    let kept =
-        std::env::split_paths(&path).filter(|d| !d.join("cargo").exists() && !d.join("rustc").exists());
-    std::env::join_paths(kept).unwrap_or_default()
+    let mut kept = Vec::new();
+    for dir in std::env::split_paths(&path) {
+        if !dir.join("cargo").exists() && !dir.join("rustc").exists() {
+            kept.push(dir);
+        } else if ["/bin", "/usr/bin", "/usr/local/bin"].iter().any(|s| dir == Path::new(s)) {
+            return Err(format!(
+                "cargo or rustc is in {}, a system folder the wheel test cannot take off PATH; \
+                 install Rust with rustup (into ~/.cargo/bin) to run the Python tests",
+                dir.display()
+            ));
+        }
+    }
+    std::env::join_paths(kept).map_err(|e| format!("PATH: {e}"))
 }
 
 /// Runs `cmd` the way a user without Rust would: no cargo or rustc on its
 /// `PATH`, and none of cargo's variables (`cargo xtask` runs under cargo).
-pub(crate) fn without_rust(cmd: &mut Command) -> &mut Command {
-    cmd.env("PATH", path_without_rust());
+pub(crate) fn without_rust(cmd: &mut Command) -> Result<&mut Command, String> {
+    cmd.env("PATH", path_without_rust()?);
     for var in ["CARGO", "CARGO_HOME", "RUSTC", "RUSTUP_HOME", "RUSTUP_TOOLCHAIN", "CARGO_MANIFEST_DIR"] {
         cmd.env_remove(var);
     }
-    cmd
+    Ok(cmd)
 }
 
 /// A fresh venv at `dir` (anything there before is removed) holding `wheel`,
@@ -62,7 +102,7 @@ pub(crate) fn install(dir: &Path, base: &Path, wheel: &Path) -> Result<PathBuf, 
     c.args(["-m", "pip", "install", "--quiet", "--no-index", "--disable-pip-version-check"])
         .arg(wheel)
         .current_dir(root().join("target"));
-    without_rust(&mut c);
+    without_rust(&mut c)?;
     run("pip install the wheel (no cargo or rustc on PATH)", c)?;
     Ok(dir.to_path_buf())
 }
@@ -91,7 +131,7 @@ pub(crate) fn check_command(venv: &Path, wheel: &Path) -> Result<Command, String
         .arg("--wheel")
         .arg(wheel)
         .current_dir(root().join("target"));
-    without_rust(&mut c);
+    without_rust(&mut c)?;
     Ok(c)
 }
 

@@ -53,11 +53,15 @@ import re as _re
 # The oldest torch with FSDP2's custom collectives (FSDPModule.set_custom_all_gather
 # and set_custom_reduce_scatter); pyproject.toml's `torch` extra asks for the same.
 TORCH_FLOOR = (2, 9)
-_FIX = "pip install 'torch>=2.9' (or pip install 'zeropp[torch]')"
+_FIX = "pip install 'torch>=2.9'"
 
 try:
     import torch as _torch
-except ImportError:
+except ModuleNotFoundError as _missing:
+    # Only a missing torch; a torch that is there but fails to load (a missing
+    # CUDA library) raises its own error, which names the real cause.
+    if _missing.name != "torch":
+        raise
     raise ImportError(f"zeropp.torch needs PyTorch >= 2.9, and torch is not installed: {_FIX}") from None
 _found = _re.match(r"(\d+)\.(\d+)", getattr(_torch, "__version__", ""))
 if _found is not None and (int(_found[1]), int(_found[2])) < TORCH_FLOOR:

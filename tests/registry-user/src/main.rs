@@ -12,6 +12,7 @@ use zeropp_quant::{Options, QuantSpec, dequantize, quantize};
 /// Elements per rank: not a multiple of the group size, so the last group is partial.
 const SHARD: usize = 1000;
 
+/// Rank `rank`'s shard of the weights.
 fn shard_of(rank: usize) -> Vec<f32> {
     (0..SHARD).map(|i| ((rank * SHARD + i) as f32 * 0.37).sin() * (1.0 + rank as f32)).collect()
 }
@@ -29,6 +30,7 @@ fn main() -> ExitCode {
     }
 }
 
+/// Runs the all-gather and compares every rank's result with the reference.
 fn check() -> Result<String, Box<dyn std::error::Error>> {
     let topology = Topology::ranks(4).per_node(2)?;
     let world = topology.world();
@@ -49,6 +51,9 @@ fn check() -> Result<String, Box<dyn std::error::Error>> {
         let back = dequantize(&quantize(&shard, spec, &Options::default())?, &Options::default())?;
         worst = shard.iter().zip(&back).fold(worst, |w, (a, b)| w.max((a - b).abs()));
         want.extend(back);
+    }
+    if fulls.len() != world || fulls.iter().any(|f| f.len() != want.len()) {
+        return Err(format!("{} results for {world} ranks, or one of the wrong length", fulls.len()).into());
     }
     for (rank, full) in fulls.iter().enumerate() {
         if let Some(i) = full.iter().zip(&want).position(|(a, b)| a.to_bits() != b.to_bits()) {
