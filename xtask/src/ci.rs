@@ -70,7 +70,8 @@ pub(crate) fn ci(args: &[String]) -> Result<(), String> {
     torch::test(&[])?;
     // Last: the published crates from their tarballs (it reuses the tests'
     // dependency builds).
-    package::check(&[])?;
+    let features: Vec<String> = if mpi { vec!["--features".into(), MPI_FEATURES.into()] } else { Vec::new() };
+    package::check(&features)?;
     eprintln!("\nxtask ci: all green");
     Ok(())
 }

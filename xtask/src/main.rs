@@ -82,8 +82,9 @@ tasks:
                    the Python package as an abi3 wheel for manylinux_2_28 (maturin, zig as the
                    linker, auditwheel's check) and an sdist, into target/dist; tools pinned in
                    ~/.cache/zeropp/dist-venv (ZEROPP_DIST_VENV)
-  package-check    the published crates from their packaged tarballs: doc tests, builds, and a
-                   user's crate (tests/registry-user) on zeropp-quant and zeropp-comm by version
+  package-check [--features F]
+                   the published crates from their packaged tarballs: doc tests, the CLI's check,
+                   and a user's crate (tests/registry-user) on zeropp-quant and zeropp-comm by version
   publish [--execute]  cargo publish --workspace in stack order; a dry run unless --execute (which
                    needs CARGO_REGISTRY_TOKEN)
   lint-workflows   actionlint over .github/workflows (pinned in the dist tools' venv), and a seeded

@@ -52,8 +52,17 @@ fn profiles() -> Result<String, String> {
     Ok(text[at..].to_string())
 }
 
-/// `cargo xtask package-check`.
-pub(crate) fn check(_args: &[String]) -> Result<(), String> {
+/// `cargo xtask package-check [--features F]`: with the features the
+/// workspace's tests were built with (`ci` passes its MPI features), so the
+/// dependencies resolve to the same feature sets and their builds are reused
+/// (without them, bindgen's `syn` features differ and every proc macro and
+/// what uses it builds again: 129 s of CI's doc-test step).
+pub(crate) fn check(args: &[String]) -> Result<(), String> {
+    let features = match args {
+        [] => None,
+        [flag, f] if flag == "--features" => Some(f.as_str()),
+        other => return Err(format!("package-check: unknown arguments {other:?} (use --features F)")),
+    };
     let version = crate::wheel::workspace_version()?;
     // cargo package writes to the target folder's `package/`, wherever it is.
     let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
@@ -102,23 +111,28 @@ pub(crate) fn check(_args: &[String]) -> Result<(), String> {
     // workspace's tests built (at opt-level 3, the `"*"` override) are reused;
     // the unpacked crates themselves at opt-level 0, which compiles all seven in
     // seconds (at the tests' opt-level 2 they took minutes of CI's two cores).
-    let in_check = |args: &[&str]| {
+    let in_check = |args: &[&str], features: Option<&str>| {
         let mut c = cargo();
         c.args(args)
             .args(["--offline", "--profile", "test"])
             .current_dir(&dir)
             .env("CARGO_TARGET_DIR", &target)
             .env("CARGO_PROFILE_TEST_OPT_LEVEL", "0");
+        if let Some(f) = features {
+            c.args(["--features", f]);
+        }
         c
     };
-    run("doc tests of every packaged library crate", in_check(&["test", "--doc", "--workspace"]))?;
+    run("doc tests of every packaged library crate", in_check(&["test", "--doc", "--workspace"], features))?;
     // The CLI is checked, not linked: a linked `zeropp` would replace the
     // workspace's own `target/debug/zeropp` (built with MPI for the MPI and
     // cluster tests), since a binary's uplifted name carries no hash.
-    run("check the packaged CLI", in_check(&["check", "-p", "zeropp", "--bins"]))?;
+    run("check the packaged CLI", in_check(&["check", "--workspace", "--bins"], features))?;
+    // The user's crate with the crates' default features, as a user gets them
+    // (the doc tests above ran with `features`).
     run(
         "a user's crate on the packaged zeropp-quant and zeropp-comm: qwZ on threads",
-        in_check(&["run", "--quiet", "-p", "zeropp-registry-user"]),
+        in_check(&["run", "--quiet", "-p", "zeropp-registry-user"], None),
     )
 }
 
