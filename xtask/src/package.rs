@@ -16,7 +16,8 @@
 //!    `zeropp-quant` and `zeropp-comm` by version only and checks a qwZ
 //!    all-gather on threads against zeropp-quant's own round trip.
 //!
-//! It shares the workspace's target folder and build profiles, so the
+//! It shares the workspace's target folder, build profiles and (with
+//! zeropp-py unpacked beside them, [`PACKED_TOO`]) feature sets, so the
 //! registry dependencies built by the tests are reused and only the unpacked
 //! crates compile again (`cargo package --workspace`'s own verification would
 //! build every dependency again, per crate, without the workspace's profiles).
@@ -39,6 +40,14 @@ pub(crate) const STACK: &[&str] = &[
     "zeropp",
 ];
 
+/// Packed and unpacked beside [`STACK`] though never published: zeropp-py,
+/// the wheel's Rust side. With it the tarballs' workspace has the main
+/// workspace's packages but the test helpers and xtask, so every dependency
+/// resolves to the same features and its build is reused. Without it, syn
+/// lacks a feature pyo3's macros turn on, and syn, every proc macro and what
+/// uses them built again: 130 s of CI's doc-test step.
+const PACKED_TOO: &[&str] = &["zeropp-py"];
+
 /// Where the tarballs are unpacked and checked.
 fn check_dir() -> PathBuf {
     root().join("target/package-check")
@@ -55,8 +64,7 @@ fn profiles() -> Result<String, String> {
 /// `cargo xtask package-check [--features F]`: with the features the
 /// workspace's tests were built with (`ci` passes its MPI features), so the
 /// dependencies resolve to the same feature sets and their builds are reused
-/// (without them, bindgen's `syn` features differ and every proc macro and
-/// what uses it builds again: 129 s of CI's doc-test step).
+/// (see [`PACKED_TOO`]).
 pub(crate) fn check(args: &[String]) -> Result<(), String> {
     let features = match args {
         [] => None,
@@ -68,7 +76,7 @@ pub(crate) fn check(args: &[String]) -> Result<(), String> {
     let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
     let mut pack = cargo();
     pack.args(["package", "--locked", "--no-verify", "--allow-dirty"]);
-    for name in STACK {
+    for name in STACK.iter().chain(PACKED_TOO) {
         pack.args(["-p", name]);
     }
     run("cargo package (the published crates' tarballs)", pack)?;
@@ -80,7 +88,7 @@ pub(crate) fn check(args: &[String]) -> Result<(), String> {
     let crates = dir.join("crates");
     std::fs::create_dir_all(&crates).map_err(|e| format!("{}: {e}", crates.display()))?;
     let mut patch = String::from("[patch.crates-io]\n");
-    for name in STACK {
+    for name in STACK.iter().chain(PACKED_TOO) {
         let tarball = target.join(format!("package/{name}-{version}.crate"));
         // `-m`: the files get the time of unpacking. A tarball's entries carry
         // fixed times, and cargo, which judges a path crate fresh by its files'
@@ -88,7 +96,9 @@ pub(crate) fn check(args: &[String]) -> Result<(), String> {
         let mut c = Command::new("tar");
         c.arg("xzmf").arg(&tarball).arg("-C").arg(&crates);
         run(&format!("unpack {name}-{version}.crate"), c)?;
-        patch.push_str(&format!("{name} = {{ path = \"crates/{name}-{version}\" }}\n"));
+        if STACK.contains(name) {
+            patch.push_str(&format!("{name} = {{ path = \"crates/{name}-{version}\" }}\n"));
+        }
     }
     // The user's crate is outside the workspace, so `cargo fmt --all` skips it.
     let mut fmt = Command::new("rustfmt");
