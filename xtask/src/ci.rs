@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use crate::{cargo, cluster, dist, gpu, has_mpirun, package, root, run, torch};
+use crate::{MPI_FEATURES, cargo, cluster, dist, gpu, has_mpirun, package, root, run, torch};
 
 pub(crate) fn ci(args: &[String]) -> Result<(), String> {
     let no_mpi = args.iter().any(|a| a == "--no-mpi");
@@ -93,11 +93,6 @@ pub(crate) const GPU_FEATURES: &str = "zeropp-quant/cuda,zeropp-comm/nccl";
 fn all_features(mpi: bool) -> String {
     if mpi { format!("{MPI_FEATURES},{GPU_FEATURES}") } else { GPU_FEATURES.to_string() }
 }
-
-/// The features of an MPI build of the stack (the CLI, the candle example and
-/// comm's MPI programs), the same everywhere it is built so that the builds share
-/// their artefacts: `ci`'s tests, `xtask/mpi-tests.sh` and the cluster test.
-pub(crate) const MPI_FEATURES: &str = "zeropp-comm/mpi,zeropp/mpi,zeropp-candle/mpi";
 
 pub(crate) fn test() -> Result<(), String> {
     test_with(None)

@@ -162,6 +162,11 @@ pub(crate) fn in_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
+/// The features of an MPI build of the stack (the CLI, the candle example and
+/// comm's MPI programs), the same everywhere it is built so that the builds share
+/// their artefacts: `ci`'s tests, `xtask/mpi-tests.sh` and the cluster test.
+pub(crate) const MPI_FEATURES: &str = "zeropp-comm/mpi,zeropp/mpi,zeropp-candle/mpi";
+
 pub(crate) fn has_mpirun() -> bool {
     Command::new("mpirun").arg("--version").output().map(|o| o.status.success()).unwrap_or(false)
 }
