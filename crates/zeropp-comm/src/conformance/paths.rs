@@ -10,7 +10,7 @@ use half::bf16;
 use zeropp_quant::Element;
 
 use crate::collectives::{self as host, DeltaOptions, DenseWire, QgzOptions, QwzOptions, Reduce, Routing};
-use crate::device::{Device, DeviceBuf, DeviceCommunicator, Elem, collectives as dev};
+use crate::device::{Device, DeviceBuf, DeviceCommunicator, Elem, View, collectives as dev};
 use crate::{CommError, Communicator, Group, Topology};
 
 /// The element type of an hpZ copy that qwZ-Δ updates: f32 or bf16.
@@ -27,6 +27,9 @@ impl CopyElem for bf16 {
     const ELEM: Elem = Elem::Bf16;
 }
 
+/// What a collective returns: its output is written into the caller's slice.
+type Done = Result<(), CommError>;
+
 /// The ZeRO++ collectives that have both a host and a device implementation,
 /// called on host slices with the host functions' contracts (lengths, shard
 /// layout, errors as [`CommError`]).
@@ -36,69 +39,29 @@ pub trait Collectives {
     /// This rank.
     fn rank(&self) -> usize;
     /// [`host::qgz_reduce_scatter`].
-    fn qgz_reduce_scatter(
-        &mut self,
-        grad: &[f32],
-        out: &mut [f32],
-        opts: &QgzOptions,
-    ) -> Result<(), CommError>;
+    fn qgz_reduce_scatter(&mut self, grad: &[f32], out: &mut [f32], opts: &QgzOptions) -> Done;
     /// [`host::qwz_all_gather`] from and to f32.
-    fn qwz_all_gather(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [f32],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError>;
+    fn qwz_all_gather(&mut self, g: &Group, shard: &[f32], full: &mut [f32], opts: &QwzOptions) -> Done;
     /// [`host::qwz_all_gather`] from f32 into bf16.
-    fn qwz_all_gather_bf16(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [bf16],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError>;
+    fn qwz_all_gather_bf16(&mut self, g: &Group, s: &[f32], full: &mut [bf16], o: &QwzOptions) -> Done;
     /// [`host::dense_reduce_scatter`] with [`DenseWire::Bf16`].
-    fn reduce_scatter_bf16_wire(
-        &mut self,
-        group: &Group,
-        full: &[f32],
-        shard: &mut [f32],
-        reduce: Reduce,
-    ) -> Result<(), CommError>;
+    fn reduce_scatter_bf16_wire(&mut self, g: &Group, full: &[f32], shard: &mut [f32], r: Reduce) -> Done;
     /// [`host::all_gather_f32_via_bf16`].
-    fn all_gather_via_bf16(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [f32],
-    ) -> Result<(), CommError>;
+    fn all_gather_via_bf16(&mut self, g: &Group, shard: &[f32], full: &mut [f32]) -> Done;
     /// [`host::world_all_gather`].
-    fn world_all_gather(
-        &mut self,
-        routing: Routing,
-        wire: DenseWire,
-        shard: &[f32],
-        full: &mut [f32],
-    ) -> Result<(), CommError>;
+    fn world_all_gather(&mut self, r: Routing, w: DenseWire, shard: &[f32], full: &mut [f32]) -> Done;
     /// [`host::world_qwz_all_gather`] from and to f32.
-    fn world_qwz_all_gather(
-        &mut self,
-        routing: Routing,
-        shard: &[f32],
-        full: &mut [f32],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError>;
+    fn world_qwz_all_gather(&mut self, r: Routing, shard: &[f32], full: &mut [f32], o: &QwzOptions) -> Done;
     /// [`host::world_reduce_scatter`].
     fn world_reduce_scatter(
         &mut self,
-        routing: Routing,
-        wire: DenseWire,
+        r: Routing,
+        w: DenseWire,
         full: &[f32],
-        shard: &mut [f32],
-        reduce: Reduce,
-    ) -> Result<(), CommError>;
-    /// [`host::delta_encode`].
+        s: &mut [f32],
+        op: Reduce,
+    ) -> Done;
+    /// [`host::delta_encode`]: returns the encoding's length in `out`.
     fn delta_encode<T: CopyElem>(
         &mut self,
         w: &[f32],
@@ -107,12 +70,7 @@ pub trait Collectives {
         out: &mut [u8],
     ) -> Result<usize, CommError>;
     /// [`host::delta_apply`].
-    fn delta_apply<T: CopyElem>(
-        &mut self,
-        w_hat: &mut [T],
-        enc: &[u8],
-        opts: &DeltaOptions,
-    ) -> Result<(), CommError>;
+    fn delta_apply<T: CopyElem>(&mut self, w_hat: &mut [T], enc: &[u8], opts: &DeltaOptions) -> Done;
     /// [`host::qwz_delta_exchange`].
     fn qwz_delta_exchange(&mut self, hpz: usize, delta: &[u8]) -> Result<Vec<u8>, CommError>;
 }
@@ -136,76 +94,36 @@ impl<C: Communicator + ?Sized> Collectives for HostPath<'_, C> {
     fn rank(&self) -> usize {
         self.0.rank()
     }
-    fn qgz_reduce_scatter(
-        &mut self,
-        grad: &[f32],
-        out: &mut [f32],
-        opts: &QgzOptions,
-    ) -> Result<(), CommError> {
+    fn qgz_reduce_scatter(&mut self, grad: &[f32], out: &mut [f32], opts: &QgzOptions) -> Done {
         host::qgz_reduce_scatter(self.0, grad, out, opts)
     }
-    fn qwz_all_gather(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [f32],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError> {
-        host::qwz_all_gather(self.0, group, shard, full, opts)
+    fn qwz_all_gather(&mut self, g: &Group, shard: &[f32], full: &mut [f32], opts: &QwzOptions) -> Done {
+        host::qwz_all_gather(self.0, g, shard, full, opts)
     }
-    fn qwz_all_gather_bf16(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [bf16],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError> {
-        host::qwz_all_gather(self.0, group, shard, full, opts)
+    fn qwz_all_gather_bf16(&mut self, g: &Group, s: &[f32], full: &mut [bf16], o: &QwzOptions) -> Done {
+        host::qwz_all_gather(self.0, g, s, full, o)
     }
-    fn reduce_scatter_bf16_wire(
-        &mut self,
-        group: &Group,
-        full: &[f32],
-        shard: &mut [f32],
-        reduce: Reduce,
-    ) -> Result<(), CommError> {
-        host::dense_reduce_scatter(self.0, group, DenseWire::Bf16, full, shard, reduce)
+    fn reduce_scatter_bf16_wire(&mut self, g: &Group, full: &[f32], shard: &mut [f32], r: Reduce) -> Done {
+        host::dense_reduce_scatter(self.0, g, DenseWire::Bf16, full, shard, r)
     }
-    fn all_gather_via_bf16(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [f32],
-    ) -> Result<(), CommError> {
-        host::all_gather_f32_via_bf16(self.0, group, shard, full)
+    fn all_gather_via_bf16(&mut self, g: &Group, shard: &[f32], full: &mut [f32]) -> Done {
+        host::all_gather_f32_via_bf16(self.0, g, shard, full)
     }
-    fn world_all_gather(
-        &mut self,
-        routing: Routing,
-        wire: DenseWire,
-        shard: &[f32],
-        full: &mut [f32],
-    ) -> Result<(), CommError> {
-        host::world_all_gather(self.0, routing, wire, shard, full)
+    fn world_all_gather(&mut self, r: Routing, w: DenseWire, shard: &[f32], full: &mut [f32]) -> Done {
+        host::world_all_gather(self.0, r, w, shard, full)
     }
-    fn world_qwz_all_gather(
-        &mut self,
-        routing: Routing,
-        shard: &[f32],
-        full: &mut [f32],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError> {
-        host::world_qwz_all_gather(self.0, routing, shard, full, opts)
+    fn world_qwz_all_gather(&mut self, r: Routing, shard: &[f32], full: &mut [f32], o: &QwzOptions) -> Done {
+        host::world_qwz_all_gather(self.0, r, shard, full, o)
     }
     fn world_reduce_scatter(
         &mut self,
-        routing: Routing,
-        wire: DenseWire,
-        full: &[f32],
-        shard: &mut [f32],
-        reduce: Reduce,
-    ) -> Result<(), CommError> {
-        host::world_reduce_scatter(self.0, routing, wire, full, shard, reduce)
+        r: Routing,
+        w: DenseWire,
+        x: &[f32],
+        y: &mut [f32],
+        op: Reduce,
+    ) -> Done {
+        host::world_reduce_scatter(self.0, r, w, x, y, op)
     }
     fn delta_encode<T: CopyElem>(
         &mut self,
@@ -216,12 +134,7 @@ impl<C: Communicator + ?Sized> Collectives for HostPath<'_, C> {
     ) -> Result<usize, CommError> {
         host::delta_encode(w, w_hat, opts, out)
     }
-    fn delta_apply<T: CopyElem>(
-        &mut self,
-        w_hat: &mut [T],
-        enc: &[u8],
-        opts: &DeltaOptions,
-    ) -> Result<(), CommError> {
+    fn delta_apply<T: CopyElem>(&mut self, w_hat: &mut [T], enc: &[u8], opts: &DeltaOptions) -> Done {
         host::delta_apply(w_hat, enc, opts)
     }
     fn qwz_delta_exchange(&mut self, hpz: usize, delta: &[u8]) -> Result<Vec<u8>, CommError> {
@@ -254,8 +167,21 @@ impl<C: DeviceCommunicator + ?Sized> DevicePath<'_, C> {
     }
 
     /// Downloads `buf` into `dst` (of the same byte length).
-    fn down<T: bytemuck::Pod>(&self, buf: &DeviceBuf<C::Device>, dst: &mut [T]) -> Result<(), CommError> {
+    fn down<T: bytemuck::Pod>(&self, buf: &DeviceBuf<C::Device>, dst: &mut [T]) -> Done {
         self.0.device().download(self.0.stream(), buf.view(), bytemuck::cast_slice_mut(dst))
+    }
+
+    /// Uploads `input`, runs `call` on it and a zeroed output buffer of
+    /// `output`'s bytes, and downloads that buffer into `output`.
+    fn through<I: bytemuck::Pod, O: bytemuck::Pod>(
+        &mut self,
+        input: &[I],
+        output: &mut [O],
+        call: impl FnOnce(&mut C, View<'_, C::Device>, View<'_, C::Device>) -> Done,
+    ) -> Done {
+        let (i, o) = (self.up(input)?, self.out(output)?);
+        call(self.0, i.view(), o.view())?;
+        self.down(&o, output)
     }
 }
 
@@ -266,101 +192,45 @@ impl<C: DeviceCommunicator + ?Sized> Collectives for DevicePath<'_, C> {
     fn rank(&self) -> usize {
         self.0.rank()
     }
-    fn qgz_reduce_scatter(
-        &mut self,
-        grad: &[f32],
-        out: &mut [f32],
-        opts: &QgzOptions,
-    ) -> Result<(), CommError> {
-        let (g, o) = (self.up(grad)?, self.out(out)?);
-        dev::qgz_reduce_scatter(self.0, g.view(), o.view(), opts)?;
-        self.down(&o, out)
+    fn qgz_reduce_scatter(&mut self, grad: &[f32], out: &mut [f32], opts: &QgzOptions) -> Done {
+        self.through(grad, out, |c, g, o| dev::qgz_reduce_scatter(c, g, o, opts))
     }
-    fn qwz_all_gather(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [f32],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError> {
-        let (s, f) = (self.up(shard)?, self.out(full)?);
-        dev::qwz_all_gather(self.0, group, s.view(), Elem::F32, f.view(), Elem::F32, opts)?;
-        self.down(&f, full)
+    fn qwz_all_gather(&mut self, g: &Group, shard: &[f32], full: &mut [f32], opts: &QwzOptions) -> Done {
+        self.through(shard, full, |c, s, f| dev::qwz_all_gather(c, g, s, Elem::F32, f, Elem::F32, opts))
     }
-    fn qwz_all_gather_bf16(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [bf16],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError> {
-        let (s, f) = (self.up(shard)?, self.out(full)?);
-        dev::qwz_all_gather(self.0, group, s.view(), Elem::F32, f.view(), Elem::Bf16, opts)?;
-        self.down(&f, full)
+    fn qwz_all_gather_bf16(&mut self, g: &Group, s: &[f32], full: &mut [bf16], o: &QwzOptions) -> Done {
+        self.through(s, full, |c, s, f| dev::qwz_all_gather(c, g, s, Elem::F32, f, Elem::Bf16, o))
     }
-    fn reduce_scatter_bf16_wire(
-        &mut self,
-        group: &Group,
-        full: &[f32],
-        shard: &mut [f32],
-        reduce: Reduce,
-    ) -> Result<(), CommError> {
-        let (f, s) = (self.up(full)?, self.out(shard)?);
-        dev::reduce_scatter_bf16_wire(self.0, group, f.view(), s.view(), reduce)?;
-        self.down(&s, shard)
+    fn reduce_scatter_bf16_wire(&mut self, g: &Group, full: &[f32], shard: &mut [f32], r: Reduce) -> Done {
+        self.through(full, shard, |c, f, s| dev::reduce_scatter_bf16_wire(c, g, f, s, r))
     }
-    fn all_gather_via_bf16(
-        &mut self,
-        group: &Group,
-        shard: &[f32],
-        full: &mut [f32],
-    ) -> Result<(), CommError> {
+    fn all_gather_via_bf16(&mut self, g: &Group, shard: &[f32], full: &mut [f32]) -> Done {
         // The device baseline gathers bf16 shards: the rounding to bf16 is
         // the caller's there, widening the result back to f32 too.
         let narrow: Vec<bf16> = shard.iter().map(|&x| bf16::from_f32(x)).collect();
         let mut wide = vec![bf16::ZERO; full.len()];
-        let (s, f) = (self.up(&narrow)?, self.out(&wide)?);
-        dev::all_gather_bf16(self.0, group, s.view(), f.view())?;
-        self.down(&f, &mut wide)?;
+        self.through(&narrow, &mut wide, |c, s, f| dev::all_gather_bf16(c, g, s, f))?;
         if full.len() != wide.len() {
             return Err(CommError::Mismatch("all_gather_via_bf16: output length".into()));
         }
         full.iter_mut().zip(&wide).for_each(|(o, x)| *o = x.to_f32());
         Ok(())
     }
-    fn world_all_gather(
-        &mut self,
-        routing: Routing,
-        wire: DenseWire,
-        shard: &[f32],
-        full: &mut [f32],
-    ) -> Result<(), CommError> {
-        let (s, f) = (self.up(shard)?, self.out(full)?);
-        dev::world_all_gather(self.0, routing, wire, s.view(), f.view())?;
-        self.down(&f, full)
+    fn world_all_gather(&mut self, r: Routing, w: DenseWire, shard: &[f32], full: &mut [f32]) -> Done {
+        self.through(shard, full, |c, s, f| dev::world_all_gather(c, r, w, s, f))
     }
-    fn world_qwz_all_gather(
-        &mut self,
-        routing: Routing,
-        shard: &[f32],
-        full: &mut [f32],
-        opts: &QwzOptions,
-    ) -> Result<(), CommError> {
-        let (s, f) = (self.up(shard)?, self.out(full)?);
-        dev::world_qwz_all_gather(self.0, routing, s.view(), Elem::F32, f.view(), Elem::F32, opts)?;
-        self.down(&f, full)
+    fn world_qwz_all_gather(&mut self, r: Routing, shard: &[f32], full: &mut [f32], o: &QwzOptions) -> Done {
+        self.through(shard, full, |c, s, f| dev::world_qwz_all_gather(c, r, s, Elem::F32, f, Elem::F32, o))
     }
     fn world_reduce_scatter(
         &mut self,
-        routing: Routing,
-        wire: DenseWire,
-        full: &[f32],
-        shard: &mut [f32],
-        reduce: Reduce,
-    ) -> Result<(), CommError> {
-        let (f, s) = (self.up(full)?, self.out(shard)?);
-        dev::world_reduce_scatter(self.0, routing, wire, f.view(), s.view(), reduce)?;
-        self.down(&s, shard)
+        r: Routing,
+        w: DenseWire,
+        x: &[f32],
+        y: &mut [f32],
+        op: Reduce,
+    ) -> Done {
+        self.through(x, y, |c, f, s| dev::world_reduce_scatter(c, r, w, f, s, op))
     }
     fn delta_encode<T: CopyElem>(
         &mut self,
@@ -375,23 +245,15 @@ impl<C: DeviceCommunicator + ?Sized> Collectives for DevicePath<'_, C> {
         self.down(&o, out)?;
         Ok(e)
     }
-    fn delta_apply<T: CopyElem>(
-        &mut self,
-        w_hat: &mut [T],
-        enc: &[u8],
-        opts: &DeltaOptions,
-    ) -> Result<(), CommError> {
+    fn delta_apply<T: CopyElem>(&mut self, w_hat: &mut [T], enc: &[u8], opts: &DeltaOptions) -> Done {
         let (hat, e) = (self.up(w_hat)?, self.up(enc)?);
         dev::delta_apply(self.0, hat.view(), T::ELEM, e.view(), opts)?;
         self.down(&hat, w_hat)
     }
     fn qwz_delta_exchange(&mut self, hpz: usize, delta: &[u8]) -> Result<Vec<u8>, CommError> {
         let t = *self.0.topology();
-        let holds = t.world() / hpz.max(1);
-        let mut got = vec![0u8; holds * delta.len()];
-        let (d, o) = (self.up(delta)?, self.out(&got)?);
-        dev::qwz_delta_exchange(self.0, hpz, d.view(), o.view())?;
-        self.down(&o, &mut got)?;
+        let mut got = vec![0u8; t.world() / hpz.max(1) * delta.len()];
+        self.through(delta, &mut got, |c, d, o| dev::qwz_delta_exchange(c, hpz, d, o))?;
         Ok(got)
     }
 }
