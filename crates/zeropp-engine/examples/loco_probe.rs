@@ -42,24 +42,21 @@
 #![allow(clippy::needless_range_loop)] // layer indices walk several per-layer vectors at once
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
 
+use zeropp_comm::CommExt;
 use zeropp_comm::collectives::{
-    DenseWire, ErrorFeedback, QgzOptions, Reduce, Routing, qgz_reduce_scatter,
-    qgz_reduce_scatter_with_feedback, world_all_gather, world_reduce_scatter,
+    DenseWire, ErrorFeedback, QgzOptions, Routing, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
+    world_all_gather,
 };
-use zeropp_comm::{CommExt, ThreadCluster, ThreadOptions};
-use zeropp_engine::Model;
-use zeropp_engine::config::{AdamWConfig, EngineConfig, QuantSpec, ZeroConfig};
+use zeropp_engine::config::{AdamWConfig, QuantSpec, ZeroConfig};
 use zeropp_engine::data::shard;
-use zeropp_engine::engine::build_plan;
-use zeropp_engine::model::{full_forward_backward, init_params};
+use zeropp_engine::model::full_forward_backward;
 use zeropp_engine::optim::{AdamW, clip_factor};
 use zeropp_quant::Options;
 use zeropp_quant::rng::stream_seed;
 
 mod probe;
-use probe::{BATCH, LOCAL, NODES, Setup};
+use probe::{BATCH, LOCAL, Setup};
 
 /// The reductions compared with the exact one.
 /// `(name, error feedback β, stochastic rounding)`.
@@ -101,259 +98,200 @@ struct Acc {
     sum_u: Vec<Vec<f64>>,
 }
 
-struct Args {
-    data: String,
-    steps: usize,
-    seed: u64,
-    lr: f32,
-    /// Follow this variant's updates instead of the exact ones.
-    follow: Option<usize>,
-    out: Option<PathBuf>,
-}
-
-fn parse_args() -> Args {
-    let mut a = Args { data: "generated".into(), steps: 1500, seed: 1, lr: 3e-3, follow: None, out: None };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let mut v = || it.next().unwrap_or_else(|| panic!("{k} needs a value"));
-        match k.as_str() {
-            "--data" => a.data = v(),
-            "--steps" => a.steps = v().parse().expect("--steps N"),
-            "--seed" => a.seed = v().parse().expect("--seed N"),
-            "--lr" => a.lr = v().parse().expect("--lr X"),
-            "--follow" => {
-                let i: usize = v().parse().expect("--follow INDEX");
-                assert!(i < VARIANTS.len(), "--follow takes a variant index below {}", VARIANTS.len());
-                a.follow = Some(i);
-            }
-            "--out" => a.out = Some(PathBuf::from(v())),
-            "--bench" => {}
-            other => panic!("unknown argument {other}; see the example's docs"),
-        }
-    }
-    a
-}
-
 fn main() {
-    let args = parse_args();
-    let Setup { data, info, model, topology: topo } = probe::setup(&args.data);
-    let cfg = EngineConfig { zero: ZeroConfig::zeropp(LOCAL), ..EngineConfig::default() };
-    let plan = build_plan(&model, &cfg, topo).expect("plan");
-    let optim = AdamWConfig { lr: args.lr, ..AdamWConfig::default() };
+    let (mut lr, mut follow) = (3e-3f32, None::<usize>);
+    let args = probe::parse_args(1500, |flag, v| {
+        match flag {
+            "--lr" => lr = v.parse().expect("--lr X"),
+            "--follow" => {
+                let i: usize = v.parse().expect("--follow INDEX");
+                assert!(i < VARIANTS.len(), "--follow takes a variant index below {}", VARIANTS.len());
+                follow = Some(i);
+            }
+            _ => return false,
+        }
+        true
+    });
+    let setup = probe::setup(&args.data, ZeroConfig::zeropp(LOCAL));
+    let Setup { data, model, plan, cfg, banner, .. } = &setup;
+    let (topo, w, seq, layers) = (setup.topology, setup.world, setup.seq, setup.layers);
+    let optim = AdamWConfig { lr, ..AdamWConfig::default() };
     let long = AdamWConfig { beta2: LONG_BETA2, ..optim };
     let spec = ZeroConfig::default_qgz_spec();
     let local_spec = QuantSpec::int8(spec.group_size()).expect("int8 spec");
     let qgz = QgzOptions { intra_spec: spec, inter_spec: spec, local_spec, ..QgzOptions::default() };
-    let w = topo.world();
-    let seq = model.config().seq_len;
-    let layers = model.layers().len();
     let phases = probe::phases(args.steps);
-    eprintln!(
-        "loco probe: {} ({} params), {} ranks = {NODES} x {LOCAL}, {} steps, lr {}, seed {}",
-        info.description,
-        model.num_params(),
-        w,
-        args.steps,
-        args.lr,
-        args.seed
-    );
+    eprintln!("loco probe: {banner}, {} steps, lr {}, seed {}", args.steps, lr, args.seed);
 
-    let cluster = ThreadCluster::new(topo, ThreadOptions::default());
-    let per_rank: Vec<Vec<Vec<Acc>>> = cluster
-        .run(|comm| {
-            let rank = comm.rank();
-            let mut params = init_params(&model, args.seed)?;
-            let s: Vec<usize> = (0..layers).map(|l| plan.shard_len(l)).collect::<Result<_, _>>()?;
-            // This rank's shard of every layer's padded flat parameters.
-            let flat = |params: &[Vec<f32>]| -> Vec<Vec<f32>> {
-                (0..layers)
-                    .map(|l| {
-                        let b = plan.bucket(l).unwrap();
-                        let mut f = vec![0.0f32; b.padded_len];
-                        b.expand_into(&params[l], &mut f).unwrap();
-                        f[rank * s[l]..(rank + 1) * s[l]].to_vec()
-                    })
-                    .collect()
-            };
-            // The 1-D positions inside this rank's shard of each layer.
-            let one_d: Vec<Vec<bool>> = (0..layers)
+    let per_rank: Vec<Vec<Vec<Acc>>> = probe::on_ranks(&setup, args.seed, |comm, mut params, s| {
+        let rank = comm.rank();
+        // This rank's shard of every layer's padded flat parameters.
+        let flat = |params: &[Vec<f32>]| -> Vec<Vec<f32>> {
+            (0..layers)
                 .map(|l| {
                     let b = plan.bucket(l).unwrap();
-                    let mut mask = vec![false; b.padded_len];
-                    for p in b.params.iter().filter(|p| p.shape.len() == 1) {
-                        mask[p.range()].iter_mut().for_each(|m| *m = true);
-                    }
-                    mask[rank * s[l]..(rank + 1) * s[l]].to_vec()
+                    let mut f = vec![0.0f32; b.padded_len];
+                    b.expand_into(&params[l], &mut f).unwrap();
+                    f[rank * s[l]..(rank + 1) * s[l]].to_vec()
                 })
-                .collect();
-            let mut exact_opt: Vec<[AdamW; 2]> =
-                s.iter().map(|&n| [AdamW::new(optim, n), AdamW::new(long, n)]).collect();
-            let mut shadow: Vec<Vec<[AdamW; 2]>> = VARIANTS
-                .iter()
-                .map(|_| s.iter().map(|&n| [AdamW::new(optim, n), AdamW::new(long, n)]).collect())
-                .collect();
-            let mut feedback: Vec<Vec<Option<ErrorFeedback>>> = VARIANTS
-                .iter()
-                .map(|(_, b, _)| (0..layers).map(|_| b.map(ErrorFeedback::loco)).collect())
-                .collect();
-            let fresh = |s: &[usize]| -> Acc {
-                Acc {
-                    drift: s.iter().map(|&n| vec![0.0; n]).collect(),
-                    sum_g: s.iter().map(|&n| vec![0.0; n]).collect(),
-                    sum_uh: s.iter().map(|&n| vec![0.0; n]).collect(),
-                    sum_u: s.iter().map(|&n| vec![0.0; n]).collect(),
-                    ..Acc::default()
+                .collect()
+        };
+        // The 1-D positions inside this rank's shard of each layer.
+        let one_d: Vec<Vec<bool>> = (0..layers)
+            .map(|l| probe::one_d_mask(plan.bucket(l).unwrap())[rank * s[l]..(rank + 1) * s[l]].to_vec())
+            .collect();
+        let mut exact_opt: Vec<[AdamW; 2]> =
+            s.iter().map(|&n| [AdamW::new(optim, n), AdamW::new(long, n)]).collect();
+        let mut shadow: Vec<Vec<[AdamW; 2]>> = VARIANTS
+            .iter()
+            .map(|_| s.iter().map(|&n| [AdamW::new(optim, n), AdamW::new(long, n)]).collect())
+            .collect();
+        let mut feedback: Vec<Vec<Option<ErrorFeedback>>> = VARIANTS
+            .iter()
+            .map(|(_, b, _)| (0..layers).map(|_| b.map(ErrorFeedback::loco)).collect())
+            .collect();
+        let fresh = |s: &[usize]| -> Acc {
+            Acc {
+                drift: s.iter().map(|&n| vec![0.0; n]).collect(),
+                sum_g: s.iter().map(|&n| vec![0.0; n]).collect(),
+                sum_uh: s.iter().map(|&n| vec![0.0; n]).collect(),
+                sum_u: s.iter().map(|&n| vec![0.0; n]).collect(),
+                ..Acc::default()
+            }
+        };
+        let mut out: Vec<Vec<Acc>> =
+            phases.iter().map(|_| VARIANTS.iter().map(|_| fresh(s)).collect()).collect();
+        for step in 0..args.steps {
+            let ph = phases.iter().position(|&(a, b)| (a..b).contains(&step)).unwrap();
+            if step > 0 && step.is_multiple_of(LOCO_RESET) {
+                feedback.iter_mut().flatten().flatten().for_each(ErrorFeedback::reset);
+            }
+            let batch = data.global_batch(step as u64, 0, BATCH, seq, args.seed)?;
+            let (loss, grads) = full_forward_backward(model, &params, &shard(&batch, rank, w)?)?;
+            let shards = flat(&params);
+            for acc in out[ph].iter_mut() {
+                acc.loss += f64::from(loss);
+                acc.steps += 1.0;
+            }
+            // 1. Every reduction of every layer: exact, and each variant.
+            let mut g_exact: Vec<Vec<f32>> = Vec::with_capacity(layers);
+            let mut g_var: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(layers); VARIANTS.len()];
+            for l in 0..layers {
+                let (full, g) = probe::exact_mean(comm, plan, l, &grads[l])?;
+                // qgZ carries zeros at the 1-D positions (they go exact).
+                let mut masked = full;
+                let mask = probe::one_d_mask(plan.bucket(l)?);
+                masked.iter_mut().zip(&mask).filter(|(_, m)| **m).for_each(|(x, _)| *x = 0.0);
+                for (v, gv) in g_var.iter_mut().enumerate() {
+                    let mut gh = vec![0.0f32; s[l]];
+                    let mut opts = qgz;
+                    if VARIANTS[v].2 {
+                        // One stream per (seed, step, layer), as the engine keys them.
+                        let key = stream_seed(args.seed ^ 0x5EED, &[step as u64, l as u64]);
+                        opts.quant = Options::default().stochastic(key);
+                    }
+                    match feedback[v][l].as_mut() {
+                        Some(fb) => qgz_reduce_scatter_with_feedback(comm, &masked, &mut gh, &opts, fb)?,
+                        None => qgz_reduce_scatter(comm, &masked, &mut gh, &opts)?,
+                    }
+                    for ((x, &e), &is1) in gh.iter_mut().zip(&g).zip(&one_d[l]) {
+                        if is1 {
+                            *x = e;
+                        }
+                    }
+                    gv.push(gh);
                 }
+                g_exact.push(g);
+            }
+            // 2. Clipping factors from each reduction's global norm, as the engine clips.
+            let sq = |gs: &[Vec<f32>]| gs.iter().flatten().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+            let mut local: Vec<f64> = vec![sq(&g_exact)];
+            local.extend(g_var.iter().map(|gv| sq(gv)));
+            let mut all = vec![0.0f64; local.len() * w];
+            comm.all_gather(&zeropp_comm::Group::world(&topo), &local, &mut all)?;
+            let factor = |i: usize| {
+                let norm = (0..w).map(|r| all[r * local.len() + i]).sum::<f64>().sqrt() as f32;
+                clip_factor(norm, cfg.gradient_clipping)
             };
-            let mut out: Vec<Vec<Acc>> =
-                phases.iter().map(|_| VARIANTS.iter().map(|_| fresh(&s)).collect()).collect();
-            for step in 0..args.steps {
-                let ph = phases.iter().position(|&(a, b)| (a..b).contains(&step)).unwrap();
-                if step > 0 && step.is_multiple_of(LOCO_RESET) {
-                    feedback.iter_mut().flatten().flatten().for_each(ErrorFeedback::reset);
+            // 3. Updates from the shared parameters, and the step the trajectory takes.
+            let mut new_params = Vec::with_capacity(layers);
+            for l in 0..layers {
+                let b = plan.bucket(l)?;
+                let g = &g_exact[l];
+                let mut u = [shards[l].clone(), shards[l].clone()];
+                let mut next = None;
+                for (k, opt) in exact_opt[l].iter_mut().enumerate() {
+                    opt.step(&mut u[k], g, factor(0))?;
                 }
-                let batch = data.global_batch(step as u64, 0, BATCH, seq, args.seed)?;
-                let (loss, grads) = full_forward_backward(&model, &params, &shard(&batch, rank, w)?)?;
-                let shards = flat(&params);
-                for acc in out[ph].iter_mut() {
-                    acc.loss += f64::from(loss);
-                    acc.steps += 1.0;
-                }
-                // 1. Every reduction of every layer: exact, and each variant.
-                let mut g_exact: Vec<Vec<f32>> = Vec::with_capacity(layers);
-                let mut g_var: Vec<Vec<Vec<f32>>> = vec![Vec::with_capacity(layers); VARIANTS.len()];
-                for l in 0..layers {
-                    let b = plan.bucket(l)?;
-                    let mut full = vec![0.0f32; b.padded_len];
-                    b.expand_into(&grads[l], &mut full)?;
-                    let mut g = vec![0.0f32; s[l]];
-                    world_reduce_scatter(
-                        comm,
-                        Routing::Hierarchical,
-                        DenseWire::F32,
-                        &full,
-                        &mut g,
-                        Reduce::Mean,
-                    )?;
-                    // qgZ carries zeros at the 1-D positions (they go exact).
-                    let mut masked = full.clone();
-                    for p in b.params.iter().filter(|p| p.shape.len() == 1) {
-                        masked[p.range()].iter_mut().for_each(|x| *x = 0.0);
-                    }
-                    for (v, gv) in g_var.iter_mut().enumerate() {
-                        let mut gh = vec![0.0f32; s[l]];
-                        let mut opts = qgz;
-                        if VARIANTS[v].2 {
-                            // One stream per (seed, step, layer), as the engine keys them.
-                            let key = stream_seed(args.seed ^ 0x5EED, &[step as u64, l as u64]);
-                            opts.quant = Options::default().stochastic(key);
+                let u_delta: Vec<Vec<f32>> =
+                    u.iter().map(|p| p.iter().zip(&shards[l]).map(|(a, b)| a - b).collect()).collect();
+                for (v, acc) in out[ph].iter_mut().enumerate() {
+                    let gh = &g_var[v][l];
+                    for (k, opt) in shadow[v][l].iter_mut().enumerate() {
+                        let mut p = shards[l].clone();
+                        opt.step(&mut p, gh, factor(v + 1))?;
+                        if k == 0 && follow == Some(v) {
+                            next = Some(p.clone());
                         }
-                        match feedback[v][l].as_mut() {
-                            Some(fb) => qgz_reduce_scatter_with_feedback(comm, &masked, &mut gh, &opts, fb)?,
-                            None => qgz_reduce_scatter(comm, &masked, &mut gh, &opts)?,
-                        }
-                        for ((x, &e), &is1) in gh.iter_mut().zip(&g).zip(&one_d[l]) {
-                            if is1 {
-                                *x = e;
+                        for (i, ((pn, p0), ue)) in p.iter().zip(&shards[l]).zip(&u_delta[k]).enumerate() {
+                            let uh = f64::from(pn - p0);
+                            let ue = f64::from(*ue);
+                            if k == 0 {
+                                acc.sum_uh[l][i] += uh;
+                                acc.sum_u[l][i] += ue;
                             }
-                        }
-                        gv.push(gh);
-                    }
-                    g_exact.push(g);
-                }
-                // 2. Clipping factors from each reduction's global norm, as the engine clips.
-                let sq =
-                    |gs: &[Vec<f32>]| gs.iter().flatten().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
-                let mut local: Vec<f64> = vec![sq(&g_exact)];
-                local.extend(g_var.iter().map(|gv| sq(gv)));
-                let mut all = vec![0.0f64; local.len() * w];
-                comm.all_gather(&zeropp_comm::Group::world(&topo), &local, &mut all)?;
-                let factor = |i: usize| {
-                    let norm = (0..w).map(|r| all[r * local.len() + i]).sum::<f64>().sqrt() as f32;
-                    clip_factor(norm, cfg.gradient_clipping)
-                };
-                // 3. Updates from the shared parameters, and the step the trajectory takes.
-                let mut new_params = Vec::with_capacity(layers);
-                for l in 0..layers {
-                    let b = plan.bucket(l)?;
-                    let g = &g_exact[l];
-                    let mut u = [shards[l].clone(), shards[l].clone()];
-                    let mut next = None;
-                    for (k, opt) in exact_opt[l].iter_mut().enumerate() {
-                        opt.step(&mut u[k], g, factor(0))?;
-                    }
-                    let u_delta: Vec<Vec<f32>> =
-                        u.iter().map(|p| p.iter().zip(&shards[l]).map(|(a, b)| a - b).collect()).collect();
-                    for (v, acc) in out[ph].iter_mut().enumerate() {
-                        let gh = &g_var[v][l];
-                        for (k, opt) in shadow[v][l].iter_mut().enumerate() {
-                            let mut p = shards[l].clone();
-                            opt.step(&mut p, gh, factor(v + 1))?;
-                            if k == 0 && args.follow == Some(v) {
-                                next = Some(p.clone());
-                            }
-                            for (i, ((pn, p0), ue)) in p.iter().zip(&shards[l]).zip(&u_delta[k]).enumerate() {
-                                let uh = f64::from(pn - p0);
-                                let ue = f64::from(*ue);
-                                if k == 0 {
-                                    acc.sum_uh[l][i] += uh;
-                                    acc.sum_u[l][i] += ue;
-                                }
-                                acc.uerr[k] += (uh - ue).powi(2);
-                                acc.unorm[k] += ue * ue;
-                                acc.uhat[k] += uh * uh;
-                                if (uh > 0.0) == (ue > 0.0) && ue != 0.0 {
-                                    acc.sign_ok[k] += 1.0;
-                                }
-                            }
-                        }
-                        acc.coords += s[l] as f64;
-                        for (i, (&x, &e)) in gh.iter().zip(g).enumerate() {
-                            let (x, e) = (f64::from(x), f64::from(e));
-                            acc.gerr += (x - e).powi(2);
-                            acc.gnorm += e * e;
-                            acc.drift[l][i] += x - e;
-                            acc.sum_g[l][i] += e;
-                            if e != 0.0 {
-                                acc.moved += 1.0;
-                                if x == 0.0 {
-                                    acc.zeroed += 1.0;
-                                }
+                            acc.uerr[k] += (uh - ue).powi(2);
+                            acc.unorm[k] += ue * ue;
+                            acc.uhat[k] += uh * uh;
+                            if (uh > 0.0) == (ue > 0.0) && ue != 0.0 {
+                                acc.sign_ok[k] += 1.0;
                             }
                         }
                     }
-                    // The trajectory: gather the taken shards.
-                    let mut gathered = vec![0.0f32; b.padded_len];
-                    let taken = next.as_deref().unwrap_or(&u[0]);
-                    world_all_gather(comm, Routing::Hierarchical, DenseWire::F32, taken, &mut gathered)?;
-                    new_params.push(b.compact(&gathered)?);
+                    acc.coords += s[l] as f64;
+                    for (i, (&x, &e)) in gh.iter().zip(g).enumerate() {
+                        let (x, e) = (f64::from(x), f64::from(e));
+                        acc.gerr += (x - e).powi(2);
+                        acc.gnorm += e * e;
+                        acc.drift[l][i] += x - e;
+                        acc.sum_g[l][i] += e;
+                        if e != 0.0 {
+                            acc.moved += 1.0;
+                            if x == 0.0 {
+                                acc.zeroed += 1.0;
+                            }
+                        }
+                    }
                 }
-                params = new_params;
+                // The trajectory: gather the taken shards.
+                let mut gathered = vec![0.0f32; b.padded_len];
+                let taken = next.as_deref().unwrap_or(&u[0]);
+                world_all_gather(comm, Routing::Hierarchical, DenseWire::F32, taken, &mut gathered)?;
+                new_params.push(b.compact(&gathered)?);
             }
-            if rank == 0 {
-                let val = data.val_batches(BATCH, seq, 16)?;
-                let mut sum = 0.0f64;
-                for b in &val {
-                    sum += f64::from(zeropp_engine::model::full_forward(&model, &params, b)?.0);
-                }
-                eprintln!("validation loss at the end of the trajectory: {:.4}", sum / val.len() as f64);
+            params = new_params;
+        }
+        if rank == 0 {
+            let val = data.val_batches(BATCH, seq, 16)?;
+            let mut sum = 0.0f64;
+            for b in &val {
+                sum += f64::from(zeropp_engine::model::full_forward(model, &params, b)?.0);
             }
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(out)
-        })
-        .expect("probe run");
+            eprintln!("validation loss at the end of the trajectory: {:.4}", sum / val.len() as f64);
+        }
+        Ok(out)
+    });
 
     // Sum the ranks.
     let mut md = String::new();
     writeln!(
         md,
-        "loco probe: {}, default GPT, {} ranks = {NODES} x {LOCAL}, {} steps, lr {}, seed {}, AdamW β2 {}, trajectory: {}\n",
-        info.description,
-        w,
+        "loco probe: {banner}, default GPT, {} steps, lr {}, seed {}, AdamW β2 {}, trajectory: {}\n",
         args.steps,
-        args.lr,
+        lr,
         args.seed,
         optim.beta2,
-        args.follow.map_or("exact (f32 reduce-scatter)", |v| VARIANTS[v].0)
+        follow.map_or("exact (f32 reduce-scatter)", |v| VARIANTS[v].0)
     )
     .unwrap();
     writeln!(

@@ -21,23 +21,17 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench driver: failures abort
 
 use std::fmt::Write as _;
-use std::path::PathBuf;
 
-use zeropp_comm::collectives::{
-    DenseWire, QgzOptions, Reduce, Routing, qgz_reduce_scatter, world_reduce_scatter,
-};
-use zeropp_comm::{ThreadCluster, ThreadOptions};
-use zeropp_engine::Model;
-use zeropp_engine::config::{AdamWConfig, EngineConfig, ZeroConfig};
+use zeropp_comm::collectives::{DenseWire, QgzOptions, Routing, qgz_reduce_scatter};
+use zeropp_engine::config::{AdamWConfig, ZeroConfig};
 use zeropp_engine::data::shard;
-use zeropp_engine::engine::build_plan;
-use zeropp_engine::model::{full_forward_backward, init_params};
+use zeropp_engine::model::full_forward_backward;
 use zeropp_engine::optim::{AdamW, clip_factor};
 use zeropp_quant::Options;
 use zeropp_quant::rng::stream_seed;
 
 mod probe;
-use probe::{BATCH, LOCAL, NODES, Setup};
+use probe::{BATCH, LOCAL, Setup};
 
 /// `(name, intra-node bits, Hadamard, stochastic rounding)`.
 const VARIANTS: [(&str, u8, bool, bool); 6] = [
@@ -49,32 +43,6 @@ const VARIANTS: [(&str, u8, bool, bool); 6] = [
     ("two-level + Hadamard, nearest rounding", 8, true, false),
 ];
 
-struct Args {
-    data: String,
-    steps: usize,
-    every: usize,
-    seed: u64,
-    out: Option<PathBuf>,
-}
-
-fn parse_args() -> Args {
-    let mut a = Args { data: "generated".into(), steps: 1000, every: 10, seed: 1, out: None };
-    let mut it = std::env::args().skip(1);
-    while let Some(k) = it.next() {
-        let mut v = || it.next().unwrap_or_else(|| panic!("{k} needs a value"));
-        match k.as_str() {
-            "--data" => a.data = v(),
-            "--steps" => a.steps = v().parse().expect("--steps N"),
-            "--every" => a.every = v().parse::<usize>().expect("--every N").max(1),
-            "--seed" => a.seed = v().parse().expect("--seed N"),
-            "--out" => a.out = Some(PathBuf::from(v())),
-            "--bench" => {}
-            other => panic!("unknown argument {other}; see the example's docs"),
-        }
-    }
-    a
-}
-
 /// Squared errors, squared exact values and element counts, per variant and phase.
 #[derive(Clone, Default)]
 struct Acc {
@@ -84,124 +52,99 @@ struct Acc {
 }
 
 fn main() {
-    let args = parse_args();
-    let Setup { data, info, model, topology: topo } = probe::setup(&args.data);
-    let cfg = EngineConfig { zero: ZeroConfig::zeropp_delta(LOCAL), ..EngineConfig::default() };
-    let plan = build_plan(&model, &cfg, topo).expect("plan");
+    let mut every = 10usize;
+    let args = probe::parse_args(1000, |flag, v| {
+        let known = flag == "--every";
+        if known {
+            every = v.parse::<usize>().expect("--every N").max(1);
+        }
+        known
+    });
+    let setup = probe::setup(&args.data, ZeroConfig::zeropp_delta(LOCAL));
+    let Setup { data, model, plan, cfg, banner, .. } = &setup;
+    let (topo, w, seq, layers) = (setup.topology, setup.world, setup.seq, setup.layers);
     let optim = AdamWConfig::default();
     let spec = ZeroConfig::default_qgz_spec();
     let g = spec.group_size();
-    let w = topo.world();
-    let seq = model.config().seq_len;
-    let layers = model.layers().len();
     let phases = probe::phases(args.steps);
-    eprintln!(
-        "qgz error: {} ({} params), {w} ranks = {NODES} x {LOCAL}, {} steps, a sample every {}, seed {}",
-        info.description,
-        model.num_params(),
-        args.steps,
-        args.every,
-        args.seed
-    );
-    let cluster = ThreadCluster::new(topo, ThreadOptions::default());
-    let per_rank: Vec<Vec<Vec<Acc>>> = cluster
-        .run(|comm| {
-            let rank = comm.rank();
-            let mut params = init_params(&model, args.seed)?;
-            let s: Vec<usize> = (0..layers).map(|l| plan.shard_len(l)).collect::<Result<_, _>>()?;
-            let mut opt: Vec<AdamW> = s.iter().map(|&n| AdamW::new(optim, n)).collect();
-            let mut out = vec![vec![Acc::default(); VARIANTS.len()]; phases.len()];
-            for step in 0..args.steps {
-                let batch = data.global_batch(step as u64, 0, BATCH, seq, args.seed)?;
-                let (_, grads) = full_forward_backward(&model, &params, &shard(&batch, rank, w)?)?;
-                let sample = step.is_multiple_of(args.every);
-                let ph = phases.iter().position(|&(a, b)| (a..b).contains(&step)).unwrap_or(0);
-                let mut exact_all = Vec::with_capacity(layers);
-                for l in 0..layers {
-                    let b = plan.bucket(l)?;
-                    let mut full = vec![0.0f32; b.padded_len];
-                    b.expand_into(&grads[l], &mut full)?;
-                    let mut exact = vec![0.0f32; s[l]];
-                    world_reduce_scatter(
-                        comm,
-                        Routing::Hierarchical,
-                        DenseWire::F32,
-                        &full,
-                        &mut exact,
-                        Reduce::Mean,
-                    )?;
-                    if sample {
-                        // The engine's qgZ input: the 1-D parameters zeroed (they go exact).
-                        let mut one_d = vec![false; b.padded_len];
-                        for p in b.params.iter().filter(|p| p.shape.len() == 1) {
-                            full[p.range()].iter_mut().for_each(|x| *x = 0.0);
-                            one_d[p.range()].iter_mut().for_each(|m| *m = true);
+    eprintln!("qgz error: {banner}, {} steps, a sample every {}, seed {}", args.steps, every, args.seed);
+    let per_rank: Vec<Vec<Vec<Acc>>> = probe::on_ranks(&setup, args.seed, |comm, mut params, s| {
+        let rank = comm.rank();
+        let mut opt: Vec<AdamW> = s.iter().map(|&n| AdamW::new(optim, n)).collect();
+        let mut out = vec![vec![Acc::default(); VARIANTS.len()]; phases.len()];
+        for step in 0..args.steps {
+            let batch = data.global_batch(step as u64, 0, BATCH, seq, args.seed)?;
+            let (_, grads) = full_forward_backward(model, &params, &shard(&batch, rank, w)?)?;
+            let sample = step.is_multiple_of(every);
+            let ph = phases.iter().position(|&(a, b)| (a..b).contains(&step)).unwrap_or(0);
+            let mut exact_all = Vec::with_capacity(layers);
+            for l in 0..layers {
+                let (mut full, exact) = probe::exact_mean(comm, plan, l, &grads[l])?;
+                if sample {
+                    // The engine's qgZ input: the 1-D parameters zeroed (they go exact).
+                    let one_d = probe::one_d_mask(plan.bucket(l)?);
+                    full.iter_mut().zip(&one_d).filter(|(_, m)| **m).for_each(|(x, _)| *x = 0.0);
+                    let mine = &one_d[rank * s[l]..(rank + 1) * s[l]];
+                    for (v, &(_, intra, hadamard, stochastic)) in VARIANTS.iter().enumerate() {
+                        let mut o = QgzOptions::default().with_spec(spec);
+                        if intra == 8 {
+                            o = QgzOptions::two_level(g)?;
                         }
-                        let mine = &one_d[rank * s[l]..(rank + 1) * s[l]];
-                        for (v, &(_, intra, hadamard, stochastic)) in VARIANTS.iter().enumerate() {
-                            let mut o = QgzOptions::default().with_spec(spec);
-                            if intra == 8 {
-                                o = QgzOptions::two_level(g)?;
-                            }
-                            let keys = [step as u64, l as u64];
-                            if hadamard {
-                                o = o.with_hadamard(stream_seed(args.seed ^ 0x4844, &keys));
-                            }
-                            if stochastic {
-                                o.quant = Options::default().stochastic(stream_seed(args.seed, &keys));
-                            }
-                            let mut got = vec![0.0f32; s[l]];
-                            qgz_reduce_scatter(comm, &full, &mut got, &o)?;
-                            let acc = &mut out[ph][v];
-                            for ((a, e), skip) in got.iter().zip(&exact).zip(mine) {
-                                if !skip {
-                                    acc.err2 += (f64::from(*a) - f64::from(*e)).powi(2);
-                                    acc.exact2 += f64::from(*e).powi(2);
-                                    acc.count += 1.0;
-                                }
+                        let keys = [step as u64, l as u64];
+                        if hadamard {
+                            o = o.with_hadamard(stream_seed(args.seed ^ 0x4844, &keys));
+                        }
+                        if stochastic {
+                            o.quant = Options::default().stochastic(stream_seed(args.seed, &keys));
+                        }
+                        let mut got = vec![0.0f32; s[l]];
+                        qgz_reduce_scatter(comm, &full, &mut got, &o)?;
+                        let acc = &mut out[ph][v];
+                        for ((a, e), skip) in got.iter().zip(&exact).zip(mine) {
+                            if !skip {
+                                acc.err2 += (f64::from(*a) - f64::from(*e)).powi(2);
+                                acc.exact2 += f64::from(*e).powi(2);
+                                acc.count += 1.0;
                             }
                         }
                     }
-                    exact_all.push(exact);
                 }
-                // The exact step: the global norm, clipping, AdamW on every shard,
-                // then every rank's full parameters (gathered exactly).
-                let sq: f64 = exact_all.iter().flatten().map(|&x| f64::from(x).powi(2)).sum();
-                let mut all = vec![0.0f64; w];
-                zeropp_comm::CommExt::all_gather(comm, &zeropp_comm::Group::world(&topo), &[sq], &mut all)?;
-                let factor = clip_factor(all.iter().sum::<f64>().sqrt() as f32, Some(1.0));
-                for l in 0..layers {
-                    let b = plan.bucket(l)?;
-                    let mut flat = vec![0.0f32; b.padded_len];
-                    b.expand_into(&params[l], &mut flat)?;
-                    let mut shard_p = flat[rank * s[l]..(rank + 1) * s[l]].to_vec();
-                    opt[l].step(&mut shard_p, &exact_all[l], factor)?;
-                    let mut gathered = vec![0.0f32; b.padded_len];
-                    zeropp_comm::collectives::world_all_gather(
-                        comm,
-                        Routing::Hierarchical,
-                        DenseWire::F32,
-                        &shard_p,
-                        &mut gathered,
-                    )?;
-                    params[l] = b.compact(&gathered)?;
-                }
+                exact_all.push(exact);
             }
-            Ok::<_, zeropp_engine::EngineError>(out)
-        })
-        .expect("the probe's cluster");
+            // The exact step: the global norm, clipping, AdamW on every shard,
+            // then every rank's full parameters (gathered exactly).
+            let sq: f64 = exact_all.iter().flatten().map(|&x| f64::from(x).powi(2)).sum();
+            let mut all = vec![0.0f64; w];
+            zeropp_comm::CommExt::all_gather(comm, &zeropp_comm::Group::world(&topo), &[sq], &mut all)?;
+            let factor = clip_factor(all.iter().sum::<f64>().sqrt() as f32, cfg.gradient_clipping);
+            for l in 0..layers {
+                let b = plan.bucket(l)?;
+                let mut flat = vec![0.0f32; b.padded_len];
+                b.expand_into(&params[l], &mut flat)?;
+                let mut shard_p = flat[rank * s[l]..(rank + 1) * s[l]].to_vec();
+                opt[l].step(&mut shard_p, &exact_all[l], factor)?;
+                let mut gathered = vec![0.0f32; b.padded_len];
+                zeropp_comm::collectives::world_all_gather(
+                    comm,
+                    Routing::Hierarchical,
+                    DenseWire::F32,
+                    &shard_p,
+                    &mut gathered,
+                )?;
+                params[l] = b.compact(&gathered)?;
+            }
+        }
+        Ok(out)
+    });
     // Sums over ranks.
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "# qgZ's error on real gradients: {} ({} params), {w} ranks = {NODES} x {LOCAL}, seed {}\n\n\
+        "# qgZ's error on real gradients: {banner}, seed {}\n\n\
          Along the exact trajectory; every {} steps each rank's local gradients go through each variant \
          (groups of {g} per tensor, the 1-D parameters excluded). MSE = mean squared error against the \
          exact mean on the quantized positions; ratio = the variant's MSE / plain INT4's (stochastic).\n",
-        info.description,
-        model.num_params(),
-        args.seed,
-        args.every
+        args.seed, every
     );
     for (ph, &(a, b)) in phases.iter().enumerate() {
         let _ = writeln!(

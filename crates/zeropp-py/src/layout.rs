@@ -88,19 +88,61 @@ impl ChunkLayout {
             Err(error(format!("{what} has {elements} elements, expected {rows} x {per_row}")))
         }
     }
-}
 
-fn gather_rows<T: Element>(lay: &ChunkLayout, x: &[T], rows: usize, out: &mut [f32]) {
-    for r in 0..rows {
-        lay.fill_row(x, r, &mut out[r * lay.cq..(r + 1) * lay.cq]);
+    /// `gather` and `exact`: checks `x` (`rows x c` of `dtype`) and `out`
+    /// (`rows` rows of `which`'s vector, float32), then reads without the GIL.
+    fn read(
+        &self,
+        which: Read,
+        x: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        dtype: &str,
+        rows: usize,
+    ) -> PyResult<()> {
+        let dtype = Dtype::parse(dtype)?;
+        let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
+        check_disjoint(&[&xb, &ob])?;
+        Self::check("x", dtype.count(&xb)?, rows, self.c)?;
+        let o = f32_mut(&ob)?;
+        Self::check("out", o.len(), rows, which.len(self))?;
+        let input = elems(&xb, dtype)?;
+        x.py().detach(|| match input {
+            Elems::F32(v) => read_rows(self, which, v, rows, o),
+            Elems::Bf16(v) => read_rows(self, which, v, rows, o),
+            Elems::F16(v) => read_rows(self, which, v, rows, o),
+        });
+        Ok(())
     }
 }
 
-fn exact_rows<T: Element>(lay: &ChunkLayout, x: &[T], rows: usize, out: &mut [f32]) {
-    for r in 0..rows {
-        for s in lay.segs.iter().filter(|s| s.exact) {
-            let src = &x[r * lay.c + s.at..r * lay.c + s.at + s.n];
-            T::to_f32_slice(src, &mut out[r * lay.exact_len + s.to..r * lay.exact_len + s.to + s.n]);
+/// Which vector of a chunk [`read_rows`] reads: the quantized one (`gather`)
+/// or the exact one of the 1-D parameters (`exact`).
+#[derive(Clone, Copy)]
+enum Read {
+    Quantized,
+    Exact,
+}
+
+impl Read {
+    /// Elements of one row of this vector.
+    fn len(self, lay: &ChunkLayout) -> usize {
+        match self {
+            Read::Quantized => lay.cq,
+            Read::Exact => lay.exact_len,
+        }
+    }
+}
+
+fn read_rows<T: Element>(lay: &ChunkLayout, which: Read, x: &[T], rows: usize, out: &mut [f32]) {
+    let n = which.len(lay);
+    for (r, row) in out.chunks_exact_mut(n.max(1)).take(rows).enumerate() {
+        match which {
+            Read::Quantized => lay.fill_row(x, r, row),
+            Read::Exact => {
+                for s in lay.segs.iter().filter(|s| s.exact) {
+                    T::to_f32_slice(&x[r * lay.c + s.at..][..s.n], &mut row[s.to..s.to + s.n]);
+                }
+            }
         }
     }
 }
@@ -169,27 +211,8 @@ impl ChunkLayout {
     /// The quantized vectors of `rows` chunks: `x` holds `rows x c` elements of
     /// `dtype`, `out` receives `rows x cq` float32 (zeros between parameters).
     #[pyo3(signature = (x, out, *, dtype, rows = 1))]
-    fn gather(
-        &self,
-        py: Python<'_>,
-        x: &Bound<'_, PyAny>,
-        out: &Bound<'_, PyAny>,
-        dtype: &str,
-        rows: usize,
-    ) -> PyResult<()> {
-        let dtype = Dtype::parse(dtype)?;
-        let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
-        check_disjoint(&[&xb, &ob])?;
-        Self::check("x", dtype.count(&xb)?, rows, self.c)?;
-        let o = f32_mut(&ob)?;
-        Self::check("out", o.len(), rows, self.cq)?;
-        let input = elems(&xb, dtype)?;
-        py.detach(|| match input {
-            Elems::F32(v) => gather_rows(self, v, rows, o),
-            Elems::Bf16(v) => gather_rows(self, v, rows, o),
-            Elems::F16(v) => gather_rows(self, v, rows, o),
-        });
-        Ok(())
+    fn gather(&self, x: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, dtype: &str, rows: usize) -> PyResult<()> {
+        self.read(Read::Quantized, x, out, dtype, rows)
     }
 
     /// exact(x, out, *, dtype, rows=1) -> None
@@ -197,27 +220,8 @@ impl ChunkLayout {
     /// The exact vectors (the 1-D parameters) of `rows` chunks: `x` holds
     /// `rows x c` elements of `dtype`, `out` receives `rows x exact_len` float32.
     #[pyo3(signature = (x, out, *, dtype, rows = 1))]
-    fn exact(
-        &self,
-        py: Python<'_>,
-        x: &Bound<'_, PyAny>,
-        out: &Bound<'_, PyAny>,
-        dtype: &str,
-        rows: usize,
-    ) -> PyResult<()> {
-        let dtype = Dtype::parse(dtype)?;
-        let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
-        check_disjoint(&[&xb, &ob])?;
-        Self::check("x", dtype.count(&xb)?, rows, self.c)?;
-        let o = f32_mut(&ob)?;
-        Self::check("out", o.len(), rows, self.exact_len)?;
-        let input = elems(&xb, dtype)?;
-        py.detach(|| match input {
-            Elems::F32(v) => exact_rows(self, v, rows, o),
-            Elems::Bf16(v) => exact_rows(self, v, rows, o),
-            Elems::F16(v) => exact_rows(self, v, rows, o),
-        });
-        Ok(())
+    fn exact(&self, x: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, dtype: &str, rows: usize) -> PyResult<()> {
+        self.read(Read::Exact, x, out, dtype, rows)
     }
 
     /// scatter(part, out, *, dtype, exact=None, rows=1) -> None
