@@ -82,6 +82,19 @@ impl Buf {
     }
 }
 
+/// Borrows an input buffer and an output buffer (the arguments called
+/// `in_name` and `out_name`) and checks that they do not overlap.
+pub(crate) fn in_out(
+    input: &Bound<'_, PyAny>,
+    in_name: &'static str,
+    out: &Bound<'_, PyAny>,
+    out_name: &'static str,
+) -> PyResult<(Buf, Buf)> {
+    let (i, o) = (Buf::get(input, in_name, false)?, Buf::get(out, out_name, true)?);
+    check_disjoint(&[&i, &o])?;
+    Ok((i, o))
+}
+
 /// Fails when an output buffer overlaps any other buffer of the call (the
 /// kernels read their inputs while writing their outputs).
 pub(crate) fn check_disjoint(bufs: &[&Buf]) -> PyResult<()> {

@@ -12,10 +12,12 @@
 
 use pyo3::prelude::*;
 use zeropp_comm::CommError;
-use zeropp_comm::collectives::PartSource;
+use zeropp_comm::collectives::{PartFn, PartSource};
 use zeropp_quant::Element;
 
-use crate::buffers::{Buf, Dtype, Elems, ElemsMut, check_disjoint, elems, elems_mut, f32_mut, f32_ref};
+use crate::buffers::{
+    Buf, Dtype, Elems, ElemsMut, check_disjoint, elems, elems_mut, f32_mut, f32_ref, in_out,
+};
 use crate::convert::error;
 
 /// One parameter of the chunk: `n` elements at `at`, placed at `to` of the
@@ -100,8 +102,7 @@ impl ChunkLayout {
         rows: usize,
     ) -> PyResult<()> {
         let dtype = Dtype::parse(dtype)?;
-        let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
-        check_disjoint(&[&xb, &ob])?;
+        let (xb, ob) = in_out(x, "x", out, "out")?;
         Self::check("x", dtype.count(&xb)?, rows, self.c)?;
         let o = f32_mut(&ob)?;
         Self::check("out", o.len(), rows, which.len(self))?;
@@ -278,12 +279,7 @@ impl PartSource for LaidOut<'_> {
         self.rows * self.layout.cq
     }
 
-    fn with_part(
-        &self,
-        part: usize,
-        s: usize,
-        f: &mut dyn FnMut(&[f32]) -> Result<(), CommError>,
-    ) -> Result<(), CommError> {
+    fn with_part(&self, part: usize, s: usize, f: &mut PartFn<'_>) -> Result<(), CommError> {
         let lay = self.layout;
         if s != lay.cq || part >= self.rows {
             return Err(CommError::Mismatch(format!(

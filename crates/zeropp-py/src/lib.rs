@@ -35,7 +35,7 @@ mod layout;
 mod qgz;
 mod segments;
 
-use buffers::{Buf, Dtype, Elems, ElemsMut, check_disjoint, elems, elems_mut, f32_mut};
+use buffers::{Buf, Dtype, Elems, ElemsMut, check_disjoint, elems, elems_mut, f32_mut, in_out};
 use convert::{ZeroppError, error, options, rust_err, spec};
 
 /// quantize(x, out, *, dtype, bits=8, group_size=256, symmetric=True, seed=None) -> int
@@ -63,8 +63,7 @@ fn quantize(
 ) -> PyResult<usize> {
     let (dtype, spec, opts) =
         (Dtype::parse(dtype)?, spec(bits, group_size, symmetric)?, options(seed, propagate));
-    let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
-    check_disjoint(&[&xb, &ob])?;
+    let (xb, ob) = in_out(x, "x", out, "out")?;
     let (input, wire) = (elems(&xb, dtype)?, ob.bytes_mut()?);
     py.detach(|| match input {
         Elems::F32(v) => quantize_to_wire(v, spec, &opts, wire),
@@ -89,8 +88,7 @@ fn dequantize(
     add: bool,
 ) -> PyResult<()> {
     let dtype = Dtype::parse(dtype)?;
-    let (wb, ob) = (Buf::get(wire, "wire", false)?, Buf::get(out, "out", true)?);
-    check_disjoint(&[&wb, &ob])?;
+    let (wb, ob) = in_out(wire, "wire", out, "out")?;
     let q = QuantizedRef::from_bytes(wb.bytes()).map_err(rust_err)?;
     let opts = Options::default();
     if add {

@@ -1,8 +1,8 @@
 //! qgZ for Python: the transport-free stages, the slice order and the wire sizes.
 
 use pyo3::prelude::*;
-use zeropp_comm::Topology;
 use zeropp_comm::collectives::{QgzOptions, QgzStages, Reduce, qgz_bytes};
+use zeropp_comm::{CommError, Topology};
 
 use crate::buffers::{Buf, Dtype, check_disjoint, elems, f32_mut, f32_ref};
 use crate::convert::{error, options, rust_err, spec};
@@ -120,14 +120,10 @@ impl Stages {
         shard: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let g = Buf::get(grad, "grad", false)?;
-        let a = Buf::get(intra_send, "intra_send", true)?;
-        let o = Buf::get(own, "own", true)?;
-        let i = Buf::get(inter_send, "inter_send", true)?;
-        let s = Buf::get(shard, "shard", true)?;
-        check_disjoint(&[&g, &a, &o, &i, &s])?;
-        let (g, a, o, i, s) = (f32_ref(&g)?, a.bytes_mut()?, o.bytes_mut()?, i.bytes_mut()?, f32_mut(&s)?);
-        let st = &self.inner;
-        py.detach(|| st.pack(g, a, o, i, s)).map_err(rust_err)
+        let grad = f32_ref(&g)?;
+        self.pack_into(py, &g, [intra_send, own, inter_send, shard], |st, a, o, i, s| {
+            st.pack(grad, a, o, i, s)
+        })
     }
 
     /// pack_layout(x, layout, intra_send, own, inter_send, shard, *, dtype): stage 1
@@ -161,15 +157,9 @@ impl Stages {
                 lay.quantized_len()
             )));
         }
-        let a = Buf::get(intra_send, "intra_send", true)?;
-        let o = Buf::get(own, "own", true)?;
-        let i = Buf::get(inter_send, "inter_send", true)?;
-        let s = Buf::get(shard, "shard", true)?;
-        check_disjoint(&[&g, &a, &o, &i, &s])?;
         let src = LaidOut { x: elems(&g, dtype)?, layout: lay, rows };
-        let (a, o, i, s) = (a.bytes_mut()?, o.bytes_mut()?, i.bytes_mut()?, f32_mut(&s)?);
-        let st = &self.inner;
-        py.detach(|| st.pack_from(&src, a, o, i, s)).map_err(rust_err)
+        let outs = [intra_send, own, inter_send, shard];
+        self.pack_into(py, &g, outs, |st, a, o, i, s| st.pack_from(&src, a, o, i, s))
     }
 
     /// reduce_intra(intra_recv, own, inter_send, shard): stage 3, the fused reduce.
@@ -204,6 +194,29 @@ impl Stages {
         let (r, s) = (r.bytes(), f32_mut(&s)?);
         let st = &self.inner;
         py.detach(|| st.finish(r, s)).map_err(rust_err)
+    }
+}
+
+/// The stage-1 outputs and their names, in `pack`'s order.
+const PACK_OUT: [&str; 4] = ["intra_send", "own", "inter_send", "shard"];
+
+impl Stages {
+    /// Stage 1 into `outs` (`intra_send`, `own`, `inter_send` as bytes, `shard`
+    /// as float32), once none overlaps another or the input `g`; `run` packs
+    /// without the GIL.
+    fn pack_into(
+        &self,
+        py: Python<'_>,
+        g: &Buf,
+        outs: [&Bound<'_, PyAny>; 4],
+        run: impl FnOnce(&QgzStages, &mut [u8], &mut [u8], &mut [u8], &mut [f32]) -> Result<(), CommError> + Send,
+    ) -> PyResult<()> {
+        let [a, o, i, s] = [0, 1, 2, 3].map(|k| Buf::get(outs[k], PACK_OUT[k], true));
+        let (a, o, i, s) = (a?, o?, i?, s?);
+        check_disjoint(&[g, &a, &o, &i, &s])?;
+        let (a, o, i, s) = (a.bytes_mut()?, o.bytes_mut()?, i.bytes_mut()?, f32_mut(&s)?);
+        let st = &self.inner;
+        py.detach(|| run(st, a, o, i, s)).map_err(rust_err)
     }
 }
 

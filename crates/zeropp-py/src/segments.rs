@@ -7,7 +7,7 @@ use zeropp_quant::{
     Element, Options, QuantSpec, QuantizedRef, dequantize_into, encoded_len, quantize_to_wire,
 };
 
-use crate::buffers::{Buf, Dtype, Elems, ElemsMut, check_disjoint, elems, elems_mut};
+use crate::buffers::{Dtype, Elems, ElemsMut, elems, elems_mut, in_out};
 use crate::convert::{error, spec};
 
 /// One row of a segment table: `(start, elements, exact, offset, size)`:
@@ -105,8 +105,7 @@ fn quantize_segments(
 ) -> PyResult<()> {
     let opts = crate::convert::options(None, propagate);
     let (dtype, spec) = (Dtype::parse(dtype)?, spec(bits, group_size, true)?);
-    let (xb, ob) = (Buf::get(x, "x", false)?, Buf::get(out, "out", true)?);
-    check_disjoint(&[&xb, &ob])?;
+    let (xb, ob) = in_out(x, "x", out, "out")?;
     let n = dtype.count(&xb)?;
     check_table(&table, n, ob.len(), dtype.size(), spec)?;
     let (input, wire) = (elems(&xb, dtype)?, ob.bytes_mut()?);
@@ -141,8 +140,7 @@ fn dequantize_segments(
     out_stride: usize,
 ) -> PyResult<()> {
     let (dtype, spec) = (Dtype::parse(dtype)?, spec(bits, group_size, true)?);
-    let (wb, ob) = (Buf::get(wire, "wire", false)?, Buf::get(out, "out", true)?);
-    check_disjoint(&[&wb, &ob])?;
+    let (wb, ob) = in_out(wire, "wire", out, "out")?;
     let n = dtype.count(&ob)?;
     let last = ranks.saturating_sub(1);
     // The last rank's window must fit; the earlier ones then do too.

@@ -108,8 +108,8 @@ pub use hierarchical::{
 /// qgZ's schedule, for the device collectives that execute it too.
 pub(crate) use qgz::schedule as qgz_schedule;
 pub use qgz::{
-    ErrorFeedback, LocoConfig, PartSource, QgzConfig, QgzOptions, QgzSeeds, QgzStages, ResidualPrecision,
-    qgz_bytes, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
+    ErrorFeedback, LocoConfig, PartFn, PartSource, QgzConfig, QgzOptions, QgzSeeds, QgzStages,
+    ResidualPrecision, qgz_bytes, qgz_reduce_scatter, qgz_reduce_scatter_with_feedback,
 };
 pub use qwz::{QwzOptions, group_qwz_bytes, qwz_all_gather};
 pub use qwz_delta::{

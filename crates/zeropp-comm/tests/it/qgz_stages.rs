@@ -4,7 +4,7 @@
 //! rely on this to reduce exactly like the engine.
 
 use proptest::prelude::*;
-use zeropp_comm::collectives::{PartSource, QgzOptions, QgzStages, qgz_reduce_scatter, shard_len};
+use zeropp_comm::collectives::{PartFn, PartSource, QgzOptions, QgzStages, qgz_reduce_scatter, shard_len};
 use zeropp_comm::{CommError, ThreadCluster, ThreadOptions, Topology};
 use zeropp_quant::NonFinite;
 use zeropp_quant::rng::splitmix64;
@@ -77,6 +77,21 @@ fn bits(v: &[Vec<f32>]) -> Vec<Vec<u32>> {
     v.iter().map(|s| s.iter().map(|x| x.to_bits()).collect()).collect()
 }
 
+/// A property case's cluster (`nodes x local`) and options: plain qgZ, or
+/// SDP4Bit's two levels rotated when `hadamard` gives a seed (groups of 64:
+/// short shards still rotate), with stochastic rounding when `seed` does.
+fn case(shape: (usize, usize), seed: Option<u64>, hadamard: Option<u64>) -> (Topology, QgzOptions) {
+    let t = Topology::ranks(shape.0 * shape.1).per_node(shape.1).unwrap();
+    let mut opts = QgzOptions::default();
+    if let Some(h) = hadamard {
+        opts = QgzOptions::two_level(64).unwrap().with_hadamard(h);
+    }
+    if let Some(seed) = seed {
+        opts.quant = opts.quant.stochastic(seed);
+    }
+    (t, opts)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
     #[test]
@@ -86,15 +101,7 @@ proptest! {
         seed in prop::option::of(any::<u64>()),
         hadamard in prop::option::of(any::<u64>()),
     ) {
-        let t = Topology::ranks(shape.0 * shape.1).per_node(shape.1).unwrap();
-        let mut opts = QgzOptions::default();
-        if let Some(h) = hadamard {
-            // SDP4Bit's two levels, rotated (groups of 64: short shards still rotate).
-            opts = QgzOptions::two_level(64).unwrap().with_hadamard(h);
-        }
-        if let Some(seed) = seed {
-            opts.quant = opts.quant.stochastic(seed);
-        }
+        let (t, opts) = case(shape, seed, hadamard);
         prop_assert_eq!(bits(&by_hand(&t, n, &opts)), bits(&on_threads(&t, n, &opts)));
     }
 }
@@ -107,12 +114,7 @@ impl PartSource for Sharded {
     fn len(&self) -> usize {
         self.1
     }
-    fn with_part(
-        &self,
-        part: usize,
-        s: usize,
-        f: &mut dyn FnMut(&[f32]) -> Result<(), CommError>,
-    ) -> Result<(), CommError> {
+    fn with_part(&self, part: usize, s: usize, f: &mut PartFn<'_>) -> Result<(), CommError> {
         let mut x = self.0.get(part).cloned().unwrap_or_default();
         x.resize(s, 0.0);
         f(&x)
@@ -130,14 +132,7 @@ proptest! {
         seed in prop::option::of(any::<u64>()),
         hadamard in prop::option::of(any::<u64>()),
     ) {
-        let t = Topology::ranks(shape.0 * shape.1).per_node(shape.1).unwrap();
-        let mut opts = QgzOptions::default();
-        if let Some(h) = hadamard {
-            opts = QgzOptions::two_level(64).unwrap().with_hadamard(h);
-        }
-        if let Some(seed) = seed {
-            opts.quant = opts.quant.stochastic(seed);
-        }
+        let (t, opts) = case(shape, seed, hadamard);
         let w = t.world();
         for r in 0..w {
             let st = QgzStages::new(&t, r, n, &opts).unwrap();

@@ -60,7 +60,7 @@ pub use config::{LocoConfig, QgzConfig, QgzSeeds};
 pub use feedback::{ErrorFeedback, ResidualPrecision};
 
 use stages::{Feedback, PackBufs};
-pub use stages::{PartSource, QgzStages};
+pub use stages::{PartFn, PartSource, QgzStages};
 
 /// Options of [`qgz_reduce_scatter`].
 #[derive(Debug, Clone, Copy, PartialEq)]

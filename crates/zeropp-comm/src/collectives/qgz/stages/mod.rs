@@ -72,6 +72,10 @@ pub struct QgzStages {
     schedule: Schedule,
 }
 
+/// What [`PartSource::with_part`] hands a shard to: it reads the shard's
+/// elements and returns what the stage made of them.
+pub type PartFn<'a> = dyn FnMut(&[f32]) -> Result<(), CommError> + 'a;
+
 /// A gradient as qgZ's stage 1 reads it: `W` shards of `s` elements each,
 /// handed out one at a time as `f32` slices.
 ///
@@ -83,7 +87,7 @@ pub struct QgzStages {
 /// group boundary as they go.
 ///
 /// ```
-/// use zeropp_comm::collectives::{PartSource, QgzOptions, QgzStages};
+/// use zeropp_comm::collectives::{PartFn, PartSource, QgzOptions, QgzStages};
 /// use zeropp_comm::{CommError, Topology};
 /// /// A gradient of `n` ones, never stored.
 /// struct Ones(usize);
@@ -91,12 +95,7 @@ pub struct QgzStages {
 ///     fn len(&self) -> usize {
 ///         self.0
 ///     }
-///     fn with_part(
-///         &self,
-///         part: usize,
-///         s: usize,
-///         f: &mut dyn FnMut(&[f32]) -> Result<(), CommError>,
-///     ) -> Result<(), CommError> {
+///     fn with_part(&self, part: usize, s: usize, f: &mut PartFn<'_>) -> Result<(), CommError> {
 ///         let real = self.0.saturating_sub(part * s).min(s);
 ///         let x: Vec<f32> = (0..s).map(|i| if i < real { 1.0 } else { 0.0 }).collect();
 ///         f(&x)
@@ -119,12 +118,7 @@ pub trait PartSource: Sync {
 
     /// Calls `f` once with shard `part`'s `s` elements (zeros past the
     /// gradient's end) and returns what it returns.
-    fn with_part(
-        &self,
-        part: usize,
-        s: usize,
-        f: &mut dyn FnMut(&[f32]) -> Result<(), CommError>,
-    ) -> Result<(), CommError>;
+    fn with_part(&self, part: usize, s: usize, f: &mut PartFn<'_>) -> Result<(), CommError>;
 
     /// The whole gradient as one flat slice, when it is one (the single-rank
     /// case copies it at once).
@@ -138,12 +132,7 @@ impl PartSource for &[f32] {
         <[f32]>::len(self)
     }
 
-    fn with_part(
-        &self,
-        part: usize,
-        s: usize,
-        f: &mut dyn FnMut(&[f32]) -> Result<(), CommError>,
-    ) -> Result<(), CommError> {
+    fn with_part(&self, part: usize, s: usize, f: &mut PartFn<'_>) -> Result<(), CommError> {
         with_part(self, s, part, f)?
     }
 
