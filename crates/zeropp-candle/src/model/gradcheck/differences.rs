@@ -9,19 +9,27 @@ use super::probe::{Seen, describe, noise};
 use super::{CandleModel, DEPTH, DIRECTION_TOL, EPS32, EPS64, PROBE_SEED, Target, Walk};
 use crate::error::{CandleError, Result};
 
+/// One weight's reruns in one mode: the weight, training or evaluation mode,
+/// the walk's trials and held weights, and the dtype the reruns run in.
+#[derive(Clone, Copy)]
+struct Rerun<'a> {
+    target: &'a Target,
+    train: bool,
+    walk: &'a Walk,
+    dtype: DType,
+}
+
 impl CandleModel {
     /// Runs every user stage of `target` on each chunk of its trial, in `dtype`,
     /// with the weight replaced by `moved`, handing `f` the stage, the chunk,
     /// the input and the output: the one rerun both probes below make.
     fn rerun_moved(
         &self,
-        target: &Target,
+        r: Rerun<'_>,
         moved: &Tensor,
-        train: bool,
-        walk: &Walk,
-        dtype: DType,
         mut f: impl FnMut(usize, usize, &Tensor, Tensor) -> Result<()>,
     ) -> Result<()> {
+        let Rerun { target, train, walk, dtype } = r;
         for &u in &target.users {
             let trial = walk
                 .trials
@@ -40,17 +48,10 @@ impl CandleModel {
 
     /// `F = Σ_users Σ_chunks ⟨out, up⟩` and `Σ |out ⊙ up|` with weight
     /// `target` replaced by `moved`, in `dtype`.
-    fn objective(
-        &self,
-        target: &Target,
-        moved: &Tensor,
-        train: bool,
-        walk: &Walk,
-        dtype: DType,
-    ) -> Result<(f64, f64)> {
+    fn objective(&self, r: Rerun<'_>, moved: &Tensor) -> Result<(f64, f64)> {
         let (mut f, mut size) = (0.0, 0.0);
-        self.rerun_moved(target, moved, train, walk, dtype, |u, c, _, out| {
-            let up = self.upstream(u, c, train, out.shape())?.to_dtype(DType::F64)?;
+        self.rerun_moved(r, moved, |u, c, _, out| {
+            let up = self.upstream(u, c, r.train, out.shape())?.to_dtype(DType::F64)?;
             let prod = (out.to_dtype(DType::F64)? * up)?;
             f += prod.sum_all()?.to_scalar::<f64>()?;
             size += prod.abs()?.sum_all()?.to_scalar::<f64>()?;
@@ -61,18 +62,11 @@ impl CandleModel {
 
     /// The largest change of any user's output on its trial when weight
     /// `target` is `moved` instead of its value, and the outputs' scale.
-    fn output_change(
-        &self,
-        target: &Target,
-        moved: &Tensor,
-        train: bool,
-        walk: &Walk,
-        dtype: DType,
-    ) -> Result<(f64, f64)> {
+    fn output_change(&self, r: Rerun<'_>, moved: &Tensor) -> Result<(f64, f64)> {
         let (mut change, mut scale) = (0.0f64, 0.0f64);
-        self.rerun_moved(target, moved, train, walk, dtype, |u, _, x, out| {
-            let (g, _) = self.stage_weights(u, walk, dtype, None, false)?;
-            let (base, _) = self.run_on(u, g, dtype, x, train)?;
+        self.rerun_moved(r, moved, |u, _, x, out| {
+            let (g, _) = self.stage_weights(u, r.walk, r.dtype, None, false)?;
+            let (base, _) = self.run_on(u, g, r.dtype, x, r.train)?;
             let base = base.to_dtype(DType::F64)?;
             scale = scale.max(base.abs()?.max_all()?.to_scalar::<f64>()?);
             change = change.max((out.to_dtype(DType::F64)? - base)?.abs()?.max_all()?.to_scalar::<f64>()?);
@@ -106,13 +100,14 @@ impl CandleModel {
             .ok_or_else(|| CandleError::Config(format!("gradient check: weight {full} is gone")))?;
         let rms = with_values(w, |v| (v.iter().map(|x| x * x).sum::<f64>() / v.len().max(1) as f64).sqrt())?;
         let rms = rms.max(0.01);
-        match self.test_in(target, &seen, train, walk, w, rms, DType::F64) {
+        let rerun = |dtype| Rerun { target, train, walk, dtype };
+        match self.test_in(rerun(DType::F64), &seen, w, rms) {
             Ok(()) => Ok(None),
             Err(e @ (CandleError::PartialGradient { .. } | CandleError::WrongGradient { .. })) => Err(e),
             // A user stage that does not run in f64 (a tensor made in f32 inside it):
             // the same tests in f32, with f32's bounds.
             Err(f64_failed) => {
-                self.test_in(target, &seen, train, walk, w, rms, DType::F32)?;
+                self.test_in(rerun(DType::F32), &seen, w, rms)?;
                 // The reason's first line (candle's errors carry a backtrace after it).
                 let why = f64_failed.to_string();
                 let why = why.lines().next().unwrap_or_default();
@@ -125,18 +120,10 @@ impl CandleModel {
         }
     }
 
-    /// [`CandleModel::test_weight`]'s tests with the reruns in `dtype`.
-    #[allow(clippy::too_many_arguments)] // one weight's probe: its seen backward, value and scale
-    fn test_in(
-        &self,
-        target: &Target,
-        seen: &Seen,
-        train: bool,
-        walk: &Walk,
-        w: &Tensor,
-        rms: f64,
-        dtype: DType,
-    ) -> Result<()> {
+    /// [`CandleModel::test_weight`]'s tests with the reruns `r`, of the
+    /// weight `w` (of scale `rms`) whose backward is `seen`.
+    fn test_in(&self, r: Rerun<'_>, seen: &Seen, w: &Tensor, rms: f64) -> Result<()> {
+        let Rerun { target, train, dtype, .. } = r;
         let stage = self.probe_stage(target.owner)?;
         let info = &stage.params[target.param];
         let (eps, h0) = if dtype == DType::F64 { (EPS64, 1e-4 * rms) } else { (EPS32, 1e-2 * rms) };
@@ -150,7 +137,7 @@ impl CandleModel {
                 v[j] += 0.1 * rms * f64::from(u.signum());
             }
             let moved = Tensor::from_vec(v, info.shape.as_slice(), &Device::Cpu)?.to_dtype(dtype)?;
-            let (change, scale) = self.output_change(target, &moved, train, walk, dtype)?;
+            let (change, scale) = self.output_change(r, &moved)?;
             // Rounding moves an output by a few roundoffs of its scale; a real use by far more.
             if change > DEPTH * eps * 8.0 * scale.max(1e-30) {
                 return Err(CandleError::PartialGradient {
@@ -165,7 +152,7 @@ impl CandleModel {
         let backward = seen.dot;
         let mut last = 0.0;
         for h in [h0, h0 / 8.0] {
-            let (differences, size) = self.differences(target, w, &dir, h, train, walk, dtype)?;
+            let (differences, size) = self.differences(r, w, &dir, h)?;
             // The differences: each evaluation of F off by at most DEPTH roundings of
             // Σ|out ⊙ up|. The backward: each gradient element off by DEPTH roundings of
             // f32, independently (a shared factor's error is relative to `backward`).
@@ -188,17 +175,8 @@ impl CandleModel {
     /// f64, central in f32): the moved weight made on the host, one at a time
     /// (the only copy beside the held stage), in `dtype`, divided by the step
     /// actually taken after rounding to `dtype`.
-    #[allow(clippy::too_many_arguments)] // the weight, its direction and the step are one probe
-    fn differences(
-        &self,
-        target: &Target,
-        w: &Tensor,
-        dir: &[f32],
-        h: f64,
-        train: bool,
-        walk: &Walk,
-        dtype: DType,
-    ) -> Result<(f64, f64)> {
+    fn differences(&self, r: Rerun<'_>, w: &Tensor, dir: &[f32], h: f64) -> Result<(f64, f64)> {
+        let Rerun { target, train, walk, dtype } = r;
         let shape = self.probe_stage(target.owner)?.params[target.param].shape.clone();
         let moved = |sign: f64| -> Result<(Tensor, f64)> {
             with_values(w, |w| -> Result<(Tensor, f64)> {
@@ -218,7 +196,7 @@ impl CandleModel {
         };
         let norm: f64 = dir.iter().map(|&u| f64::from(u) * f64::from(u)).sum::<f64>().max(f64::MIN_POSITIVE);
         let (plus, along_plus) = moved(1.0)?;
-        let (fp, sp) = self.objective(target, &plus, train, walk, dtype)?;
+        let (fp, sp) = self.objective(r, &plus)?;
         drop(plus);
         if dtype == DType::F64 {
             // One-sided in f64, against F at the held weights (once per set of users
@@ -235,7 +213,7 @@ impl CandleModel {
                         .and_then(|ws| ws.get(target.param))
                         .ok_or_else(|| CandleError::Config("gradient check: a held weight is gone".into()))?
                         .clone();
-                    let b = self.objective(target, &held, train, walk, dtype)?;
+                    let b = self.objective(r, &held)?;
                     walk.bases.borrow_mut().insert(key, b);
                     b
                 }
@@ -247,7 +225,7 @@ impl CandleModel {
         }
         // Central in f32, where the truncation of one side would be a percent.
         let (minus, along_minus) = moved(-1.0)?;
-        let (fm, sm) = self.objective(target, &minus, train, walk, dtype)?;
+        let (fm, sm) = self.objective(r, &minus)?;
         let taken = (along_plus - along_minus) / norm;
         Ok(((fp - fm) / taken, sp.max(sm)))
     }
