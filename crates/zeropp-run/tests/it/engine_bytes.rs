@@ -1,31 +1,11 @@
 //! Measured bytes per rank per step equal the analytic model exactly, and
 //! ZeRO++ cuts cross-node bytes to at most a quarter of ZeRO-3's on 2 nodes x 4.
 
-use zeropp_engine::RunConfig;
-use zeropp_engine::config::{CommDtype, EngineConfig, HpzWire, QgzConfig, Routing, ZeroConfig, quant_spec};
-use zeropp_engine::data::DataChoice;
+use zeropp_engine::config::{CommDtype, HpzWire, QgzConfig, Routing, ZeroConfig, quant_spec};
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_run::train::{ModelChoice, TrainConfig, train};
+use zeropp_run::train::{ModelChoice, train};
 
-fn run(world: usize, local: usize, zero: ZeroConfig, accum: usize, model: ModelChoice) -> TrainConfig {
-    TrainConfig {
-        model,
-        data: DataChoice::Markov { seed: 5, chars: 30_000 },
-        run: RunConfig {
-            world,
-            local_size: local,
-            engine: EngineConfig {
-                zero,
-                global_batch: world * accum,
-                grad_accum: accum,
-                ..EngineConfig::default()
-            },
-            steps: 3,
-            eval_batches: 0,
-            ..RunConfig::default()
-        },
-    }
-}
+use super::accum_run as run;
 
 #[test]
 fn measured_bytes_equal_the_analytic_model() {
@@ -80,7 +60,7 @@ fn measured_bytes_equal_the_analytic_model() {
     for (i, (w, l, z)) in cases.into_iter().enumerate() {
         for accum in [1, 2] {
             let model = if i % 2 == 0 { tiny.clone() } else { mlp.clone() };
-            let r = train(&run(w, l, z, accum, model)).unwrap();
+            let r = train(&run(w, l, z, accum, 3, model)).unwrap();
             let s = &r.summary;
             for rec in &r.steps {
                 // Every step, not only the mean, matches.
@@ -112,7 +92,8 @@ fn measured_bytes_equal_the_analytic_model() {
 #[test]
 fn zeropp_cross_node_bytes_about_a_quarter_of_hierarchical_zero3() {
     let model = ModelChoice::Gpt(GptConfig::default_small());
-    let inter = |z: ZeroConfig| train(&run(8, 4, z, 1, model.clone())).unwrap().summary.bytes_per_step.inter;
+    let inter =
+        |z: ZeroConfig| train(&run(8, 4, z, 1, 3, model.clone())).unwrap().summary.bytes_per_step.inter;
     let hier = inter(ZeroConfig::zero3());
     let flat = inter(ZeroConfig { routing: Routing::Flat, ..ZeroConfig::zero3() });
     let zpp = inter(ZeroConfig::zeropp_plain(4));
@@ -135,6 +116,6 @@ fn zeropp_cross_node_bytes_about_a_quarter_of_hierarchical_zero3() {
     assert!((0.25..=0.27).contains(&r_hier), "zeropp / hierarchical zero3 = {r_hier}");
     assert!(r_flat <= 0.07, "zeropp / flat zero3 = {r_flat}");
     // The backward gather never leaves the node with hpZ.
-    let b = train(&run(8, 4, ZeroConfig::zeropp(4), 1, model.clone())).unwrap();
+    let b = train(&run(8, 4, ZeroConfig::zeropp(4), 1, 3, model.clone())).unwrap();
     assert_eq!(b.summary.bytes_by_op["bwd_gather"].inter, 0.0);
 }

@@ -6,43 +6,15 @@
 //! differences.
 
 use zeropp_comm::{ThreadCluster, ThreadOptions, Topology};
-use zeropp_engine::RunConfig;
-use zeropp_engine::config::{CommDtype, DeltaConfig, EngineConfig, QgzConfig, ZeroConfig};
-use zeropp_engine::data::DataChoice;
+use zeropp_engine::config::{CommDtype, DeltaConfig, QgzConfig, ZeroConfig};
 use zeropp_engine::data::shard;
 use zeropp_engine::engine::ZeroEngine;
 use zeropp_engine::engine::build_plan;
 use zeropp_engine::engine::bytes::{StepKind, step_bytes_of};
 use zeropp_engine::model::{GptConfig, MlpConfig};
-use zeropp_run::train::{ModelChoice, TrainConfig, train};
+use zeropp_run::train::{ModelChoice, train};
 
-fn run(
-    world: usize,
-    local: usize,
-    zero: ZeroConfig,
-    accum: usize,
-    steps: usize,
-    model: ModelChoice,
-) -> TrainConfig {
-    TrainConfig {
-        model,
-        data: DataChoice::Markov { seed: 6, chars: 30_000 },
-        run: RunConfig {
-            world,
-            local_size: local,
-            engine: EngineConfig {
-                zero,
-                global_batch: world * accum,
-                grad_accum: accum,
-                ..EngineConfig::default()
-            },
-            steps,
-            eval_batches: 0,
-            keep_params: true,
-            ..RunConfig::default()
-        },
-    }
-}
+use super::accum_run as run;
 
 /// qwZ-Δ with a refresh every `k` steps on `ZeroConfig::zeropp_delta`.
 fn delta(local: usize, hpz: usize, k: usize) -> ZeroConfig {

@@ -30,7 +30,7 @@ mod plan;
 mod run_models;
 
 use zeropp_engine::RunConfig;
-use zeropp_engine::config::EngineConfig;
+use zeropp_engine::config::{EngineConfig, ZeroConfig};
 use zeropp_engine::data::DataChoice;
 use zeropp_engine::model::GptConfig;
 use zeropp_run::train::{ModelChoice, TrainConfig};
@@ -43,5 +43,36 @@ fn tiny_gpt_run(world: usize, local: usize, engine: EngineConfig) -> TrainConfig
         model: ModelChoice::Gpt(GptConfig::tiny()),
         data: DataChoice::Markov { seed: 3, chars: 20_000 },
         run: RunConfig { world, local_size: local, engine, keep_params: true, ..RunConfig::default() },
+    }
+}
+
+/// `model` on the seed-6 Markov text on `world` ranks of `local` per node,
+/// one sequence per rank and micro-batch with `accum` micro-batches a step,
+/// no evaluation, parameters kept: the runs whose bytes and copies are checked.
+fn accum_run(
+    world: usize,
+    local: usize,
+    zero: ZeroConfig,
+    accum: usize,
+    steps: usize,
+    model: ModelChoice,
+) -> TrainConfig {
+    TrainConfig {
+        model,
+        data: DataChoice::Markov { seed: 6, chars: 30_000 },
+        run: RunConfig {
+            world,
+            local_size: local,
+            engine: EngineConfig {
+                zero,
+                global_batch: world * accum,
+                grad_accum: accum,
+                ..EngineConfig::default()
+            },
+            steps,
+            eval_batches: 0,
+            keep_params: true,
+            ..RunConfig::default()
+        },
     }
 }
