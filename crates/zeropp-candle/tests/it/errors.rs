@@ -193,23 +193,6 @@ fn bad_models_are_refused_when_built() {
     }
 }
 
-/// A gradient that is exactly zero because the weight has no effect (an
-/// attention's key bias, whose shift the softmax cancels; here `w - w`) is
-/// the true gradient, not a cut path: the build accepts it.
-#[test]
-fn a_true_zero_gradient_is_not_a_cut_path() {
-    let (vocab, d) = (10, 8);
-    CandleModel::builder("cancel", vocab, 4)
-        .stage("embed", move |vb, ids| candle_nn::embedding(vocab, d, vb)?.forward(ids))
-        .stage("head", move |vb, x| {
-            let w = vb.get(d, "shift")?;
-            let y = x.broadcast_add(&(&w - &w)?)?;
-            candle_nn::linear(d, vocab, vb.pp("out"))?.forward(&y)
-        })
-        .build()
-        .unwrap();
-}
-
 /// A weight used twice, once through candle-nn's `softmax_last_dim` (no
 /// backward): every element still gets a gradient (through the other use),
 /// a wrong one. The build's directional test names it; the same model on
