@@ -382,19 +382,7 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     // swings from 0.87 to 1.10 with or without a defect. The 1.01 goal is measured
     // over 5 seeds x 1000 steps at 3e-3 (docs/PERFORMANCE.md, "PyTorch FSDP2").
     let max_mean = std::env::var("ZEROPP_TORCH_MAX_MEAN").unwrap_or_else(|_| "1.005".into());
-    let lr = "1e-3";
-    let args = [
-        "--seeds",
-        seeds.as_str(),
-        "--steps",
-        steps.as_str(),
-        "--lr",
-        lr,
-        "--max-mean",
-        max_mean.as_str(),
-        "--out",
-        json_s.as_str(),
-    ];
+    let args = parity_args(&seeds, &steps, &max_mean, &["--out", &json_s]);
     run(
         "test 3: FSDP2 training parity (zeropp / default)",
         torchrun(&venv, "python/tests/parity.py", &args, None)?,
@@ -403,19 +391,7 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     // take-over of the replica all-reduce (1.0022 on seed 1 here).
     let hsdp_json = out.join("parity-hsdp.json").display().to_string();
     let hsdp_seeds = std::env::var("ZEROPP_TORCH_HSDP_SEEDS").unwrap_or_else(|_| "3".into());
-    let hsdp_args = [
-        "--hsdp",
-        "--seeds",
-        hsdp_seeds.as_str(),
-        "--steps",
-        steps.as_str(),
-        "--lr",
-        lr,
-        "--max-mean",
-        max_mean.as_str(),
-        "--out",
-        hsdp_json.as_str(),
-    ];
+    let hsdp_args = parity_args(&hsdp_seeds, &steps, &max_mean, &["--hsdp", "--out", &hsdp_json]);
     run(
         "test 3b: HSDP 2 x 2 training parity (zeropp's all-reduce take-over / native HSDP)",
         torchrun(&venv, "python/tests/parity.py", &hsdp_args, None)?,
@@ -425,13 +401,21 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         torchrun(
             &venv,
             "python/tests/parity.py",
-            &["--seeds", "1", "--steps", steps.as_str(), "--lr", lr, "--max-mean", max_mean.as_str()],
+            &parity_args("1", &steps, &max_mean, &[]),
             Some("wrong-levels"),
         )?,
         ": FAIL",
     )?;
     eprintln!("\ntest-torch: all green (parity figures in {})", json.display());
     Ok(())
+}
+
+/// `parity.py`'s arguments: `seeds` seeds of `steps` steps at lr 1e-3,
+/// failing where the mean ratio to FSDP2 passes `max_mean`, then `extra`.
+fn parity_args<'a>(seeds: &'a str, steps: &'a str, max_mean: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["--seeds", seeds, "--steps", steps, "--lr", "1e-3", "--max-mean", max_mean];
+    a.extend_from_slice(extra);
+    a
 }
 
 #[cfg(test)]
