@@ -27,30 +27,29 @@ fn elem_of(wire: DenseWire) -> Elem {
     }
 }
 
-/// Writes the f32 vector `src` into `dst` in the wire's type (bf16 rounds to
-/// nearest even).
-fn narrow<C: DeviceCommunicator + ?Sized>(
-    comm: &C,
-    wire: DenseWire,
-    src: View<'_, C::Device>,
-    dst: View<'_, C::Device>,
-) -> Result<(), CommError> {
-    match wire {
-        DenseWire::F32 => comm.device().copy(comm.stream(), src, dst),
-        DenseWire::Bf16 => comm.device().kernel(comm.stream(), Kernel::ToBf16 { src, dst }),
-    }
+/// Which way [`convert`] goes between f32 and a dense wire's type.
+#[derive(Clone, Copy)]
+enum Way {
+    /// The f32 vector `src` into `dst` in the wire's type (bf16 rounds to
+    /// nearest even).
+    Narrow,
+    /// The wire values `src` into the f32 vector `dst`, exactly.
+    Widen,
 }
 
-/// Writes the wire values `src` into the f32 vector `dst`, exactly.
-fn widen<C: DeviceCommunicator + ?Sized>(
+/// Converts `src` into `dst` between f32 and `wire`'s type, `way`.
+fn convert<C: DeviceCommunicator + ?Sized>(
     comm: &C,
     wire: DenseWire,
+    way: Way,
     src: View<'_, C::Device>,
     dst: View<'_, C::Device>,
 ) -> Result<(), CommError> {
-    match wire {
-        DenseWire::F32 => comm.device().copy(comm.stream(), src, dst),
-        DenseWire::Bf16 => comm.device().kernel(comm.stream(), Kernel::FromBf16 { src, dst }),
+    let (dev, s) = (comm.device(), comm.stream());
+    match (wire, way) {
+        (DenseWire::F32, _) => dev.copy(s, src, dst),
+        (DenseWire::Bf16, Way::Narrow) => dev.kernel(s, Kernel::ToBf16 { src, dst }),
+        (DenseWire::Bf16, Way::Widen) => dev.kernel(s, Kernel::FromBf16 { src, dst }),
     }
 }
 
@@ -95,13 +94,13 @@ pub fn world_all_gather<C: DeviceCommunicator + ?Sized>(
     let eb = elem_of(wire).size() * c;
     let mine = DeviceBuf::zeroed(comm.device(), eb)?;
     if c > 0 {
-        narrow(comm, wire, shard, mine.view())?;
+        convert(comm, wire, Way::Narrow, shard, mine.view())?;
     }
     let gathered = gather(comm, routing, mine.view())?;
     if c == 0 {
         return Ok(());
     }
-    gathered.each(|r, src| widen(comm, wire, src, full.chunk(r, 4 * c)?))
+    gathered.each(|r, src| convert(comm, wire, Way::Widen, src, full.chunk(r, 4 * c)?))
 }
 
 /// qwZ's world gather on device buffers: `shard` (`c` values of type `elem`)
@@ -226,7 +225,9 @@ pub fn world_reduce_scatter<C: DeviceCommunicator + ?Sized>(
         for j in (0..local).filter(|&j| j != me_local) {
             for m in 0..nodes {
                 let out = send.view().chunk(j * nodes + m, eb)?;
-                with_part(comm, full, n, s, topo.rank_of(m, j), |x| narrow(comm, wire, x, out))?;
+                with_part(comm, full, n, s, topo.rank_of(m, j), |x| {
+                    convert(comm, wire, Way::Narrow, x, out)
+                })?;
             }
         }
         let recv = DeviceBuf::zeroed(&dev, eb * nodes * local)?;
@@ -258,7 +259,7 @@ pub fn world_reduce_scatter<C: DeviceCommunicator + ?Sized>(
         // Hop 2: partial m goes to rail peer m; the own node's partial stays f32.
         let send = DeviceBuf::zeroed(&dev, eb * nodes)?;
         for m in (0..nodes).filter(|&m| m != me_node) {
-            narrow(comm, wire, partial.view().chunk(m, 4 * s)?, send.view().chunk(m, eb)?)?;
+            convert(comm, wire, Way::Narrow, partial.view().chunk(m, 4 * s)?, send.view().chunk(m, eb)?)?;
         }
         let recv = DeviceBuf::zeroed(&dev, eb * nodes)?;
         comm.all_to_all(&Group::rail(&topo, rank), send.view(), recv.view())?;
