@@ -12,6 +12,23 @@
 //!   skip line without one, a failure under `ZEROPP_REQUIRE_GPU=1`.
 //! - [`fidelity`]: the two-sided acceptance rule for a training default, one
 //!   definition for the CI check and the fidelity bench.
+//!
+//! Its doc tests are the Rust code a user pastes from `README.md` and
+//! `docs/rust.md`: each ```` ```rust ```` block there compiles and runs in
+//! `cargo test` (`-p zeropp-tests --doc`), so a guide that drifts from the API
+//! fails the tests. (`docs/pytorch.md`'s recipe runs under torchrun in
+//! `cargo xtask test-torch`; the `zeropp` lines of every guide are parsed by
+//! the CLI's own tests.)
+
+/// The README's Rust blocks, as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeRust;
+
+/// `docs/rust.md`'s Rust blocks, as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/rust.md")]
+pub struct RustGuide;
 
 pub mod data {
     //! The shared data files (`<workspace>/../shared/data/<name>`).

@@ -316,6 +316,9 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     t4.arg(root().join("python/tests/test_torch_kernels.py")).arg("-v").current_dir(root().join("target"));
     run("test 4: the device path's torch-op kernels == the Rust kernels (bitwise, nearest rounding)", t4)?;
 
+    // The guide's recipe as a user pastes it; a wrong keyword in it must fail.
+    doc_recipe(&venv)?;
+
     // 2. Collectives on a 2 x 2 gloo group; 4. with the seeded defect.
     run(
         "test 2: collectives under torchrun (2 nodes x 2)",
@@ -408,6 +411,52 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     )?;
     eprintln!("\ntest-torch: all green (parity figures in {})", json.display());
     Ok(())
+}
+
+/// The recipe of `docs/pytorch.md` (the first ```` ```python ```` block under
+/// "## The recipe"), run as a user pastes it: under torchrun as 2 nodes x 2,
+/// it must finish and print its summary line. The same script with an
+/// `enable()` keyword that does not exist must then fail on that keyword, so
+/// the step can see a guide that drifts from the API.
+fn doc_recipe(venv: &Path) -> Result<(), String> {
+    let guide = root().join("docs/pytorch.md");
+    let text = std::fs::read_to_string(&guide).map_err(|e| format!("{}: {e}", guide.display()))?;
+    let script = recipe_block(&text).ok_or("docs/pytorch.md: no ```python block under \"## The recipe\"")?;
+    let call = "zt.enable(model, local_size=local)";
+    if !script.contains(call) {
+        return Err(format!(
+            "docs/pytorch.md's recipe no longer calls `{call}`: update the seeded defect here"
+        ));
+    }
+    let dir = root().join("target/doc-recipe");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let (good, bad) = (dir.join("train.py"), dir.join("train_wrong_keyword.py"));
+    let wrong = script.replace(call, "zt.enable(model, local_size=local, not_an_option=True)");
+    for (path, body) in [(&good, &script), (&bad, &wrong)] {
+        std::fs::write(path, body).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    let step = "docs/pytorch.md's recipe under torchrun (2 nodes x 2)";
+    let mut c = torchrun(venv, &good.display().to_string(), &[], None)?;
+    eprintln!("\n==> {step}: {c:?}");
+    let out = c.output().map_err(|e| format!("{step}: could not start: {e}"))?;
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    eprintln!("{}", tail_lines(&said, 8));
+    if !out.status.success() || !said.contains("FSDP2 modules, world 4") {
+        return Err(format!("{step}: {} without its summary line", out.status));
+    }
+    must_fail(
+        "docs/pytorch.md's recipe with a keyword enable() does not take",
+        torchrun(venv, &bad.display().to_string(), &[], None)?,
+        ": TypeError: enable() got an unexpected keyword argument 'not_an_option'",
+    )
+}
+
+/// The first ```` ```python ```` block after the line `## The recipe`.
+fn recipe_block(guide: &str) -> Option<String> {
+    let after = &guide[guide.find("\n## The recipe\n")?..];
+    let start = after.find("```python\n")? + "```python\n".len();
+    let len = after[start..].find("\n```")?;
+    Some(after[start..start + len + 1].to_string())
 }
 
 /// `parity.py`'s arguments: `seeds` seeds of `steps` steps at lr 1e-3,

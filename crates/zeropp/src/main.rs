@@ -7,6 +7,8 @@ use std::process::ExitCode;
 mod checkpoint;
 mod compare;
 mod config;
+#[cfg(test)]
+mod doc_lines;
 mod error;
 mod models;
 mod plan;

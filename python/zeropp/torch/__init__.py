@@ -19,22 +19,24 @@ all-gather and reduce-scatter. This module fills those slots:
   crosses nodes when each replica is a node) as two INT4 hops, through
   FSDP2's all-reduce hook on a model sharded over the shard dimension of the
   mesh (``enable(model, replicate=mesh["replicate"])``).
-- hpZ is FSDP2's own ``reshard_after_forward=local_size``: after the forward,
-  each node keeps the weights sharded over its own ranks, so the backward
-  all-gather stays inside the node (and is not quantized again).
+- hpZ inside zeropp's all-gather: for a module FSDP2 reshards fully after
+  forward, each rank keeps the INT8 encodings of its node's share of the
+  forward gather until the backward gather, which then runs inside the node
+  and decodes them. A module sharded with ``reshard_after_forward=local_size``
+  keeps FSDP2's own hpZ instead; ``enable(..., hpz=False)`` turns zeropp's off.
 
 The transport is torch.distributed itself (gloo on CPU, NCCL on GPU): you keep
 ``torchrun`` and your process groups. Ranks must be numbered node by node
 (rank = node * local_size + local rank), as torchrun does.
 
-Five lines turn it on in an FSDP2 script::
+Four lines turn it on in an FSDP2 script (docs/pytorch.md has a complete one)::
 
     import zeropp.torch as zt
     local = zt.local_size()                       # ranks per node (torchrun's LOCAL_WORLD_SIZE)
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=local)   # hpZ
-    fully_shard(model, reshard_after_forward=local)
-    zt.enable(model, local_size=local)            # qwZ + qgZ
+        fully_shard(block)                        # FSDP2 as usual
+    fully_shard(model)
+    zt.enable(model, local_size=local)            # qwZ + hpZ + qgZ
 
 Kernels: CPU tensors go through zeropp's Rust kernels. Tensors on another
 device (a GPU) are quantized, reduced and dequantized there, with torch ops

@@ -21,7 +21,7 @@ def retained_bytes(model: torch.nn.Module) -> int:
     """Bytes zeropp.torch keeps between steps for ``model``: every tensor
     the collectives that :func:`enable` installed on it still hold after a
     call returns, and their segment tables. By design it is a few KiB (the
-    tables; the work buffers live for one call): ``python/tests/faults.py``
+    tables; the work buffers live for one call): ``python/tests/contract.py``
     bounds it at 5% of the rank's parameter shard, and FSDP2's own memory
     is measured beside it in ``cargo xtask bench torch-scale``."""
     return sum(c.retained_bytes() for c in _INSTALLED.get(model, []))

@@ -28,11 +28,15 @@
 //! `candle_nn::ops::softmax_last_dim`, say), naming the stage, the parameter
 //! and the elements. A zero of an element that changes nothing (an attention
 //! key bias, whose shift the softmax cancels) is the true gradient and
-//! passes. Then each weight's gradient along a random ±1 direction is
-//! compared with central differences of the stage along it: a weight used
-//! twice, once behind an op with no backward, gets a gradient on every element
-//! but a wrong one, and fails with [`CandleError::WrongGradient`] when the cut
-//! use carries more than 5% of that derivative. The check runs in evaluation mode (dropout off). During training, a weight (or, past the first stage, the
+//! passes. Then each weight's gradient along a random normal direction is
+//! compared with finite differences of the stage along it, run in f64
+//! (one-sided; central in f32 where a stage cannot run in f64, which
+//! [`CandleModel::gradient_check_notes`] names): a weight used twice, once
+//! behind an op with no backward, gets a gradient on every element but a wrong
+//! one, and fails with [`CandleError::WrongGradient`] when the cut use carries
+//! more than 5% of that derivative. The check runs in evaluation mode, and in
+//! training mode too (masks fixed) for a stage that reads its
+//! `StageContext`. During training, a weight (or, past the first stage, the
 //! stage input) that receives no gradient at all is an error naming the stage
 //! and the parameter ([`CandleError::MissingGradient`]).
 //!

@@ -2,7 +2,7 @@
 //! hold two NCCL ranks), bootstrapped over a one-rank thread cluster. Every
 //! primitive, a duplicate, the device ZeRO++ collectives against the thread
 //! backend, and the shared argument errors. The multi-GPU run is the
-//! `nccl_mpi` example under `mpirun` (README, "GPU").
+//! `nccl_mpi` example under `mpirun` (docs/gpu.md).
 //!
 //! One `#[test]`: without a device, or without libnccl, it prints one counted
 //! line (`gpu: N tests skipped: ...`); `ZEROPP_REQUIRE_GPU=1` makes a missing
