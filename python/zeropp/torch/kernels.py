@@ -73,6 +73,7 @@ from functools import lru_cache
 import torch
 
 from .. import _zeropp
+from . import _env
 
 HEADER = 32
 _F32_MAX = torch.finfo(torch.float32).max
@@ -102,16 +103,8 @@ def use_torch(t: torch.Tensor) -> bool:
 
 def block() -> int:
     """Elements per block of work: ``ZEROPP_TORCH_BLOCK`` or :data:`BLOCK`."""
-    v = os.environ.get("ZEROPP_TORCH_BLOCK")
-    if not v:
-        return BLOCK
-    try:
-        b = int(v)
-    except ValueError:
-        raise _zeropp.ZeroppError(f"ZEROPP_TORCH_BLOCK={v!r} is not a number of elements") from None
-    if b < 1:
-        raise _zeropp.ZeroppError(f"ZEROPP_TORCH_BLOCK={v!r}: a block holds at least one element")
-    return b
+    b = _env.count("ZEROPP_TORCH_BLOCK", "elements")
+    return BLOCK if b is None else b
 
 
 def encoded_len(n: int, bits: int, group_size: int) -> int:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch.distributed as dist
 
 from .. import _zeropp
+from . import _env
 
 
 def local_size() -> int:
@@ -14,14 +13,8 @@ def local_size() -> int:
     under mpirun; it lets one machine pose as several nodes), else torchrun's
     ``LOCAL_WORLD_SIZE``, else 1."""
     for var in ("ZEROPP_LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
-        v = os.environ.get(var)
-        if v:
-            try:
-                n = int(v)
-            except ValueError:
-                raise _zeropp.ZeroppError(f"{var}={v!r} is not a number of ranks per node") from None
-            if n < 1:
-                raise _zeropp.ZeroppError(f"{var}={v!r}: a node has at least one rank")
+        n = _env.count(var, "ranks per node")
+        if n is not None:
             return n
     return 1
 
