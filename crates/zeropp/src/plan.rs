@@ -48,10 +48,11 @@ pub(crate) struct PlanArgs {
     /// Inter-node bandwidth per node (`100Gbit/s`, `400Gbps`, `50GB/s`).
     #[arg(long, default_value = "100Gbit/s")]
     pub inter: String,
-    /// Intra-node bandwidth per GPU, each way (`300GB/s`: an A100's NVLink;
-    /// an H100 SXM's is 450GB/s).
-    #[arg(long, default_value = "300GB/s")]
-    pub intra: String,
+    /// Intra-node bandwidth per GPU, each way (`450GB/s`). Default: the
+    /// GPU's own NVLink, each way (v100 150GB/s, a100 300GB/s, h100 and h200
+    /// 450GB/s); required with a custom `--gpu`.
+    #[arg(long)]
+    pub intra: Option<String>,
     /// Latency of one hop of a collective call, microseconds (a call routed
     /// over the rail then the node, and qgZ, take 2 hops).
     #[arg(long = "latency-us", default_value_t = 20.0)]
@@ -114,6 +115,7 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
         }
     };
     let modes = a.mode.split(',').map(PlanMode::parse).collect::<Result<Vec<_>, _>>()?;
+    let gpu = GpuSpec::parse(&a.gpu)?;
     Ok(PlanInput {
         model,
         tokens: a.tokens,
@@ -121,15 +123,26 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
             nodes: a.nodes,
             gpus_per_node: a.gpus_per_node,
             inter_bytes_per_s: inter,
-            intra_bytes_per_s: parse_bandwidth(&a.intra).map_err(|e| format!("--intra: {e}"))?,
+            intra_bytes_per_s: intra(a, &gpu)?,
             latency_s: a.latency_us * 1e-6,
         },
-        gpu: GpuSpec::parse(&a.gpu)?,
+        gpu,
         efficiency: Efficiency { compute: a.compute_efficiency, link: a.link_efficiency },
         checkpointing: !a.no_checkpointing,
         overlap: Overlap::parse(&a.overlap)?,
         modes,
     })
+}
+
+/// `--intra`'s rate in bytes/s, or the GPU's own NVLink when it is not given.
+fn intra(a: &PlanArgs, gpu: &GpuSpec) -> Result<f64, CliError> {
+    match &a.intra {
+        Some(v) => Ok(parse_bandwidth(v).map_err(|e| format!("--intra: {e}"))?),
+        None => gpu.nvlink_bytes_per_s().ok_or_else(|| {
+            format!("--gpu `{}` names no NVLink: give the intra-node rate with --intra (450GB/s)", a.gpu)
+                .into()
+        }),
+    }
 }
 
 /// `--sweep inter=A..B`'s range in bytes/s.
@@ -233,7 +246,10 @@ fn table(p: &Plan, a: &PlanArgs) -> String {
         a.nodes,
         a.gpus_per_node,
         a.inter,
-        a.intra,
+        match &a.intra {
+            Some(v) => v.clone(),
+            None => format!("{}GB/s (the GPU's NVLink)", p.intra_bytes_per_s / 1e9),
+        },
         p.gpu,
         p.compute_efficiency,
         p.link_efficiency,

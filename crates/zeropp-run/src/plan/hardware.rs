@@ -60,6 +60,29 @@ impl GpuSpec {
         Self::presets().into_iter().find(|g| g.name.eq_ignore_ascii_case(name))
     }
 
+    /// The GPU's own NVLink bandwidth per direction, bytes/s: the intra-node
+    /// rate of a plan that names no other. From NVIDIA's datasheets (the
+    /// total of both directions halved): V100 SXM2 150 GB/s (300 GB/s, six
+    /// NVLink 2 links), A100 SXM 300 GB/s (600 GB/s), H100 and H200 SXM
+    /// 450 GB/s (900 GB/s). `None` for a custom GPU; a preset with figures
+    /// replaced keeps its preset's.
+    ///
+    /// ```
+    /// use zeropp_run::plan::GpuSpec;
+    /// assert_eq!(GpuSpec::parse("h100,kernel=1e11")?.nvlink_bytes_per_s(), Some(450e9));
+    /// assert_eq!(GpuSpec::parse("tflops=0.02")?.nvlink_bytes_per_s(), None);
+    /// # Ok::<(), zeropp_run::RunError>(())
+    /// ```
+    pub fn nvlink_bytes_per_s(&self) -> Option<f64> {
+        let preset = self.name.split(',').next().unwrap_or_default().trim().to_ascii_lowercase();
+        match preset.as_str() {
+            "v100" => Some(150e9),
+            "a100" => Some(300e9),
+            "h100" | "h200" => Some(450e9),
+            _ => None,
+        }
+    }
+
     /// `--gpu`'s value: a preset name, `tflops=T[,hbm=B][,kernel=K]`, or a
     /// preset with any of those replaced (`h100,kernel=1e11`). B is a
     /// bandwidth such as `2TB/s` (the H100's 3350 GB/s when neither a preset

@@ -248,6 +248,8 @@ pub struct Plan {
     pub flops_per_gpu: f64,
     /// GPUs.
     pub gpus: usize,
+    /// The intra-node rate per GPU used, bytes/s each way.
+    pub intra_bytes_per_s: f64,
     /// The GPU preset.
     pub gpu: String,
     /// The compute efficiency used.
@@ -402,6 +404,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         tokens: input.tokens,
         flops_per_gpu: flops.0 + flops.1,
         gpus: c.world(),
+        intra_bytes_per_s: c.intra_bytes_per_s,
         gpu: input.gpu.name.clone(),
         compute_efficiency: input.efficiency.compute,
         link_efficiency: input.efficiency.link,

@@ -131,9 +131,31 @@ fn bad_flags_are_named() {
         (&["--sweep", "inter=9..8"][..], "--sweep"),
         (&["--overlap", "some"][..], "--overlap `some`"),
         (&["--gpu", "tflops=10,kernel=0"][..], "--gpu kernel"),
+        (&["--gpu", "tflops=10"][..], "names no NVLink: give the intra-node rate with --intra"),
     ] {
         let out = plan(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && stderr.contains(says), "{args:?}: {stderr}");
     }
+}
+
+/// Without `--intra` a plan runs at its GPU's own NVLink (an H100's 450 GB/s
+/// each way, a V100's 150), as if `--intra` had said so; a rate given wins.
+#[test]
+fn the_intra_node_rate_follows_the_gpu() {
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = plan(&[&["--params", "7e9", "--nodes", "2", "--json"][..], args].concat());
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    for (gpu, rate, nvlink) in
+        [("h100", "450GB/s", 450e9), ("v100", "150GB/s", 150e9), ("a100", "300GB/s", 300e9)]
+    {
+        let implied = json(&["--gpu", gpu]);
+        assert_eq!(implied["intra_bytes_per_s"].as_f64(), Some(nvlink), "{gpu}");
+        assert_eq!(implied["modes"], json(&["--gpu", gpu, "--intra", rate])["modes"], "{gpu}");
+    }
+    let given = json(&["--gpu", "h100", "--intra", "300GB/s"]);
+    assert_eq!(given["intra_bytes_per_s"].as_f64(), Some(300e9));
+    assert_ne!(given["modes"], json(&["--gpu", "h100"])["modes"]);
 }
