@@ -17,7 +17,27 @@ import os, re, sys, glob
 def strip(text):
     text = re.sub(r'//[^\n]*', '', text)
     text = re.sub(r'/\*.*?\*/', '', text, flags=re.S)
-    return re.sub(r'"(\\.|[^"\\])*"', '""', text)
+    # re.S: a backslash before a newline (a string's line continuation) is an
+    # escape too, or the match would start at the string's closing quote.
+    return re.sub(r'"(\\.|[^"\\])*"', '""', text, flags=re.S)
+
+def inline_modules(text):
+    """`text` with `super::` inside each inline `mod NAME { ... }` (a test
+    module, say) written `self::`: there `super` is the file's own module,
+    not its parent."""
+    out, i = [], 0
+    for m in re.finditer(r'\bmod\s+\w+\s*\{', text):
+        if m.start() < i:
+            continue
+        depth, j = 1, m.end()
+        while j < len(text) and depth:
+            depth += (text[j] == '{') - (text[j] == '}')
+            j += 1
+        out.append(text[i:m.end()])
+        out.append(re.sub(r'\bsuper::', 'self::', text[m.end():j]))
+        i = j
+    out.append(text[i:])
+    return ''.join(out)
 
 def split_top(s):
     parts, depth, cur = [], 0, ''
@@ -59,7 +79,7 @@ def scan(src):
             defined.setdefault(m.group(1), set()).add(mod)
     reexports = {mod: {seg for m in re.finditer(r'\bpub(?:\([^)]*\))?\s+use\s+([^;]+);', strip(open(p).read())) for segs in expand(m.group(1)) for seg in segs[-1:]} for mod, p in files.items()}
     for mod, p in files.items():
-        text = strip(open(p).read())
+        text = inline_modules(strip(open(p).read()))
         children = {m[-1] for m in files if len(m) == len(mod) + 1 and m[:-1] == mod}
         # A `pub use` is the module's table of contents (a re-export), not a use.
         refs = [s for m in re.finditer(r'(?<!pub )(?<!\) )\buse\s+([^;]+);', text) for s in expand(m.group(1))]
@@ -153,6 +173,15 @@ def self_test():
         open(f'{src}/inner/y.rs', 'w').write('pub struct Y;\npub fn h() { super::x::g() }\n')
         open(f'{src}/inner/x.rs', 'w').write('use super::y::Y;\npub fn g() {}\n')
         assert check(d) == 1, 'the seeded x <-> y circle between siblings was missed'
+        # A string continued over lines (`"\` then a newline) before the use.
+        open(f'{src}/inner/x.rs', 'w').write('const H: &str = "\\\nhelp\n";\npub fn g() { crate::inner::y::h(); let _ = "x"; }\n')
+        open(f'{src}/inner/y.rs', 'w').write('pub fn h() { super::x::g() }\n')
+        assert check(d) == 1, 'a circle behind a string with a line continuation was missed'
+        # A child's test module importing its own module's items is no use of the parent.
+        open(f'{src}/inner/x.rs', 'w').write('pub fn g() {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n')
+        open(f'{src}/inner/y.rs', 'w').write('pub struct Y;\npub fn h() { super::x::g() }\n')
+        open(f'{src}/inner/mod.rs', 'w').write('mod x;\nmod y;\npub fn f() { y::h() }\n')
+        assert check(d) == 0, "a test module's use of super::* was read as a use of the parent"
     print('circles self-test: ok')
 
 

@@ -4,7 +4,8 @@
 
 use std::process::Command;
 
-use crate::{MPI_FEATURES, cargo, cluster, dist, gpu, has_mpirun, package, root, run, torch};
+use crate::cmd::{MPI_FEATURES, cargo, has_mpirun, root, run};
+use crate::{cluster, dist, gpu, package, torch};
 
 pub(crate) fn ci(args: &[String]) -> Result<(), String> {
     let no_mpi = args.iter().any(|a| a == "--no-mpi");

@@ -21,7 +21,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{root, run};
+use crate::cmd::{root, run};
 
 /// The pinned build tools: maturin, zig (the linker for an older glibc) and
 /// auditwheel (the tag's second reading).
@@ -184,7 +184,7 @@ pub(crate) fn lint_workflows() -> Result<(), String> {
         "actionlint",
     ) {
         Ok(t) => t,
-        Err(e) if !crate::in_ci() => {
+        Err(e) if !crate::cmd::in_ci() => {
             eprintln!("SKIP lint-workflows: no actionlint ({e}); CI=true makes this an error");
             return Ok(());
         }

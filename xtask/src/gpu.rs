@@ -9,8 +9,9 @@
 use std::path::Path;
 use std::process::Command;
 
+use crate::cmd::run;
+use crate::ptx;
 use crate::ptx::cuda_cargo;
-use crate::{ptx, run};
 
 /// `cargo xtask gpu <test|clippy|ci>`.
 pub(crate) fn gpu(args: &[String]) -> Result<(), String> {
@@ -51,7 +52,7 @@ pub(crate) fn test() -> Result<(), String> {
 /// Builds `cuda/emulate.cpp` (the kernels' source run on the CPU, for the
 /// `gpu_emu` tests) into `target/cuda/zq-emulate`.
 fn emulator() -> Result<std::path::PathBuf, String> {
-    let dir = crate::root().join("target/cuda");
+    let dir = crate::cmd::root().join("target/cuda");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let exe = dir.join("zq-emulate");
     let mut gxx = Command::new("g++");
@@ -66,7 +67,7 @@ fn emulator() -> Result<std::path::PathBuf, String> {
         "-o",
     ])
     .arg(&exe)
-    .arg(crate::root().join("crates/zeropp-quant/cuda/emulate.cpp"));
+    .arg(crate::cmd::root().join("crates/zeropp-quant/cuda/emulate.cpp"));
     run("g++ kernel emulator", gxx)?;
     Ok(exe)
 }
@@ -182,7 +183,7 @@ pub(crate) fn nccl_mpi() -> Result<(), String> {
         "nccl_mpi",
     ]);
     run("build nccl_mpi", b)?;
-    let exe = crate::root().join("target/release/examples/nccl_mpi");
+    let exe = crate::cmd::root().join("target/release/examples/nccl_mpi");
     let np = gpus.min(8).to_string();
     let mut m = Command::new("timeout");
     m.args(["300", "mpirun", "-np", &np, "-x", "ZEROPP_REQUIRE_GPU=1"]);

@@ -30,8 +30,8 @@ use std::process::Command;
 
 use serde_json::Value;
 
+use crate::cmd::{root, run};
 use crate::ptx::cuda_cargo;
-use crate::{root, run};
 
 /// The binaries of the check: (name in `bin/`, cargo arguments that build it).
 const BINARIES: &[(&str, &[&str])] = &[

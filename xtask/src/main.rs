@@ -12,6 +12,7 @@ use serde_json::Value;
 
 mod ci;
 mod cluster;
+mod cmd;
 mod dist;
 mod gpu;
 mod gpu_check;
@@ -22,6 +23,8 @@ mod torch;
 mod torch_floor;
 mod torch_scale;
 mod wheel;
+
+use cmd::{cargo, has_mpirun, machine, root, run};
 
 const HELP: &str = "\
 cargo xtask <task>
@@ -132,43 +135,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-pub(crate) fn root() -> PathBuf {
-    // xtask/ sits directly under the workspace root.
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
-}
-
-pub(crate) fn cargo() -> Command {
-    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
-    c.current_dir(root());
-    c
-}
-
-pub(crate) fn run(step: &str, mut cmd: Command) -> Result<(), String> {
-    eprintln!("\n==> {step}: {cmd:?}");
-    let started = std::time::Instant::now();
-    let status = cmd.status().map_err(|e| format!("{step}: could not start: {e}"))?;
-    // Each step's wall time, so a slow CI run says where its minutes went.
-    eprintln!("<== {step}: {:.0} s", started.elapsed().as_secs_f64());
-    if status.success() { Ok(()) } else { Err(format!("{step} failed ({status})")) }
-}
-
-/// Whether this runs under CI (`CI=true`), where a step that would skip fails.
-pub(crate) fn in_ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-/// The features of an MPI build of the stack (the CLI, the candle example and
-/// comm's MPI programs), the same everywhere it is built so that the builds share
-/// their artefacts: `ci`'s tests, `xtask/mpi-tests.sh` and the cluster test.
-pub(crate) const MPI_FEATURES: &str = "zeropp-comm/mpi,zeropp/mpi,zeropp-candle/mpi";
-
-pub(crate) fn has_mpirun() -> bool {
-    Command::new("mpirun").arg("--version").output().map(|o| o.status.success()).unwrap_or(false)
 }
 
 /// `bench candle-build`: builds the CLI (with MPI where `mpirun` is) and the
@@ -459,17 +425,4 @@ fn fmt_ns(ns: f64) -> String {
     } else {
         format!("{ns:.1} ns")
     }
-}
-
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    format!("{cpu}, {threads} hardware threads")
 }

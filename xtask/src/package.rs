@@ -25,7 +25,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{cargo, root, run};
+use crate::cmd::{cargo, root, run};
 
 /// The published crates, in stack order: each depends only on crates before
 /// it. `cargo publish --workspace` derives the same order from the manifests;

@@ -21,7 +21,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{root, run};
+use crate::cmd::{root, run};
 
 /// The pinned wheels. CUDA 12.4: its PTX (ISA 8.4) needs an R550+ driver, its
 /// cubins should load on any R525+ (CUDA 12.0) driver.
@@ -207,7 +207,7 @@ fn parse_ptxas(arch: &str, log: &str) -> Vec<Row> {
 /// `cargo` with the link path for `-lcuda` set up.
 pub(crate) fn cuda_cargo() -> Result<Command, String> {
     let stub = stub()?;
-    let mut c = crate::cargo();
+    let mut c = crate::cmd::cargo();
     if !has_driver() {
         // No driver: test binaries load the stub's libcuda.so.1 (cust::init then
         // reports NoDevice and the GPU tests skip). Cargo does not add the link
@@ -287,7 +287,7 @@ pub(crate) fn has_driver() -> bool {
 /// The names of the driver functions `cust_raw` declares (from its source, found
 /// through `cargo metadata`).
 fn cust_raw_symbols() -> Result<Vec<String>, String> {
-    let o = crate::cargo()
+    let o = crate::cmd::cargo()
         .args(["metadata", "--format-version", "1", "--locked", "--features", "zeropp-quant/cuda"])
         .output()
         .map_err(|e| format!("cargo metadata: {e}"))?;

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use serde_json::Value;
 
-use crate::{cargo, root, run};
+use crate::cmd::{cargo, root, run};
 
 /// The reference SGEMM: numpy `A @ B` in f32 on one thread (the engine's GEMM
 /// runs one call per thread), the fastest of several calls, in GFLOP/s.
@@ -309,7 +309,7 @@ pub(crate) fn scale(report_dir: &Path) -> Result<(), String> {
          GEMM, the model's largest linear shapes at one rank's rows, one thread: the engine's GEMM against numpy's \
          (OpenBLAS) SGEMM in the same run.\n\n\
          | model | m x k x n | engine GFLOP/s | reference GFLOP/s | ratio |\n|---|---|---|---|---|\n{gemm_table}\n{single}\n{}",
-        crate::machine(),
+        crate::cmd::machine(),
         if mpi_table.is_empty() {
             "MPI: not run (no mpirun, ZEROPP_SCALE_MPI=0, or the MPI build failed).\n".to_string()
         } else {

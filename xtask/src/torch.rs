@@ -41,7 +41,7 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{cargo, in_ci, root, run};
+use crate::cmd::{cargo, in_ci, root, run};
 
 /// The pinned versions: torch's PyPI wheel (the latest release; the floor,
 /// 2.9.0, is `torch_floor.rs`'s) and numpy. maturin is the dist tools'

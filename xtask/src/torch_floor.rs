@@ -18,7 +18,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{root, run};
+use crate::cmd::{root, run};
 
 /// The floor release.
 pub(crate) const FLOOR: &str = "torch==2.9.0";

@@ -18,7 +18,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use crate::run;
+use crate::cmd::run;
 use crate::torch::{prepare, torchrun};
 
 /// The transformers release the bench builds its Llama with.
@@ -59,7 +59,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
         run("pip install transformers (the bench's Llama)", c)?;
     }
     let rounds: usize = std::env::var("ZEROPP_SCALE_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
-    let dir = crate::root().join("target/torch-scale");
+    let dir = crate::cmd::root().join("target/torch-scale");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     // `ZEROPP_SCALE_BEFORE=DIR`: an earlier build of the package (`pip install --target
     // DIR ./python` from an older checkout) measured beside this one, with the recipe of

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::{root, run};
+use crate::cmd::{root, run};
 
 /// `~/.cache/zeropp`, where the tools' venvs live, outside any clone.
 pub(crate) fn cache_dir() -> PathBuf {

@@ -172,7 +172,7 @@ fn bench_report(rows: &[(String, Vec<(f64, f64)>)], names: &[&str], params: f64,
          100 Mbit/s) or 12 (the first left out), no added delay. \
          Machine: {}.\n",
         params / 1e6,
-        crate::machine()
+        crate::cmd::machine()
     );
     let _ =
         writeln!(md, "Step-time speedup over ZeRO-3 at the same rate (measured; link model in brackets):\n");

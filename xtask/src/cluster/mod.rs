@@ -24,7 +24,7 @@ use std::time::Instant;
 
 use serde_json::Value;
 
-use crate::{cargo, root, run as run_step};
+use crate::cmd::{cargo, root, run as run_step};
 
 mod bench;
 mod checks;
@@ -141,7 +141,7 @@ fn build_zeropp(release: bool, profile: &str) -> Result<PathBuf, String> {
         // xtask/mpi-tests.sh's build, to the letter (`--workspace`: the features
         // resolve as for `cargo test --workspace`, whose artefacts `ci` reuses).
         c.args(["build", "--locked", "--workspace", "--profile", profile])
-            .args(["--features", crate::MPI_FEATURES])
+            .args(["--features", crate::cmd::MPI_FEATURES])
             .args(["--example", "mpi_conformance", "--example", "mpi_fault", "--example", "train_your_model"])
             .args(["--bin", "zeropp"]);
     }

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::{cargo, run as run_step};
+use crate::cmd::{cargo, run as run_step};
 
 use super::{Launch, Shape, launch, rate_bits, tail, target_dir, value};
 

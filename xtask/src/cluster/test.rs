@@ -20,7 +20,7 @@ pub(super) fn missing_prerequisite() -> Option<String> {
     if uid.as_deref() != Some("0") {
         return Some("not root (network namespaces need root)".into());
     }
-    if !crate::has_mpirun() {
+    if !crate::cmd::has_mpirun() {
         return Some("no `mpirun` (apt-get install openmpi-bin libopenmpi-dev)".into());
     }
     for tool in ["ip", "tc"] {

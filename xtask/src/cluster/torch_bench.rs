@@ -24,7 +24,7 @@ use super::bench::{bench_setup, steady_step_time};
 use super::run::kernel_tx;
 use super::test::train;
 use super::{Launch, Shape, launch, read_metrics, tail, target_dir};
-use crate::root;
+use crate::cmd::root;
 
 /// One row of the report: name, s/step, cross-node bytes per rank per step (the
 /// counters of the program), bytes per step on the nodes' uplinks (kernel).

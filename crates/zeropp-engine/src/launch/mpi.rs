@@ -27,11 +27,13 @@ use crate::metrics::{MetricsWriter, StepRecord};
 use crate::model::Model;
 
 use super::aggregate::aggregate;
+use super::config::Backend;
+use super::detect::Job;
 use super::pool::{cores, threads_per_rank};
 use super::preflight::{Prepared, prepare, resume_point};
 use super::rank::{RankJob, RankStep, run_rank};
+use super::report::{Started, TrainReport, Work};
 use super::summary::{mean_val_loss, summarize};
-use super::{Backend, Job, Started, TrainReport, Work};
 
 /// Trains `model` on `data` with this process as one rank of the MPI job: MPI
 /// starts, the job's world and node size replace `run`'s, and any error from

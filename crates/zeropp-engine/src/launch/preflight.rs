@@ -11,7 +11,8 @@ use crate::engine::build_plan;
 use crate::engine::bytes::{ByteModel, StepKind, step_bytes_of};
 use crate::model::Model;
 
-use super::{RunConfig, Work};
+use super::config::RunConfig;
+use super::report::Work;
 
 /// A run checked and planned on its cluster: what both drivers start from.
 pub(crate) struct Prepared {

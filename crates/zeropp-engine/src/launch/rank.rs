@@ -16,7 +16,7 @@ use crate::engine::checkpoint::{self, RankState};
 use crate::engine::{Inject, Prefetcher, ZeroEngine};
 use crate::model::{Batch, Model};
 
-use super::{Faults, RunConfig};
+use super::config::{Faults, RunConfig};
 
 /// What one rank reports after each step (sent out of band to the driver).
 #[derive(Debug, Clone)]

@@ -7,7 +7,7 @@ use crate::engine::bytes::{ByteModel, StepKind};
 use crate::metrics::{LinkBytes, StepRecord, Summary};
 use crate::model::Model;
 
-use super::RunConfig;
+use super::config::RunConfig;
 use crate::data::DataInfo;
 
 /// The kind of each recorded step, by the engine's rule for qwZ-Δ (every step

@@ -16,8 +16,8 @@ use super::failure::root_cause;
 use super::pool::{on_rank_pool, rank_pool};
 use super::preflight::{Prepared, prepare, resume_point};
 use super::rank::{RankJob, RankResult, RankStep, run_rank};
+use super::report::{TrainReport, Work};
 use super::summary::{mean_val_loss, summarize};
-use super::{TrainReport, Work};
 
 /// Trains on the thread backend on the simulated cluster `topo` (see
 /// [`super::Launch::run`]).
