@@ -156,32 +156,35 @@ def check(root, show_all=False):
 
 
 def self_test():
+    """Each step rewrites some files of a small crate and says how many
+    circles the check must then find."""
     import tempfile
+    steps = [
+        ({'lib.rs': 'mod a;\nmod b;\nmod inner;\npub use a::A;\n', 'a.rs': 'pub struct A;\n',
+          'b.rs': 'use crate::A;\npub struct B;\n', 'inner/mod.rs': 'mod x;\nmod y;\npub fn f() { x::g() }\n',
+          'inner/x.rs': 'pub fn g() { super::f() }\n', 'inner/y.rs': 'pub struct Y;\n'},
+         0, 'a clean tree (re-export, module and child) was reported'),
+        ({'a.rs': 'use crate::b::B;\npub struct A;\n'},
+         1, 'the seeded a <-> b circle (b reaches a through a re-export) was missed'),
+        ({'a.rs': 'pub struct A;\n', 'inner/y.rs': 'pub struct Y;\npub fn h() { super::x::g() }\n',
+          'inner/x.rs': 'use super::y::Y;\npub fn g() {}\n'},
+         1, 'the seeded x <-> y circle between siblings was missed'),
+        # A string continued over lines (a backslash, then a newline) before the use.
+        ({'inner/x.rs': 'const H: &str = "\\\nhelp\n";\npub fn g() { crate::inner::y::h(); let _ = "x"; }\n',
+          'inner/y.rs': 'pub fn h() { super::x::g() }\n'},
+         1, 'a circle behind a string with a line continuation was missed'),
+        # A child's test module importing its own module's items is no use of the parent.
+        ({'inner/x.rs': 'pub fn g() {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n',
+          'inner/y.rs': 'pub struct Y;\npub fn h() { super::x::g() }\n', 'inner/mod.rs': 'mod x;\nmod y;\npub fn f() { y::h() }\n'},
+         0, "a test module's use of super::* was read as a use of the parent"),
+    ]
     with tempfile.TemporaryDirectory() as d:
         src = f'{d}/crates/demo/src'
         os.makedirs(f'{src}/inner')
-        open(f'{src}/lib.rs', 'w').write('mod a;\nmod b;\nmod inner;\npub use a::A;\n')
-        open(f'{src}/a.rs', 'w').write('pub struct A;\n')
-        open(f'{src}/b.rs', 'w').write('use crate::A;\npub struct B;\n')
-        open(f'{src}/inner/mod.rs', 'w').write('mod x;\nmod y;\npub fn f() { x::g() }\n')
-        open(f'{src}/inner/x.rs', 'w').write('pub fn g() { super::f() }\n')
-        open(f'{src}/inner/y.rs', 'w').write('pub struct Y;\n')
-        assert check(d) == 0, 'a clean tree (re-export, module and child) was reported'
-        open(f'{src}/a.rs', 'w').write('use crate::b::B;\npub struct A;\n')
-        assert check(d) == 1, 'the seeded a <-> b circle (b reaches a through a re-export) was missed'
-        open(f'{src}/a.rs', 'w').write('pub struct A;\n')
-        open(f'{src}/inner/y.rs', 'w').write('pub struct Y;\npub fn h() { super::x::g() }\n')
-        open(f'{src}/inner/x.rs', 'w').write('use super::y::Y;\npub fn g() {}\n')
-        assert check(d) == 1, 'the seeded x <-> y circle between siblings was missed'
-        # A string continued over lines (`"\` then a newline) before the use.
-        open(f'{src}/inner/x.rs', 'w').write('const H: &str = "\\\nhelp\n";\npub fn g() { crate::inner::y::h(); let _ = "x"; }\n')
-        open(f'{src}/inner/y.rs', 'w').write('pub fn h() { super::x::g() }\n')
-        assert check(d) == 1, 'a circle behind a string with a line continuation was missed'
-        # A child's test module importing its own module's items is no use of the parent.
-        open(f'{src}/inner/x.rs', 'w').write('pub fn g() {}\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n')
-        open(f'{src}/inner/y.rs', 'w').write('pub struct Y;\npub fn h() { super::x::g() }\n')
-        open(f'{src}/inner/mod.rs', 'w').write('mod x;\nmod y;\npub fn f() { y::h() }\n')
-        assert check(d) == 0, "a test module's use of super::* was read as a use of the parent"
+        for files, circles, why in steps:
+            for name, text in files.items():
+                open(f'{src}/{name}', 'w').write(text)
+            assert check(d) == circles, why
     print('circles self-test: ok')
 
 
