@@ -75,8 +75,9 @@ pub(crate) struct PlanArgs {
     /// No activation checkpointing (the blocks' forward is not recomputed).
     #[arg(long = "no-checkpointing")]
     pub no_checkpointing: bool,
-    /// How communication overlaps compute: `prefetch` (ZeRO's, the default)
-    /// or `none` (every collective adds to the step).
+    /// How communication overlaps compute: `prefetch` (ZeRO's, the default),
+    /// `none` (every collective adds to the step), or a measured exposed
+    /// fraction of the gathers' and reduce-scatters' time, 0 to 1 (`0.8`).
     #[arg(long, default_value = "prefetch")]
     pub overlap: String,
     /// Print the plan as JSON instead of the table.

@@ -34,7 +34,8 @@
 //!   included), pipelined over the `n` layers one ahead: of a side's total
 //!   communication `T` under its compute `C`, `T/n + (n-1)/n·max(0, T - C)` is
 //!   exposed. The norm exchange and the persistent parameters' gather are
-//!   exposed whole. [`Overlap::None`] exposes everything (`T`).
+//!   exposed whole. [`Overlap::None`] exposes everything (`T`), and
+//!   [`Overlap::Exposed`] a measured fraction `f` of it (`f·T`).
 //! - **Not counted:** the optimizer step, the data loader, kernel launch
 //!   overheads beyond the per-call latency, congestion between the two link
 //!   classes.
@@ -129,7 +130,7 @@ impl PlanMode {
 }
 
 /// How communication overlaps compute in the time model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Overlap {
     /// ZeRO's prefetch: each layer's gathers (and, backward, its
@@ -140,15 +141,35 @@ pub enum Overlap {
     /// None: every collective's time adds to the compute (an upper bound on
     /// the step, e.g. where the collectives' kernels and the GEMMs contend).
     None,
+    /// A measured share of the gathers' and reduce-scatters' time that stays
+    /// exposed (0: all hidden, 1: as [`Overlap::None`]), for an engine whose
+    /// own step split says how much it hides; the gradient norm's exchange
+    /// and the persistent parameters' gather stay exposed whole, as in the
+    /// other models.
+    Exposed(f64),
 }
 
 impl Overlap {
-    /// `--overlap`'s value: `prefetch` or `none`.
+    /// `--overlap`'s value: `prefetch`, `none`, or a measured exposed
+    /// fraction from 0 to 1.
+    ///
+    /// ```
+    /// use zeropp_run::plan::Overlap;
+    /// assert_eq!(Overlap::parse("0.7")?, Overlap::Exposed(0.7));
+    /// assert!(Overlap::parse("1.5").is_err());
+    /// # Ok::<(), zeropp_run::RunError>(())
+    /// ```
     pub fn parse(s: &str) -> Result<Self> {
-        match s {
+        match s.trim() {
             "prefetch" => Ok(Self::Prefetch),
             "none" => Ok(Self::None),
-            _ => Err(RunError::InvalidConfig(format!("--overlap `{s}`: expected prefetch or none"))),
+            t => match t.parse::<f64>() {
+                Ok(f) if (0.0..=1.0).contains(&f) => Ok(Self::Exposed(f)),
+                _ => Err(RunError::InvalidConfig(format!(
+                    "--overlap `{s}`: expected prefetch, none, or the exposed fraction of the \
+                     communication, a number from 0 to 1"
+                ))),
+            },
         }
     }
 }
@@ -315,6 +336,11 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     }
     if !(c.latency_s.is_finite() && c.latency_s >= 0.0) {
         return Err(RunError::InvalidConfig(format!("latency must be at least 0, not {}", c.latency_s)));
+    }
+    if let Overlap::Exposed(f) = input.overlap
+        && !(0.0..=1.0).contains(&f)
+    {
+        return Err(RunError::InvalidConfig(format!("--overlap {f}: an exposed fraction is from 0 to 1")));
     }
     if input.modes.is_empty() {
         return Err(RunError::InvalidConfig("--mode: no mode to plan".into()));

@@ -122,7 +122,12 @@ impl StepTimes {
         // Without overlap nothing hides: one stage, no compute under it.
         let (n, hide) = match input.overlap {
             Overlap::Prefetch => (stages.max(1) as f64, 1.0),
-            Overlap::None => (1.0, 0.0),
+            Overlap::None | Overlap::Exposed(_) => (1.0, 0.0),
+        };
+        // A measured exposed fraction scales what no overlap would expose.
+        let share = match input.overlap {
+            Overlap::Exposed(f) => f,
+            Overlap::Prefetch | Overlap::None => 1.0,
         };
         let forward = |t: &str| t == tags::FWD_GATHER || t == tags::FWD_DELTA;
         let backward = |t: &str| t == tags::BWD_GATHER || t == tags::GRAD_REDUCE;
@@ -134,7 +139,7 @@ impl StepTimes {
             }
             // n stages of gather g and compute c, prefetched one ahead: the first
             // gather is exposed, then each stage's max(0, g - c).
-            let e = total / n + (n - 1.0) / n * (total - hidden_by).max(0.0);
+            let e = share * (total / n + (n - 1.0) / n * (total - hidden_by).max(0.0));
             for o in ops.iter().filter(|o| side(&o.tag)) {
                 *exposed.entry(o.tag.clone()).or_default() += e * o.seconds / total;
             }

@@ -221,3 +221,26 @@ fn the_kernel_term_is_the_elements_over_the_kernel_rate() {
     let rate = GpuSpec::preset("h100").unwrap().peak_flops * Efficiency::default().compute;
     assert!((fast.flops_per_gpu / rate / zpp.compute_s - 1.0).abs() < 1e-12);
 }
+
+/// A measured exposed fraction scales what no overlap exposes: 1 is `none`
+/// to the bit, 0 leaves the compute and the exchanges that never hide (the
+/// norm's), and the step is linear between; out of 0..=1 it is refused.
+#[test]
+fn an_exposed_fraction_scales_the_unhidden_communication() {
+    let model = PlanModel::from_params(1e9, PlanModel::DEFAULT_VOCAB, 1024).unwrap();
+    let at = |overlap: Overlap| {
+        let mut i = input(model, 2048, cluster(4, 8, 12.5e9), vec![PlanMode::Zero3, PlanMode::Zeropp]);
+        i.overlap = overlap;
+        plan(&i)
+    };
+    let none = at(Overlap::None).unwrap();
+    let [all, nothing, half] = [1.0, 0.0, 0.5].map(|f| at(Overlap::Exposed(f)).unwrap());
+    for m in ["zero3", "zeropp"] {
+        let step = |p: &zeropp_run::plan::Plan| p.modes[m].step_s;
+        assert_eq!(step(&all), step(&none), "{m}");
+        assert!(step(&nothing) > nothing.modes[m].compute_s && step(&nothing) < step(&none), "{m}");
+        let mid = (step(&nothing) + step(&none)) / 2.0;
+        assert!((step(&half) / mid - 1.0).abs() < 1e-12, "{m}: {} against {mid}", step(&half));
+    }
+    assert!(at(Overlap::Exposed(1.5)).unwrap_err().to_string().contains("--overlap 1.5"));
+}

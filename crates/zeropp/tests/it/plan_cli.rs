@@ -130,6 +130,7 @@ fn bad_flags_are_named() {
         (&["--tokens", "3000"][..], "--tokens 3000"),
         (&["--sweep", "inter=9..8"][..], "--sweep"),
         (&["--overlap", "some"][..], "--overlap `some`"),
+        (&["--overlap", "1.5"][..], "--overlap `1.5`: expected prefetch, none, or the exposed fraction"),
         (&["--gpu", "tflops=10,kernel=0"][..], "--gpu kernel"),
         (&["--gpu", "tflops=10"][..], "names no NVLink: give the intra-node rate with --intra"),
     ] {
