@@ -30,7 +30,10 @@
 //!    (issue 37: a non-finite gradient on one rank, fp16 with GradScaler, no host
 //!    synchronisation inside a collective, the state kept between steps, the
 //!    refusals), on both kernel paths and on the floor release, and with three
-//!    seeded defects that must fail it.
+//!    seeded defects that must fail it;
+//! 6. `python/tests/plan_bytes.py` under torchrun (2 nodes x 2): the bytes of
+//!    `zeropp plan --framework fsdp2` for two Hugging Face Llama shapes and
+//!    every mode equal what `zeropp.torch.ByteCounter` counts on every rank.
 //!
 //! The main venv holds the latest torch release (2.15.0); the floor venv 2.9.0.
 //!
@@ -44,9 +47,14 @@ use std::process::Command;
 use crate::cmd::{cargo, in_ci, root, run};
 
 /// The pinned versions: torch's PyPI wheel (the latest release; the floor,
-/// 2.9.0, is `torch_floor.rs`'s) and numpy. maturin is the dist tools'
+/// 2.9.0, is `torch_floor.rs`'s), numpy and transformers. maturin is the dist tools'
 /// (`dist.rs`); pyo3 is pinned in the workspace manifest.
-pub(crate) const PINS: &[&str] = &["torch==2.15.0", "numpy==2.2.6"];
+/// transformers builds the Hugging Face Llama of `python/tests/plan_bytes.py`
+/// and of `cargo xtask bench torch-scale`.
+pub(crate) const PINS: &[&str] = &["torch==2.15.0", "numpy==2.2.6", TRANSFORMERS];
+
+/// The transformers release the Llama tests and benches build with.
+pub(crate) const TRANSFORMERS: &str = "transformers==5.25.0";
 
 /// The venv: `ZEROPP_TORCH_VENV`, else `~/.cache/zeropp/torch-venv`.
 fn venv_dir() -> PathBuf {
@@ -296,8 +304,9 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     // workspace's tests built this example already (a release build of it took
     // 36 s of CI).
     let mut b = cargo();
-    b.args(["build", "--locked", "-q", "--profile", "test", "--workspace", "--example", "golden_vectors"]);
-    run("build the reference-vector writer", b)?;
+    b.args(["build", "--locked", "-q", "--profile", "test", "--workspace", "--example", "golden_vectors"])
+        .args(["--bin", "zeropp"]);
+    run("build the reference-vector writer and the CLI", b)?;
     let target = std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root().join("target"), PathBuf::from);
     let mut g = Command::new(target.join("debug/examples/golden_vectors"));
     g.arg(&golden);
@@ -323,6 +332,13 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
     run(
         "test 2: collectives under torchrun (2 nodes x 2)",
         torchrun(&venv, "python/tests/dist_collectives.py", &[], None)?,
+    )?;
+    // 6. `zeropp plan --framework fsdp2`'s bytes are what ByteCounter counts in a
+    // real run: two HF Llama shapes, every mode, to the byte.
+    let cli = target.join("debug/zeropp").display().to_string();
+    run(
+        "test 6: zeropp plan --framework fsdp2's bytes == ByteCounter's (HF Llama, 2 shapes x 3 modes)",
+        torchrun(&venv, "python/tests/plan_bytes.py", &[&cli], None)?,
     )?;
     for defect in ["wrong-scale", "wrong-levels"] {
         must_fail(

@@ -21,9 +21,6 @@ use serde_json::Value;
 use crate::cmd::run;
 use crate::torch::{prepare, torchrun};
 
-/// The transformers release the bench builds its Llama with.
-const TRANSFORMERS: &str = "transformers==5.25.0";
-
 /// (row name, scale.py arguments, ZEROPP_TORCH_KERNELS).
 const VARIANTS: &[(&str, &[&str], &str)] = &[
     ("FSDP2 default", &["--variant", "default", "--hpz", "none"], "auto"),
@@ -55,7 +52,7 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     let has = Command::new(&python).args(["-c", "import transformers"]).status().is_ok_and(|s| s.success());
     if !has {
         let mut c = Command::new(venv.join("bin/pip"));
-        c.args(["install", "--quiet", "--disable-pip-version-check", TRANSFORMERS]);
+        c.args(["install", "--quiet", "--disable-pip-version-check", crate::torch::TRANSFORMERS]);
         run("pip install transformers (the bench's Llama)", c)?;
     }
     let rounds: usize = std::env::var("ZEROPP_SCALE_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);

@@ -23,12 +23,25 @@ pub struct LlamaShape {
 impl LlamaShape {
     /// The model over `vocab` token ids.
     pub fn build(&self, vocab: usize) -> Result<CandleModel, RunError> {
+        Ok(self.config(vocab).build()?)
+    }
+
+    /// The decoder's configuration over `vocab` token ids (its SwiGLU width
+    /// `ff=` where given, else [`LlamaConfig::shape`]'s `8d/3`).
+    ///
+    /// ```
+    /// use zeropp_run::llama::LlamaShape;
+    /// let s = LlamaShape::parse("llama:d=768,layers=8,heads=12,kv_heads=4")?.ok_or("a llama")?;
+    /// assert_eq!(s.config(32000).d_ff, 2048);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn config(&self, vocab: usize) -> LlamaConfig {
         let mut c = LlamaConfig::shape(vocab, self.d, self.layers, self.heads, self.kv_heads, self.seq);
         if let Some(ff) = self.ff {
             c.d_ff = ff;
         }
         c.tie_word_embeddings = self.tie;
-        Ok(c.build()?)
+        c
     }
 
     /// `Some(shape)` when `spec` names the Llama (`llama` or

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 use clap::Args;
 use plotters::prelude::*;
 use zeropp_run::plan::{
-    Cluster, Efficiency, GpuSpec, Overlap, Plan, PlanInput, PlanMode, PlanModel, parse_bandwidth, plan,
+    Cluster, Decoder, Efficiency, GpuSpec, Overlap, Plan, PlanInput, PlanMode, PlanModel, Precision,
+    Sharding, TorchMode, TorchPlanInput, parse_bandwidth, plan, plan_fsdp2,
 };
 
 use crate::CliError;
@@ -15,14 +16,39 @@ use crate::CliError;
 /// Flags of `zeropp plan`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct PlanArgs {
+    /// What runs the job: `engine` (zeropp's engine; a GPT) or `fsdp2`
+    /// (PyTorch FSDP2 with or without zeropp.torch; a Llama-family decoder
+    /// from `--model llama:...` or `--hf-config`).
+    #[arg(long, default_value = "engine")]
+    pub framework: String,
+    /// A Hugging Face `config.json` of a Llama-family model (llama, mistral,
+    /// qwen2), for `--framework fsdp2`.
+    #[arg(long = "hf-config", conflicts_with = "model")]
+    pub hf_config: Option<PathBuf>,
+    /// `--framework fsdp2`: the dtype FSDP2 gathers the parameters in
+    /// (`MixedPrecisionPolicy.param_dtype`): bf16, fp16 or fp32.
+    #[arg(long = "param-dtype", default_value = "bf16")]
+    pub param_dtype: String,
+    /// `--framework fsdp2`: the dtype it reduces the gradients in
+    /// (`reduce_dtype`; default: the parameters').
+    #[arg(long = "reduce-dtype")]
+    pub reduce_dtype: Option<String>,
+    /// `--framework fsdp2`: the root module is given `reshard_after_forward`
+    /// as the layers are (`fully_shard(model, reshard_after_forward=...)`), so
+    /// it reshards after its forward and gathers again in the backward. Without
+    /// it, the root is FSDP2's default (`fully_shard(model)`): gathered once.
+    #[arg(long = "root-reshard")]
+    pub root_reshard: bool,
     /// Parameters of the model (`18e9`); the shape is derived from it
     /// (`--layers` and `--hidden` override).
     #[arg(long, default_value = "7e9")]
     pub params: f64,
     /// A built-in GPT preset instead of `--params` and the shape flags
     /// (gpt-medium, gpt2-small, ...); `--vocab` may still replace its
-    /// vocabulary, as `zeropp train` replaces it with the data's.
-    #[arg(long, conflicts_with_all = ["params", "layers", "hidden", "seq"])]
+    /// vocabulary, as `zeropp train` replaces it with the data's. With
+    /// `--framework fsdp2`: a Llama,
+    /// `llama:d=,layers=,heads=,kv_heads=,ff=,vocab=,tie=` (`--seq` its context).
+    #[arg(long, conflicts_with_all = ["params", "layers", "hidden"])]
     pub model: Option<String>,
     /// Transformer blocks (default: derived from `--params`).
     #[arg(long)]
@@ -33,9 +59,10 @@ pub(crate) struct PlanArgs {
     /// Vocabulary (default: GPT-2's 50257, or the `--model` preset's).
     #[arg(long)]
     pub vocab: Option<usize>,
-    /// Context: tokens per sequence (at most `--tokens`).
-    #[arg(long, default_value_t = 2048)]
-    pub seq: usize,
+    /// Context: tokens per sequence (at most `--tokens`; default 2048, or a
+    /// GPT preset's own).
+    #[arg(long)]
+    pub seq: Option<usize>,
     /// Tokens per GPU per micro-batch.
     #[arg(long, default_value_t = 2048)]
     pub tokens: usize,
@@ -62,10 +89,12 @@ pub(crate) struct PlanArgs {
     /// quantization kernels' measured rate (the HBM bound, hbm / 3, when absent).
     #[arg(long, default_value = "h100")]
     pub gpu: String,
-    /// Modes, comma-separated: zero3, zero3-flat, zeropp, zeropp-delta, qwz,
-    /// hpz, qgz (the first is the speedup's baseline).
-    #[arg(long, default_value = "zero3,zeropp,zeropp-delta")]
-    pub mode: String,
+    /// Modes, comma-separated (the first is the speedup's baseline). The
+    /// engine's: zero3, zero3-flat, zeropp, zeropp-delta, qwz, hpz, qgz
+    /// (default zero3,zeropp,zeropp-delta). FSDP2's: fsdp2, fsdp2-hpz,
+    /// zeropp-torch (default all three).
+    #[arg(long)]
+    pub mode: Option<String>,
     /// Achieved / peak compute (the time model's first free constant).
     #[arg(long = "compute-efficiency", default_value_t = Efficiency::default().compute)]
     pub compute_efficiency: f64,
@@ -93,10 +122,91 @@ pub(crate) struct PlanArgs {
     pub svg: Option<PathBuf>,
 }
 
+/// The context without `--seq`.
+const DEFAULT_SEQ: usize = 2048;
+
+/// The plan of the flags at inter-node bandwidth `inter`, for the framework asked.
+fn plan_at(a: &PlanArgs, inter: f64) -> Result<Plan, CliError> {
+    match a.framework.as_str() {
+        "engine" => {
+            if a.hf_config.is_some() {
+                return Err("--hf-config plans a PyTorch job: add --framework fsdp2".into());
+            }
+            Ok(plan(&input(a, inter)?)?)
+        }
+        "fsdp2" => Ok(plan_fsdp2(&torch_input(a, inter)?)?),
+        other => Err(format!("--framework `{other}`: expected engine or fsdp2").into()),
+    }
+}
+
+/// The cluster of the flags at inter-node bandwidth `inter`.
+fn cluster(a: &PlanArgs, inter: f64, gpu: &GpuSpec) -> Result<Cluster, CliError> {
+    Ok(Cluster {
+        nodes: a.nodes,
+        gpus_per_node: a.gpus_per_node,
+        inter_bytes_per_s: inter,
+        intra_bytes_per_s: intra(a, gpu)?,
+        latency_s: a.latency_us * 1e-6,
+    })
+}
+
+/// A PyTorch job's plan input from the flags.
+fn torch_input(a: &PlanArgs, inter: f64) -> Result<TorchPlanInput, CliError> {
+    let decoder = match (&a.hf_config, &a.model) {
+        (Some(path), _) => {
+            let text =
+                std::fs::read_to_string(path).map_err(|e| format!("--hf-config {}: {e}", path.display()))?;
+            Decoder::from_hf_config(&text, a.seq.unwrap_or(DEFAULT_SEQ))?
+        }
+        (None, Some(spec)) => Decoder::from_spec(spec, a.seq.unwrap_or(DEFAULT_SEQ))?.ok_or_else(|| {
+            format!("--model `{spec}`: --framework fsdp2 plans a Llama, llama:d=...,layers=...")
+        })?,
+        (None, None) => {
+            return Err(
+                "--framework fsdp2 needs the model: --hf-config config.json or --model llama:d=...".into()
+            );
+        }
+    };
+    if a.layers.is_some() || a.hidden.is_some() || a.vocab.is_some() {
+        return Err("--layers, --hidden and --vocab shape the engine's GPT; a Llama's shape is in --model or                     --hf-config"
+            .into());
+    }
+    let modes = a
+        .mode
+        .as_deref()
+        .unwrap_or("fsdp2,fsdp2-hpz,zeropp-torch")
+        .split(',')
+        .map(TorchMode::parse)
+        .collect::<Result<Vec<_>, _>>()?;
+    let param_bytes = Precision::dtype_bytes(&a.param_dtype).map_err(|e| format!("--param-dtype: {e}"))?;
+    let reduce_bytes = match &a.reduce_dtype {
+        Some(d) => Precision::dtype_bytes(d).map_err(|e| format!("--reduce-dtype: {e}"))?,
+        None => param_bytes,
+    };
+    let gpu = GpuSpec::parse(&a.gpu)?;
+    Ok(TorchPlanInput {
+        decoder,
+        tokens: a.tokens,
+        cluster: cluster(a, inter, &gpu)?,
+        gpu,
+        efficiency: Efficiency { compute: a.compute_efficiency, link: a.link_efficiency },
+        checkpointing: !a.no_checkpointing,
+        overlap: Overlap::parse(&a.overlap)?,
+        sharding: Sharding {
+            precision: Precision { param_bytes, reduce_bytes },
+            root_reshards: a.root_reshard,
+        },
+        modes,
+    })
+}
+
 /// The plan's input from the flags, at inter-node bandwidth `inter`.
 fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
     let model = match &a.model {
         Some(name) => {
+            if a.seq.is_some() {
+                return Err(format!("--seq: the preset `{name}` has its own context").into());
+            }
             let g = zeropp_engine::model::GptConfig::preset(name)
                 .ok_or_else(|| format!("--model `{name}`: not a GPT preset"))?;
             match a.vocab {
@@ -106,27 +216,27 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
         }
         None => {
             let vocab = a.vocab.unwrap_or(PlanModel::DEFAULT_VOCAB);
-            let derived = PlanModel::from_params(a.params, vocab, a.seq)?;
+            let derived = PlanModel::from_params(a.params, vocab, a.seq.unwrap_or(DEFAULT_SEQ))?;
             PlanModel::shaped(
                 a.layers.unwrap_or(derived.gpt.n_layer),
                 a.hidden.unwrap_or(derived.gpt.d_model),
                 vocab,
-                a.seq,
+                a.seq.unwrap_or(DEFAULT_SEQ),
             )?
         }
     };
-    let modes = a.mode.split(',').map(PlanMode::parse).collect::<Result<Vec<_>, _>>()?;
+    let modes = a
+        .mode
+        .as_deref()
+        .unwrap_or("zero3,zeropp,zeropp-delta")
+        .split(',')
+        .map(PlanMode::parse)
+        .collect::<Result<Vec<_>, _>>()?;
     let gpu = GpuSpec::parse(&a.gpu)?;
     Ok(PlanInput {
         model,
         tokens: a.tokens,
-        cluster: Cluster {
-            nodes: a.nodes,
-            gpus_per_node: a.gpus_per_node,
-            inter_bytes_per_s: inter,
-            intra_bytes_per_s: intra(a, &gpu)?,
-            latency_s: a.latency_us * 1e-6,
-        },
+        cluster: cluster(a, inter, &gpu)?,
         gpu,
         efficiency: Efficiency { compute: a.compute_efficiency, link: a.link_efficiency },
         checkpointing: !a.no_checkpointing,
@@ -162,7 +272,7 @@ fn sweep_range(s: &str) -> Result<(f64, f64), CliError> {
 /// Runs `zeropp plan`.
 pub(crate) fn run(a: &PlanArgs) -> Result<(), CliError> {
     let inter = parse_bandwidth(&a.inter).map_err(|e| format!("--inter: {e}"))?;
-    let p = plan(&input(a, inter)?)?;
+    let p = plan_at(a, inter)?;
     if a.sweep.is_none() && a.svg.is_none() {
         if a.json {
             println!("{}", serde_json::to_string_pretty(&p)?);
@@ -207,7 +317,7 @@ fn sweep(a: &PlanArgs, lo: f64, hi: f64) -> Result<Vec<(f64, Plan)>, CliError> {
     (0..POINTS)
         .map(|i| {
             let bw = lo * (hi / lo).powf(i as f64 / (POINTS - 1) as f64);
-            Ok((bw, plan(&input(a, bw)?)?))
+            Ok((bw, plan_at(a, bw)?))
         })
         .collect()
 }

@@ -44,6 +44,8 @@
 //! link efficiency (achieved / nominal). [`Efficiency::default`] says where
 //! each comes from; every other figure is a prediction.
 
+mod decoder;
+mod fsdp2;
 mod hardware;
 mod model;
 mod time;
@@ -57,6 +59,11 @@ use zeropp_engine::engine::{CommPlan, build_plan, memory};
 use zeropp_engine::model::{Gpt, GptConfig};
 
 use crate::{Result, RunError};
+pub use decoder::{Decoder, Param};
+pub use fsdp2::{
+    Precision, Sharding, TorchMemory, TorchMode, TorchPlanInput, fsdp2_step_bytes, memory as fsdp2_memory,
+    plan_fsdp2,
+};
 pub use hardware::{Cluster, GpuSpec, parse_bandwidth};
 pub use model::PlanModel;
 use time::{OpTime, StepTimes};
@@ -252,6 +259,9 @@ pub struct ModePlan {
 /// A plan: the modes' figures, keyed by mode name, with the inputs that made them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Plan {
+    /// What runs the job: `engine` (zeropp's engine, [`plan`]) or `fsdp2`
+    /// (PyTorch's FSDP2, with or without zeropp.torch, [`plan_fsdp2`]).
+    pub framework: String,
     /// Parameters of the model planned.
     pub params: usize,
     /// Its shape: blocks, width, vocabulary, context.
@@ -306,42 +316,8 @@ pub struct Plan {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn plan(input: &PlanInput) -> Result<Plan> {
+    check_rates(&time::Rates::from(input))?;
     let c = &input.cluster;
-    if c.nodes == 0 || c.gpus_per_node == 0 {
-        return Err(RunError::InvalidConfig("--nodes and --gpus-per-node must be positive".into()));
-    }
-    if c.nodes.saturating_mul(c.gpus_per_node) > 1 << 20 {
-        return Err(RunError::InvalidConfig(format!(
-            "--nodes {} x --gpus-per-node {}: at most 2^20 GPUs",
-            c.nodes, c.gpus_per_node
-        )));
-    }
-    for (what, v) in
-        [("--compute-efficiency", input.efficiency.compute), ("--link-efficiency", input.efficiency.link)]
-    {
-        if !(v > 0.0 && v <= 1.0) {
-            return Err(RunError::InvalidConfig(format!("{what} {v}: expected a fraction in (0, 1]")));
-        }
-    }
-    for (what, v) in [
-        ("inter-node bandwidth", c.inter_bytes_per_s),
-        ("intra-node bandwidth", c.intra_bytes_per_s),
-        ("GPU peak", input.gpu.peak_flops),
-        ("GPU memory bandwidth", input.gpu.hbm_bytes_per_s),
-        ("GPU quantization kernel rate", input.gpu.kernel_elements_per_s),
-    ] {
-        if !(v.is_finite() && v > 0.0) {
-            return Err(RunError::InvalidConfig(format!("{what} must be positive, not {v}")));
-        }
-    }
-    if !(c.latency_s.is_finite() && c.latency_s >= 0.0) {
-        return Err(RunError::InvalidConfig(format!("latency must be at least 0, not {}", c.latency_s)));
-    }
-    if let Overlap::Exposed(f) = input.overlap
-        && !(0.0..=1.0).contains(&f)
-    {
-        return Err(RunError::InvalidConfig(format!("--overlap {f}: an exposed fraction is from 0 to 1")));
-    }
     if input.modes.is_empty() {
         return Err(RunError::InvalidConfig("--mode: no mode to plan".into()));
     }
@@ -368,6 +344,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         .per_node(c.gpus_per_node)
         .map_err(|e| RunError::InvalidConfig(format!("cluster {} x {}: {e}", c.nodes, c.gpus_per_node)))?;
     let flops = model.flops(batch, input.checkpointing);
+    let rates = time::Rates::from(input);
     let mut modes = BTreeMap::new();
     let mut order = Vec::new();
     let mut first_step = None;
@@ -392,9 +369,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
             let calls = time::calls_per_step(&cp, kind);
             quantized += weight * calls.quantized_elements();
             let ops: Vec<OpTime> =
-                bytes.by_op.iter().map(|(tag, b)| OpTime::of(tag, *b, &calls, input)).collect();
+                bytes.by_op.iter().map(|(tag, b)| OpTime::of(tag, *b, &calls, &rates)).collect();
             // The embedding, the blocks and the head: one gather each.
-            let t = StepTimes::of(&ops, flops, input, model.gpt.n_layer + 2);
+            let t = StepTimes::of(&ops, flops, &rates, model.gpt.n_layer + 2);
             acc.add(&t, weight);
             let total = bytes.total();
             intra += weight * total.intra;
@@ -422,6 +399,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         order.push(mode.name().to_string());
     }
     Ok(Plan {
+        framework: "engine".into(),
         params: model.params(),
         layers: model.gpt.n_layer,
         hidden: model.gpt.d_model,
@@ -438,4 +416,45 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         modes,
         order,
     })
+}
+
+/// The cluster, GPU, efficiencies and overlap of a plan are in range.
+fn check_rates(r: &time::Rates<'_>) -> Result<()> {
+    let c = r.cluster;
+    if c.nodes == 0 || c.gpus_per_node == 0 {
+        return Err(RunError::InvalidConfig("--nodes and --gpus-per-node must be positive".into()));
+    }
+    if c.nodes.saturating_mul(c.gpus_per_node) > 1 << 20 {
+        return Err(RunError::InvalidConfig(format!(
+            "--nodes {} x --gpus-per-node {}: at most 2^20 GPUs",
+            c.nodes, c.gpus_per_node
+        )));
+    }
+    for (what, v) in
+        [("--compute-efficiency", r.efficiency.compute), ("--link-efficiency", r.efficiency.link)]
+    {
+        if !(v > 0.0 && v <= 1.0) {
+            return Err(RunError::InvalidConfig(format!("{what} {v}: expected a fraction in (0, 1]")));
+        }
+    }
+    for (what, v) in [
+        ("inter-node bandwidth", c.inter_bytes_per_s),
+        ("intra-node bandwidth", c.intra_bytes_per_s),
+        ("GPU peak", r.gpu.peak_flops),
+        ("GPU memory bandwidth", r.gpu.hbm_bytes_per_s),
+        ("GPU quantization kernel rate", r.gpu.kernel_elements_per_s),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(RunError::InvalidConfig(format!("{what} must be positive, not {v}")));
+        }
+    }
+    if !(c.latency_s.is_finite() && c.latency_s >= 0.0) {
+        return Err(RunError::InvalidConfig(format!("latency must be at least 0, not {}", c.latency_s)));
+    }
+    if let Overlap::Exposed(f) = r.overlap
+        && !(0.0..=1.0).contains(&f)
+    {
+        return Err(RunError::InvalidConfig(format!("--overlap {f}: an exposed fraction is from 0 to 1")));
+    }
+    Ok(())
 }

@@ -9,7 +9,23 @@ use zeropp_engine::engine::bytes::StepKind;
 use zeropp_engine::engine::{CommPlan, WeightGather, tags};
 use zeropp_engine::metrics::LinkBytes;
 
-use super::{Overlap, PlanInput};
+use super::{Cluster, Efficiency, GpuSpec, Overlap, PlanInput};
+
+/// What the time model reads of a plan's input: the links, the GPU, the
+/// two efficiencies and the overlap.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Rates<'a> {
+    pub(super) cluster: &'a Cluster,
+    pub(super) gpu: &'a GpuSpec,
+    pub(super) efficiency: Efficiency,
+    pub(super) overlap: Overlap,
+}
+
+impl<'a> From<&'a PlanInput> for Rates<'a> {
+    fn from(i: &'a PlanInput) -> Self {
+        Self { cluster: &i.cluster, gpu: &i.gpu, efficiency: i.efficiency, overlap: i.overlap }
+    }
+}
 
 /// Per operation tag: the collective calls of one step and the elements their
 /// quantization kernels process.
@@ -23,6 +39,9 @@ pub(super) struct Calls {
     /// The forward gather's hops: 1 on qwZ-Δ's difference step, whose forward
     /// gathers from the hpZ copy inside the node.
     fwd_hops: f64,
+    /// Hops of an operation that differs from the above (zeropp.torch's qgZ:
+    /// two all-to-alls where FSDP2's calls are flat).
+    hops_of: BTreeMap<&'static str, f64>,
 }
 
 /// The calls and kernel elements of one step of `kind` of `cp` (one micro-batch).
@@ -72,6 +91,17 @@ pub(super) fn calls_per_step(cp: &CommPlan, kind: StepKind) -> Calls {
 }
 
 impl Calls {
+    /// Flat calls (one hop each) of FSDP2's collectives: `calls` and
+    /// `quantized` elements per operation tag, `hops_of` where a tag's calls
+    /// take more than one hop.
+    pub(super) fn flat(
+        calls: BTreeMap<&'static str, f64>,
+        quantized: BTreeMap<&'static str, f64>,
+        hops_of: BTreeMap<&'static str, f64>,
+    ) -> Self {
+        Self { calls, quantized, hops: 1.0, fwd_hops: 1.0, hops_of }
+    }
+
     /// Elements through the quantization kernels in the step, every operation.
     pub(super) fn quantized_elements(&self) -> f64 {
         self.quantized.values().sum()
@@ -87,13 +117,14 @@ pub(super) struct OpTime {
 
 impl OpTime {
     /// The time of operation `tag` moving `bytes` per GPU (see the module docs).
-    pub(super) fn of(tag: &str, bytes: LinkBytes, calls: &Calls, input: &PlanInput) -> Self {
+    pub(super) fn of(tag: &str, bytes: LinkBytes, calls: &Calls, input: &Rates<'_>) -> Self {
         let c = &input.cluster;
         let e = input.efficiency.link;
         let intra = bytes.intra / (c.intra_bytes_per_s * e);
         let inter = c.gpus_per_node as f64 * bytes.inter / (c.inter_bytes_per_s * e);
         let n = calls.calls.get(tag).copied().unwrap_or(0.0);
         let hops = match tag {
+            t if calls.hops_of.contains_key(t) => calls.hops_of.get(t).copied().unwrap_or(1.0),
             t if t == tags::GRAD_NORM || t == tags::FWD_DELTA => 2.0,
             t if t == tags::FWD_GATHER => calls.fwd_hops,
             _ => calls.hops,
@@ -116,7 +147,7 @@ pub(super) struct StepTimes {
 impl StepTimes {
     /// The step of `ops` with `flops` (forward, the rest) under the prefetch
     /// overlap of `stages` layers.
-    pub(super) fn of(ops: &[OpTime], flops: (f64, f64), input: &PlanInput, stages: usize) -> Self {
+    pub(super) fn of(ops: &[OpTime], flops: (f64, f64), input: &Rates<'_>, stages: usize) -> Self {
         let rate = input.gpu.peak_flops * input.efficiency.compute;
         let (cf, cb) = (flops.0 / rate, flops.1 / rate);
         // Without overlap nothing hides: one stage, no compute under it.

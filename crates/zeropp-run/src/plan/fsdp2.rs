@@ -1,0 +1,478 @@
+//! `zeropp plan --framework fsdp2`: a PyTorch job, a Hugging Face
+//! Llama-family [`Decoder`] under FSDP2 (`fully_shard` on every decoder layer
+//! and on the root), with FSDP2's own collectives or with zeropp.torch's.
+//!
+//! **Bytes** ([`step_bytes`]) are what `zeropp.torch.ByteCounter` counts for
+//! one forward and backward on every rank (a test runs both and compares them
+//! to the byte): per collective call, an all-gather sends its input to each
+//! other member of its group, a reduce-scatter and an all-to-all `1/G` of it to
+//! each; bytes to members on other nodes are inter-node. Per FSDP2 module of
+//! parameters `p` (each a shard of dim 0 padded to a multiple of the world `W`,
+//! `S` elements a rank in all):
+//!
+//! - [`TorchMode::Fsdp2`] (`reshard_after_forward=True`): a forward all-gather
+//!   of `S` in the parameters' dtype over the world, the same again in the
+//!   backward, and a reduce-scatter of `S` in the reduce dtype. The root, left
+//!   at FSDP2's default (`fully_shard(model)`, `reshard_after_forward=None`),
+//!   is not resharded after its forward, so it gathers once; given
+//!   `reshard_after_forward` as the layers are ([`Sharding::root_reshards`]),
+//!   it reshards and gathers again as they do.
+//! - [`TorchMode::Fsdp2Hpz`] (`reshard_after_forward=L`, the GPUs per node):
+//!   the backward gather runs inside the node, of `W·S/L` a rank (the
+//!   forward's output cut in `L`).
+//! - [`TorchMode::ZeroppTorch`] (`zeropp.torch.enable` with its defaults): the
+//!   forward gather sends each parameter's shard INT8 in groups of 256 (its
+//!   wire encoding, `zeropp_quant::encoded_len`), the 1-D ones in the
+//!   parameters' dtype; zeropp's hpZ keeps the node's share and the backward
+//!   gather inside the node sends `N` such encodings (`N` nodes); qgZ's
+//!   reduce-scatter is two all-to-alls, INT4 in groups of 256 within the node
+//!   then over the rail (`zeropp_comm`'s `QgzStages` chunk sizes, every
+//!   parameter from a group boundary), the 1-D parameters' columns riding
+//!   along as float32. On one node every call is torch's own.
+//!
+//! Not counted: the optimizer (local under FSDP2), a gradient-norm clip (one
+//! all-reduce of a scalar) and the loss's logging.
+
+use std::collections::BTreeMap;
+
+use zeropp_comm::Topology;
+use zeropp_comm::collectives::{QgzOptions, QgzStages};
+use zeropp_engine::engine::tags;
+use zeropp_engine::metrics::LinkBytes;
+use zeropp_quant::{QuantSpec, encoded_len};
+
+use super::decoder::{Decoder, Param};
+use super::time::{Calls, OpTime, Rates, StepTimes};
+use super::{Cluster, Efficiency, GpuSpec, ModePlan, Overlap, Plan};
+use crate::{Result, RunError};
+
+/// What a PyTorch job shards with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum TorchMode {
+    /// FSDP2's default: flat all-gathers and reduce-scatters over the world.
+    Fsdp2,
+    /// FSDP2 with `reshard_after_forward` set to the GPUs per node: the
+    /// backward gather stays in the node.
+    Fsdp2Hpz,
+    /// FSDP2 with `zeropp.torch.enable` (qwZ, zeropp's hpZ, qgZ): the README's recipe.
+    ZeroppTorch,
+}
+
+impl TorchMode {
+    /// Every mode, in the order of the tables.
+    pub const ALL: [TorchMode; 3] = [TorchMode::Fsdp2, TorchMode::Fsdp2Hpz, TorchMode::ZeroppTorch];
+
+    /// The name `--mode` and the JSON use.
+    pub fn name(self) -> &'static str {
+        match self {
+            TorchMode::Fsdp2 => "fsdp2",
+            TorchMode::Fsdp2Hpz => "fsdp2-hpz",
+            TorchMode::ZeroppTorch => "zeropp-torch",
+        }
+    }
+
+    /// The mode called `name`.
+    ///
+    /// ```
+    /// use zeropp_run::plan::TorchMode;
+    /// assert_eq!(TorchMode::parse("zeropp-torch")?, TorchMode::ZeroppTorch);
+    /// assert!(TorchMode::parse("zeropp").is_err()); // the engine's, not FSDP2's
+    /// # Ok::<(), zeropp_run::RunError>(())
+    /// ```
+    pub fn parse(name: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name.trim()).ok_or_else(|| {
+            let known: Vec<&str> = Self::ALL.iter().map(|m| m.name()).collect();
+            RunError::InvalidConfig(format!(
+                "--mode `{name}`: not a mode of --framework fsdp2 (known: {})",
+                known.join(", ")
+            ))
+        })
+    }
+}
+
+/// Bytes per element of the parameters FSDP2 gathers (`MixedPrecisionPolicy`'s
+/// `param_dtype`) and of the gradients it reduces (`reduce_dtype`; FSDP2's
+/// default is the parameters' dtype).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Precision {
+    /// Gathered parameters: 2 (bf16, fp16) or 4 (fp32).
+    pub param_bytes: usize,
+    /// Reduced gradients: 2 or 4.
+    pub reduce_bytes: usize,
+}
+
+impl Precision {
+    /// `bf16`, `fp16` or `fp32` as bytes per element.
+    pub fn dtype_bytes(name: &str) -> Result<usize> {
+        match name.trim() {
+            "bf16" | "bfloat16" | "fp16" | "float16" => Ok(2),
+            "fp32" | "float32" => Ok(4),
+            other => Err(RunError::InvalidConfig(format!("dtype `{other}`: expected bf16, fp16 or fp32"))),
+        }
+    }
+}
+
+/// How the job calls FSDP2, beyond the mode: what the byte model needs of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sharding {
+    /// The dtypes on the wire.
+    pub precision: Precision,
+    /// The root is given `reshard_after_forward` as the layers are
+    /// (`fully_shard(model, reshard_after_forward=...)`), so it reshards after
+    /// its forward and gathers again in the backward; FSDP2's default
+    /// (`fully_shard(model)`) keeps it gathered from its forward to its backward.
+    pub root_reshards: bool,
+}
+
+/// Everything a PyTorch job's plan needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TorchPlanInput {
+    /// The model.
+    pub decoder: Decoder,
+    /// Tokens per GPU per micro-batch (a multiple of the context, or at most one).
+    pub tokens: usize,
+    /// The cluster.
+    pub cluster: Cluster,
+    /// The GPU.
+    pub gpu: GpuSpec,
+    /// The time model's two constants.
+    pub efficiency: Efficiency,
+    /// Activation checkpointing.
+    pub checkpointing: bool,
+    /// How communication overlaps compute.
+    pub overlap: Overlap,
+    /// The dtypes on the wire and the root's resharding.
+    pub sharding: Sharding,
+    /// The modes to plan, in order.
+    pub modes: Vec<TorchMode>,
+}
+
+/// One FSDP2 module: its parameters, and whether FSDP2 reshards it after
+/// the forward (every decoder layer; not the root).
+struct Unit {
+    params: Vec<Param>,
+    reshards: bool,
+}
+
+fn units(d: &Decoder, sharding: Sharding) -> Vec<Unit> {
+    let mut u: Vec<Unit> = (0..d.layers).map(|_| Unit { params: d.layer_params(), reshards: true }).collect();
+    u.push(Unit { params: d.root_params(), reshards: sharding.root_reshards });
+    u
+}
+
+/// The groups a call runs on, as (members on this node, members on other nodes) besides the caller.
+#[derive(Clone, Copy)]
+struct Group {
+    intra: f64,
+    inter: f64,
+}
+
+fn sends(to: Group, bytes_each: f64) -> LinkBytes {
+    LinkBytes { intra: to.intra * bytes_each, inter: to.inter * bytes_each }
+}
+
+/// One step of a mode: bytes per operation tag, and its calls for the time model.
+pub(super) struct TorchStep {
+    /// Bytes per GPU per operation tag ([`tags`]).
+    pub(super) by_op: BTreeMap<&'static str, LinkBytes>,
+    pub(super) calls: Calls,
+}
+
+/// The bytes every rank hands torch.distributed in one forward and backward
+/// of `d` under `mode` on `nodes × local` ranks, per operation tag (see the
+/// [module docs](self)).
+///
+/// ```
+/// use zeropp_run::plan::{Decoder, Precision, Sharding, TorchMode, fsdp2_step_bytes};
+/// let d = Decoder::from_spec("llama:d=768,layers=8,heads=12,kv_heads=4,ff=2048", 128)?.ok_or("llama")?;
+/// let bf16 = Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 2 }, root_reshards: false };
+/// let base = fsdp2_step_bytes(&d, TorchMode::Fsdp2, 2, 2, bf16)?;
+/// let zpp = fsdp2_step_bytes(&d, TorchMode::ZeroppTorch, 2, 2, bf16)?;
+/// let inter = |b: &std::collections::BTreeMap<&str, zeropp_engine::metrics::LinkBytes>| {
+///     b.values().map(|x| x.inter).sum::<f64>()
+/// };
+/// assert!(inter(&zpp) < 0.3 * inter(&base));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn fsdp2_step_bytes(
+    d: &Decoder,
+    mode: TorchMode,
+    nodes: usize,
+    local: usize,
+    sharding: Sharding,
+) -> Result<BTreeMap<&'static str, LinkBytes>> {
+    Ok(step(d, mode, nodes, local, sharding)?.by_op)
+}
+
+pub(super) fn step(
+    d: &Decoder,
+    mode: TorchMode,
+    nodes: usize,
+    local: usize,
+    sh: Sharding,
+) -> Result<TorchStep> {
+    if nodes == 0 || local == 0 {
+        return Err(RunError::InvalidConfig("--nodes and --gpus-per-node must be positive".into()));
+    }
+    let pr = sh.precision;
+    let topo = Topology::ranks(nodes * local)
+        .per_node(local)
+        .map_err(|e| RunError::InvalidConfig(format!("cluster {nodes} x {local}: {e}")))?;
+    let w = nodes * local;
+    let world = Group { intra: (local - 1) as f64, inter: (w - local) as f64 };
+    let node = Group { intra: (local - 1) as f64, inter: 0.0 };
+    let rail = Group { intra: 0.0, inter: (nodes - 1) as f64 };
+    let crosses = nodes > 1;
+    let (p, r) = (pr.param_bytes as f64, pr.reduce_bytes as f64);
+    let int8 = QuantSpec::int8(256).map_err(|e| RunError::InvalidConfig(e.to_string()))?;
+    let int4 = QuantSpec::int4(256).map_err(|e| RunError::InvalidConfig(e.to_string()))?;
+    let mut by_op: BTreeMap<&'static str, LinkBytes> = BTreeMap::new();
+    let mut calls: BTreeMap<&'static str, f64> = BTreeMap::new();
+    let mut quantized: BTreeMap<&'static str, f64> = BTreeMap::new();
+    let mut add = |tag: &'static str, b: LinkBytes, q: f64| {
+        let e = by_op.entry(tag).or_default();
+        e.intra += b.intra;
+        e.inter += b.inter;
+        *calls.entry(tag).or_default() += 1.0;
+        *quantized.entry(tag).or_default() += q;
+    };
+    let zeropp = mode == TorchMode::ZeroppTorch;
+    for u in units(d, sh) {
+        let s: usize = u.params.iter().map(|q| q.shard(w)).sum();
+        let full = (w * s) as f64;
+        // qwZ's wire bytes a rank: each parameter's shard encoded on its own.
+        let e: usize = u
+            .params
+            .iter()
+            .map(|q| if q.one_d { q.shard(w) * pr.param_bytes } else { encoded_len(int8, q.shard(w)) })
+            .sum();
+        let (e, s) = (e as f64, s as f64);
+        let qwz = zeropp && crosses;
+        add(tags::FWD_GATHER, sends(world, if qwz { e } else { s * p }), if qwz { full } else { 0.0 });
+        if u.reshards {
+            let (b, q) = match mode {
+                TorchMode::Fsdp2 => (sends(world, s * p), 0.0),
+                TorchMode::Fsdp2Hpz => (sends(node, w as f64 * s / local as f64 * p), 0.0),
+                // zeropp's hpZ: the node's encodings, all nodes' shards of this local rank.
+                TorchMode::ZeroppTorch if qwz && local > 1 => (sends(node, nodes as f64 * e), full),
+                TorchMode::ZeroppTorch if qwz => (sends(world, e), full),
+                TorchMode::ZeroppTorch => (sends(world, s * p), 0.0),
+            };
+            add(tags::BWD_GATHER, b, q);
+        }
+        // qgZ's vector: every quantized parameter from a group boundary; the 1-D ones exact.
+        let cq: usize = u.params.iter().filter(|q| !q.one_d).map(|q| q.shard(w).div_ceil(256) * 256).sum();
+        let k1: usize = u.params.iter().filter(|q| q.one_d).map(|q| q.shard(w)).sum();
+        if zeropp && crosses && cq > 0 {
+            let opts = QgzOptions::default().with_spec(int4);
+            let st = QgzStages::new(&topo, 0, w * cq, &opts)
+                .map_err(|e| RunError::InvalidConfig(e.to_string()))?;
+            let mut b = LinkBytes::default();
+            if st.intra_chunk_len() > 0 {
+                let x = sends(node, (st.intra_chunk_len() + nodes * k1 * 4) as f64);
+                b.intra += x.intra;
+            }
+            if st.inter_chunk_len() > 0 {
+                let x = sends(rail, (st.inter_chunk_len() + k1 * 4) as f64);
+                b.inter += x.inter;
+            }
+            add(tags::GRAD_REDUCE, b, 2.0 * full);
+        } else {
+            add(tags::GRAD_REDUCE, sends(world, s * r), 0.0);
+        }
+    }
+    let hops_of = if zeropp && nodes > 1 && local > 1 {
+        BTreeMap::from([(tags::GRAD_REDUCE, 2.0)])
+    } else {
+        BTreeMap::new()
+    };
+    Ok(TorchStep { by_op, calls: Calls::flat(calls, quantized, hops_of) })
+}
+
+/// Plans every mode of `input`: the time model of the [parent module's
+/// docs](super) over [`fsdp2_step_bytes`], and [`memory`]'s bytes per GPU.
+///
+/// ```
+/// use zeropp_run::plan::{Cluster, Decoder, Efficiency, GpuSpec, Overlap, Precision, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
+/// let decoder = Decoder::from_spec("llama:d=4096,layers=32,heads=32,ff=11008", 4096)?.ok_or("llama")?;
+/// let input = TorchPlanInput {
+///     decoder,
+///     tokens: 4096,
+///     cluster: Cluster { nodes: 16, gpus_per_node: 8, inter_bytes_per_s: 12.5e9, intra_bytes_per_s: 450e9, latency_s: 20e-6 },
+///     gpu: GpuSpec::preset("h100").ok_or("preset")?,
+///     efficiency: Efficiency::default(),
+///     checkpointing: true,
+///     overlap: Overlap::Prefetch,
+///     sharding: Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 4 }, root_reshards: false },
+///     modes: TorchMode::ALL.to_vec(),
+/// };
+/// let p = plan_fsdp2(&input)?;
+/// assert!(p.modes["zeropp-torch"].inter_node_bytes < 0.3 * p.modes["fsdp2"].inter_node_bytes);
+/// assert!(p.modes["zeropp-torch"].memory_bytes < 80e9); // a 7B model fits an H100
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
+    let rates = Rates {
+        cluster: &input.cluster,
+        gpu: &input.gpu,
+        efficiency: input.efficiency,
+        overlap: input.overlap,
+    };
+    super::check_rates(&rates)?;
+    if input.modes.is_empty() {
+        return Err(RunError::InvalidConfig("--mode: no mode to plan".into()));
+    }
+    for b in [input.sharding.precision.param_bytes, input.sharding.precision.reduce_bytes] {
+        if b != 2 && b != 4 {
+            return Err(RunError::InvalidConfig(format!("{b} bytes an element: expected 2 or 4")));
+        }
+    }
+    let mut d = input.decoder;
+    if input.tokens == 0 {
+        return Err(RunError::InvalidConfig("--tokens 0: expected a positive number of tokens".into()));
+    }
+    let seq = d.seq.min(input.tokens);
+    if input.tokens > seq && !input.tokens.is_multiple_of(seq) {
+        return Err(RunError::InvalidConfig(format!(
+            "--tokens {}: expected a positive multiple of the context ({seq}) or at most one context",
+            input.tokens
+        )));
+    }
+    d.seq = seq;
+    let batch = input.tokens.div_ceil(seq);
+    let c = &input.cluster;
+    let flops = d.flops(batch, input.checkpointing);
+    let mut modes = BTreeMap::new();
+    let mut order = Vec::new();
+    let mut first = None;
+    for &mode in &input.modes {
+        let st = step(&d, mode, c.nodes, c.gpus_per_node, input.sharding)?;
+        let ops: Vec<OpTime> =
+            st.by_op.iter().map(|(tag, b)| OpTime::of(tag, *b, &st.calls, &rates)).collect();
+        // The layers and the root: one gather each.
+        let t = StepTimes::of(&ops, flops, &rates, d.layers + 1);
+        let step_s = t.step();
+        let first = *first.get_or_insert(step_s);
+        let mem = memory(&d, mode, c.nodes, c.gpus_per_node, input.sharding, batch, input.checkpointing);
+        modes.insert(
+            mode.name().to_string(),
+            ModePlan {
+                step_s,
+                compute_s: t.compute,
+                exposed_s: t.exposed.clone(),
+                tflops_per_gpu: (flops.0 + flops.1) / step_s / 1e12,
+                intra_node_bytes: st.by_op.values().map(|b| b.intra).sum(),
+                inter_node_bytes: st.by_op.values().map(|b| b.inter).sum(),
+                memory_bytes: mem.total(),
+                state_bytes: mem.total() - mem.activations,
+                speedup: first / step_s,
+                quantized_elements: st.calls.quantized_elements(),
+            },
+        );
+        order.push(mode.name().to_string());
+    }
+    Ok(Plan {
+        framework: "fsdp2".into(),
+        params: d.params(),
+        layers: d.layers,
+        hidden: d.hidden,
+        vocab: d.vocab,
+        seq,
+        tokens: input.tokens,
+        flops_per_gpu: flops.0 + flops.1,
+        gpus: c.world(),
+        intra_bytes_per_s: c.intra_bytes_per_s,
+        gpu: input.gpu.name.clone(),
+        compute_efficiency: input.efficiency.compute,
+        link_efficiency: input.efficiency.link,
+        overlap: input.overlap,
+        modes,
+        order,
+    })
+}
+
+/// An FSDP2 job's bytes per GPU at its peak, by part.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct TorchMemory {
+    /// The sharded states: fp32 parameters, fp32 gradients and AdamW's two
+    /// fp32 moments, 16 bytes an element of the rank's padded shards.
+    pub states: f64,
+    /// The root's parameters in the parameters' dtype, gathered from its
+    /// forward to its backward unless it reshards ([`Sharding::root_reshards`]);
+    /// 0 when it does (then a layer in flight bounds it: the root's gather is
+    /// counted in `in_flight` when it is the larger).
+    pub root: f64,
+    /// Two modules gathered at once (the one computing and the one
+    /// prefetched: two decoder layers, or a layer and a resharding root), and
+    /// one layer's unsharded gradient in the reduce dtype.
+    pub in_flight: f64,
+    /// What an hpZ keeps from the forward for the backward, every layer at
+    /// the end of the forward: FSDP2's `W/L`-shard in the parameters' dtype,
+    /// or zeropp's node share of the INT8 encodings.
+    pub hpz: f64,
+    /// Activations in the parameters' dtype: `34·s·b·h` bytes a layer at 2
+    /// bytes an element (Korthikanti et al. 2022, "Reducing Activation
+    /// Recomputation in Large Transformer Models", Eq. 1, without the `5·a·s²·b`
+    /// attention scores, which fused attention does not keep); with
+    /// checkpointing the layers' inputs (`2·s·b·h` a layer) and one layer's
+    /// whole set; the logits' `s·b·V` in fp32, twice (values and gradient).
+    pub activations: f64,
+}
+
+impl TorchMemory {
+    /// Everything.
+    pub fn total(&self) -> f64 {
+        self.states + self.root + self.in_flight + self.hpz + self.activations
+    }
+}
+
+/// The memory model of `mode` (see [`TorchMemory`]'s fields for each part's formula).
+pub fn memory(
+    d: &Decoder,
+    mode: TorchMode,
+    nodes: usize,
+    local: usize,
+    sh: Sharding,
+    batch: usize,
+    checkpointing: bool,
+) -> TorchMemory {
+    let pr = sh.precision;
+    let w = nodes * local;
+    let shard = |ps: &[Param]| ps.iter().map(|q| q.shard(w)).sum::<usize>() as f64;
+    let (layer, root) = (d.layer_params(), d.root_params());
+    let all = d.layers as f64 * shard(&layer) + shard(&root);
+    let numel = |ps: &[Param]| ps.iter().map(Param::numel).sum::<usize>() as f64;
+    let (p, r) = (pr.param_bytes as f64, pr.reduce_bytes as f64);
+    let hpz = match mode {
+        TorchMode::Fsdp2 => 0.0,
+        TorchMode::Fsdp2Hpz => d.layers as f64 * shard(&layer) * w as f64 / local as f64 * p,
+        TorchMode::ZeroppTorch if nodes > 1 && local > 1 => {
+            let int8 = QuantSpec::int8(256).ok();
+            let e: f64 = layer
+                .iter()
+                .map(|q| match (q.one_d, int8) {
+                    (false, Some(s)) => encoded_len(s, q.shard(w)) as f64,
+                    _ => (q.shard(w) * pr.param_bytes) as f64,
+                })
+                .sum();
+            d.layers as f64 * nodes as f64 * e
+        }
+        TorchMode::ZeroppTorch => 0.0,
+    };
+    let (s, b, h, l) = (d.seq as f64, batch as f64, d.hidden as f64, d.layers as f64);
+    let per_layer = 34.0 * s * b * h * p / 2.0;
+    let logits = 2.0 * 4.0 * s * b * d.vocab as f64;
+    let activations =
+        logits + if checkpointing { l * 2.0 * s * b * h * p / 2.0 + per_layer } else { l * per_layer };
+    TorchMemory {
+        states: 16.0 * all,
+        root: if sh.root_reshards { 0.0 } else { numel(&root) * p },
+        in_flight: if sh.root_reshards {
+            (numel(&layer) + numel(&layer).max(numel(&root))) * p + numel(&layer).max(numel(&root)) * r
+        } else {
+            2.0 * numel(&layer) * p + numel(&layer) * r
+        },
+        hpz,
+        activations,
+    }
+}
