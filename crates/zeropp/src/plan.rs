@@ -122,6 +122,9 @@ pub(crate) struct PlanArgs {
     pub svg: Option<PathBuf>,
 }
 
+/// The bandwidths a plan sweeps without `--sweep`.
+const DEFAULT_SWEEP: &str = "inter=10Gbps..800Gbps";
+
 /// The context without `--seq`.
 const DEFAULT_SEQ: usize = 2048;
 
@@ -278,10 +281,15 @@ pub(crate) fn run(a: &PlanArgs) -> Result<(), CliError> {
             println!("{}", serde_json::to_string_pretty(&p)?);
         } else {
             print!("{}", table(&p, a));
+            if p.framework == "fsdp2" && p.order.len() > 1 {
+                // A PyTorch user's question: below which bandwidth does zeropp.torch pay?
+                let (lo, hi) = sweep_range(DEFAULT_SWEEP)?;
+                print!("{}", crossings(&p.order, &sweep(a, lo, hi)?));
+            }
         }
         return Ok(());
     }
-    let (lo, hi) = sweep_range(a.sweep.as_deref().unwrap_or("inter=10Gbps..800Gbps"))?;
+    let (lo, hi) = sweep_range(a.sweep.as_deref().unwrap_or(DEFAULT_SWEEP))?;
     let points = sweep(a, lo, hi)?;
     if a.json {
         // The plan, plus `sweep`: each bandwidth's speedup per mode.

@@ -30,6 +30,11 @@
 //!   parameter from a group boundary), the 1-D parameters' columns riding
 //!   along as float32. On one node every call is torch's own.
 //!
+//! **Time** is the engine planner's model (the [parent module's docs](super))
+//! over what the links carry: a flat all-gather or reduce-scatter runs as a
+//! ring, so a node's NIC carries about one copy of what the world gathers,
+//! not what its ranks hand over ([`call`]).
+//!
 //! Not counted: the optimizer (local under FSDP2), a gradient-norm clip (one
 //! all-reduce of a scalar) and the loss's logging.
 
@@ -171,10 +176,31 @@ fn sends(to: Group, bytes_each: f64) -> LinkBytes {
     LinkBytes { intra: to.intra * bytes_each, inter: to.inter * bytes_each }
 }
 
+/// A call handing `bytes_each` to each other member of `to`: (what ByteCounter
+/// counts, what the links carry per GPU for the time model). An all-gather or
+/// reduce-scatter runs as a ring (NCCL's algorithm for large messages): each
+/// rank passes its `G - 1` pieces to its successor, so the busiest NVLink
+/// carries `(G-1)·b` and a node's NIC `(G-1)·b` (`(G-1)·b / L` a GPU), where
+/// the ranks hand over `L·(G-L)·b`; an all-to-all sends what it is handed.
+fn call(to: Group, ring: bool, bytes_each: f64, local: usize) -> (LinkBytes, LinkBytes) {
+    let counted = sends(to, bytes_each);
+    if !ring {
+        return (counted, counted);
+    }
+    let pieces = to.intra + to.inter;
+    let wire = LinkBytes {
+        intra: if to.intra > 0.0 { pieces * bytes_each } else { 0.0 },
+        inter: if to.inter > 0.0 { pieces * bytes_each / local as f64 } else { 0.0 },
+    };
+    (counted, wire)
+}
+
 /// One step of a mode: bytes per operation tag, and its calls for the time model.
 pub(super) struct TorchStep {
-    /// Bytes per GPU per operation tag ([`tags`]).
+    /// Bytes per GPU per operation tag ([`tags`]), as ByteCounter counts them.
     pub(super) by_op: BTreeMap<&'static str, LinkBytes>,
+    /// What the links carry per GPU per operation tag (see [`call`]).
+    pub(super) wire: BTreeMap<&'static str, LinkBytes>,
     pub(super) calls: Calls,
 }
 
@@ -227,12 +253,15 @@ pub(super) fn step(
     let int8 = QuantSpec::int8(256).map_err(|e| RunError::InvalidConfig(e.to_string()))?;
     let int4 = QuantSpec::int4(256).map_err(|e| RunError::InvalidConfig(e.to_string()))?;
     let mut by_op: BTreeMap<&'static str, LinkBytes> = BTreeMap::new();
+    let mut wire: BTreeMap<&'static str, LinkBytes> = BTreeMap::new();
     let mut calls: BTreeMap<&'static str, f64> = BTreeMap::new();
     let mut quantized: BTreeMap<&'static str, f64> = BTreeMap::new();
-    let mut add = |tag: &'static str, b: LinkBytes, q: f64| {
-        let e = by_op.entry(tag).or_default();
-        e.intra += b.intra;
-        e.inter += b.inter;
+    let mut add = |tag: &'static str, (b, w): (LinkBytes, LinkBytes), q: f64| {
+        for (map, x) in [(&mut by_op, b), (&mut wire, w)] {
+            let e = map.entry(tag).or_default();
+            e.intra += x.intra;
+            e.inter += x.inter;
+        }
         *calls.entry(tag).or_default() += 1.0;
         *quantized.entry(tag).or_default() += q;
     };
@@ -248,15 +277,21 @@ pub(super) fn step(
             .sum();
         let (e, s) = (e as f64, s as f64);
         let qwz = zeropp && crosses;
-        add(tags::FWD_GATHER, sends(world, if qwz { e } else { s * p }), if qwz { full } else { 0.0 });
+        add(
+            tags::FWD_GATHER,
+            call(world, true, if qwz { e } else { s * p }, local),
+            if qwz { full } else { 0.0 },
+        );
         if u.reshards {
             let (b, q) = match mode {
-                TorchMode::Fsdp2 => (sends(world, s * p), 0.0),
-                TorchMode::Fsdp2Hpz => (sends(node, w as f64 * s / local as f64 * p), 0.0),
+                TorchMode::Fsdp2 => (call(world, true, s * p, local), 0.0),
+                TorchMode::Fsdp2Hpz => (call(node, true, w as f64 * s / local as f64 * p, local), 0.0),
                 // zeropp's hpZ: the node's encodings, all nodes' shards of this local rank.
-                TorchMode::ZeroppTorch if qwz && local > 1 => (sends(node, nodes as f64 * e), full),
-                TorchMode::ZeroppTorch if qwz => (sends(world, e), full),
-                TorchMode::ZeroppTorch => (sends(world, s * p), 0.0),
+                TorchMode::ZeroppTorch if qwz && local > 1 => {
+                    (call(node, true, nodes as f64 * e, local), full)
+                }
+                TorchMode::ZeroppTorch if qwz => (call(world, true, e, local), full),
+                TorchMode::ZeroppTorch => (call(world, true, s * p, local), 0.0),
             };
             add(tags::BWD_GATHER, b, q);
         }
@@ -276,9 +311,9 @@ pub(super) fn step(
                 let x = sends(rail, (st.inter_chunk_len() + k1 * 4) as f64);
                 b.inter += x.inter;
             }
-            add(tags::GRAD_REDUCE, b, 2.0 * full);
+            add(tags::GRAD_REDUCE, (b, b), 2.0 * full);
         } else {
-            add(tags::GRAD_REDUCE, sends(world, s * r), 0.0);
+            add(tags::GRAD_REDUCE, call(world, true, s * r, local), 0.0);
         }
     }
     let hops_of = if zeropp && nodes > 1 && local > 1 {
@@ -286,7 +321,7 @@ pub(super) fn step(
     } else {
         BTreeMap::new()
     };
-    Ok(TorchStep { by_op, calls: Calls::flat(calls, quantized, hops_of) })
+    Ok(TorchStep { by_op, wire, calls: Calls::flat(calls, quantized, hops_of) })
 }
 
 /// Plans every mode of `input`: the time model of the [parent module's
@@ -348,7 +383,7 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
     for &mode in &input.modes {
         let st = step(&d, mode, c.nodes, c.gpus_per_node, input.sharding)?;
         let ops: Vec<OpTime> =
-            st.by_op.iter().map(|(tag, b)| OpTime::of(tag, *b, &st.calls, &rates)).collect();
+            st.wire.iter().map(|(tag, b)| OpTime::of(tag, *b, &st.calls, &rates)).collect();
         // The layers and the root: one gather each.
         let t = StepTimes::of(&ops, flops, &rates, d.layers + 1);
         let step_s = t.step();
@@ -474,5 +509,51 @@ pub fn memory(
         },
         hpz,
         activations,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn llama() -> Result<Decoder> {
+        Decoder::from_spec("llama:d=256,layers=2,heads=4,kv_heads=2,vocab=1001", 64)?
+            .ok_or_else(|| RunError::InvalidConfig("a llama".into()))
+    }
+
+    const BF16: Sharding =
+        Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 2 }, root_reshards: false };
+
+    #[test]
+    fn a_ring_puts_one_copy_of_a_gather_through_each_nic() -> Result<()> {
+        let d = llama()?;
+        let (nodes, local) = (4, 8);
+        let w = nodes * local;
+        let st = step(&d, TorchMode::Fsdp2, nodes, local, BF16)?;
+        let shard: usize = d.layer_params().iter().map(|p| p.shard(w)).sum();
+        let per_layer = 2.0 * shard as f64;
+        let fwd = (st.by_op[tags::FWD_GATHER], st.wire[tags::FWD_GATHER]);
+        let root: usize = d.root_params().iter().map(|p| p.shard(w)).sum();
+        let calls = (d.layers as f64 * per_layer, 2.0 * root as f64);
+        // Handed over: each other member gets the shard; on the NIC, (W-1) shards a node.
+        assert_eq!(fwd.0.inter, (w - local) as f64 * (calls.0 + calls.1));
+        assert_eq!(fwd.1.inter * local as f64, (w - 1) as f64 * (calls.0 + calls.1));
+        // The all-to-alls (zeropp's qgZ) send what they are handed.
+        let z = step(&d, TorchMode::ZeroppTorch, nodes, local, BF16)?;
+        assert_eq!(z.by_op[tags::GRAD_REDUCE], z.wire[tags::GRAD_REDUCE]);
+        Ok(())
+    }
+
+    #[test]
+    fn on_one_node_zeropp_torch_sends_what_fsdp2_sends() -> Result<()> {
+        let d = llama()?;
+        let (a, b) = (step(&d, TorchMode::Fsdp2, 1, 4, BF16)?, step(&d, TorchMode::ZeroppTorch, 1, 4, BF16)?);
+        assert_eq!(a.by_op, b.by_op);
+        assert!(a.by_op.values().all(|x| x.inter == 0.0 && x.intra > 0.0));
+        // Across nodes it sends less than a third of FSDP2's inter-node bytes.
+        let inter = |s: &TorchStep| s.by_op.values().map(|x| x.inter).sum::<f64>();
+        let (a, b) = (step(&d, TorchMode::Fsdp2, 2, 4, BF16)?, step(&d, TorchMode::ZeroppTorch, 2, 4, BF16)?);
+        assert!(inter(&b) < 0.3 * inter(&a), "{} vs {}", inter(&b), inter(&a));
+        Ok(())
     }
 }
