@@ -19,7 +19,8 @@ either variant) or none.
 Per variant, in one JSON file from rank 0:
 
 - ``step_s``: the median step (forward, backward, optimizer) of the timed
-  steps, after ``--warmup`` steps (FSDP2's lazy init, AdamW's state);
+  steps, after ``--warmup`` steps (FSDP2's lazy init, AdamW's state), and
+  ``optimizer_s``, the median of AdamW's step and ``zero_grad`` alone;
 - ``peak_bytes``: each rank's peak resident memory over the timed steps
   (``VmHWM``, reset by ``/proc/self/clear_refs`` after the warm-up, so the
   model's construction does not count), and ``peak_process_bytes`` from the
@@ -30,6 +31,13 @@ Per variant, in one JSON file from rank 0:
 - ``retained_bytes``: what zeropp keeps between steps
   (``zeropp.torch.retained_bytes``), and ``shard_bytes``, the rank's
   parameter shard.
+- ``uplink_tx_bytes_per_step``: what the nodes' uplinks sent per timed step,
+  on the namespace cluster (``GLOO_SOCKET_IFNAME``; 0 elsewhere).
+
+``--bf16`` shards with bf16 mixed precision (``MixedPrecisionPolicy``, bf16
+gathers and reduces); without it everything is float32. ``cargo xtask bench
+plan`` runs it on the namespace cluster against ``zeropp plan --framework
+fsdp2``.
 """
 
 from __future__ import annotations
@@ -44,13 +52,14 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zeropp
 import zeropp.torch as zt
 from zeropp import _zeropp
 from zeropp.torch import allreduce, collectives
 from zeropp.torch import kernels as K
+from side_by_side import uplink_tx
 
 
 class Clock:
@@ -171,6 +180,8 @@ def main():
                     help="zeropp's hpZ (INT8 node copy; reshard_after_forward=True), FSDP2's "
                          "(reshard_after_forward=local_size) or none; FSDP2's default takes fsdp2 or none")
     ap.add_argument("--enable", default="", help="zeropp.torch.enable options, e.g. qwz=0,qgz=0")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 mixed precision (MixedPrecisionPolicy: bf16 gathers and reduces)")
     args = ap.parse_args()
     args.enable = {k: int(v) if k.endswith(("_bits", "group_size")) else bool(int(v))
                    for k, v in (kv.split("=") for kv in args.enable.split(",") if kv)}
@@ -182,9 +193,11 @@ def main():
     if args.variant == "default" and args.hpz == "zeropp":
         args.hpz = "none"
     reshard = ls if args.hpz == "fsdp2" else True
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)} \
+        if args.bf16 else {}
     for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(layer, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=reshard, **kw)
     if args.variant == "zeropp":
         # (hpz is passed only to turn it off, so the script also runs the releases
         # before zeropp's hpZ, with FSDP2's.)
@@ -192,22 +205,30 @@ def main():
         zt.enable(model, local_size=ls, **extra, **args.enable)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
-    times, splits = [], []
+    times, opt_times, splits = [], [], []
+    tx = torch.zeros(1, dtype=torch.float64)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             reset_hwm()
+            tx -= uplink_tx()
         x = torch.randint(0, args.vocab, (args.batch, args.tokens), generator=gen)
         dist.barrier()
         clock.reset()
         t0 = time.perf_counter()
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
+        t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(dt)
+            opt_times.append(time.perf_counter() - t1)
             splits.append(dict(clock.t))
+    tx += uplink_tx()
+    if ls == 1 or dist.get_rank() % ls != 0:
+        tx.zero_()  # one rank per node reads its node's uplink
+    dist.all_reduce(tx)  # over the nodes' uplinks
     peak = torch.tensor([hwm_bytes()], dtype=torch.int64)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
@@ -230,11 +251,14 @@ def main():
         "variant": args.variant, "hpz": args.hpz, "kernels": K.mode() if args.variant == "zeropp" else "-",
         "torch": torch.__version__, "world": dist.get_world_size(), "local_size": ls,
         "params": sum(p.numel() for p in model.parameters()), "tokens_per_rank": args.batch * args.tokens,
-        "step_s": statistics.median(times), "step_s_all": times,
+        "step_s": statistics.median(times), "step_s_all": times, "optimizer_s": statistics.median(opt_times),
         "peak_bytes": [int(p) for p in peaks], "peak_process_bytes": [int(p) for p in procs],
         "split": split, "shard_bytes": shard,
         "retained_bytes": zt.retained_bytes(model) if hasattr(zt, "retained_bytes") else None,
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "bf16": args.bf16,
+        # Bytes all nodes' uplinks sent per timed step (the namespace cluster's
+        # GLOO_SOCKET_IFNAME; 0 elsewhere).
+        "uplink_tx_bytes_per_step": float(tx[0]) / args.steps,
     }
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

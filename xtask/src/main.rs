@@ -278,18 +278,30 @@ fn qgz_error(report_dir: &Path) -> Result<(), String> {
 
 /// `bench plan`: the planner against the published ZeRO++ figures (the
 /// `plan_published` example of zeropp-run), then against the namespace
-/// cluster (`cluster::bench_plan_cluster`); `target/bench-report/plan.md`.
+/// cluster, the engine's job (`cluster::bench_plan_cluster`) and a PyTorch
+/// FSDP2 job (`cluster::bench_plan_torch`); `target/bench-report/plan.md`.
 fn plan_bench(report_dir: &Path) -> Result<(), String> {
     let out = report_dir.join("plan.md");
-    let mut c = cargo();
-    c.args(["run", "--locked", "--release", "-q", "-p", "zeropp-run", "--example", "plan_published"]);
-    eprintln!("==> bench plan: {c:?}");
-    let o = c.output().map_err(|e| format!("bench plan: {e}"))?;
-    if !o.status.success() {
-        return Err(format!("bench plan failed ({}): {}", o.status, String::from_utf8_lossy(&o.stderr)));
+    // `ZEROPP_PLAN_PARTS`: which of the three to run (all by default).
+    let parts = std::env::var("ZEROPP_PLAN_PARTS").unwrap_or_else(|_| "published,cluster,torch".into());
+    let has = |p: &str| parts.split(',').any(|x| x.trim() == p);
+    let mut md = String::new();
+    if has("published") {
+        let mut c = cargo();
+        c.args(["run", "--locked", "--release", "-q", "-p", "zeropp-run", "--example", "plan_published"]);
+        eprintln!("==> bench plan: {c:?}");
+        let o = c.output().map_err(|e| format!("bench plan: {e}"))?;
+        if !o.status.success() {
+            return Err(format!("bench plan failed ({}): {}", o.status, String::from_utf8_lossy(&o.stderr)));
+        }
+        md += &String::from_utf8_lossy(&o.stdout);
     }
-    let mut md = String::from_utf8_lossy(&o.stdout).into_owned();
-    md += &cluster::bench_plan_cluster()?;
+    if has("cluster") {
+        md += &cluster::bench_plan_cluster()?;
+    }
+    if has("torch") {
+        md += &cluster::bench_plan_torch()?;
+    }
     print!("{md}");
     std::fs::write(&out, md.as_bytes()).map_err(|e| format!("{}: {e}", out.display()))?;
     eprintln!("==> wrote {}", out.display());

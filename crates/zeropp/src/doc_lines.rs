@@ -7,7 +7,8 @@
 //! file and line. `zeropp train` lines are then built into their whole
 //! training configuration (`--link`, `--model`, the mode and the switches),
 //! except those that read a file (`--config`); `zeropp plan` lines run,
-//! except those that write a plot (`--svg`).
+//! except those that write a plot (`--svg`) or read a model's `config.json`
+//! (`--hf-config`).
 
 use std::path::{Path, PathBuf};
 
@@ -104,7 +105,9 @@ fn check(line: &Line) -> Result<(), String> {
         Command::Train(args) if !has("--config") => {
             crate::config::train_config(&args).map(|_| ()).map_err(|e| e.to_string())
         }
-        Command::Plan(args) if !has("--svg") => crate::plan::run(&args).map_err(|e| e.to_string()),
+        Command::Plan(args) if !has("--svg") && !has("--hf-config") => {
+            crate::plan::run(&args).map_err(|e| e.to_string())
+        }
         _ => Ok(()),
     }
 }

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use plotters::prelude::*;
 use zeropp_run::plan::{
-    Cluster, Decoder, Efficiency, GpuSpec, Overlap, Plan, PlanInput, PlanMode, PlanModel, Precision,
+    Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Plan, PlanInput, PlanMode, PlanModel, Precision,
     Sharding, TorchMode, TorchPlanInput, parse_bandwidth, plan, plan_fsdp2,
 };
 
@@ -39,6 +39,10 @@ pub(crate) struct PlanArgs {
     /// it, the root is FSDP2's default (`fully_shard(model)`): gathered once.
     #[arg(long = "root-reshard")]
     pub root_reshard: bool,
+    /// `--framework fsdp2`: torch.distributed's backend, `nccl` (GPUs) or
+    /// `gloo` (CPUs, whose reduce-scatter is an all-reduce: twice the link time).
+    #[arg(long, default_value = "nccl")]
+    pub backend: String,
     /// Parameters of the model (`18e9`); the shape is derived from it
     /// (`--layers` and `--hidden` override).
     #[arg(long, default_value = "7e9")]
@@ -198,6 +202,7 @@ fn torch_input(a: &PlanArgs, inter: f64) -> Result<TorchPlanInput, CliError> {
         sharding: Sharding {
             precision: Precision { param_bytes, reduce_bytes },
             root_reshards: a.root_reshard,
+            backend: Backend::parse(&a.backend)?,
         },
         modes,
     })

@@ -26,7 +26,7 @@ use serde_json::Value;
 use super::bench::{median, steady_step_time};
 use super::checks::threads_run;
 use super::test::{missing_prerequisite, train};
-use super::{Launch, Shape, build_zeropp, rate_bits, read_metrics, tail, target_dir};
+use super::{Launch, Shape, build_zeropp, launch, rate_bits, read_metrics, tail, target_dir};
 
 /// TCP payload per Ethernet frame at a 1500-byte MTU with timestamps, 1448 / 1514:
 /// the link efficiency (zeropp-comm's `link::TCP_PAYLOAD_PER_FRAME`).
@@ -263,4 +263,255 @@ fn quant_pass_seconds(zeropp: &Path) -> Result<f64, String> {
         }
     }
     Ok(passes.iter().sum::<f64>() / passes.len() as f64)
+}
+
+/// The 99.5M-parameter Hugging Face Llama of `python/bench/scale.py`, as
+/// `zeropp plan --framework fsdp2` names it; its context and tokens per rank.
+const TORCH_MODEL: &str = "llama:d=768,layers=8,heads=12,kv_heads=4,ff=2048,vocab=32000";
+const TORCH_TOKENS: usize = 128;
+/// The goal of the PyTorch half: each step, and the speedup, within this.
+const TORCH_GOAL: f64 = 0.15;
+
+/// The PyTorch half: FSDP2's default and zeropp.torch on the 99.5M Llama
+/// (bf16 mixed precision, one torchrun per node) against `zeropp plan
+/// --framework fsdp2`, given this machine's measured compute (the same job on
+/// one rank, no communication) and kernel rates, at `ZEROPP_PLAN_TORCH_RATES`
+/// (1gbit and 200mbit).
+pub(crate) fn torch_part() -> Result<String, String> {
+    let mut md =
+        String::from("\n# planner vs the namespace cluster: PyTorch FSDP2 (99.5M HF Llama, 2 x 2)\n\n");
+    if let Some(why) = missing_prerequisite() {
+        let _ = writeln!(md, "Not run here: {why}. `cargo xtask bench plan` as root with OpenMPI runs it.");
+        eprintln!("==> bench plan: the PyTorch comparison cannot run: {why}");
+        return Ok(md);
+    }
+    let zeropp = build_zeropp(true, "dev")?;
+    let venv = crate::torch::prepare()?.ok_or("bench plan: no torch venv (see cargo xtask torch test)")?;
+    let python = venv.join("bin/python");
+    let script = crate::cmd::root().join("python/bench/scale.py");
+    let base = target_dir().join("cluster/plan-torch");
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;
+    let job = |out: &Path, variant: &str, steps: &str| -> Vec<String> {
+        [script.display().to_string(), "--variant".into(), variant.into(), "--bf16".into()]
+            .into_iter()
+            .chain(
+                ["--steps", steps, "--warmup", "1", "--tokens", &TORCH_TOKENS.to_string(), "--out"]
+                    .map(String::from),
+            )
+            .chain([out.display().to_string()])
+            .collect()
+    };
+    // Compute: FSDP2's default on one rank (no communication), one thread.
+    let calib = base.join("compute.json");
+    let mut c = Command::new("timeout");
+    crate::wheel::without_rust(&mut c)?;
+    c.args(["--kill-after=10", "900"])
+        .arg(&python)
+        .args(["-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port=29417"])
+        .args(job(&calib, "default", "5"))
+        .env("OMP_NUM_THREADS", "1")
+        .current_dir(target_dir());
+    crate::cmd::run("bench plan: the 99.5M Llama's compute on one rank", c)?;
+    let v = read_json(&calib)?;
+    let f = |k: &str| v.get(k).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    // One rank steps AdamW over the whole model; on the cluster each steps its quarter.
+    let (step_1, opt_1) = (f("step_s"), f("optimizer_s"));
+    let compute_s = positive(step_1 - opt_1 + opt_1 / 4.0, || {
+        format!("{} has no step_s and optimizer_s", calib.display())
+    })?;
+    let probe = torch_plan_json(&zeropp, "1Gbit/s", 1.0, 1e9, "prefetch")?;
+    let flops = probe.get("flops_per_gpu").and_then(Value::as_f64).ok_or("plan: no flops_per_gpu")?;
+    let (planned, ran) =
+        (probe.get("params").and_then(Value::as_u64), v.get("params").and_then(Value::as_u64));
+    if planned != ran {
+        return Err(format!("bench plan: the plan's Llama has {planned:?} parameters, scale.py's {ran:?}"));
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let share = (4.0 / cores as f64).max(1.0);
+    let tflops = flops / (compute_s * share) / 1e12;
+    let pass_s = quant_pass_seconds(&zeropp)?;
+    let kernel = 1.0 / (pass_s * share);
+    let _ = writeln!(
+        md,
+        "Measured before the cluster ran, on this machine ({cores} cores, 4 ranks): compute {tflops:.4e} TFLOP/s \
+         per rank (the plan's {flops:.3e} FLOPs a step over scale.py's median step on one rank, {step_1:.3} s, \
+         with its AdamW step, {opt_1:.3} s, cut to a quarter, as each of 4 ranks steps a quarter of the \
+         model: {compute_s:.3} s; x{share} ranks per core), quantization kernels {kernel:.3e} elements/s per rank \
+         (`zeropp quant --single-thread`). Link efficiency {TCP_PAYLOAD_PER_FRAME:.3}; tbf queues 1 s deep. \
+         Measured: scale.py's median of 3 steps after 1 of warm-up, bf16 mixed precision, the root given \
+         `reshard_after_forward` (`--root-reshard`).\n"
+    );
+    let _ = writeln!(
+        md,
+        "Each prediction is `zeropp {} --json` at the row's rate.\n",
+        torch_plan_args("RATE", tflops, kernel, "OVERLAP").join(" ")
+    );
+    md.push_str(
+        "| inter-node rate | mode | measured s/step | prefetch: predicted (error) | none: predicted (error) | \
+         exposed share, measured | uplink bytes/step: measured / the plan's |\n|---|---|---|---|---|---|---|\n",
+    );
+    let rates = std::env::var("ZEROPP_PLAN_TORCH_RATES").unwrap_or_else(|_| "1gbit,200mbit".into());
+    let mut worst: [f64; 2] = [0.0; 2];
+    for rate in rates.split(',') {
+        let bits = rate_bits(rate).ok_or_else(|| format!("bench plan: cannot read the rate `{rate}`"))?;
+        let inter = format!("{bits}bit/s");
+        let plans = [
+            torch_plan_json(&zeropp, &inter, tflops, kernel, "prefetch")?,
+            torch_plan_json(&zeropp, &inter, tflops, kernel, "none")?,
+        ];
+        let mut measured = Vec::new();
+        for (variant, mode) in [("default", "fsdp2"), ("zeropp", "zeropp-torch")] {
+            let shape = Shape { queue: Some("1000ms".into()), ..Shape::new(2, 2, rate) };
+            let dir = base.join(rate).join(variant);
+            let out_json = dir.join("scale.json");
+            let torchrun = "exec \"$0\" -m torch.distributed.run --nnodes=\"$CLUSTER_NODES\" \
+                 --node-rank=\"$CLUSTER_NODE\" --nproc-per-node=\"$CLUSTER_LOCAL_SIZE\" \
+                 --master-addr=\"$CLUSTER_MASTER\" --master-port=29413 \"$@\"";
+            let mut args = vec!["-c".to_string(), torchrun.to_string(), python.display().to_string()];
+            args.extend(job(&out_json, variant, "3"));
+            let opts = Launch {
+                time_limit_s: 1200,
+                each_node: true,
+                env: vec![("OMP_NUM_THREADS".into(), "1".into())],
+                ..Launch::default()
+            };
+            let o = launch(&shape, &dir, &opts, Path::new("bash"), &args, false)?;
+            if !o.success {
+                return Err(format!(
+                    "bench plan: scale.py {variant} at {rate} failed:\n{}",
+                    tail(&o.log, 30)
+                ));
+            }
+            let r = read_json(&out_json)?;
+            let step = positive(r.get("step_s").and_then(Value::as_f64).unwrap_or(f64::NAN), || {
+                format!("{} has no step_s", out_json.display())
+            })?;
+            let uplink = r.get("uplink_tx_bytes_per_step").and_then(Value::as_f64).unwrap_or(f64::NAN);
+            let pred = plans.each_ref().map(|p| {
+                p.pointer(&format!("/modes/{mode}/step_s")).and_then(Value::as_f64).unwrap_or(f64::NAN)
+            });
+            // Both nodes' NICs, as the plan's time model has them (a ring's pieces, qgZ's all-to-alls).
+            let nic = 2.0
+                * plans[0]
+                    .pointer(&format!("/modes/{mode}/nic_bytes_per_node"))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(f64::NAN);
+            let err = pred.map(|p| p / step - 1.0);
+            // The measured exposed share of the communication (and its kernels):
+            // what the step spends beyond the planned compute, over all of it.
+            let compute = plans[1]
+                .pointer(&format!("/modes/{mode}/compute_s"))
+                .and_then(Value::as_f64)
+                .unwrap_or(f64::NAN);
+            let exposed = (step - compute) / (pred[1] - compute);
+            for (w, e) in worst.iter_mut().zip(err) {
+                *w = w.max(e.abs());
+            }
+            eprintln!(
+                "bench plan: {rate} {mode}: measured {step:.3} s, predicted {:.3} / {:.3} s",
+                pred[0], pred[1]
+            );
+            let _ = writeln!(
+                md,
+                "| {rate} | {mode} | {step:.3} | {:.3} ({:+.1}%) | {:.3} ({:+.1}%) | {exposed:.2} | {uplink:.3e} / {:.3e} |",
+                pred[0],
+                100.0 * err[0],
+                pred[1],
+                100.0 * err[1],
+                nic,
+            );
+            measured.push((step, pred));
+        }
+        if let [(base_s, base_p), (z_s, z_p)] = measured[..] {
+            let _ = writeln!(
+                md,
+                "| {rate} | speedup | {:.2}x | {:.2}x ({:+.1}%) | {:.2}x ({:+.1}%) | | |",
+                base_s / z_s,
+                base_p[0] / z_p[0],
+                100.0 * ((base_p[0] / z_p[0]) / (base_s / z_s) - 1.0),
+                base_p[1] / z_p[1],
+                100.0 * ((base_p[1] / z_p[1]) / (base_s / z_s) - 1.0),
+            );
+        }
+    }
+    let _ = writeln!(
+        md,
+        "\nWorst step error: prefetch {:.1}%, none {:.1}% (goal {:.0}%).",
+        100.0 * worst[0],
+        100.0 * worst[1],
+        100.0 * TORCH_GOAL
+    );
+    Ok(md)
+}
+
+fn read_json(path: &Path) -> Result<Value, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// `zeropp plan --framework fsdp2 --json` of the PyTorch job at `inter`.
+fn torch_plan_json(
+    zeropp: &Path,
+    inter: &str,
+    tflops: f64,
+    kernel: f64,
+    overlap: &str,
+) -> Result<Value, String> {
+    let o = Command::new(zeropp)
+        .args(torch_plan_args(inter, tflops, kernel, overlap))
+        .arg("--json")
+        .output()
+        .map_err(|e| format!("{}: {e}", zeropp.display()))?;
+    if !o.status.success() {
+        return Err(format!("zeropp plan --framework fsdp2 failed: {}", String::from_utf8_lossy(&o.stderr)));
+    }
+    serde_json::from_slice(&o.stdout).map_err(|e| format!("zeropp plan --json: {e}"))
+}
+
+/// `zeropp plan`'s arguments for the PyTorch job.
+fn torch_plan_args(inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Vec<String> {
+    let tokens = TORCH_TOKENS.to_string();
+    let gpu = format!("tflops={tflops:.4e},kernel={kernel:.4e}");
+    let link = format!("{TCP_PAYLOAD_PER_FRAME:.4}");
+    [
+        "plan",
+        "--framework",
+        "fsdp2",
+        "--model",
+        TORCH_MODEL,
+        "--seq",
+        &tokens,
+        "--tokens",
+        &tokens,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--inter",
+        inter,
+        "--intra",
+        "10GB/s",
+        "--latency-us",
+        "0",
+        "--gpu",
+        &gpu,
+        "--compute-efficiency",
+        "1",
+        "--link-efficiency",
+        &link,
+        "--no-checkpointing",
+        "--overlap",
+        overlap,
+        "--param-dtype",
+        "bf16",
+        "--root-reshard",
+        "--backend",
+        "gloo",
+        "--mode",
+        "fsdp2,zeropp-torch",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
 }

@@ -117,6 +117,29 @@ impl Precision {
     }
 }
 
+/// The torch.distributed backend: how its collectives load the links.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// NCCL (GPUs): all-gathers and reduce-scatters as rings.
+    #[default]
+    Nccl,
+    /// gloo (CPUs): all-gathers as rings; a reduce-scatter is an all-reduce of
+    /// the whole input (a ring: twice a reduce-scatter's pieces) from which each
+    /// rank keeps its chunk (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`).
+    Gloo,
+}
+
+impl Backend {
+    /// `nccl` or `gloo`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim() {
+            "nccl" => Ok(Self::Nccl),
+            "gloo" => Ok(Self::Gloo),
+            other => Err(RunError::InvalidConfig(format!("--backend `{other}`: expected nccl or gloo"))),
+        }
+    }
+}
+
 /// How the job calls FSDP2, beyond the mode: what the byte model needs of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sharding {
@@ -127,6 +150,8 @@ pub struct Sharding {
     /// its forward and gathers again in the backward; FSDP2's default
     /// (`fully_shard(model)`) keeps it gathered from its forward to its backward.
     pub root_reshards: bool,
+    /// The backend, for the time model (the bytes handed over are the same).
+    pub backend: Backend,
 }
 
 /// Everything a PyTorch job's plan needs.
@@ -182,12 +207,13 @@ fn sends(to: Group, bytes_each: f64) -> LinkBytes {
 /// rank passes its `G - 1` pieces to its successor, so the busiest NVLink
 /// carries `(G-1)·b` and a node's NIC `(G-1)·b` (`(G-1)·b / L` a GPU), where
 /// the ranks hand over `L·(G-L)·b`; an all-to-all sends what it is handed.
-fn call(to: Group, ring: bool, bytes_each: f64, local: usize) -> (LinkBytes, LinkBytes) {
+/// `rounds` is 2 for a ring all-reduce (gloo's reduce-scatter), else 1.
+fn call(to: Group, ring: bool, bytes_each: f64, local: usize, rounds: f64) -> (LinkBytes, LinkBytes) {
     let counted = sends(to, bytes_each);
     if !ring {
         return (counted, counted);
     }
-    let pieces = to.intra + to.inter;
+    let pieces = rounds * (to.intra + to.inter);
     let wire = LinkBytes {
         intra: if to.intra > 0.0 { pieces * bytes_each } else { 0.0 },
         inter: if to.inter > 0.0 { pieces * bytes_each / local as f64 } else { 0.0 },
@@ -209,9 +235,9 @@ pub(super) struct TorchStep {
 /// [module docs](self)).
 ///
 /// ```
-/// use zeropp_run::plan::{Decoder, Precision, Sharding, TorchMode, fsdp2_step_bytes};
+/// use zeropp_run::plan::{Backend, Decoder, Precision, Sharding, TorchMode, fsdp2_step_bytes};
 /// let d = Decoder::from_spec("llama:d=768,layers=8,heads=12,kv_heads=4,ff=2048", 128)?.ok_or("llama")?;
-/// let bf16 = Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 2 }, root_reshards: false };
+/// let bf16 = Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 2 }, root_reshards: false, backend: Backend::Nccl };
 /// let base = fsdp2_step_bytes(&d, TorchMode::Fsdp2, 2, 2, bf16)?;
 /// let zpp = fsdp2_step_bytes(&d, TorchMode::ZeroppTorch, 2, 2, bf16)?;
 /// let inter = |b: &std::collections::BTreeMap<&str, zeropp_engine::metrics::LinkBytes>| {
@@ -266,6 +292,7 @@ pub(super) fn step(
         *quantized.entry(tag).or_default() += q;
     };
     let zeropp = mode == TorchMode::ZeroppTorch;
+    let rs_rounds = if sh.backend == Backend::Gloo { 2.0 } else { 1.0 };
     for u in units(d, sh) {
         let s: usize = u.params.iter().map(|q| q.shard(w)).sum();
         let full = (w * s) as f64;
@@ -279,19 +306,19 @@ pub(super) fn step(
         let qwz = zeropp && crosses;
         add(
             tags::FWD_GATHER,
-            call(world, true, if qwz { e } else { s * p }, local),
+            call(world, true, if qwz { e } else { s * p }, local, 1.0),
             if qwz { full } else { 0.0 },
         );
         if u.reshards {
             let (b, q) = match mode {
-                TorchMode::Fsdp2 => (call(world, true, s * p, local), 0.0),
-                TorchMode::Fsdp2Hpz => (call(node, true, w as f64 * s / local as f64 * p, local), 0.0),
+                TorchMode::Fsdp2 => (call(world, true, s * p, local, 1.0), 0.0),
+                TorchMode::Fsdp2Hpz => (call(node, true, w as f64 * s / local as f64 * p, local, 1.0), 0.0),
                 // zeropp's hpZ: the node's encodings, all nodes' shards of this local rank.
                 TorchMode::ZeroppTorch if qwz && local > 1 => {
-                    (call(node, true, nodes as f64 * e, local), full)
+                    (call(node, true, nodes as f64 * e, local, 1.0), full)
                 }
-                TorchMode::ZeroppTorch if qwz => (call(world, true, e, local), full),
-                TorchMode::ZeroppTorch => (call(world, true, s * p, local), 0.0),
+                TorchMode::ZeroppTorch if qwz => (call(world, true, e, local, 1.0), full),
+                TorchMode::ZeroppTorch => (call(world, true, s * p, local, 1.0), 0.0),
             };
             add(tags::BWD_GATHER, b, q);
         }
@@ -313,7 +340,7 @@ pub(super) fn step(
             }
             add(tags::GRAD_REDUCE, (b, b), 2.0 * full);
         } else {
-            add(tags::GRAD_REDUCE, call(world, true, s * r, local), 0.0);
+            add(tags::GRAD_REDUCE, call(world, true, s * r, local, rs_rounds), 0.0);
         }
     }
     let hops_of = if zeropp && nodes > 1 && local > 1 {
@@ -328,7 +355,7 @@ pub(super) fn step(
 /// docs](super) over [`fsdp2_step_bytes`], and [`memory`]'s bytes per GPU.
 ///
 /// ```
-/// use zeropp_run::plan::{Cluster, Decoder, Efficiency, GpuSpec, Overlap, Precision, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
+/// use zeropp_run::plan::{Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Precision, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
 /// let decoder = Decoder::from_spec("llama:d=4096,layers=32,heads=32,ff=11008", 4096)?.ok_or("llama")?;
 /// let input = TorchPlanInput {
 ///     decoder,
@@ -338,7 +365,7 @@ pub(super) fn step(
 ///     efficiency: Efficiency::default(),
 ///     checkpointing: true,
 ///     overlap: Overlap::Prefetch,
-///     sharding: Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 4 }, root_reshards: false },
+///     sharding: Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 4 }, root_reshards: false, backend: Backend::Nccl },
 ///     modes: TorchMode::ALL.to_vec(),
 /// };
 /// let p = plan_fsdp2(&input)?;
@@ -398,6 +425,7 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
                 tflops_per_gpu: (flops.0 + flops.1) / step_s / 1e12,
                 intra_node_bytes: st.by_op.values().map(|b| b.intra).sum(),
                 inter_node_bytes: st.by_op.values().map(|b| b.inter).sum(),
+                nic_bytes_per_node: st.wire.values().map(|b| b.inter).sum::<f64>() * c.gpus_per_node as f64,
                 memory_bytes: mem.total(),
                 state_bytes: mem.total() - mem.activations,
                 speedup: first / step_s,
@@ -521,8 +549,11 @@ mod tests {
             .ok_or_else(|| RunError::InvalidConfig("a llama".into()))
     }
 
-    const BF16: Sharding =
-        Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 2 }, root_reshards: false };
+    const BF16: Sharding = Sharding {
+        precision: Precision { param_bytes: 2, reduce_bytes: 2 },
+        root_reshards: false,
+        backend: Backend::Nccl,
+    };
 
     #[test]
     fn a_ring_puts_one_copy_of_a_gather_through_each_nic() -> Result<()> {
@@ -541,6 +572,12 @@ mod tests {
         // The all-to-alls (zeropp's qgZ) send what they are handed.
         let z = step(&d, TorchMode::ZeroppTorch, nodes, local, BF16)?;
         assert_eq!(z.by_op[tags::GRAD_REDUCE], z.wire[tags::GRAD_REDUCE]);
+        // gloo's reduce-scatter is a ring all-reduce: twice NCCL's pieces, the same bytes handed over.
+        let g = step(&d, TorchMode::Fsdp2, nodes, local, Sharding { backend: Backend::Gloo, ..BF16 })?;
+        assert_eq!(g.by_op, st.by_op);
+        let rs = |s: &TorchStep| s.wire[tags::GRAD_REDUCE].inter;
+        assert_eq!(rs(&g), 2.0 * rs(&st));
+        assert_eq!(g.wire[tags::FWD_GATHER], st.wire[tags::FWD_GATHER]);
         Ok(())
     }
 

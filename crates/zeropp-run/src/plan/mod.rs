@@ -61,8 +61,8 @@ use zeropp_engine::model::{Gpt, GptConfig};
 use crate::{Result, RunError};
 pub use decoder::{Decoder, Param};
 pub use fsdp2::{
-    Precision, Sharding, TorchMemory, TorchMode, TorchPlanInput, fsdp2_step_bytes, memory as fsdp2_memory,
-    plan_fsdp2,
+    Backend, Precision, Sharding, TorchMemory, TorchMode, TorchPlanInput, fsdp2_step_bytes,
+    memory as fsdp2_memory, plan_fsdp2,
 };
 pub use hardware::{Cluster, GpuSpec, parse_bandwidth};
 pub use model::PlanModel;
@@ -241,6 +241,11 @@ pub struct ModePlan {
     pub intra_node_bytes: f64,
     /// Bytes per GPU per step sent to GPUs of other nodes.
     pub inter_node_bytes: f64,
+    /// Bytes per step through a node's inter-node link as the time model
+    /// has them: its GPUs' inter-node bytes, except that a flat ring
+    /// collective of FSDP2's puts one piece per rank through it (see
+    /// [`plan_fsdp2`]).
+    pub nic_bytes_per_node: f64,
     /// The engine's memory model: bytes per GPU, everything (its activations
     /// are the engine's: an f32 tape without checkpointing, attention
     /// probabilities included).
@@ -390,6 +395,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
                 tflops_per_gpu: (flops.0 + flops.1) / step / 1e12,
                 intra_node_bytes: intra,
                 inter_node_bytes: inter,
+                nic_bytes_per_node: inter * c.gpus_per_node as f64,
                 memory_bytes: mem.total() as f64,
                 state_bytes: (mem.total() - mem.activations) as f64,
                 speedup: first / step,
