@@ -353,6 +353,7 @@ pub(crate) fn torch_part() -> Result<String, String> {
     );
     let rates = std::env::var("ZEROPP_PLAN_TORCH_RATES").unwrap_or_else(|_| "1gbit,200mbit".into());
     let mut worst: [f64; 2] = [0.0; 2];
+    let mut worst_speedup: f64 = 0.0;
     for rate in rates.split(',') {
         let bits = rate_bits(rate).ok_or_else(|| format!("bench plan: cannot read the rate `{rate}`"))?;
         let inter = format!("{bits}bit/s");
@@ -424,6 +425,7 @@ pub(crate) fn torch_part() -> Result<String, String> {
             measured.push((step, pred));
         }
         if let [(base_s, base_p), (z_s, z_p)] = measured[..] {
+            worst_speedup = worst_speedup.max(((base_p[1] / z_p[1]) / (base_s / z_s) - 1.0).abs());
             let _ = writeln!(
                 md,
                 "| {rate} | speedup | {:.2}x | {:.2}x ({:+.1}%) | {:.2}x ({:+.1}%) | | |",
@@ -435,12 +437,20 @@ pub(crate) fn torch_part() -> Result<String, String> {
             );
         }
     }
+    // FSDP2 hides communication behind compute with CUDA streams (its implicit
+    // prefetch); on CPU there are none, and gloo's calls block, so `--overlap none`
+    // is the model that describes this job, chosen before it runs.
+    let met = worst[1] <= TORCH_GOAL && worst_speedup <= TORCH_GOAL;
     let _ = writeln!(
         md,
-        "\nWorst step error: prefetch {:.1}%, none {:.1}% (goal {:.0}%).",
-        100.0 * worst[0],
+        "\nWith `--overlap none` (FSDP2 on CPU overlaps nothing: its prefetch needs CUDA streams, and gloo's \
+         calls block), the worst step error is {:.1}% and the worst speedup error {:.1}% (goal {:.0}% each: {}). \
+         With `--overlap prefetch`, the worst step error is {:.1}%.",
         100.0 * worst[1],
-        100.0 * TORCH_GOAL
+        100.0 * worst_speedup,
+        100.0 * TORCH_GOAL,
+        if met { "met" } else { "NOT met" },
+        100.0 * worst[0],
     );
     Ok(md)
 }
