@@ -279,11 +279,13 @@ fn qgz_error(report_dir: &Path) -> Result<(), String> {
 /// `bench plan`: the planner against the published ZeRO++ figures (the
 /// `plan_published` example of zeropp-run), then against the namespace
 /// cluster, the engine's job (`cluster::bench_plan_cluster`) and a PyTorch
-/// FSDP2 job (`cluster::bench_plan_torch`); `target/bench-report/plan.md`.
+/// FSDP2 job (`cluster::bench_plan_torch`), and the FSDP2 memory model against
+/// tracked peaks (`cluster::bench_plan_memory`); `target/bench-report/plan.md`.
 fn plan_bench(report_dir: &Path) -> Result<(), String> {
     let out = report_dir.join("plan.md");
     // `ZEROPP_PLAN_PARTS`: which of the three to run (all by default).
-    let parts = std::env::var("ZEROPP_PLAN_PARTS").unwrap_or_else(|_| "published,cluster,torch".into());
+    let parts =
+        std::env::var("ZEROPP_PLAN_PARTS").unwrap_or_else(|_| "published,cluster,torch,memory".into());
     let has = |p: &str| parts.split(',').any(|x| x.trim() == p);
     let mut md = String::new();
     if has("published") {
@@ -301,6 +303,9 @@ fn plan_bench(report_dir: &Path) -> Result<(), String> {
     }
     if has("torch") {
         md += &cluster::bench_plan_torch()?;
+    }
+    if has("memory") {
+        md += &cluster::bench_plan_memory()?;
     }
     print!("{md}");
     std::fs::write(&out, md.as_bytes()).map_err(|e| format!("{}: {e}", out.display()))?;

@@ -36,7 +36,9 @@ mod test;
 mod torch_bench;
 
 pub(crate) use bench::bench;
-pub(crate) use plan_bench::{cluster_part as bench_plan_cluster, torch_part as bench_plan_torch};
+pub(crate) use plan_bench::{
+    cluster_part as bench_plan_cluster, memory_part as bench_plan_memory, torch_part as bench_plan_torch,
+};
 pub(crate) use test::test;
 pub(crate) use torch_bench::bench as bench_torch;
 

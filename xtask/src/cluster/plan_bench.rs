@@ -525,3 +525,103 @@ fn torch_plan_args(inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Vec<
     .map(|s| s.to_string())
     .collect()
 }
+
+/// The shapes of the memory check: (hidden, layers, heads, key/value heads, SwiGLU width, vocabulary).
+const MEMORY_SHAPES: [(usize, usize, usize, usize, usize, usize); 2] =
+    [(256, 4, 4, 2, 688, 8000), (512, 8, 8, 4, 1376, 16000)];
+/// Tokens per rank in the memory check.
+const MEMORY_TOKENS: usize = 256;
+
+/// The FSDP2 memory model against the tracked peak of real runs
+/// (`python/bench/plan_memory.py` under torchrun as 2 x 2, torch's profiler
+/// counting every CPU tensor from before the model is built), at two HF Llama
+/// shapes in every mode.
+pub(crate) fn memory_part() -> Result<String, String> {
+    let mut md = String::from(
+        "\n# planner's FSDP2 memory vs the tracked peak (HF Llama, 2 x 2, bf16 mixed precision)\n\n",
+    );
+    let venv = crate::torch::prepare()?.ok_or("bench plan: no torch venv (see cargo xtask torch test)")?;
+    let zeropp = build_zeropp(true, "dev")?;
+    let base = target_dir().join("cluster/plan-memory");
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;
+    md.push_str(
+        "Per rank: the largest \"Total Allocated\" of torch's profiler (`profile_memory=True`, every CPU tensor \
+         since before the model was built) inside 2 steps after 1 of warm-up, against `zeropp plan --framework \
+         fsdp2 ... --root-reshard --no-checkpointing`'s memory per GPU.\n\n\
+         | shape | parameters | mode | planned MB | tracked peak MB, ranks | largest / planned |\n|---|---|---|---|---|---|\n",
+    );
+    for (h, l, heads, kv, ff, vocab) in MEMORY_SHAPES {
+        let spec = format!("llama:d={h},layers={l},heads={heads},kv_heads={kv},ff={ff},vocab={vocab}");
+        let tokens = MEMORY_TOKENS.to_string();
+        let o = Command::new(&zeropp)
+            .args(["plan", "--framework", "fsdp2", "--model", &spec, "--seq", &tokens, "--tokens", &tokens])
+            .args(["--nodes", "2", "--gpus-per-node", "2", "--intra", "10GB/s", "--gpu", "tflops=1"])
+            .args(["--root-reshard", "--backend", "gloo", "--no-checkpointing", "--json"])
+            .output()
+            .map_err(|e| format!("{}: {e}", zeropp.display()))?;
+        if !o.status.success() {
+            return Err(format!("zeropp plan failed: {}", String::from_utf8_lossy(&o.stderr)));
+        }
+        let plan: Value =
+            serde_json::from_slice(&o.stdout).map_err(|e| format!("zeropp plan --json: {e}"))?;
+        for mode in ["fsdp2", "fsdp2-hpz", "zeropp-torch"] {
+            let out = base.join(format!("d{h}-{mode}.json"));
+            let args: Vec<String> = [
+                "--mode",
+                mode,
+                "--hidden",
+                &h.to_string(),
+                "--layers",
+                &l.to_string(),
+                "--heads",
+                &heads.to_string(),
+                "--kv-heads",
+                &kv.to_string(),
+                "--ff",
+                &ff.to_string(),
+                "--vocab",
+                &vocab.to_string(),
+                "--tokens",
+                &tokens,
+                "--out",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([out.display().to_string()])
+            .collect();
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            let c = crate::torch::torchrun(&venv, "python/bench/plan_memory.py", &refs, None)?;
+            crate::cmd::run(&format!("bench plan: tracked memory, d {h}, {mode}"), c)?;
+            let r = read_json(&out)?;
+            let peaks: Vec<f64> = r
+                .get("peak_bytes")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_f64)
+                .collect();
+            let planned = plan
+                .pointer(&format!("/modes/{mode}/memory_bytes"))
+                .and_then(Value::as_f64)
+                .unwrap_or(f64::NAN);
+            let params = r.get("params").and_then(Value::as_u64).unwrap_or(0);
+            if plan.get("params").and_then(Value::as_u64) != Some(params) {
+                return Err(format!(
+                    "bench plan: the plan's Llama is not plan_memory.py's ({params} parameters)"
+                ));
+            }
+            let largest = peaks.iter().copied().fold(0.0, f64::max);
+            let ranks: Vec<String> = peaks.iter().map(|p| format!("{:.1}", p / 1e6)).collect();
+            let _ = writeln!(
+                md,
+                "| d {h} x {l} | {:.1}M | {mode} | {:.1} | {} | {:.2} |",
+                params as f64 / 1e6,
+                planned / 1e6,
+                ranks.join(", "),
+                largest / planned
+            );
+        }
+    }
+    Ok(md)
+}
