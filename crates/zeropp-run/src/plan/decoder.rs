@@ -77,7 +77,8 @@ impl Decoder {
 
     /// The decoder of a `llama:` spec (the keys of `zeropp train --model
     /// llama:...`, plus `vocab=`), at context `seq`; `Ok(None)` when `spec`
-    /// names no Llama.
+    /// names no Llama. Key/value heads are the heads unless `kv_heads=` says
+    /// otherwise, as in a Hugging Face config.
     ///
     /// ```
     /// use zeropp_run::plan::Decoder;
@@ -110,12 +111,16 @@ impl Decoder {
             return Ok(None);
         };
         let c = shape.config(vocab);
+        // As in a Hugging Face config, key/value heads default to the heads.
+        let kv_given = rest.iter().any(|kv| {
+            kv.split_once('=').is_some_and(|(k, _)| matches!(k.trim(), "kv_heads" | "num_key_value_heads"))
+        });
         let d = Self {
             vocab,
             hidden: c.d_model,
             layers: c.n_layer,
             heads: c.n_head,
-            kv_heads: c.n_kv_head,
+            kv_heads: if kv_given { c.n_kv_head } else { c.n_head },
             head_dim: c.head_dim(),
             ff: c.d_ff,
             tied: c.tie_word_embeddings,
@@ -303,6 +308,8 @@ mod tests {
         }
         assert!(Decoder::from_spec("llama:vocab=0", 64).is_err());
         assert!(matches!(Decoder::from_spec("gpt", 64), Ok(None)));
+        let mha = Decoder::from_spec("llama:d=128,heads=8", 64).ok().flatten().map(|d| (d.heads, d.kv_heads));
+        assert_eq!(mha, Some((8, 8)));
     }
 
     #[test]

@@ -356,7 +356,7 @@ pub(super) fn step(
 ///
 /// ```
 /// use zeropp_run::plan::{Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Precision, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
-/// let decoder = Decoder::from_spec("llama:d=4096,layers=32,heads=32,ff=11008", 4096)?.ok_or("llama")?;
+/// let decoder = Decoder::from_spec("llama:d=4096,layers=32,heads=32,kv_heads=32,ff=11008", 4096)?.ok_or("llama")?;
 /// let input = TorchPlanInput {
 ///     decoder,
 ///     tokens: 4096,
@@ -473,12 +473,13 @@ pub struct TorchMemory {
     /// the end of the forward: FSDP2's `W/L`-shard in the parameters' dtype,
     /// or zeropp's node share of the INT8 encodings.
     pub hpz: f64,
-    /// Activations in the parameters' dtype: `34·s·b·h` bytes a layer at 2
-    /// bytes an element (Korthikanti et al. 2022, "Reducing Activation
-    /// Recomputation in Large Transformer Models", Eq. 1, without the `5·a·s²·b`
-    /// attention scores, which fused attention does not keep); with
-    /// checkpointing the layers' inputs (`2·s·b·h` a layer) and one layer's
-    /// whole set; the logits' `s·b·V` in fp32, twice (values and gradient).
+    /// Activations in the parameters' dtype: what each decoder layer's graph
+    /// keeps for its backward ([`layer_activation_bytes`]: about `41·h` bytes
+    /// a token at bf16 for a Llama-7B-like shape, where Korthikanti et al.
+    /// 2022 count `34·h` for a GPT layer); with checkpointing, the layers'
+    /// inputs (`p·h` a token each) and one layer's whole set; and the logits:
+    /// the model's, the loss's fp32 upcast of 16-bit ones and log-softmax's
+    /// fp32 output (`(p + 4 + 4)·V` a token at 16 bits, `8·V` at fp32).
     pub activations: f64,
 }
 
@@ -487,6 +488,20 @@ impl TorchMemory {
     pub fn total(&self) -> f64 {
         self.states + self.root + self.in_flight + self.hpz + self.activations
     }
+}
+
+/// Bytes a Hugging Face Llama decoder layer keeps per token for its backward
+/// (eager, SDPA attention without a mask, grouped key/value heads in SDPA),
+/// activations in `p`-byte elements, by the tensors of its graph: each
+/// RMSNorm its input upcast to fp32 and its output (`(4 + p)·h`); SDPA its
+/// rotated queries and keys, the values, its output and fp32 log-sum-exp
+/// (`p·(2·q + 2·kv) + 4·heads`, `q` and `kv` the projections' widths); the
+/// output projection its input, reshaped into a copy (`p·q`); the SwiGLU MLP
+/// the gate's output, its SiLU, the up projection's output and their product
+/// (`4·p·ff`).
+fn layer_activation_bytes(d: &Decoder, p: f64) -> f64 {
+    let (h, q, kv) = (d.hidden as f64, (d.heads * d.head_dim) as f64, (d.kv_heads * d.head_dim) as f64);
+    2.0 * (4.0 + p) * h + p * (3.0 * q + 2.0 * kv) + 4.0 * d.heads as f64 + 4.0 * p * d.ff as f64
 }
 
 /// The memory model of `mode` (see [`TorchMemory`]'s fields for each part's formula).
@@ -522,11 +537,14 @@ pub fn memory(
         }
         TorchMode::ZeroppTorch => 0.0,
     };
-    let (s, b, h, l) = (d.seq as f64, batch as f64, d.hidden as f64, d.layers as f64);
-    let per_layer = 34.0 * s * b * h * p / 2.0;
-    let logits = 2.0 * 4.0 * s * b * d.vocab as f64;
-    let activations =
-        logits + if checkpointing { l * 2.0 * s * b * h * p / 2.0 + per_layer } else { l * per_layer };
+    let tokens = (d.seq * batch) as f64;
+    let (h, l) = (d.hidden as f64, d.layers as f64);
+    let per_layer = tokens * layer_activation_bytes(d, p);
+    // The model's logits in their dtype (the output holds them), the loss's fp32
+    // upcast of a 16-bit one, and log-softmax's fp32 output, saved for its backward.
+    let upcast = if pr.param_bytes < 4 { 4.0 } else { 0.0 };
+    let logits = tokens * d.vocab as f64 * (p + upcast + 4.0);
+    let activations = logits + if checkpointing { l * tokens * h * p + per_layer } else { l * per_layer };
     TorchMemory {
         states: 16.0 * all,
         root: if sh.root_reshards { 0.0 } else { numel(&root) * p },
