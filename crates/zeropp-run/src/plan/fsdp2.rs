@@ -2,7 +2,7 @@
 //! Llama-family [`Decoder`] under FSDP2 (`fully_shard` on every decoder layer
 //! and on the root), with FSDP2's own collectives or with zeropp.torch's.
 //!
-//! **Bytes** ([`step_bytes`]) are what `zeropp.torch.ByteCounter` counts for
+//! **Bytes** ([`fsdp2_step_bytes`]) are what `zeropp.torch.ByteCounter` counts for
 //! one forward and backward on every rank (a test runs both and compares them
 //! to the byte): per collective call, an all-gather sends its input to each
 //! other member of its group, a reduce-scatter and an all-to-all `1/G` of it to
@@ -32,8 +32,11 @@
 //!
 //! **Time** is the engine planner's model (the [parent module's docs](super))
 //! over what the links carry: a flat all-gather or reduce-scatter runs as a
-//! ring, so a node's NIC carries about one copy of what the world gathers,
-//! not what its ranks hand over ([`call`]).
+//! ring: each rank passes its `G - 1` pieces to its successor, so the
+//! busiest NVLink carries `(G-1)·b` and a node's NIC `(G-1)·b`, about one copy
+//! of what the world gathers, where its ranks hand over `L·(G-L)·b`; gloo's
+//! reduce-scatter is a ring all-reduce, twice that ([`Backend::Gloo`]). An
+//! all-to-all (qgZ's two hops) sends what it is handed.
 //!
 //! Not counted: the optimizer (local under FSDP2), a gradient-norm clip (one
 //! all-reduce of a scalar) and the loss's logging.
@@ -352,7 +355,7 @@ pub(super) fn step(
 }
 
 /// Plans every mode of `input`: the time model of the [parent module's
-/// docs](super) over [`fsdp2_step_bytes`], and [`memory`]'s bytes per GPU.
+/// docs](super) over [`fsdp2_step_bytes`], and [`memory`](super::fsdp2_memory())'s bytes per GPU.
 ///
 /// ```
 /// use zeropp_run::plan::{Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Precision, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
@@ -415,7 +418,15 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
         let t = StepTimes::of(&ops, flops, &rates, d.layers + 1);
         let step_s = t.step();
         let first = *first.get_or_insert(step_s);
-        let mem = memory(&d, mode, c.nodes, c.gpus_per_node, input.sharding, batch, input.checkpointing);
+        let mem = super::fsdp2_memory::memory(
+            &d,
+            mode,
+            c.nodes,
+            c.gpus_per_node,
+            input.sharding,
+            batch,
+            input.checkpointing,
+        );
         modes.insert(
             mode.name().to_string(),
             ModePlan {
@@ -452,110 +463,6 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
         modes,
         order,
     })
-}
-
-/// An FSDP2 job's bytes per GPU at its peak, by part.
-#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
-pub struct TorchMemory {
-    /// The sharded states: fp32 parameters, fp32 gradients and AdamW's two
-    /// fp32 moments, 16 bytes an element of the rank's padded shards.
-    pub states: f64,
-    /// The root's parameters in the parameters' dtype, gathered from its
-    /// forward to its backward unless it reshards ([`Sharding::root_reshards`]);
-    /// 0 when it does (then a layer in flight bounds it: the root's gather is
-    /// counted in `in_flight` when it is the larger).
-    pub root: f64,
-    /// Two modules gathered at once (the one computing and the one
-    /// prefetched: two decoder layers, or a layer and a resharding root), and
-    /// one layer's unsharded gradient in the reduce dtype.
-    pub in_flight: f64,
-    /// What an hpZ keeps from the forward for the backward, every layer at
-    /// the end of the forward: FSDP2's `W/L`-shard in the parameters' dtype,
-    /// or zeropp's node share of the INT8 encodings.
-    pub hpz: f64,
-    /// Activations in the parameters' dtype: what each decoder layer's graph
-    /// keeps for its backward ([`layer_activation_bytes`]: about `41·h` bytes
-    /// a token at bf16 for a Llama-7B-like shape, where Korthikanti et al.
-    /// 2022 count `34·h` for a GPT layer); with checkpointing, the layers'
-    /// inputs (`p·h` a token each) and one layer's whole set; and the logits:
-    /// the model's, the loss's fp32 upcast of 16-bit ones and log-softmax's
-    /// fp32 output (`(p + 4 + 4)·V` a token at 16 bits, `8·V` at fp32).
-    pub activations: f64,
-}
-
-impl TorchMemory {
-    /// Everything.
-    pub fn total(&self) -> f64 {
-        self.states + self.root + self.in_flight + self.hpz + self.activations
-    }
-}
-
-/// Bytes a Hugging Face Llama decoder layer keeps per token for its backward
-/// (eager, SDPA attention without a mask, grouped key/value heads in SDPA),
-/// activations in `p`-byte elements, by the tensors of its graph: each
-/// RMSNorm its input upcast to fp32 and its output (`(4 + p)·h`); SDPA its
-/// rotated queries and keys, the values, its output and fp32 log-sum-exp
-/// (`p·(2·q + 2·kv) + 4·heads`, `q` and `kv` the projections' widths); the
-/// output projection its input, reshaped into a copy (`p·q`); the SwiGLU MLP
-/// the gate's output, its SiLU, the up projection's output and their product
-/// (`4·p·ff`).
-fn layer_activation_bytes(d: &Decoder, p: f64) -> f64 {
-    let (h, q, kv) = (d.hidden as f64, (d.heads * d.head_dim) as f64, (d.kv_heads * d.head_dim) as f64);
-    2.0 * (4.0 + p) * h + p * (3.0 * q + 2.0 * kv) + 4.0 * d.heads as f64 + 4.0 * p * d.ff as f64
-}
-
-/// The memory model of `mode` (see [`TorchMemory`]'s fields for each part's formula).
-pub fn memory(
-    d: &Decoder,
-    mode: TorchMode,
-    nodes: usize,
-    local: usize,
-    sh: Sharding,
-    batch: usize,
-    checkpointing: bool,
-) -> TorchMemory {
-    let pr = sh.precision;
-    let w = nodes * local;
-    let shard = |ps: &[Param]| ps.iter().map(|q| q.shard(w)).sum::<usize>() as f64;
-    let (layer, root) = (d.layer_params(), d.root_params());
-    let all = d.layers as f64 * shard(&layer) + shard(&root);
-    let numel = |ps: &[Param]| ps.iter().map(Param::numel).sum::<usize>() as f64;
-    let (p, r) = (pr.param_bytes as f64, pr.reduce_bytes as f64);
-    let hpz = match mode {
-        TorchMode::Fsdp2 => 0.0,
-        TorchMode::Fsdp2Hpz => d.layers as f64 * shard(&layer) * w as f64 / local as f64 * p,
-        TorchMode::ZeroppTorch if nodes > 1 && local > 1 => {
-            let int8 = QuantSpec::int8(256).ok();
-            let e: f64 = layer
-                .iter()
-                .map(|q| match (q.one_d, int8) {
-                    (false, Some(s)) => encoded_len(s, q.shard(w)) as f64,
-                    _ => (q.shard(w) * pr.param_bytes) as f64,
-                })
-                .sum();
-            d.layers as f64 * nodes as f64 * e
-        }
-        TorchMode::ZeroppTorch => 0.0,
-    };
-    let tokens = (d.seq * batch) as f64;
-    let (h, l) = (d.hidden as f64, d.layers as f64);
-    let per_layer = tokens * layer_activation_bytes(d, p);
-    // The model's logits in their dtype (the output holds them), the loss's fp32
-    // upcast of a 16-bit one, and log-softmax's fp32 output, saved for its backward.
-    let upcast = if pr.param_bytes < 4 { 4.0 } else { 0.0 };
-    let logits = tokens * d.vocab as f64 * (p + upcast + 4.0);
-    let activations = logits + if checkpointing { l * tokens * h * p + per_layer } else { l * per_layer };
-    TorchMemory {
-        states: 16.0 * all,
-        root: if sh.root_reshards { 0.0 } else { numel(&root) * p },
-        in_flight: if sh.root_reshards {
-            (numel(&layer) + numel(&layer).max(numel(&root))) * p + numel(&layer).max(numel(&root)) * r
-        } else {
-            2.0 * numel(&layer) * p + numel(&layer) * r
-        },
-        hpz,
-        activations,
-    }
 }
 
 #[cfg(test)]

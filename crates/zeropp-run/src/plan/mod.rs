@@ -45,7 +45,8 @@
 //! each comes from; every other figure is a prediction.
 
 mod decoder;
-mod fsdp2;
+pub mod fsdp2;
+mod fsdp2_memory;
 mod hardware;
 mod model;
 mod time;
@@ -60,10 +61,8 @@ use zeropp_engine::model::{Gpt, GptConfig};
 
 use crate::{Result, RunError};
 pub use decoder::{Decoder, Param};
-pub use fsdp2::{
-    Backend, Precision, Sharding, TorchMemory, TorchMode, TorchPlanInput, fsdp2_step_bytes,
-    memory as fsdp2_memory, plan_fsdp2,
-};
+pub use fsdp2::{Backend, Precision, Sharding, TorchMode, TorchPlanInput, fsdp2_step_bytes, plan_fsdp2};
+pub use fsdp2_memory::{TorchMemory, memory as fsdp2_memory};
 pub use hardware::{Cluster, GpuSpec, parse_bandwidth};
 pub use model::PlanModel;
 use time::{OpTime, StepTimes};
