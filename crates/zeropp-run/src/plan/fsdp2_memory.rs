@@ -7,7 +7,7 @@
 use zeropp_quant::{QuantSpec, encoded_len};
 
 use super::decoder::{Decoder, Param};
-use super::fsdp2::{Sharding, TorchMode};
+use super::torch_job::{Sharding, TorchMode};
 
 /// An FSDP2 job's bytes per GPU at its peak, by part.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]

@@ -50,6 +50,7 @@ mod fsdp2_memory;
 mod hardware;
 mod model;
 mod time;
+mod torch_job;
 
 use std::collections::BTreeMap;
 
