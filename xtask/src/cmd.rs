@@ -41,6 +41,19 @@ pub(crate) fn in_ci() -> bool {
 /// their artefacts: `ci`'s tests, `xtask/mpi-tests.sh` and the cluster test.
 pub(crate) const MPI_FEATURES: &str = "zeropp-comm/mpi,zeropp/mpi,zeropp-candle/mpi";
 
+/// The MPI suite's build of the CLI and its programs, xtask/mpi-tests.sh's to
+/// the letter (`--workspace`: the features resolve as for `cargo test
+/// --workspace`, whose artefacts `ci` reuses; the examples pull the same
+/// dev-dependencies, so a later build of these targets rebuilds nothing).
+pub(crate) fn mpi_suite_build(profile: &str) -> Command {
+    let mut c = cargo();
+    c.args(["build", "--locked", "--workspace", "--profile", profile])
+        .args(["--features", MPI_FEATURES])
+        .args(["--example", "mpi_conformance", "--example", "mpi_fault", "--example", "train_your_model"])
+        .args(["--bin", "zeropp"]);
+    c
+}
+
 /// Whether OpenMPI's `mpirun` is on PATH.
 pub(crate) fn has_mpirun() -> bool {
     Command::new("mpirun").arg("--version").output().map(|o| o.status.success()).unwrap_or(false)

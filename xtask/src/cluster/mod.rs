@@ -140,12 +140,7 @@ fn build_zeropp(release: bool, profile: &str) -> Result<PathBuf, String> {
     if release {
         c.args(["build", "--locked", "--release", "-p", "zeropp", "--features", "mpi"]);
     } else {
-        // xtask/mpi-tests.sh's build, to the letter (`--workspace`: the features
-        // resolve as for `cargo test --workspace`, whose artefacts `ci` reuses).
-        c.args(["build", "--locked", "--workspace", "--profile", profile])
-            .args(["--features", crate::cmd::MPI_FEATURES])
-            .args(["--example", "mpi_conformance", "--example", "mpi_fault", "--example", "train_your_model"])
-            .args(["--bin", "zeropp"]);
+        c = crate::cmd::mpi_suite_build(profile);
     }
     run_step("build zeropp (mpi)", c)?;
     Ok(target_dir().join(if release { "release" } else { "debug" }).join("zeropp"))
