@@ -11,11 +11,12 @@ and rank 0 runs ``zeropp plan --framework fsdp2 --json`` (the binary given as
 the first argument) for the same job. Every rank's intra- and inter-node
 bytes must equal the plan's, to the byte.
 
-The shapes differ where the byte model has a case: the first is a ``llama:``
+The jobs differ where the byte model has a case: the first is a ``llama:``
 spec, bf16 gathers and reduces, dims that the world does not divide (the
 vocabulary, the key/value rows); the second is read from its own
 ``config.json`` (``--hf-config``), with GQA, attention and MLP biases (1-D
-parameters zeropp sends exactly), tied embeddings and fp32 reduces.
+parameters zeropp sends exactly), tied embeddings, fp32 reduces and the root
+resharded; the third is the first on one node of 4 ranks, fp32 throughout.
 """
 
 from __future__ import annotations
@@ -32,30 +33,34 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zeropp.torch as zt
 
+SMALL = dict(vocab_size=1001, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, tie_word_embeddings=False)
+SMALL_SPEC = ["--model", "llama:d=64,layers=2,heads=4,kv_heads=2,ff=176,vocab=1001"]
 SHAPES = [
-    # (name, LlamaConfig keywords, the planner's model flags, reduce dtype, the root given
-    # reshard_after_forward)
-    ("llama spec, bf16 reduces, root at FSDP2's default",
-     dict(vocab_size=1001, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-          num_key_value_heads=2, tie_word_embeddings=False),
-     ["--model", "llama:d=64,layers=2,heads=4,kv_heads=2,ff=176,vocab=1001"], torch.bfloat16, False),
-    ("hf config, biases, tied, fp32 reduces, root resharded",
+    # (name, LlamaConfig keywords, the planner's model flags, (param, reduce) dtypes, the root
+    # given reshard_after_forward, ranks per node)
+    ("llama spec, bf16, root at FSDP2's default, 2 x 2", SMALL, SMALL_SPEC, (torch.bfloat16, torch.bfloat16),
+     False, 2),
+    ("hf config, biases, tied, bf16 gathers, fp32 reduces, root resharded, 2 x 2",
      dict(vocab_size=777, hidden_size=96, intermediate_size=200, num_hidden_layers=3, num_attention_heads=6,
           num_key_value_heads=2, attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
-     None, torch.float32, True),
+     None, (torch.bfloat16, torch.float32), True, 2),
+    # One node: every call is torch's own, zeropp's included; fp32 everywhere.
+    ("llama spec, fp32, one node of 4", SMALL, SMALL_SPEC, (torch.float32, torch.float32), False, 4),
 ]
 MODES = ("fsdp2", "fsdp2-hpz", "zeropp-torch")
+NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 SEQ = 16
 
 
-def counted(cfg_kw: dict, mode: str, reduce_dtype, root_reshards: bool, ls: int):
+def counted(cfg_kw: dict, mode: str, dtypes, root_reshards: bool, ls: int):
     """(inter, intra) bytes this rank hands torch.distributed in one forward
     and backward of the shape under ``mode``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**cfg_kw))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1])
     reshard = ls if mode == "fsdp2-hpz" else True
     for layer in model.model.layers:
         fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp)
@@ -75,11 +80,11 @@ def counted(cfg_kw: dict, mode: str, reduce_dtype, root_reshards: bool, ls: int)
     return bc.inter, bc.intra
 
 
-def planned(binary: str, flags: list, reduce_dtype, root_reshards: bool) -> dict:
+def planned(binary: str, flags: list, dtypes, root_reshards: bool, ls: int) -> dict:
     """mode -> (inter, intra) bytes per GPU per step, from `zeropp plan --json`."""
     cmd = [binary, "plan", "--framework", "fsdp2", *flags, "--seq", str(SEQ), "--tokens", str(SEQ),
-           "--nodes", "2", "--gpus-per-node", "2", "--intra", "10GB/s", "--gpu", "tflops=1",
-           "--param-dtype", "bf16", "--reduce-dtype", "bf16" if reduce_dtype == torch.bfloat16 else "fp32",
+           "--nodes", str(4 // ls), "--gpus-per-node", str(ls), "--intra", "10GB/s", "--gpu", "tflops=1",
+           "--param-dtype", NAMES[dtypes[0]], "--reduce-dtype", NAMES[dtypes[1]],
            "--mode", ",".join(MODES), "--json"] + (["--root-reshard"] if root_reshards else [])
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     plan = json.loads(out)
@@ -89,12 +94,11 @@ def planned(binary: str, flags: list, reduce_dtype, root_reshards: bool) -> dict
 def main():
     binary = sys.argv[1]
     dist.init_process_group("gloo")
-    ls = zt.local_size()
-    if dist.get_world_size() != 4 or ls != 2:
+    if dist.get_world_size() != 4 or zt.local_size() != 2:
         raise SystemExit("plan_bytes.py runs as 2 nodes x 2 (torchrun --nproc-per-node 4, ZEROPP_LOCAL_SIZE=2)")
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, cfg_kw, flags, reduce_dtype, root_reshards in SHAPES:
+        for name, cfg_kw, flags, dtypes, root_reshards, ls in SHAPES:
             if flags is None:
                 from transformers import LlamaConfig
 
@@ -102,9 +106,9 @@ def main():
                 if dist.get_rank() == 0:
                     LlamaConfig(**cfg_kw).to_json_file(path)
                 flags = ["--hf-config", path]
-            want = planned(binary, flags, reduce_dtype, root_reshards) if dist.get_rank() == 0 else None
+            want = planned(binary, flags, dtypes, root_reshards, ls) if dist.get_rank() == 0 else None
             for mode in MODES:
-                got = counted(cfg_kw, mode, reduce_dtype, root_reshards, ls)
+                got = counted(cfg_kw, mode, dtypes, root_reshards, ls)
                 every = [None] * dist.get_world_size()
                 dist.all_gather_object(every, got)
                 if dist.get_rank() == 0:

@@ -283,9 +283,12 @@ fn qgz_error(report_dir: &Path) -> Result<(), String> {
 /// tracked peaks (`cluster::bench_plan_memory`); `target/bench-report/plan.md`.
 fn plan_bench(report_dir: &Path) -> Result<(), String> {
     let out = report_dir.join("plan.md");
-    // `ZEROPP_PLAN_PARTS`: which of the three to run (all by default).
-    let parts =
-        std::env::var("ZEROPP_PLAN_PARTS").unwrap_or_else(|_| "published,cluster,torch,memory".into());
+    // `ZEROPP_PLAN_PARTS`: which of the four to run (all by default).
+    const PARTS: [&str; 4] = ["published", "cluster", "torch", "memory"];
+    let parts = std::env::var("ZEROPP_PLAN_PARTS").unwrap_or_else(|_| PARTS.join(","));
+    if let Some(bad) = parts.split(',').map(str::trim).find(|p| !PARTS.contains(p)) {
+        return Err(format!("ZEROPP_PLAN_PARTS: unknown part `{bad}` (known: {})", PARTS.join(", ")));
+    }
     let has = |p: &str| parts.split(',').any(|x| x.trim() == p);
     let mut md = String::new();
     if has("published") {

@@ -32,7 +32,8 @@
 //!    refusals), on both kernel paths and on the floor release, and with three
 //!    seeded defects that must fail it;
 //! 6. `python/tests/plan_bytes.py` under torchrun (2 nodes x 2): the bytes of
-//!    `zeropp plan --framework fsdp2` for two Hugging Face Llama shapes and
+//!    `zeropp plan --framework fsdp2` for two Hugging Face Llama shapes (and one
+//!    of them on one node of 4) and
 //!    every mode equal what `zeropp.torch.ByteCounter` counts on every rank.
 //!
 //! The main venv holds the latest torch release (2.15.0); the floor venv 2.9.0.
@@ -344,10 +345,10 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         torchrun(&venv, "python/tests/dist_collectives.py", &[], None)?,
     )?;
     // 6. `zeropp plan --framework fsdp2`'s bytes are what ByteCounter counts in a
-    // real run: two HF Llama shapes, every mode, to the byte.
+    // real run: two HF Llama shapes on 2 x 2 and one on a node of 4, every mode, to the byte.
     let cli = target.join("debug/zeropp").display().to_string();
     run(
-        "test 6: zeropp plan --framework fsdp2's bytes == ByteCounter's (HF Llama, 2 shapes x 3 modes)",
+        "test 6: zeropp plan --framework fsdp2's bytes == ByteCounter's (HF Llama, 3 jobs x 3 modes)",
         torchrun(&venv, "python/tests/plan_bytes.py", &[&cli], None)?,
     )?;
     for defect in ["wrong-scale", "wrong-levels"] {

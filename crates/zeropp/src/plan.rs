@@ -26,9 +26,9 @@ pub(crate) struct PlanArgs {
     #[arg(long = "hf-config", conflicts_with = "model")]
     pub hf_config: Option<PathBuf>,
     /// `--framework fsdp2`: the dtype FSDP2 gathers the parameters in
-    /// (`MixedPrecisionPolicy.param_dtype`): bf16, fp16 or fp32.
-    #[arg(long = "param-dtype", default_value = "bf16")]
-    pub param_dtype: String,
+    /// (`MixedPrecisionPolicy.param_dtype`): bf16 (the default), fp16 or fp32.
+    #[arg(long = "param-dtype")]
+    pub param_dtype: Option<String>,
     /// `--framework fsdp2`: the dtype it reduces the gradients in
     /// (`reduce_dtype`; default: the parameters').
     #[arg(long = "reduce-dtype")]
@@ -40,18 +40,20 @@ pub(crate) struct PlanArgs {
     #[arg(long = "root-reshard")]
     pub root_reshard: bool,
     /// `--framework fsdp2`: torch.distributed's backend, `nccl` (GPUs) or
-    /// `gloo` (CPUs, whose reduce-scatter is an all-reduce: twice the link time).
-    #[arg(long, default_value = "nccl")]
-    pub backend: String,
-    /// Parameters of the model (`18e9`); the shape is derived from it
-    /// (`--layers` and `--hidden` override).
-    #[arg(long, default_value = "7e9")]
-    pub params: f64,
+    /// `gloo` (CPUs, whose reduce-scatter is an all-reduce: twice the link time);
+    /// default nccl.
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Parameters of the engine's GPT (`18e9`; default 7e9); the shape is
+    /// derived from it (`--layers` and `--hidden` override).
+    #[arg(long)]
+    pub params: Option<f64>,
     /// A built-in GPT preset instead of `--params` and the shape flags
     /// (gpt-medium, gpt2-small, ...); `--vocab` may still replace its
     /// vocabulary, as `zeropp train` replaces it with the data's. With
     /// `--framework fsdp2`: a Llama,
-    /// `llama:d=,layers=,heads=,kv_heads=,ff=,vocab=,tie=` (`--seq` its context).
+    /// `llama:d=,layers=,heads=,kv_heads=,ff=,vocab=,tie=` (`d`, `layers` and
+    /// `heads` required; `--seq` its context).
     #[arg(long, conflicts_with_all = ["params", "layers", "hidden"])]
     pub model: Option<String>,
     /// Transformer blocks (default: derived from `--params`).
@@ -136,8 +138,15 @@ const DEFAULT_SEQ: usize = 2048;
 fn plan_at(a: &PlanArgs, inter: f64) -> Result<Plan, CliError> {
     match a.framework.as_str() {
         "engine" => {
-            if a.hf_config.is_some() {
-                return Err("--hf-config plans a PyTorch job: add --framework fsdp2".into());
+            let torch_only = [
+                ("--hf-config", a.hf_config.is_some()),
+                ("--param-dtype", a.param_dtype.is_some()),
+                ("--reduce-dtype", a.reduce_dtype.is_some()),
+                ("--root-reshard", a.root_reshard),
+                ("--backend", a.backend.is_some()),
+            ];
+            if let Some((flag, _)) = torch_only.iter().find(|(_, given)| *given) {
+                return Err(format!("{flag} describes a PyTorch job: add --framework fsdp2").into());
             }
             Ok(plan(&input(a, inter)?)?)
         }
@@ -174,9 +183,12 @@ fn torch_input(a: &PlanArgs, inter: f64) -> Result<TorchPlanInput, CliError> {
             );
         }
     };
-    if a.layers.is_some() || a.hidden.is_some() || a.vocab.is_some() {
-        return Err("--layers, --hidden and --vocab shape the engine's GPT; a Llama's shape is in --model or                     --hf-config"
-            .into());
+    if a.params.is_some() || a.layers.is_some() || a.hidden.is_some() || a.vocab.is_some() {
+        return Err(
+            "--params, --layers, --hidden and --vocab shape the engine's GPT; a Llama's shape is in \
+                    --model llama:... or --hf-config"
+                .into(),
+        );
     }
     let modes = a
         .mode
@@ -185,7 +197,8 @@ fn torch_input(a: &PlanArgs, inter: f64) -> Result<TorchPlanInput, CliError> {
         .split(',')
         .map(TorchMode::parse)
         .collect::<Result<Vec<_>, _>>()?;
-    let param_bytes = Precision::dtype_bytes(&a.param_dtype).map_err(|e| format!("--param-dtype: {e}"))?;
+    let param_bytes = Precision::dtype_bytes(a.param_dtype.as_deref().unwrap_or("bf16"))
+        .map_err(|e| format!("--param-dtype: {e}"))?;
     let reduce_bytes = match &a.reduce_dtype {
         Some(d) => Precision::dtype_bytes(d).map_err(|e| format!("--reduce-dtype: {e}"))?,
         None => param_bytes,
@@ -202,7 +215,7 @@ fn torch_input(a: &PlanArgs, inter: f64) -> Result<TorchPlanInput, CliError> {
         sharding: Sharding {
             precision: Precision { param_bytes, reduce_bytes },
             root_reshards: a.root_reshard,
-            backend: Backend::parse(&a.backend)?,
+            backend: Backend::parse(a.backend.as_deref().unwrap_or("nccl"))?,
         },
         modes,
     })
@@ -224,7 +237,8 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
         }
         None => {
             let vocab = a.vocab.unwrap_or(PlanModel::DEFAULT_VOCAB);
-            let derived = PlanModel::from_params(a.params, vocab, a.seq.unwrap_or(DEFAULT_SEQ))?;
+            let derived =
+                PlanModel::from_params(a.params.unwrap_or(7e9), vocab, a.seq.unwrap_or(DEFAULT_SEQ))?;
             PlanModel::shaped(
                 a.layers.unwrap_or(derived.gpt.n_layer),
                 a.hidden.unwrap_or(derived.gpt.d_model),
@@ -457,6 +471,37 @@ fn draw(path: &std::path::Path, order: &[String], points: &[(f64, Plan)]) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The error of `zeropp plan ARGS` at 100 Gbit/s, or "" when it plans.
+    fn refusal(args: &[&str]) -> String {
+        use clap::Parser;
+        let words = ["zeropp", "plan"].iter().chain(args).copied();
+        match crate::Cli::try_parse_from(words).map(|c| c.command) {
+            Ok(crate::Command::Plan(a)) => {
+                plan_at(&a, 12.5e9).err().map(|e| e.to_string()).unwrap_or_default()
+            }
+            Ok(_) => "not a plan".into(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn each_frameworks_flags_are_refused_in_the_other() {
+        let llama = ["--framework", "fsdp2", "--model", "llama:d=64,layers=2,heads=4"];
+        for (args, says) in [
+            (&["--backend", "gloo"][..], "--backend describes a PyTorch job"),
+            (&["--param-dtype", "fp32"][..], "--param-dtype describes a PyTorch job"),
+            (&["--reduce-dtype", "fp32"][..], "--reduce-dtype describes a PyTorch job"),
+            (&["--root-reshard"][..], "--root-reshard describes a PyTorch job"),
+            (&[&llama[..], &["--vocab", "10"]].concat()[..], "--vocab shape the engine's GPT"),
+            (&[&llama[..], &["--backend", "mpi"]].concat()[..], "expected nccl or gloo"),
+        ] {
+            let e = refusal(args);
+            assert!(e.contains(says), "{args:?}: `{e}`");
+        }
+        assert_eq!(refusal(&llama), "");
+        assert_eq!(refusal(&["--params", "1e9"]), "");
+    }
 
     #[test]
     fn sweeps_read_a_bandwidth_range() {

@@ -354,6 +354,7 @@ pub(crate) fn torch_part() -> Result<String, String> {
     let rates = std::env::var("ZEROPP_PLAN_TORCH_RATES").unwrap_or_else(|_| "1gbit,200mbit".into());
     let mut worst: [f64; 2] = [0.0; 2];
     let mut worst_speedup: f64 = 0.0;
+    let mut worst_uplink: f64 = 0.0;
     for rate in rates.split(',') {
         let bits = rate_bits(rate).ok_or_else(|| format!("bench plan: cannot read the rate `{rate}`"))?;
         let inter = format!("{bits}bit/s");
@@ -399,6 +400,17 @@ pub(crate) fn torch_part() -> Result<String, String> {
                     .and_then(Value::as_f64)
                     .unwrap_or(f64::NAN);
             let err = pred.map(|p| p / step - 1.0);
+            if err.iter().any(|e| !e.is_finite()) {
+                return Err(format!("bench plan: no finite prediction of {mode} at {rate}: {pred:?}"));
+            }
+            // The uplinks must have been seen (a wrong GLOO_SOCKET_IFNAME reads 0).
+            let uplink_err = uplink / nic - 1.0;
+            if !uplink_err.is_finite() || uplink <= 0.0 {
+                return Err(format!(
+                    "bench plan: {mode} at {rate}: uplink bytes {uplink} against the plan's {nic}"
+                ));
+            }
+            worst_uplink = worst_uplink.max(uplink_err.abs());
             // The measured exposed share of the communication (and its kernels):
             // what the step spends beyond the planned compute, over all of it.
             let compute = plans[1]
@@ -440,15 +452,18 @@ pub(crate) fn torch_part() -> Result<String, String> {
     // FSDP2 hides communication behind compute with CUDA streams (its implicit
     // prefetch); on CPU there are none, and gloo's calls block, so `--overlap none`
     // is the model that describes this job, chosen before it runs.
-    let met = worst[1] <= TORCH_GOAL && worst_speedup <= TORCH_GOAL;
+    // The links' bytes must be the plan's too (5%: TCP/IP framing is in the counters).
+    let met = worst[1] <= TORCH_GOAL && worst_speedup <= TORCH_GOAL && worst_uplink <= 0.05;
     let _ = writeln!(
         md,
         "\nWith `--overlap none` (FSDP2 on CPU overlaps nothing: its prefetch needs CUDA streams, and gloo's \
-         calls block), the worst step error is {:.1}% and the worst speedup error {:.1}% (goal {:.0}% each: {}). \
-         With `--overlap prefetch`, the worst step error is {:.1}%.",
+         calls block), the worst step error is {:.1}% and the worst speedup error {:.1}% (goal {:.0}% each), the \
+         uplinks' bytes within {:.1}% of the plan's (5%): {}. With `--overlap prefetch`, the worst step error is \
+         {:.1}%.",
         100.0 * worst[1],
         100.0 * worst_speedup,
         100.0 * TORCH_GOAL,
+        100.0 * worst_uplink,
         if met { "met" } else { "NOT met" },
         100.0 * worst[0],
     );
@@ -609,6 +624,13 @@ pub(crate) fn memory_part() -> Result<String, String> {
             if plan.get("params").and_then(Value::as_u64) != Some(params) {
                 return Err(format!(
                     "bench plan: the plan's Llama is not plan_memory.py's ({params} parameters)"
+                ));
+            }
+            if peaks.len() != 4 || peaks.iter().any(|p| !(p.is_finite() && *p > 0.0)) || !planned.is_finite()
+            {
+                return Err(format!(
+                    "bench plan: {} holds no peak for every rank, or the plan none: {peaks:?}, {planned}",
+                    out.display()
                 ));
             }
             let largest = peaks.iter().copied().fold(0.0, f64::max);

@@ -104,23 +104,46 @@ impl Decoder {
                         RunError::InvalidConfig(format!("model `{spec}`: `{kv}` is not a positive integer"))
                     })?;
                 }
-                _ => rest.push(kv),
+                _ => rest.push(kv.to_string()),
             }
+        }
+        if !name.trim().eq_ignore_ascii_case("llama") {
+            return Ok(None);
+        }
+        // A plan needs the shape: the training default's 64-wide toy is no job to plan.
+        let value = |keys: &[&str]| -> Option<String> {
+            rest.iter().find_map(|kv| {
+                kv.split_once('=')
+                    .filter(|(k, _)| keys.contains(&k.trim()))
+                    .map(|(_, v)| v.trim().to_string())
+            })
+        };
+        for (what, keys) in [
+            ("d", &["d", "hidden_size"][..]),
+            ("layers", &["layers", "num_hidden_layers"][..]),
+            ("heads", &["heads", "num_attention_heads"][..]),
+        ] {
+            if value(keys).is_none() {
+                return Err(RunError::InvalidConfig(format!(
+                    "model `{spec}`: a plan's llama: spec needs d, layers and heads (`{what}=` is missing)"
+                )));
+            }
+        }
+        // As in a Hugging Face config, key/value heads default to the heads.
+        let kv_given = value(&["kv_heads", "num_key_value_heads"]).is_some();
+        if !kv_given && let Some(h) = value(&["heads", "num_attention_heads"]) {
+            rest.push(format!("kv_heads={h}"));
         }
         let Some(shape) = LlamaShape::parse(&format!("{name}:{}", rest.join(",")))? else {
             return Ok(None);
         };
         let c = shape.config(vocab);
-        // As in a Hugging Face config, key/value heads default to the heads.
-        let kv_given = rest.iter().any(|kv| {
-            kv.split_once('=').is_some_and(|(k, _)| matches!(k.trim(), "kv_heads" | "num_key_value_heads"))
-        });
         let d = Self {
             vocab,
             hidden: c.d_model,
             layers: c.n_layer,
             heads: c.n_head,
-            kv_heads: if kv_given { c.n_kv_head } else { c.n_head },
+            kv_heads: c.n_kv_head,
             head_dim: c.head_dim(),
             ff: c.d_ff,
             tied: c.tie_word_embeddings,
@@ -172,8 +195,15 @@ impl Decoder {
         } else {
             heads
         };
-        let head_dim =
-            if v.get("head_dim").is_some_and(|x| !x.is_null()) { need("head_dim")? } else { hidden / heads };
+        let head_dim = if v.get("head_dim").is_some_and(|x| !x.is_null()) {
+            need("head_dim")?
+        } else if hidden.is_multiple_of(heads) {
+            hidden / heads
+        } else {
+            return Err(RunError::InvalidConfig(format!(
+                "--hf-config: hidden_size {hidden} is not a multiple of num_attention_heads {heads}, and no head_dim"
+            )));
+        };
         let attention_bias = flag("attention_bias");
         let d = Self {
             vocab: need("vocab_size")?,
@@ -193,7 +223,7 @@ impl Decoder {
         Ok(d)
     }
 
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let bad = |m: String| Err(RunError::InvalidConfig(format!("decoder shape: {m}")));
         if [self.vocab, self.hidden, self.layers, self.heads, self.kv_heads, self.head_dim, self.ff, self.seq]
             .contains(&0)
@@ -206,8 +236,13 @@ impl Decoder {
                 self.heads, self.kv_heads
             ));
         }
-        let (l, h, v, f) = (self.layers as f64, self.hidden as f64, self.vocab as f64, self.ff as f64);
-        if l * (4.0 * h * h + 3.0 * h * f) + 2.0 * v * h > 1e15 {
+        // Every product the models form, in f64 first, so that none overflows usize.
+        let f = |x: usize| x as f64;
+        let (q, kv) = (f(self.heads) * f(self.head_dim), f(self.kv_heads) * f(self.head_dim));
+        let (h, ff) = (f(self.hidden), f(self.ff));
+        let layer = 2.0 * q * h + 2.0 * kv * h + 3.0 * h * ff + q + 2.0 * kv + 3.0 * ff + 4.0 * h;
+        let total = f(self.layers) * layer + 2.0 * f(self.vocab) * h + h;
+        if total > 1e15 || f(self.seq) * f(self.seq) * q > 1e18 {
             return bad(format!("{self:?} is beyond 1e15 parameters"));
         }
         Ok(())
@@ -308,8 +343,19 @@ mod tests {
         }
         assert!(Decoder::from_spec("llama:vocab=0", 64).is_err());
         assert!(matches!(Decoder::from_spec("gpt", 64), Ok(None)));
-        let mha = Decoder::from_spec("llama:d=128,heads=8", 64).ok().flatten().map(|d| (d.heads, d.kv_heads));
+        let mha = Decoder::from_spec("llama:d=128,layers=2,heads=8", 64)
+            .ok()
+            .flatten()
+            .map(|d| (d.heads, d.kv_heads));
         assert_eq!(mha, Some((8, 8)));
+        // Three heads pass (the training default's two key/value heads would refuse them).
+        assert!(matches!(Decoder::from_spec("llama:d=96,layers=2,heads=3", 64), Ok(Some(_))));
+        let e =
+            Decoder::from_spec("llama:d=128,heads=8", 64).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("`layers=` is missing"), "{e}");
+        let huge = r#"{"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 4611686018427387904}"#;
+        assert!(Decoder::from_hf_config(huge, 64).is_err());
     }
 
     #[test]

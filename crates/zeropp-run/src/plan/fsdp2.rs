@@ -164,9 +164,7 @@ pub(super) fn step(
     local: usize,
     sh: Sharding,
 ) -> Result<TorchStep> {
-    if nodes == 0 || local == 0 {
-        return Err(RunError::InvalidConfig("--nodes and --gpus-per-node must be positive".into()));
-    }
+    super::torch_job::check_job(d, nodes, local, sh.precision)?;
     let pr = sh.precision;
     let topo = Topology::ranks(nodes * local)
         .per_node(local)
@@ -285,11 +283,8 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
     if input.modes.is_empty() {
         return Err(RunError::InvalidConfig("--mode: no mode to plan".into()));
     }
-    for b in [input.sharding.precision.param_bytes, input.sharding.precision.reduce_bytes] {
-        if b != 2 && b != 4 {
-            return Err(RunError::InvalidConfig(format!("{b} bytes an element: expected 2 or 4")));
-        }
-    }
+    let c = &input.cluster;
+    super::torch_job::check_job(&input.decoder, c.nodes, c.gpus_per_node, input.sharding.precision)?;
     let mut d = input.decoder;
     if input.tokens == 0 {
         return Err(RunError::InvalidConfig("--tokens 0: expected a positive number of tokens".into()));
@@ -303,7 +298,6 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
     }
     d.seq = seq;
     let batch = input.tokens.div_ceil(seq);
-    let c = &input.cluster;
     let flops = d.flops(batch, input.checkpointing);
     let mut modes = BTreeMap::new();
     let mut order = Vec::new();
@@ -324,7 +318,7 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
             input.sharding,
             batch,
             input.checkpointing,
-        );
+        )?;
         modes.insert(
             mode.name().to_string(),
             ModePlan {

@@ -8,6 +8,7 @@ use zeropp_quant::{QuantSpec, encoded_len};
 
 use super::decoder::{Decoder, Param};
 use super::torch_job::{Sharding, TorchMode};
+use crate::Result;
 
 /// An FSDP2 job's bytes per GPU at its peak, by part.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
@@ -15,8 +16,9 @@ pub struct TorchMemory {
     /// The sharded states: fp32 parameters, fp32 gradients and AdamW's two
     /// fp32 moments, 16 bytes an element of the rank's padded shards.
     pub states: f64,
-    /// The root's parameters in the parameters' dtype, gathered from its
-    /// forward to its backward unless it reshards ([`Sharding::root_reshards`]);
+    /// The root's parameters in the parameters' dtype and their unsharded
+    /// gradient in the reduce dtype, held from its forward to the end of the
+    /// backward unless it reshards ([`Sharding::root_reshards`]);
     /// 0 when it does (then a layer in flight bounds it: the root's gather is
     /// counted in `in_flight` when it is the larger).
     pub root: f64,
@@ -29,8 +31,8 @@ pub struct TorchMemory {
     /// or zeropp's node share of the INT8 encodings.
     pub hpz: f64,
     /// Activations in the parameters' dtype: what each decoder layer's graph
-    /// keeps for its backward (`layer_activation_bytes`: about `41·h` bytes
-    /// a token at bf16 for a Llama-7B-like shape, where Korthikanti et al.
+    /// keeps for its backward (`layer_activation_bytes`: `41.6·h` to `43.5·h` bytes
+    /// a token at bf16 for the shapes benched and Llama-2-7B's, where Korthikanti et al.
     /// 2022 count `34·h` for a GPT layer); with checkpointing, the layers'
     /// inputs (`p·h` a token each) and one layer's whole set; and the logits:
     /// the model's, the loss's fp32 upcast of 16-bit ones and log-softmax's
@@ -68,8 +70,9 @@ pub fn memory(
     sh: Sharding,
     batch: usize,
     checkpointing: bool,
-) -> TorchMemory {
+) -> Result<TorchMemory> {
     let pr = sh.precision;
+    super::torch_job::check_job(d, nodes, local, pr)?;
     let w = nodes * local;
     let shard = |ps: &[Param]| ps.iter().map(|q| q.shard(w)).sum::<usize>() as f64;
     let (layer, root) = (d.layer_params(), d.root_params());
@@ -77,6 +80,8 @@ pub fn memory(
     let numel = |ps: &[Param]| ps.iter().map(Param::numel).sum::<usize>() as f64;
     let (p, r) = (pr.param_bytes as f64, pr.reduce_bytes as f64);
     let hpz = match mode {
+        // On one node `reshard_after_forward=L` is the world: FSDP2 reshards fully.
+        TorchMode::Fsdp2 | TorchMode::Fsdp2Hpz if nodes == 1 => 0.0,
         TorchMode::Fsdp2 => 0.0,
         TorchMode::Fsdp2Hpz => d.layers as f64 * shard(&layer) * w as f64 / local as f64 * p,
         TorchMode::ZeroppTorch if nodes > 1 && local > 1 => {
@@ -100,9 +105,11 @@ pub fn memory(
     let upcast = if pr.param_bytes < 4 { 4.0 } else { 0.0 };
     let logits = tokens * d.vocab as f64 * (p + upcast + 4.0);
     let activations = logits + if checkpointing { l * tokens * h * p + per_layer } else { l * per_layer };
-    TorchMemory {
+    Ok(TorchMemory {
         states: 16.0 * all,
-        root: if sh.root_reshards { 0.0 } else { numel(&root) * p },
+        // Held from its forward to its backward's end, with its unsharded gradient
+        // (the head's is the backward's first, its reduce-scatter the last).
+        root: if sh.root_reshards { 0.0 } else { numel(&root) * (p + r) },
         in_flight: if sh.root_reshards {
             (numel(&layer) + numel(&layer).max(numel(&root))) * p + numel(&layer).max(numel(&root)) * r
         } else {
@@ -110,5 +117,5 @@ pub fn memory(
         },
         hpz,
         activations,
-    }
+    })
 }

@@ -3,6 +3,7 @@
 //! ([`Backend`]) and how it calls FSDP2 ([`Sharding`]). Both the byte model
 //! (`fsdp2.rs`) and the memory model (`fsdp2_memory.rs`) read them.
 
+use super::decoder::Decoder;
 use crate::{Result, RunError};
 
 /// What a PyTorch job shards with.
@@ -106,4 +107,21 @@ pub struct Sharding {
     pub root_reshards: bool,
     /// The backend, for the time model (the bytes handed over are the same).
     pub backend: Backend,
+}
+
+/// A job's sizes are in range: its decoder's shape, at least one node of at
+/// least one GPU and at most 2^20 GPUs, and 2 or 4 bytes an element on the wire.
+pub(crate) fn check_job(d: &Decoder, nodes: usize, local: usize, pr: Precision) -> Result<()> {
+    d.check()?;
+    if nodes == 0 || local == 0 || nodes.saturating_mul(local) > 1 << 20 {
+        return Err(RunError::InvalidConfig(format!(
+            "cluster {nodes} x {local}: expected 1 to 2^20 GPUs, at least one a node"
+        )));
+    }
+    for b in [pr.param_bytes, pr.reduce_bytes] {
+        if b != 2 && b != 4 {
+            return Err(RunError::InvalidConfig(format!("{b} bytes an element: expected 2 or 4")));
+        }
+    }
+    Ok(())
 }
