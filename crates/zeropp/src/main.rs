@@ -12,6 +12,7 @@ mod doc_lines;
 mod error;
 mod models;
 mod plan;
+mod plan_report;
 mod print;
 mod quant;
 #[cfg(test)]
