@@ -14,7 +14,9 @@
 //! give the 49B, 91B and 138B shapes, so those use the planner's default shape
 //! for their parameter count.
 
-use zeropp_run::plan::{Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, plan};
+use zeropp_run::plan::{
+    Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, Setting, plan,
+};
 
 /// (billions of parameters, tokens per GPU, inter-node Gbit/s per node,
 /// published ZeRO-3 TFLOP/s, published ZeRO++ TFLOP/s, source).
@@ -76,18 +78,20 @@ fn predict(
     let &(b, tokens, gbits, ..) = row;
     let input = PlanInput {
         model: model(b)?,
-        tokens,
-        cluster: Cluster {
-            nodes: 24,
-            gpus_per_node: 16,
-            inter_bytes_per_s: gbits * 1e9 / 8.0,
-            intra_bytes_per_s: 150e9,
-            latency_s: 20e-6,
+        setting: Setting {
+            tokens,
+            cluster: Cluster {
+                nodes: 24,
+                gpus_per_node: 16,
+                inter_bytes_per_s: gbits * 1e9 / 8.0,
+                intra_bytes_per_s: 150e9,
+                latency_s: 20e-6,
+            },
+            gpu: v100.clone(),
+            efficiency: eff,
+            checkpointing: true,
+            overlap,
         },
-        gpu: v100.clone(),
-        efficiency: eff,
-        checkpointing: true,
-        overlap,
         modes: vec![PlanMode::Zero3, PlanMode::Zeropp],
     };
     let p = plan(&input)?;

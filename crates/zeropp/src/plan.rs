@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use clap::Args;
 use zeropp_run::plan::{
     Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Plan, PlanInput, PlanMode, PlanModel, Precision,
-    Sharding, TorchMode, TorchPlanInput, parse_bandwidth, plan, plan_fsdp2,
+    Setting, Sharding, TorchMode, TorchPlanInput, parse_bandwidth, plan, plan_fsdp2,
 };
 
 use crate::CliError;
@@ -160,14 +160,22 @@ fn plan_at(a: &PlanArgs, inter: f64) -> Result<Plan, CliError> {
     }
 }
 
-/// The cluster of the flags at inter-node bandwidth `inter`.
-fn cluster(a: &PlanArgs, inter: f64, gpu: &GpuSpec) -> Result<Cluster, CliError> {
-    Ok(Cluster {
-        nodes: a.nodes,
-        gpus_per_node: a.gpus_per_node,
-        inter_bytes_per_s: inter,
-        intra_bytes_per_s: intra(a, gpu)?,
-        latency_s: a.latency_us * 1e-6,
+/// What every plan of the flags shares, at inter-node bandwidth `inter`.
+fn setting(a: &PlanArgs, inter: f64) -> Result<Setting, CliError> {
+    let gpu = GpuSpec::parse(&a.gpu)?;
+    Ok(Setting {
+        tokens: a.tokens,
+        cluster: Cluster {
+            nodes: a.nodes,
+            gpus_per_node: a.gpus_per_node,
+            inter_bytes_per_s: inter,
+            intra_bytes_per_s: intra(a, &gpu)?,
+            latency_s: a.latency_us * 1e-6,
+        },
+        gpu,
+        efficiency: Efficiency { compute: a.compute_efficiency, link: a.link_efficiency },
+        checkpointing: !a.no_checkpointing,
+        overlap: Overlap::parse(&a.overlap)?,
     })
 }
 
@@ -208,15 +216,9 @@ fn torch_input(a: &PlanArgs, inter: f64) -> Result<TorchPlanInput, CliError> {
         Some(d) => Precision::dtype_bytes(d).map_err(|e| format!("--reduce-dtype: {e}"))?,
         None => param_bytes,
     };
-    let gpu = GpuSpec::parse(&a.gpu)?;
     Ok(TorchPlanInput {
         decoder,
-        tokens: a.tokens,
-        cluster: cluster(a, inter, &gpu)?,
-        gpu,
-        efficiency: Efficiency { compute: a.compute_efficiency, link: a.link_efficiency },
-        checkpointing: !a.no_checkpointing,
-        overlap: Overlap::parse(&a.overlap)?,
+        setting: setting(a, inter)?,
         sharding: Sharding {
             precision: Precision { param_bytes, reduce_bytes },
             root_reshards: a.root_reshard,
@@ -259,17 +261,7 @@ fn input(a: &PlanArgs, inter: f64) -> Result<PlanInput, CliError> {
         .split(',')
         .map(PlanMode::parse)
         .collect::<Result<Vec<_>, _>>()?;
-    let gpu = GpuSpec::parse(&a.gpu)?;
-    Ok(PlanInput {
-        model,
-        tokens: a.tokens,
-        cluster: cluster(a, inter, &gpu)?,
-        gpu,
-        efficiency: Efficiency { compute: a.compute_efficiency, link: a.link_efficiency },
-        checkpointing: !a.no_checkpointing,
-        overlap: Overlap::parse(&a.overlap)?,
-        modes,
-    })
+    Ok(PlanInput { model, setting: setting(a, inter)?, modes })
 }
 
 /// `--intra`'s rate in bytes/s, or the GPU's own NVLink when it is not given.

@@ -75,7 +75,7 @@ pub(crate) fn cluster_part() -> Result<String, String> {
         median(steps.iter().skip(1).filter_map(|s| s.pointer("/times/compute_s")?.as_f64())),
         || format!("the calibration run {} recorded no compute time", calib.display()),
     )?;
-    let probe = plan_json(&zeropp, "1Gbit/s", 1.0, 1e9, "prefetch")?;
+    let probe = plan_json(&zeropp, plan_args("1Gbit/s", 1.0, 1e9, "prefetch"))?;
     let flops = probe.get("flops_per_gpu").and_then(Value::as_f64).ok_or("plan: no flops_per_gpu")?;
     if probe.get("seq").and_then(Value::as_u64) != Some(TOKENS_PER_RANK as u64) {
         return Err(format!(
@@ -125,8 +125,8 @@ pub(crate) fn cluster_part() -> Result<String, String> {
     for rate in rates.split(',') {
         let bits = rate_bits(rate).ok_or_else(|| format!("bench plan: cannot read the rate `{rate}`"))?;
         let inter = format!("{bits}bit/s");
-        let plan = plan_json(&zeropp, &inter, tflops, kernel, "prefetch")?;
-        let serial = plan_json(&zeropp, &inter, tflops, kernel, "none")?;
+        let plan = plan_json(&zeropp, plan_args(&inter, tflops, kernel, "prefetch"))?;
+        let serial = plan_json(&zeropp, plan_args(&inter, tflops, kernel, "none"))?;
         for mode in MODES {
             let mut shape = shape0.clone();
             shape.rate = rate.to_string();
@@ -178,14 +178,14 @@ pub(crate) fn cluster_part() -> Result<String, String> {
 
 /// `zeropp plan --json` of the cluster's job at `inter`, with the measured rates,
 /// under the overlap model `overlap`.
-fn plan_json(zeropp: &Path, inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Result<Value, String> {
+fn plan_json(zeropp: &Path, args: Vec<String>) -> Result<Value, String> {
     let o = Command::new(zeropp)
-        .args(plan_args(inter, tflops, kernel, overlap))
+        .args(&args)
         .arg("--json")
         .output()
         .map_err(|e| format!("{}: {e}", zeropp.display()))?;
     if !o.status.success() {
-        return Err(format!("zeropp plan failed: {}", String::from_utf8_lossy(&o.stderr)));
+        return Err(format!("zeropp {} failed: {}", args.join(" "), String::from_utf8_lossy(&o.stderr)));
     }
     serde_json::from_slice(&o.stdout).map_err(|e| format!("zeropp plan --json: {e}"))
 }
@@ -193,19 +193,22 @@ fn plan_json(zeropp: &Path, inter: &str, tflops: f64, kernel: f64, overlap: &str
 /// `zeropp plan`'s arguments for the cluster's job (printed in the report, so
 /// that a reader can rerun one prediction).
 fn plan_args(inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Vec<String> {
-    let tokens = TOKENS_PER_RANK.to_string();
-    let vocab = DATA_VOCAB.to_string();
+    let (tokens, vocab) = (TOKENS_PER_RANK.to_string(), DATA_VOCAB.to_string());
+    let model = ["plan", "--model", "gpt-medium", "--vocab", &vocab, "--tokens", &tokens];
+    strings(&model)
+        .into_iter()
+        .chain(cluster_args(inter, tflops, kernel, overlap))
+        .chain(strings(&["--mode", &MODES.join(",")]))
+        .collect()
+}
+
+/// The flags both halves' plans share: the namespace cluster's 2 x 2 at `inter`,
+/// this machine's measured rates, the link efficiency, no latency term, no
+/// checkpointing, and the overlap model `overlap`.
+fn cluster_args(inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Vec<String> {
     let gpu = format!("tflops={tflops:.4e},kernel={kernel:.4e}");
     let link = format!("{TCP_PAYLOAD_PER_FRAME:.4}");
-    let modes = MODES.join(",");
-    let args = [
-        "plan",
-        "--model",
-        "gpt-medium",
-        "--vocab",
-        &vocab,
-        "--tokens",
-        &tokens,
+    strings(&[
         "--nodes",
         "2",
         "--gpus-per-node",
@@ -225,10 +228,11 @@ fn plan_args(inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Vec<String
         "--no-checkpointing",
         "--overlap",
         overlap,
-        "--mode",
-        &modes,
-    ];
-    args.iter().map(|s| s.to_string()).collect()
+    ])
+}
+
+fn strings(words: &[&str]) -> Vec<String> {
+    words.iter().map(|s| s.to_string()).collect()
 }
 
 /// `x` when it is a positive number, else the error `what` says.
@@ -320,7 +324,7 @@ pub(crate) fn torch_part() -> Result<String, String> {
     let compute_s = positive(step_1 - opt_1 + opt_1 / 4.0, || {
         format!("{} has no step_s and optimizer_s", calib.display())
     })?;
-    let probe = torch_plan_json(&zeropp, "1Gbit/s", 1.0, 1e9, "prefetch")?;
+    let probe = plan_json(&zeropp, torch_plan_args("1Gbit/s", 1.0, 1e9, "prefetch"))?;
     let flops = probe.get("flops_per_gpu").and_then(Value::as_f64).ok_or("plan: no flops_per_gpu")?;
     let (planned, ran) =
         (probe.get("params").and_then(Value::as_u64), v.get("params").and_then(Value::as_u64));
@@ -359,8 +363,8 @@ pub(crate) fn torch_part() -> Result<String, String> {
         let bits = rate_bits(rate).ok_or_else(|| format!("bench plan: cannot read the rate `{rate}`"))?;
         let inter = format!("{bits}bit/s");
         let plans = [
-            torch_plan_json(&zeropp, &inter, tflops, kernel, "prefetch")?,
-            torch_plan_json(&zeropp, &inter, tflops, kernel, "none")?,
+            plan_json(&zeropp, torch_plan_args(&inter, tflops, kernel, "prefetch"))?,
+            plan_json(&zeropp, torch_plan_args(&inter, tflops, kernel, "none"))?,
         ];
         let mut measured = Vec::new();
         for (variant, mode) in [("default", "fsdp2"), ("zeropp", "zeropp-torch")] {
@@ -475,70 +479,18 @@ fn read_json(path: &Path) -> Result<Value, String> {
     serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
-/// `zeropp plan --framework fsdp2 --json` of the PyTorch job at `inter`.
-fn torch_plan_json(
-    zeropp: &Path,
-    inter: &str,
-    tflops: f64,
-    kernel: f64,
-    overlap: &str,
-) -> Result<Value, String> {
-    let o = Command::new(zeropp)
-        .args(torch_plan_args(inter, tflops, kernel, overlap))
-        .arg("--json")
-        .output()
-        .map_err(|e| format!("{}: {e}", zeropp.display()))?;
-    if !o.status.success() {
-        return Err(format!("zeropp plan --framework fsdp2 failed: {}", String::from_utf8_lossy(&o.stderr)));
-    }
-    serde_json::from_slice(&o.stdout).map_err(|e| format!("zeropp plan --json: {e}"))
-}
-
 /// `zeropp plan`'s arguments for the PyTorch job.
 fn torch_plan_args(inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Vec<String> {
     let tokens = TORCH_TOKENS.to_string();
-    let gpu = format!("tflops={tflops:.4e},kernel={kernel:.4e}");
-    let link = format!("{TCP_PAYLOAD_PER_FRAME:.4}");
-    [
-        "plan",
-        "--framework",
-        "fsdp2",
-        "--model",
-        TORCH_MODEL,
-        "--seq",
-        &tokens,
-        "--tokens",
-        &tokens,
-        "--nodes",
-        "2",
-        "--gpus-per-node",
-        "2",
-        "--inter",
-        inter,
-        "--intra",
-        "10GB/s",
-        "--latency-us",
-        "0",
-        "--gpu",
-        &gpu,
-        "--compute-efficiency",
-        "1",
-        "--link-efficiency",
-        &link,
-        "--no-checkpointing",
-        "--overlap",
-        overlap,
-        "--param-dtype",
-        "bf16",
-        "--root-reshard",
-        "--backend",
-        "gloo",
-        "--mode",
-        "fsdp2,zeropp-torch",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    let model =
+        ["plan", "--framework", "fsdp2", "--model", TORCH_MODEL, "--seq", &tokens, "--tokens", &tokens];
+    let job =
+        ["--param-dtype", "bf16", "--root-reshard", "--backend", "gloo", "--mode", "fsdp2,zeropp-torch"];
+    strings(&model)
+        .into_iter()
+        .chain(cluster_args(inter, tflops, kernel, overlap))
+        .chain(strings(&job))
+        .collect()
 }
 
 /// The shapes of the memory check: (hidden, layers, heads, key/value heads, SwiGLU width, vocabulary).
@@ -569,17 +521,30 @@ pub(crate) fn memory_part() -> Result<String, String> {
     for (h, l, heads, kv, ff, vocab) in MEMORY_SHAPES {
         let spec = format!("llama:d={h},layers={l},heads={heads},kv_heads={kv},ff={ff},vocab={vocab}");
         let tokens = MEMORY_TOKENS.to_string();
-        let o = Command::new(&zeropp)
-            .args(["plan", "--framework", "fsdp2", "--model", &spec, "--seq", &tokens, "--tokens", &tokens])
-            .args(["--nodes", "2", "--gpus-per-node", "2", "--intra", "10GB/s", "--gpu", "tflops=1"])
-            .args(["--root-reshard", "--backend", "gloo", "--no-checkpointing", "--json"])
-            .output()
-            .map_err(|e| format!("{}: {e}", zeropp.display()))?;
-        if !o.status.success() {
-            return Err(format!("zeropp plan failed: {}", String::from_utf8_lossy(&o.stderr)));
-        }
-        let plan: Value =
-            serde_json::from_slice(&o.stdout).map_err(|e| format!("zeropp plan --json: {e}"))?;
+        let args = [
+            "plan",
+            "--framework",
+            "fsdp2",
+            "--model",
+            &spec,
+            "--seq",
+            &tokens,
+            "--tokens",
+            &tokens,
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "2",
+            "--intra",
+            "10GB/s",
+            "--gpu",
+            "tflops=1",
+            "--root-reshard",
+            "--backend",
+            "gloo",
+            "--no-checkpointing",
+        ];
+        let plan = plan_json(&zeropp, strings(&args))?;
         for mode in ["fsdp2", "fsdp2-hpz", "zeropp-torch"] {
             let out = base.join(format!("d{h}-{mode}.json"));
             let args: Vec<String> = [

@@ -52,7 +52,7 @@ use zeropp_quant::{QuantSpec, encoded_len};
 use super::decoder::{Decoder, Param};
 use super::time::{Calls, OpTime, Rates, StepTimes};
 pub use super::torch_job::{Backend, Precision, Sharding, TorchMode};
-use super::{Cluster, Efficiency, GpuSpec, ModePlan, Overlap, Plan};
+use super::{ModePlan, Plan, Setting};
 use crate::{Result, RunError};
 
 /// Everything a PyTorch job's plan needs.
@@ -60,18 +60,8 @@ use crate::{Result, RunError};
 pub struct TorchPlanInput {
     /// The model.
     pub decoder: Decoder,
-    /// Tokens per GPU per micro-batch (a multiple of the context, or at most one).
-    pub tokens: usize,
-    /// The cluster.
-    pub cluster: Cluster,
-    /// The GPU.
-    pub gpu: GpuSpec,
-    /// The time model's two constants.
-    pub efficiency: Efficiency,
-    /// Activation checkpointing.
-    pub checkpointing: bool,
-    /// How communication overlaps compute.
-    pub overlap: Overlap,
+    /// The work per GPU, the cluster, the GPU and the time model's settings.
+    pub setting: Setting,
     /// The dtypes on the wire and the root's resharding.
     pub sharding: Sharding,
     /// The modes to plan, in order.
@@ -254,16 +244,18 @@ pub(super) fn step(
 /// docs](super) over [`fsdp2_step_bytes`], and [`memory`](super::fsdp2_memory())'s bytes per GPU.
 ///
 /// ```
-/// use zeropp_run::plan::{Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Precision, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
+/// use zeropp_run::plan::{Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Precision, Setting, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
 /// let decoder = Decoder::from_spec("llama:d=4096,layers=32,heads=32,kv_heads=32,ff=11008", 4096)?.ok_or("llama")?;
 /// let input = TorchPlanInput {
 ///     decoder,
-///     tokens: 4096,
-///     cluster: Cluster { nodes: 16, gpus_per_node: 8, inter_bytes_per_s: 12.5e9, intra_bytes_per_s: 450e9, latency_s: 20e-6 },
-///     gpu: GpuSpec::preset("h100").ok_or("preset")?,
-///     efficiency: Efficiency::default(),
-///     checkpointing: true,
-///     overlap: Overlap::Prefetch,
+///     setting: Setting {
+///         tokens: 4096,
+///         cluster: Cluster { nodes: 16, gpus_per_node: 8, inter_bytes_per_s: 12.5e9, intra_bytes_per_s: 450e9, latency_s: 20e-6 },
+///         gpu: GpuSpec::preset("h100").ok_or("preset")?,
+///         efficiency: Efficiency::default(),
+///         checkpointing: true,
+///         overlap: Overlap::Prefetch,
+///     },
 ///     sharding: Sharding { precision: Precision { param_bytes: 2, reduce_bytes: 4 }, root_reshards: false, backend: Backend::Nccl },
 ///     modes: TorchMode::ALL.to_vec(),
 /// };
@@ -273,32 +265,18 @@ pub(super) fn step(
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
-    let rates = Rates {
-        cluster: &input.cluster,
-        gpu: &input.gpu,
-        efficiency: input.efficiency,
-        overlap: input.overlap,
-    };
+    let set = &input.setting;
+    let rates = Rates::from(set);
     super::check_rates(&rates)?;
     if input.modes.is_empty() {
         return Err(RunError::InvalidConfig("--mode: no mode to plan".into()));
     }
-    let c = &input.cluster;
+    let c = &set.cluster;
     super::torch_job::check_job(&input.decoder, c.nodes, c.gpus_per_node, input.sharding.precision)?;
     let mut d = input.decoder;
-    if input.tokens == 0 {
-        return Err(RunError::InvalidConfig("--tokens 0: expected a positive number of tokens".into()));
-    }
-    let seq = d.seq.min(input.tokens);
-    if input.tokens > seq && !input.tokens.is_multiple_of(seq) {
-        return Err(RunError::InvalidConfig(format!(
-            "--tokens {}: expected a positive multiple of the context ({seq}) or at most one context",
-            input.tokens
-        )));
-    }
+    let (seq, batch) = set.micro_batch(d.seq)?;
     d.seq = seq;
-    let batch = input.tokens.div_ceil(seq);
-    let flops = d.flops(batch, input.checkpointing);
+    let flops = d.flops(batch, set.checkpointing);
     let mut modes = BTreeMap::new();
     let mut order = Vec::new();
     let mut first = None;
@@ -317,7 +295,7 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
             c.gpus_per_node,
             input.sharding,
             batch,
-            input.checkpointing,
+            set.checkpointing,
         )?;
         modes.insert(
             mode.name().to_string(),
@@ -344,14 +322,14 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
         hidden: d.hidden,
         vocab: d.vocab,
         seq,
-        tokens: input.tokens,
+        tokens: set.tokens,
         flops_per_gpu: flops.0 + flops.1,
         gpus: c.world(),
         intra_bytes_per_s: c.intra_bytes_per_s,
-        gpu: input.gpu.name.clone(),
-        compute_efficiency: input.efficiency.compute,
-        link_efficiency: input.efficiency.link,
-        overlap: input.overlap,
+        gpu: set.gpu.name.clone(),
+        compute_efficiency: set.efficiency.compute,
+        link_efficiency: set.efficiency.link,
+        overlap: set.overlap,
         modes,
         order,
     })

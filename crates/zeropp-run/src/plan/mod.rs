@@ -201,11 +201,10 @@ impl Default for Efficiency {
     }
 }
 
-/// Everything a plan needs.
+/// What every plan shares, whatever runs the job: the work per GPU, the
+/// cluster, the GPU and the time model's settings.
 #[derive(Debug, Clone, PartialEq)]
-pub struct PlanInput {
-    /// The model.
-    pub model: PlanModel,
+pub struct Setting {
     /// Tokens per GPU per micro-batch (a multiple of the context, or at most one context).
     pub tokens: usize,
     /// The cluster.
@@ -218,12 +217,40 @@ pub struct PlanInput {
     pub checkpointing: bool,
     /// How communication overlaps compute.
     pub overlap: Overlap,
+}
+
+impl Setting {
+    /// The context and the sequences per micro-batch of a model whose context
+    /// is `context`: `tokens` as sequences of at most `context` tokens, an
+    /// error unless it is at most one context or a whole number of them.
+    fn micro_batch(&self, context: usize) -> Result<(usize, usize)> {
+        if self.tokens == 0 {
+            return Err(RunError::InvalidConfig("--tokens 0: expected a positive number of tokens".into()));
+        }
+        let seq = context.min(self.tokens);
+        if self.tokens > seq && !self.tokens.is_multiple_of(seq) {
+            return Err(RunError::InvalidConfig(format!(
+                "--tokens {}: expected a positive multiple of the context ({seq}) or at most one context",
+                self.tokens
+            )));
+        }
+        Ok((seq, self.tokens.div_ceil(seq)))
+    }
+}
+
+/// Everything a plan of the engine's job needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanInput {
+    /// The model.
+    pub model: PlanModel,
+    /// The work per GPU, the cluster, the GPU and the time model's settings.
+    pub setting: Setting,
     /// The modes to plan, in order.
     pub modes: Vec<PlanMode>,
 }
 
 /// One mode's plan, per GPU per optimizer step (one micro-batch of
-/// [`PlanInput::tokens`]). For zeropp-delta the figures are the mean over its
+/// [`Setting::tokens`]). For zeropp-delta the figures are the mean over its
 /// refresh period: one full step per `refresh_every` steps, differences between.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ModePlan {
@@ -303,15 +330,17 @@ pub struct Plan {
 /// Plans every mode of `input` (see the [module docs](self)).
 ///
 /// ```
-/// use zeropp_run::plan::{Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, plan};
+/// use zeropp_run::plan::{Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, Setting, plan};
 /// let input = PlanInput {
 ///     model: PlanModel::from_params(1e9, PlanModel::DEFAULT_VOCAB, 2048)?,
-///     tokens: 2048,
-///     cluster: Cluster { nodes: 4, gpus_per_node: 8, inter_bytes_per_s: 12.5e9, intra_bytes_per_s: 300e9, latency_s: 20e-6 },
-///     gpu: GpuSpec::preset("a100").ok_or("preset")?,
-///     efficiency: Efficiency::default(),
-///     checkpointing: true,
-///     overlap: Overlap::Prefetch,
+///     setting: Setting {
+///         tokens: 2048,
+///         cluster: Cluster { nodes: 4, gpus_per_node: 8, inter_bytes_per_s: 12.5e9, intra_bytes_per_s: 300e9, latency_s: 20e-6 },
+///         gpu: GpuSpec::preset("a100").ok_or("preset")?,
+///         efficiency: Efficiency::default(),
+///         checkpointing: true,
+///         overlap: Overlap::Prefetch,
+///     },
 ///     modes: vec![PlanMode::Zero3, PlanMode::Zeropp],
 /// };
 /// let p = plan(&input)?;
@@ -321,24 +350,15 @@ pub struct Plan {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn plan(input: &PlanInput) -> Result<Plan> {
-    check_rates(&time::Rates::from(input))?;
-    let c = &input.cluster;
+    let st = &input.setting;
+    check_rates(&time::Rates::from(st))?;
+    let c = &st.cluster;
     if input.modes.is_empty() {
         return Err(RunError::InvalidConfig("--mode: no mode to plan".into()));
     }
     let mut model = input.model;
-    if input.tokens == 0 {
-        return Err(RunError::InvalidConfig("--tokens 0: expected a positive number of tokens".into()));
-    }
-    let seq = model.gpt.seq_len.min(input.tokens);
-    if input.tokens > seq && !input.tokens.is_multiple_of(seq) {
-        return Err(RunError::InvalidConfig(format!(
-            "--tokens {}: expected a positive multiple of the context ({seq}) or at most one context",
-            input.tokens
-        )));
-    }
+    let (seq, batch) = st.micro_batch(model.gpt.seq_len)?;
     model.gpt.seq_len = seq;
-    let batch = input.tokens.div_ceil(seq);
     // The engine's GPT sizes its position table at most MAX_SEQ_LEN rows (its
     // training limit); a longer context's extra rows, `(seq - 1024)·h`
     // parameters (0.06% of a 7B model at 2048), are left out of the bytes and
@@ -348,8 +368,8 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let topo = Topology::ranks(c.world())
         .per_node(c.gpus_per_node)
         .map_err(|e| RunError::InvalidConfig(format!("cluster {} x {}: {e}", c.nodes, c.gpus_per_node)))?;
-    let flops = model.flops(batch, input.checkpointing);
-    let rates = time::Rates::from(input);
+    let flops = model.flops(batch, st.checkpointing);
+    let rates = time::Rates::from(st);
     let mut modes = BTreeMap::new();
     let mut order = Vec::new();
     let mut first_step = None;
@@ -411,14 +431,14 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         hidden: model.gpt.d_model,
         vocab: model.gpt.vocab,
         seq,
-        tokens: input.tokens,
+        tokens: st.tokens,
         flops_per_gpu: flops.0 + flops.1,
         gpus: c.world(),
         intra_bytes_per_s: c.intra_bytes_per_s,
-        gpu: input.gpu.name.clone(),
-        compute_efficiency: input.efficiency.compute,
-        link_efficiency: input.efficiency.link,
-        overlap: input.overlap,
+        gpu: st.gpu.name.clone(),
+        compute_efficiency: st.efficiency.compute,
+        link_efficiency: st.efficiency.link,
+        overlap: st.overlap,
         modes,
         order,
     })

@@ -9,7 +9,7 @@ use zeropp_engine::engine::bytes::StepKind;
 use zeropp_engine::engine::{CommPlan, WeightGather, tags};
 use zeropp_engine::metrics::LinkBytes;
 
-use super::{Cluster, Efficiency, GpuSpec, Overlap, PlanInput};
+use super::{Cluster, Efficiency, GpuSpec, Overlap, Setting};
 
 /// What the time model reads of a plan's input: the links, the GPU, the
 /// two efficiencies and the overlap.
@@ -21,8 +21,8 @@ pub(super) struct Rates<'a> {
     pub(super) overlap: Overlap,
 }
 
-impl<'a> From<&'a PlanInput> for Rates<'a> {
-    fn from(i: &'a PlanInput) -> Self {
+impl<'a> From<&'a Setting> for Rates<'a> {
+    fn from(i: &'a Setting) -> Self {
         Self { cluster: &i.cluster, gpu: &i.gpu, efficiency: i.efficiency, overlap: i.overlap }
     }
 }

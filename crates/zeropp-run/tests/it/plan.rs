@@ -7,7 +7,9 @@ use zeropp_engine::RunConfig;
 use zeropp_engine::config::EngineConfig;
 use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::model::GptConfig;
-use zeropp_run::plan::{Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, plan};
+use zeropp_run::plan::{
+    Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, Setting, plan,
+};
 use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
 const DATA: DataChoice = DataChoice::Markov { seed: 3, chars: 20_000 };
@@ -25,12 +27,14 @@ fn cluster(nodes: usize, local: usize, inter: f64) -> Cluster {
 fn input(model: PlanModel, tokens: usize, c: Cluster, modes: Vec<PlanMode>) -> PlanInput {
     PlanInput {
         model,
-        tokens,
-        cluster: c,
-        gpu: GpuSpec::preset("h100").unwrap(),
-        efficiency: Efficiency::default(),
-        checkpointing: true,
-        overlap: Overlap::Prefetch,
+        setting: Setting {
+            tokens,
+            cluster: c,
+            gpu: GpuSpec::preset("h100").unwrap(),
+            efficiency: Efficiency::default(),
+            checkpointing: true,
+            overlap: Overlap::Prefetch,
+        },
         modes,
     }
 }
@@ -185,7 +189,7 @@ fn bad_inputs_are_named() {
     assert!(e(input(model, 2048, cluster(2, 8, 1e9), vec![])).contains("no mode"));
     assert!(e(input(model, 0, cluster(2, 8, 1e9), vec![PlanMode::Zero3])).contains("--tokens 0"));
     let mut i = input(model, 2048, cluster(2, 8, 1e9), vec![PlanMode::Zero3]);
-    i.efficiency.compute = 50.0;
+    i.setting.efficiency.compute = 50.0;
     assert!(e(i).contains("--compute-efficiency 50"));
     assert!(PlanModel::shaped(1, 10_000_000_000, 1, 1).unwrap_err().to_string().contains("1e15"));
     assert!(PlanMode::parse("zero4").unwrap_err().to_string().contains("zeropp-delta"));
@@ -200,8 +204,8 @@ fn the_kernel_term_is_the_elements_over_the_kernel_rate() {
     let at = |kernel: f64| {
         let mut i = input(model, 2048, cluster(4, 8, 12.5e9), vec![PlanMode::Zero3, PlanMode::Zeropp]);
         // Everything adds without overlap, so the kernel term shows whole.
-        i.overlap = Overlap::None;
-        i.gpu.kernel_elements_per_s = kernel;
+        i.setting.overlap = Overlap::None;
+        i.setting.gpu.kernel_elements_per_s = kernel;
         plan(&i).unwrap()
     };
     let (fast, slow) = (at(1e11), at(5e10));
@@ -230,7 +234,7 @@ fn an_exposed_fraction_scales_the_unhidden_communication() {
     let model = PlanModel::from_params(1e9, PlanModel::DEFAULT_VOCAB, 1024).unwrap();
     let at = |overlap: Overlap| {
         let mut i = input(model, 2048, cluster(4, 8, 12.5e9), vec![PlanMode::Zero3, PlanMode::Zeropp]);
-        i.overlap = overlap;
+        i.setting.overlap = overlap;
         plan(&i)
     };
     let none = at(Overlap::None).unwrap();
