@@ -6,8 +6,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use zeropp_run::plan::{
-    Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Plan, PlanInput, PlanMode, PlanModel, Precision,
-    Setting, Sharding, TorchMode, TorchPlanInput, parse_bandwidth, plan, plan_fsdp2,
+    Backend, Cluster, Compute, Decoder, Efficiency, GpuSpec, Overlap, Plan, PlanInput, PlanMode, PlanModel,
+    Precision, Setting, Sharding, TorchMode, TorchPlanInput, parse_bandwidth, plan, plan_fsdp2,
 };
 
 use crate::CliError;
@@ -101,7 +101,14 @@ pub(crate) struct PlanArgs {
     /// zeropp-torch (default all three).
     #[arg(long)]
     pub mode: Option<String>,
-    /// Achieved / peak compute (the time model's first free constant).
+    /// How FLOPs become seconds: `shapes` (each GEMM at the rate its shape
+    /// gets on the GPU's SMs and memory, the default) or `flat` (every FLOP
+    /// at `--compute-efficiency` of the peak, for a rate measured on a whole
+    /// step).
+    #[arg(long, default_value = "shapes")]
+    pub compute: String,
+    /// Achieved / peak compute (the time model's first free constant): of
+    /// each GEMM tile with `--compute shapes`, of every FLOP with `flat`.
     #[arg(long = "compute-efficiency", default_value_t = Efficiency::default().compute)]
     pub compute_efficiency: f64,
     /// Achieved / nominal link bandwidth (its second).
@@ -173,6 +180,7 @@ fn setting(a: &PlanArgs, inter: f64) -> Result<Setting, CliError> {
             latency_s: a.latency_us * 1e-6,
         },
         gpu,
+        compute: Compute::parse(&a.compute)?,
         efficiency: Efficiency { compute: a.compute_efficiency, link: a.link_efficiency },
         checkpointing: !a.no_checkpointing,
         overlap: Overlap::parse(&a.overlap)?,

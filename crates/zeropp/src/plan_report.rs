@@ -37,7 +37,7 @@ pub(crate) fn table(p: &Plan, c: &ClusterLine<'_>) -> String {
     let mut s = format!(
         "model: {} parameters ({} blocks, width {}, vocab {}, context {}), {} tokens/GPU/micro-batch\n\
          cluster: {} GPUs ({} nodes x {}), inter {} per node, intra {} per GPU, GPU {}\n\
-         constants: compute efficiency {}, link efficiency {}, overlap {:?} (docs/PERFORMANCE.md, \"Planning\")\n\n",
+         compute: {}; link efficiency {}, overlap {:?} (docs/PERFORMANCE.md, \"Planning\")\n\n",
         if p.params >= 1_000_000_000 {
             format!("{:.2}B", p.params as f64 / 1e9)
         } else {
@@ -57,7 +57,7 @@ pub(crate) fn table(p: &Plan, c: &ClusterLine<'_>) -> String {
             None => format!("{}GB/s (the GPU's NVLink)", p.intra_bytes_per_s / 1e9),
         },
         p.gpu,
-        p.compute_efficiency,
+        p.compute_model,
         p.link_efficiency,
         p.overlap,
     );

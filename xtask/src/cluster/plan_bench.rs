@@ -221,6 +221,8 @@ fn cluster_args(inter: &str, tflops: f64, kernel: f64, overlap: &str) -> Vec<Str
         "0",
         "--gpu",
         &gpu,
+        "--compute",
+        "flat",
         "--compute-efficiency",
         "1",
         "--link-efficiency",

@@ -4,6 +4,7 @@
 
 use serde_json::Value;
 
+use super::compute::{Gemm, Work};
 use crate::llama::LlamaShape;
 use crate::{Result, RunError};
 
@@ -304,6 +305,49 @@ impl Decoder {
         let head = 2.0 * b * s * (self.hidden * self.vocab) as f64;
         let forward = layers + head;
         (forward, 2.0 * forward + if checkpointing { layers } else { 0.0 })
+    }
+
+    /// Bytes a Hugging Face Llama decoder layer keeps per token for its backward
+    /// (eager, SDPA attention without a mask, grouped key/value heads in SDPA),
+    /// activations in `p`-byte elements, by the tensors of its graph: each
+    /// RMSNorm its input upcast to fp32 and its output (`(4 + p)·h`); SDPA its
+    /// rotated queries and keys, the values, its output and fp32 log-sum-exp
+    /// (`p·(2·q + 2·kv) + 4·heads`, `q` and `kv` the projections' widths); the
+    /// output projection its input, reshaped into a copy (`p·q`); the SwiGLU MLP
+    /// the gate's output, its SiLU, the up projection's output and their product
+    /// (`4·p·ff`).
+    pub fn layer_activation_bytes(&self, p: f64) -> f64 {
+        let (h, q, kv) =
+            (self.hidden as f64, (self.heads * self.head_dim) as f64, (self.kv_heads * self.head_dim) as f64);
+        2.0 * (4.0 + p) * h + p * (3.0 * q + 2.0 * kv) + 4.0 * self.heads as f64 + 4.0 * p * self.ff as f64
+    }
+
+    /// The GEMMs of one micro-batch of `batch` sequences (forward; their sum
+    /// is [`Decoder::flops`]'s count): per layer the query, key, value and output
+    /// projections, the SwiGLU's gate, up and down, attention's two products
+    /// batched over sequences and heads; the LM head.
+    ///
+    /// ```
+    /// use zeropp_run::plan::Decoder;
+    /// let d = Decoder::from_spec("llama:d=512,layers=8,heads=8,kv_heads=4", 1024)?.ok_or("spec")?;
+    /// assert_eq!(d.work(2).flops(false), d.flops(2, false));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn work(&self, batch: usize) -> Work {
+        let (h, s, l, hd) = (self.hidden, self.seq, self.layers, self.head_dim);
+        let (t, q, kv) = (batch * s, self.heads * hd, self.kv_heads * hd);
+        Work {
+            blocks: vec![
+                Gemm::new(t, q, h, l),
+                Gemm::new(t, kv, h, 2 * l),
+                Gemm::new(t, h, q, l),
+                Gemm::new(t, self.ff, h, 2 * l),
+                Gemm::new(t, h, self.ff, l),
+                Gemm::batched(s, s, hd, batch * self.heads, l),
+                Gemm::batched(s, hd, s, batch * self.heads, l),
+            ],
+            head: vec![Gemm::new(t, self.vocab, h, 1)],
+        }
     }
 }
 

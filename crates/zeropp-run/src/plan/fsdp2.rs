@@ -244,7 +244,7 @@ pub(super) fn step(
 /// docs](super) over [`fsdp2_step_bytes`], and [`memory`](super::fsdp2_memory())'s bytes per GPU.
 ///
 /// ```
-/// use zeropp_run::plan::{Backend, Cluster, Decoder, Efficiency, GpuSpec, Overlap, Precision, Setting, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
+/// use zeropp_run::plan::{Backend, Cluster, Compute, Decoder, Efficiency, GpuSpec, Overlap, Precision, Setting, Sharding, TorchMode, TorchPlanInput, plan_fsdp2};
 /// let decoder = Decoder::from_spec("llama:d=4096,layers=32,heads=32,kv_heads=32,ff=11008", 4096)?.ok_or("llama")?;
 /// let input = TorchPlanInput {
 ///     decoder,
@@ -252,6 +252,7 @@ pub(super) fn step(
 ///         tokens: 4096,
 ///         cluster: Cluster { nodes: 16, gpus_per_node: 8, inter_bytes_per_s: 12.5e9, intra_bytes_per_s: 450e9, latency_s: 20e-6 },
 ///         gpu: GpuSpec::preset("h100").ok_or("preset")?,
+///         compute: Compute::Shapes,
 ///         efficiency: Efficiency::default(),
 ///         checkpointing: true,
 ///         overlap: Overlap::Prefetch,
@@ -276,7 +277,9 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
     let mut d = input.decoder;
     let (seq, batch) = set.micro_batch(d.seq)?;
     d.seq = seq;
-    let flops = d.flops(batch, set.checkpointing);
+    let work = d.work(batch);
+    let flops = work.flops(set.checkpointing);
+    let compute = work.seconds(&set.gpu, set.compute, set.efficiency.compute, set.checkpointing);
     let mut modes = BTreeMap::new();
     let mut order = Vec::new();
     let mut first = None;
@@ -285,7 +288,7 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
         let ops: Vec<OpTime> =
             st.wire.iter().map(|(tag, b)| OpTime::of(tag, *b, &st.calls, &rates)).collect();
         // The layers and the root: one gather each.
-        let t = StepTimes::of(&ops, flops, &rates, d.layers + 1);
+        let t = StepTimes::of(&ops, compute, &rates, d.layers + 1);
         let step_s = t.step();
         let first = *first.get_or_insert(step_s);
         let mem = super::fsdp2_memory::memory(
@@ -328,6 +331,7 @@ pub fn plan_fsdp2(input: &TorchPlanInput) -> Result<Plan> {
         intra_bytes_per_s: c.intra_bytes_per_s,
         gpu: set.gpu.name.clone(),
         compute_efficiency: set.efficiency.compute,
+        compute_model: super::compute::describe(&set.gpu, set.compute, set.efficiency.compute),
         link_efficiency: set.efficiency.link,
         overlap: set.overlap,
         modes,

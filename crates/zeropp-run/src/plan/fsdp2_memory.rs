@@ -31,7 +31,7 @@ pub struct TorchMemory {
     /// or zeropp's node share of the INT8 encodings.
     pub hpz: f64,
     /// Activations in the parameters' dtype: what each decoder layer's graph
-    /// keeps for its backward (`layer_activation_bytes`: `41.6·h` to `43.5·h` bytes
+    /// keeps for its backward (`Decoder::layer_activation_bytes`: `41.6·h` to `43.5·h` bytes
     /// a token at bf16 for the shapes benched and Llama-2-7B's, where Korthikanti et al.
     /// 2022 count `34·h` for a GPT layer); with checkpointing, the layers'
     /// inputs (`p·h` a token each) and one layer's whole set; and the logits:
@@ -45,20 +45,6 @@ impl TorchMemory {
     pub fn total(&self) -> f64 {
         self.states + self.root + self.in_flight + self.hpz + self.activations
     }
-}
-
-/// Bytes a Hugging Face Llama decoder layer keeps per token for its backward
-/// (eager, SDPA attention without a mask, grouped key/value heads in SDPA),
-/// activations in `p`-byte elements, by the tensors of its graph: each
-/// RMSNorm its input upcast to fp32 and its output (`(4 + p)·h`); SDPA its
-/// rotated queries and keys, the values, its output and fp32 log-sum-exp
-/// (`p·(2·q + 2·kv) + 4·heads`, `q` and `kv` the projections' widths); the
-/// output projection its input, reshaped into a copy (`p·q`); the SwiGLU MLP
-/// the gate's output, its SiLU, the up projection's output and their product
-/// (`4·p·ff`).
-fn layer_activation_bytes(d: &Decoder, p: f64) -> f64 {
-    let (h, q, kv) = (d.hidden as f64, (d.heads * d.head_dim) as f64, (d.kv_heads * d.head_dim) as f64);
-    2.0 * (4.0 + p) * h + p * (3.0 * q + 2.0 * kv) + 4.0 * d.heads as f64 + 4.0 * p * d.ff as f64
 }
 
 /// The memory model of `mode` (see [`TorchMemory`]'s fields for each part's formula).
@@ -99,7 +85,7 @@ pub fn memory(
     };
     let tokens = (d.seq * batch) as f64;
     let (h, l) = (d.hidden as f64, d.layers as f64);
-    let per_layer = tokens * layer_activation_bytes(d, p);
+    let per_layer = tokens * d.layer_activation_bytes(p);
     // The model's logits in their dtype (the output holds them), the loss's fp32
     // upcast of a 16-bit one, and log-softmax's fp32 output, saved for its backward.
     let upcast = if pr.param_bytes < 4 { 4.0 } else { 0.0 };

@@ -25,13 +25,16 @@ pub struct GpuSpec {
     /// `hbm / 3` (2 bytes read and 1 written, or the reverse); `kernel=RATE`
     /// gives a measured rate instead (a CPU's, in `cargo xtask bench plan`).
     pub kernel_elements_per_s: f64,
+    /// Streaming multiprocessors: the GEMM model's wave size (0 for a custom
+    /// GPU: no tile or wave quantization).
+    pub sms: usize,
 }
 
 impl GpuSpec {
     /// The presets, from NVIDIA's datasheets (dense 16-bit tensor peak, HBM
     /// bandwidth, memory): V100 SXM 125 TFLOP/s, 900 GB/s, 32 GB; A100 SXM
     /// 80GB 312 TFLOP/s, 2039 GB/s; H100 SXM 989 TFLOP/s, 3350 GB/s, 80 GB;
-    /// H200 SXM 989 TFLOP/s, 4800 GB/s, 141 GB.
+    /// H200 SXM 989 TFLOP/s, 4800 GB/s, 141 GB; 80, 108, 132 and 132 SMs.
     ///
     /// ```
     /// use zeropp_run::plan::GpuSpec;
@@ -40,18 +43,19 @@ impl GpuSpec {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn presets() -> [Self; 4] {
-        let g = |name: &str, tflops: f64, hbm_gbs: f64, mem_gb: f64| Self {
+        let g = |name: &str, tflops: f64, hbm_gbs: f64, mem_gb: f64, sms: usize| Self {
             name: name.into(),
             peak_flops: tflops * 1e12,
             hbm_bytes_per_s: hbm_gbs * 1e9,
             memory_bytes: mem_gb * 1e9,
             kernel_elements_per_s: hbm_gbs * 1e9 / KERNEL_BYTES_PER_ELEMENT,
+            sms,
         };
         [
-            g("v100", 125.0, 900.0, 32.0),
-            g("a100", 312.0, 2039.0, 80.0),
-            g("h100", 989.0, 3350.0, 80.0),
-            g("h200", 989.0, 4800.0, 141.0),
+            g("v100", 125.0, 900.0, 32.0, 80),
+            g("a100", 312.0, 2039.0, 80.0, 108),
+            g("h100", 989.0, 3350.0, 80.0, 132),
+            g("h200", 989.0, 4800.0, 141.0, 132),
         ]
     }
 
@@ -118,6 +122,7 @@ impl GpuSpec {
                 hbm_bytes_per_s: 3350e9,
                 memory_bytes: 0.0,
                 kernel_elements_per_s: 0.0,
+                sms: 0,
             },
         };
         let mut kernel = None;

@@ -14,7 +14,11 @@
 //!   `F_b = (8 + 4r)·B·s·l·h² + 4·B·s²·l·h` in the blocks and
 //!   `F_v = 2·B·s·h·V` in the head (Megatron-LM's count); backward twice the
 //!   forward; activation checkpointing recomputes the blocks' forward once
-//!   more. The time is `FLOPs / (peak · compute_efficiency)`.
+//!   more. The time is each GEMM's at the rate its shape gets on the GPU,
+//!   tiles at `peak · compute_efficiency`, with tile and wave quantization on
+//!   its SMs, the HBM roofline and a launch ([`Compute::Shapes`], the
+//!   default, [`Gemm::seconds`]); or `FLOPs / (peak · compute_efficiency)`
+//!   ([`Compute::Flat`]).
 //! - **Links.** An operation's bytes per GPU (intra-node, inter-node) take
 //!   `intra / (intra_bw · link_efficiency)` on the GPU's own intra-node link and
 //!   `L · inter / (inter_bw · link_efficiency)` on its node's inter-node link
@@ -42,8 +46,10 @@
 //!
 //! Two constants are free: the compute efficiency (achieved / peak) and the
 //! link efficiency (achieved / nominal). [`Efficiency::default`] says where
-//! each comes from; every other figure is a prediction.
+//! each comes from, the GEMM model's constants cite theirs ([`compute`]'s
+//! docs); every other figure is a prediction.
 
+pub mod compute;
 mod decoder;
 pub mod fsdp2;
 mod fsdp2_memory;
@@ -61,11 +67,13 @@ use zeropp_engine::engine::{CommPlan, build_plan, memory};
 use zeropp_engine::model::{Gpt, GptConfig};
 
 use crate::{Result, RunError};
+pub use compute::{Compute, Gemm, V100_GEMM_EFFICIENCY, Work};
 pub use decoder::{Decoder, Param};
 pub use fsdp2::{Backend, Precision, Sharding, TorchMode, TorchPlanInput, fsdp2_step_bytes, plan_fsdp2};
 pub use fsdp2_memory::{TorchMemory, memory as fsdp2_memory};
 pub use hardware::{Cluster, GpuSpec, parse_bandwidth};
 pub use model::PlanModel;
+pub use time::Overlap;
 use time::{OpTime, StepTimes};
 
 /// What a mode turns on: ZeRO-3 (hierarchical or flat routing), ZeRO++,
@@ -136,64 +144,22 @@ impl PlanMode {
     }
 }
 
-/// How communication overlaps compute in the time model.
-#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Overlap {
-    /// ZeRO's prefetch: each layer's gathers (and, backward, its
-    /// reduce-scatter) run under the neighbouring layer's compute; only what
-    /// is longer than that compute, and the first layer's, is exposed.
-    #[default]
-    Prefetch,
-    /// None: every collective's time adds to the compute (an upper bound on
-    /// the step, e.g. where the collectives' kernels and the GEMMs contend).
-    None,
-    /// A measured share of the gathers' and reduce-scatters' time that stays
-    /// exposed (0: all hidden, 1: as [`Overlap::None`]), for an engine whose
-    /// own step split says how much it hides; the gradient norm's exchange
-    /// and the persistent parameters' gather stay exposed whole, as in the
-    /// other models.
-    Exposed(f64),
-}
-
-impl Overlap {
-    /// `--overlap`'s value: `prefetch`, `none`, or a measured exposed
-    /// fraction from 0 to 1.
-    ///
-    /// ```
-    /// use zeropp_run::plan::Overlap;
-    /// assert_eq!(Overlap::parse("0.7")?, Overlap::Exposed(0.7));
-    /// assert!(Overlap::parse("1.5").is_err());
-    /// # Ok::<(), zeropp_run::RunError>(())
-    /// ```
-    pub fn parse(s: &str) -> Result<Self> {
-        match s.trim() {
-            "prefetch" => Ok(Self::Prefetch),
-            "none" => Ok(Self::None),
-            t => match t.parse::<f64>() {
-                Ok(f) if (0.0..=1.0).contains(&f) => Ok(Self::Exposed(f)),
-                _ => Err(RunError::InvalidConfig(format!(
-                    "--overlap `{s}`: expected prefetch, none, or the exposed fraction of the \
-                     communication, a number from 0 to 1"
-                ))),
-            },
-        }
-    }
-}
-
 /// The two free constants of the time model.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Efficiency {
-    /// Achieved / peak compute throughput of the GPU on the model's GEMMs.
+    /// Achieved / peak compute throughput: of each GEMM tile under
+    /// [`Compute::Shapes`], of every FLOP under [`Compute::Flat`].
     pub compute: f64,
     /// Achieved / nominal bandwidth of every link.
     pub link: f64,
 }
 
 impl Default for Efficiency {
-    /// `compute` 0.5: large fp16 GEMMs reach about half the tensor-core peak
-    /// in end-to-end training (Megatron-LM reports 44-52% of peak on A100s for
-    /// GPT models of 1.7B-1T parameters, Narayanan et al. 2021, Table 1).
+    /// `compute` 0.5: training reaches about half the tensor-core peak end to
+    /// end (Megatron-LM reports 44-52% of peak on A100s for GPT models of
+    /// 1.7B-1T parameters, Narayanan et al. 2021, Table 1), the
+    /// normalisations, activations, optimizer and framework between the GEMMs
+    /// included; a GEMM alone reaches more ([`V100_GEMM_EFFICIENCY`]).
     /// `link` 0.8: NCCL's bus bandwidth on InfiniBand and NVLink reaches about
     /// 80% of the nominal rate for large messages.
     fn default() -> Self {
@@ -211,6 +177,8 @@ pub struct Setting {
     pub cluster: Cluster,
     /// The GPU.
     pub gpu: GpuSpec,
+    /// The compute model.
+    pub compute: Compute,
     /// The time model's two constants.
     pub efficiency: Efficiency,
     /// Activation checkpointing (recompute the blocks' forward in backward).
@@ -317,6 +285,8 @@ pub struct Plan {
     pub gpu: String,
     /// The compute efficiency used.
     pub compute_efficiency: f64,
+    /// The compute model, in words.
+    pub compute_model: String,
     /// The link efficiency used.
     pub link_efficiency: f64,
     /// The overlap model used.
@@ -330,13 +300,14 @@ pub struct Plan {
 /// Plans every mode of `input` (see the [module docs](self)).
 ///
 /// ```
-/// use zeropp_run::plan::{Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, Setting, plan};
+/// use zeropp_run::plan::{Cluster, Compute, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, Setting, plan};
 /// let input = PlanInput {
 ///     model: PlanModel::from_params(1e9, PlanModel::DEFAULT_VOCAB, 2048)?,
 ///     setting: Setting {
 ///         tokens: 2048,
 ///         cluster: Cluster { nodes: 4, gpus_per_node: 8, inter_bytes_per_s: 12.5e9, intra_bytes_per_s: 300e9, latency_s: 20e-6 },
 ///         gpu: GpuSpec::preset("a100").ok_or("preset")?,
+///         compute: Compute::Shapes,
 ///         efficiency: Efficiency::default(),
 ///         checkpointing: true,
 ///         overlap: Overlap::Prefetch,
@@ -368,7 +339,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let topo = Topology::ranks(c.world())
         .per_node(c.gpus_per_node)
         .map_err(|e| RunError::InvalidConfig(format!("cluster {} x {}: {e}", c.nodes, c.gpus_per_node)))?;
-    let flops = model.flops(batch, st.checkpointing);
+    let work = model.work(batch);
+    let flops = work.flops(st.checkpointing);
+    let compute = work.seconds(&st.gpu, st.compute, st.efficiency.compute, st.checkpointing);
     let rates = time::Rates::from(st);
     let mut modes = BTreeMap::new();
     let mut order = Vec::new();
@@ -396,7 +369,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
             let ops: Vec<OpTime> =
                 bytes.by_op.iter().map(|(tag, b)| OpTime::of(tag, *b, &calls, &rates)).collect();
             // The embedding, the blocks and the head: one gather each.
-            let t = StepTimes::of(&ops, flops, &rates, model.gpt.n_layer + 2);
+            let t = StepTimes::of(&ops, compute, &rates, model.gpt.n_layer + 2);
             acc.add(&t, weight);
             let total = bytes.total();
             intra += weight * total.intra;
@@ -437,6 +410,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         intra_bytes_per_s: c.intra_bytes_per_s,
         gpu: st.gpu.name.clone(),
         compute_efficiency: st.efficiency.compute,
+        compute_model: compute::describe(&st.gpu, st.compute, st.efficiency.compute),
         link_efficiency: st.efficiency.link,
         overlap: st.overlap,
         modes,

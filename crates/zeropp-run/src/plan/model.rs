@@ -3,6 +3,7 @@
 
 use zeropp_engine::model::GptConfig;
 
+use super::compute::{Gemm, Work};
 use crate::{Result, RunError};
 
 /// The model the planner plans for: a GPT ([`GptConfig`]) of the shape given,
@@ -115,6 +116,37 @@ impl PlanModel {
         let forward = blocks + head;
         let rest = 2.0 * forward + if checkpointing { blocks } else { 0.0 };
         (forward, rest)
+    }
+}
+
+impl PlanModel {
+    /// The GEMMs of one micro-batch of `batch` sequences (forward; their sum
+    /// is [`PlanModel::flops`]'s count): per block the fused QKV, attention
+    /// output and two MLP projections, and attention's two products batched
+    /// over sequences and heads; the head.
+    ///
+    /// ```
+    /// use zeropp_run::plan::PlanModel;
+    /// let m = PlanModel::shaped(40, 6144, 50257, 512)?;
+    /// let (f, rest) = m.work(2).flops(true);
+    /// assert_eq!((f, rest), m.flops(2, true));
+    /// # Ok::<(), zeropp_run::RunError>(())
+    /// ```
+    pub fn work(&self, batch: usize) -> Work {
+        let g = &self.gpt;
+        let (h, s, l, a) = (g.d_model, g.seq_len, g.n_layer, g.n_head);
+        let (t, r, d) = (batch * s, g.mlp_ratio * g.d_model, g.d_model / g.n_head.max(1));
+        Work {
+            blocks: vec![
+                Gemm::new(t, 3 * h, h, l),
+                Gemm::new(t, h, h, l),
+                Gemm::new(t, r, h, l),
+                Gemm::new(t, h, r, l),
+                Gemm::batched(s, s, d, batch * a, l),
+                Gemm::batched(s, d, s, batch * a, l),
+            ],
+            head: vec![Gemm::new(t, g.vocab, h, 1)],
+        }
     }
 }
 

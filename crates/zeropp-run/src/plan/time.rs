@@ -1,4 +1,5 @@
-//! The planner's time model over the engine's byte model: each operation's
+//! The planner's time model over the engine's byte model: how communication
+//! overlaps compute ([`Overlap`]), each operation's
 //! time on the links ([`OpTime`]) and the step's compute and exposed
 //! communication under ZeRO's prefetch ([`StepTimes`]); the formulas are in
 //! the [parent module's docs](super).
@@ -9,7 +10,53 @@ use zeropp_engine::engine::bytes::StepKind;
 use zeropp_engine::engine::{CommPlan, WeightGather, tags};
 use zeropp_engine::metrics::LinkBytes;
 
-use super::{Cluster, Efficiency, GpuSpec, Overlap, Setting};
+use super::{Cluster, Efficiency, GpuSpec, Setting};
+use crate::{Result, RunError};
+
+/// How communication overlaps compute in the time model.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Overlap {
+    /// ZeRO's prefetch: each layer's gathers (and, backward, its
+    /// reduce-scatter) run under the neighbouring layer's compute; only what
+    /// is longer than that compute, and the first layer's, is exposed.
+    #[default]
+    Prefetch,
+    /// None: every collective's time adds to the compute (an upper bound on
+    /// the step, e.g. where the collectives' kernels and the GEMMs contend).
+    None,
+    /// A measured share of the gathers' and reduce-scatters' time that stays
+    /// exposed (0: all hidden, 1: as [`Overlap::None`]), for an engine whose
+    /// own step split says how much it hides; the gradient norm's exchange
+    /// and the persistent parameters' gather stay exposed whole, as in the
+    /// other models.
+    Exposed(f64),
+}
+
+impl Overlap {
+    /// `--overlap`'s value: `prefetch`, `none`, or a measured exposed
+    /// fraction from 0 to 1.
+    ///
+    /// ```
+    /// use zeropp_run::plan::Overlap;
+    /// assert_eq!(Overlap::parse("0.7")?, Overlap::Exposed(0.7));
+    /// assert!(Overlap::parse("1.5").is_err());
+    /// # Ok::<(), zeropp_run::RunError>(())
+    /// ```
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim() {
+            "prefetch" => Ok(Self::Prefetch),
+            "none" => Ok(Self::None),
+            t => match t.parse::<f64>() {
+                Ok(f) if (0.0..=1.0).contains(&f) => Ok(Self::Exposed(f)),
+                _ => Err(RunError::InvalidConfig(format!(
+                    "--overlap `{s}`: expected prefetch, none, or the exposed fraction of the \
+                     communication, a number from 0 to 1"
+                ))),
+            },
+        }
+    }
+}
 
 /// What the time model reads of a plan's input: the links, the GPU, the
 /// two efficiencies and the overlap.
@@ -145,11 +192,10 @@ pub(super) struct StepTimes {
 }
 
 impl StepTimes {
-    /// The step of `ops` with `flops` (forward, the rest) under the prefetch
-    /// overlap of `stages` layers.
-    pub(super) fn of(ops: &[OpTime], flops: (f64, f64), input: &Rates<'_>, stages: usize) -> Self {
-        let rate = input.gpu.peak_flops * input.efficiency.compute;
-        let (cf, cb) = (flops.0 / rate, flops.1 / rate);
+    /// The step of `ops` with `compute` seconds (forward, the rest) under
+    /// the prefetch overlap of `stages` layers.
+    pub(super) fn of(ops: &[OpTime], compute: (f64, f64), input: &Rates<'_>, stages: usize) -> Self {
+        let (cf, cb) = compute;
         // Without overlap nothing hides: one stage, no compute under it.
         let (n, hide) = match input.overlap {
             Overlap::Prefetch => (stages.max(1) as f64, 1.0),

@@ -8,7 +8,7 @@ use zeropp_engine::config::EngineConfig;
 use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::model::GptConfig;
 use zeropp_run::plan::{
-    Cluster, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, Setting, plan,
+    Cluster, Compute, Efficiency, GpuSpec, Overlap, PlanInput, PlanMode, PlanModel, Setting, plan,
 };
 use zeropp_run::train::{ModelChoice, TrainConfig, train};
 
@@ -31,6 +31,7 @@ fn input(model: PlanModel, tokens: usize, c: Cluster, modes: Vec<PlanMode>) -> P
             tokens,
             cluster: c,
             gpu: GpuSpec::preset("h100").unwrap(),
+            compute: Compute::Shapes,
             efficiency: Efficiency::default(),
             checkpointing: true,
             overlap: Overlap::Prefetch,
@@ -205,6 +206,7 @@ fn the_kernel_term_is_the_elements_over_the_kernel_rate() {
         let mut i = input(model, 2048, cluster(4, 8, 12.5e9), vec![PlanMode::Zero3, PlanMode::Zeropp]);
         // Everything adds without overlap, so the kernel term shows whole.
         i.setting.overlap = Overlap::None;
+        i.setting.compute = Compute::Flat;
         i.setting.gpu.kernel_elements_per_s = kernel;
         plan(&i).unwrap()
     };

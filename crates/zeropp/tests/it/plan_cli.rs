@@ -70,6 +70,8 @@ fn small_models_and_measured_kernel_rates() {
             "10GB/s",
             "--gpu",
             &gpu,
+            "--compute",
+            "flat",
             "--compute-efficiency",
             "1",
             "--mode",
@@ -119,6 +121,50 @@ fn table_sweep_and_svg() {
     std::fs::remove_file(&svg).unwrap();
 }
 
+/// Compute follows the GEMM shapes by default: few tokens per GPU leave
+/// tiles and waves of an H100's GEMMs idle, so a FLOP costs more than at
+/// many; `--compute flat` prices every FLOP alike. The table says which.
+#[test]
+fn compute_follows_the_gemm_shapes() {
+    let flop_s = |tokens: &str, compute: &str| {
+        let out = plan(&[
+            "--params",
+            "1e9",
+            "--seq",
+            "2048",
+            "--tokens",
+            tokens,
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "8",
+            "--inter",
+            "100Gbit/s",
+            "--gpu",
+            "h100",
+            "--mode",
+            "zero3",
+            "--compute",
+            compute,
+            "--json",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(v["compute_model"].as_str().unwrap().starts_with(if compute == "flat" {
+            "flat"
+        } else {
+            "GEMM shapes"
+        }));
+        v["flops_per_gpu"].as_f64().unwrap() / v["modes"]["zero3"]["compute_s"].as_f64().unwrap()
+    };
+    let (few, many) = (flop_s("64", "shapes"), flop_s("2048", "shapes"));
+    assert!(few < 0.5 * many, "{few:e} FLOP/s at 64 tokens, {many:e} at 2048");
+    let (few, many) = (flop_s("64", "flat"), flop_s("2048", "flat"));
+    assert!((few / many - 1.0).abs() < 1e-9, "{few:e} against {many:e}");
+    let table = String::from_utf8_lossy(&plan(&["--params", "1e9"]).stdout).into_owned();
+    assert!(table.contains("compute: GEMM shapes, each tile at 0.5 of 989 TFLOP/s on 132 SMs"), "{table}");
+}
+
 #[test]
 fn bad_flags_are_named() {
     for (args, says) in [
@@ -130,6 +176,7 @@ fn bad_flags_are_named() {
         (&["--tokens", "3000"][..], "--tokens 3000"),
         (&["--sweep", "inter=9..8"][..], "--sweep"),
         (&["--overlap", "some"][..], "--overlap `some`"),
+        (&["--compute", "fast"][..], "--compute `fast`: expected shapes"),
         (&["--overlap", "1.5"][..], "--overlap `1.5`: expected prefetch, none, or the exposed fraction"),
         (&["--gpu", "tflops=10,kernel=0"][..], "--gpu kernel"),
         (&["--gpu", "tflops=10"][..], "names no NVLink: give the intra-node rate with --intra"),
