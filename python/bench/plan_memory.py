@@ -3,7 +3,8 @@ memory model (`cargo xtask bench plan`, its `memory` part).
 
 Under torchrun as 2 nodes x 2 (ZEROPP_LOCAL_SIZE=2), a Hugging Face
 ``LlamaForCausalLM`` of the shape given, ``fully_shard`` on every decoder layer
-and on the root (both given ``reshard_after_forward``), bf16 mixed precision,
+and on the root (both given ``reshard_after_forward``, or the root left at
+FSDP2's default with ``--root-default``), bf16 mixed precision,
 AdamW, one sequence of ``--tokens`` per rank. torch's profiler tracks every CPU
 tensor allocation from before the model is built (``profile_memory=True``:
 its "Total Allocated" is the CPU analogue of ``torch.cuda.memory_allocated``),
@@ -38,6 +39,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--checkpointing", action="store_true", help="HF's gradient checkpointing on every layer")
+    ap.add_argument("--root-default", action="store_true",
+                    help="the root at FSDP2's default (no reshard_after_forward given): held gathered")
     args = ap.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -57,7 +60,10 @@ def main():
         reshard = ls if args.mode == "fsdp2-hpz" else True
         for layer in model.model.layers:
             fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
+        if args.root_default:
+            fully_shard(model, mp_policy=mp)
+        else:
+            fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
         if args.mode == "zeropp-torch":
             zt.enable(model, local_size=ls)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -83,7 +89,7 @@ def main():
         params = sum(p.numel() for p in model.parameters())
         with open(args.out, "w") as f:
             json.dump({"mode": args.mode, "params": params, "peak_bytes": peaks,
-                       "checkpointing": args.checkpointing}, f)
+                       "checkpointing": args.checkpointing, "root_default": args.root_default}, f)
         print(f"{args.mode}: {params} parameters, tracked peak per rank {peaks}", flush=True)
     if args.mode == "zeropp-torch":
         zt.release()

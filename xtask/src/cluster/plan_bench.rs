@@ -500,11 +500,25 @@ const MEMORY_SHAPES: [(usize, usize, usize, usize, usize, usize); 2] =
     [(256, 4, 4, 2, 688, 8000), (512, 8, 8, 4, 1376, 16000)];
 /// Tokens per rank in the memory check.
 const MEMORY_TOKENS: usize = 256;
+/// The memory check's jobs: (name, the plan's flags, plan_memory.py's flags,
+/// modes). Every mode with the root resharded and no checkpointing; FSDP2's
+/// default and zeropp.torch with activation checkpointing, and with the root
+/// left at FSDP2's default (held gathered).
+const MEMORY_JOBS: [(&str, &[&str], &[&str], &[&str]); 3] = [
+    (
+        "root resharded",
+        &["--root-reshard", "--no-checkpointing"],
+        &[],
+        &["fsdp2", "fsdp2-hpz", "zeropp-torch"],
+    ),
+    ("checkpointing", &["--root-reshard"], &["--checkpointing"], &["fsdp2", "zeropp-torch"]),
+    ("root at default", &["--no-checkpointing"], &["--root-default"], &["fsdp2", "zeropp-torch"]),
+];
 
 /// The FSDP2 memory model against the tracked peak of real runs
 /// (`python/bench/plan_memory.py` under torchrun as 2 x 2, torch's profiler
 /// counting every CPU tensor from before the model is built), at two HF Llama
-/// shapes in every mode.
+/// shapes in every mode, and with checkpointing and with the root at its default.
 pub(crate) fn memory_part() -> Result<String, String> {
     let mut md = String::from(
         "\n# planner's FSDP2 memory vs the tracked peak (HF Llama, 2 x 2, bf16 mixed precision)\n\n",
@@ -517,99 +531,112 @@ pub(crate) fn memory_part() -> Result<String, String> {
     md.push_str(
         "Per rank: the largest \"Total Allocated\" of torch's profiler (`profile_memory=True`, every CPU tensor \
          since before the model was built) inside 2 steps after 1 of warm-up, against `zeropp plan --framework \
-         fsdp2 ... --root-reshard --no-checkpointing`'s memory per GPU.\n\n\
-         | shape | parameters | mode | planned MB | tracked peak MB, ranks | largest / planned |\n|---|---|---|---|---|---|\n",
+         fsdp2`'s memory per GPU with the job's flags.\n\n\
+         | shape | parameters | job | mode | planned MB | tracked peak MB, ranks | largest / planned |\n\
+         |---|---|---|---|---|---|---|\n",
     );
     for (h, l, heads, kv, ff, vocab) in MEMORY_SHAPES {
         let spec = format!("llama:d={h},layers={l},heads={heads},kv_heads={kv},ff={ff},vocab={vocab}");
-        let tokens = MEMORY_TOKENS.to_string();
-        let args = [
-            "plan",
-            "--framework",
-            "fsdp2",
-            "--model",
-            &spec,
-            "--seq",
-            &tokens,
-            "--tokens",
-            &tokens,
-            "--nodes",
-            "2",
-            "--gpus-per-node",
-            "2",
-            "--intra",
-            "10GB/s",
-            "--gpu",
-            "tflops=1",
-            "--root-reshard",
-            "--backend",
-            "gloo",
-            "--no-checkpointing",
-        ];
-        let plan = plan_json(&zeropp, strings(&args))?;
-        for mode in ["fsdp2", "fsdp2-hpz", "zeropp-torch"] {
-            let out = base.join(format!("d{h}-{mode}.json"));
-            let args: Vec<String> = [
-                "--mode",
-                mode,
-                "--hidden",
-                &h.to_string(),
-                "--layers",
-                &l.to_string(),
-                "--heads",
-                &heads.to_string(),
-                "--kv-heads",
-                &kv.to_string(),
-                "--ff",
-                &ff.to_string(),
-                "--vocab",
-                &vocab.to_string(),
+        for (job, plan_flags, script_flags, modes) in MEMORY_JOBS {
+            let tokens = MEMORY_TOKENS.to_string();
+            let shape = [
+                "plan",
+                "--framework",
+                "fsdp2",
+                "--model",
+                &spec,
+                "--seq",
+                &tokens,
                 "--tokens",
                 &tokens,
-                "--out",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .chain([out.display().to_string()])
-            .collect();
-            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-            let c = crate::torch::torchrun(&venv, "python/bench/plan_memory.py", &refs, None)?;
-            crate::cmd::run(&format!("bench plan: tracked memory, d {h}, {mode}"), c)?;
-            let r = read_json(&out)?;
-            let peaks: Vec<f64> = r
-                .get("peak_bytes")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .filter_map(Value::as_f64)
-                .collect();
-            let planned = plan
-                .pointer(&format!("/modes/{mode}/memory_bytes"))
-                .and_then(Value::as_f64)
-                .unwrap_or(f64::NAN);
-            let params = r.get("params").and_then(Value::as_u64).unwrap_or(0);
-            if plan.get("params").and_then(Value::as_u64) != Some(params) {
-                return Err(format!(
-                    "bench plan: the plan's Llama is not plan_memory.py's ({params} parameters)"
-                ));
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "2",
+                "--intra",
+                "10GB/s",
+                "--gpu",
+                "tflops=1",
+                "--backend",
+                "gloo",
+            ];
+            let plan = plan_json(&zeropp, strings(&[&shape[..], plan_flags].concat()))?;
+            for mode in modes {
+                let out = base.join(format!("d{h}-{mode}-{}.json", job.replace(' ', "-")));
+                let (hs, ls, heads, kv, ff, vocab) = (
+                    h.to_string(),
+                    l.to_string(),
+                    heads.to_string(),
+                    kv.to_string(),
+                    ff.to_string(),
+                    vocab.to_string(),
+                );
+                let out_s = out.display().to_string();
+                let args = [
+                    "--mode",
+                    mode,
+                    "--hidden",
+                    &hs,
+                    "--layers",
+                    &ls,
+                    "--heads",
+                    &heads,
+                    "--kv-heads",
+                    &kv,
+                    "--ff",
+                    &ff,
+                    "--vocab",
+                    &vocab,
+                    "--tokens",
+                    &tokens,
+                    "--out",
+                    &out_s,
+                ];
+                let c = crate::torch::torchrun(
+                    &venv,
+                    "python/bench/plan_memory.py",
+                    &[&args[..], script_flags].concat(),
+                    None,
+                )?;
+                crate::cmd::run(&format!("bench plan: tracked memory, d {h}, {job}, {mode}"), c)?;
+                let r = read_json(&out)?;
+                let peaks: Vec<f64> = r
+                    .get("peak_bytes")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(Value::as_f64)
+                    .collect();
+                let planned = plan
+                    .pointer(&format!("/modes/{mode}/memory_bytes"))
+                    .and_then(Value::as_f64)
+                    .unwrap_or(f64::NAN);
+                let params = r.get("params").and_then(Value::as_u64).unwrap_or(0);
+                if plan.get("params").and_then(Value::as_u64) != Some(params) {
+                    return Err(format!(
+                        "bench plan: the plan's Llama is not plan_memory.py's ({params} parameters)"
+                    ));
+                }
+                if peaks.len() != 4
+                    || peaks.iter().any(|p| !(p.is_finite() && *p > 0.0))
+                    || !planned.is_finite()
+                {
+                    return Err(format!(
+                        "bench plan: {} holds no peak for every rank, or the plan none: {peaks:?}, {planned}",
+                        out.display()
+                    ));
+                }
+                let largest = peaks.iter().copied().fold(0.0, f64::max);
+                let ranks: Vec<String> = peaks.iter().map(|p| format!("{:.1}", p / 1e6)).collect();
+                let _ = writeln!(
+                    md,
+                    "| d {h} x {l} | {:.1}M | {job} | {mode} | {:.1} | {} | {:.2} |",
+                    params as f64 / 1e6,
+                    planned / 1e6,
+                    ranks.join(", "),
+                    largest / planned
+                );
             }
-            if peaks.len() != 4 || peaks.iter().any(|p| !(p.is_finite() && *p > 0.0)) || !planned.is_finite()
-            {
-                return Err(format!(
-                    "bench plan: {} holds no peak for every rank, or the plan none: {peaks:?}, {planned}",
-                    out.display()
-                ));
-            }
-            let largest = peaks.iter().copied().fold(0.0, f64::max);
-            let ranks: Vec<String> = peaks.iter().map(|p| format!("{:.1}", p / 1e6)).collect();
-            let _ = writeln!(
-                md,
-                "| d {h} x {l} | {:.1}M | {mode} | {:.1} | {} | {:.2} |",
-                params as f64 / 1e6,
-                planned / 1e6,
-                ranks.join(", "),
-                largest / planned
-            );
         }
     }
     Ok(md)
