@@ -18,6 +18,10 @@ what zeropp.torch did before it kept FSDP2's contract at real size:
 - ``nonfinite-raises``: quantizing a non-finite value raises (tests 1, 2);
 - ``host-sync``: the torch-op quantizer checks finiteness on the host (test 3);
 - ``index-plan``: the reduce-scatter keeps int64 indices per element (test 4).
+
+And one for the fidelity check (``python/bench/fidelity_size.py``):
+
+- ``qwz-int4``: qwZ gathers the weights at 4 bits instead of 8.
 """
 
 from __future__ import annotations
@@ -154,10 +158,22 @@ def _hpz_wrong_rail():
     collectives.QuantizedAllGather._keep = keep
 
 
+def _qwz_int4():
+    from zeropp.torch import collectives
+
+    real = collectives.QuantizedAllGather.__init__
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        self.bits = 4
+
+    collectives.QuantizedAllGather.__init__ = init
+
+
 # Defects that replace behaviour instead of breaking encodings (contract.py's, and
 # dist_collectives.py's hpz-wrong-rail).
 _REPLACE = {"nonfinite-raises": _nonfinite_raises, "host-sync": _host_sync, "index-plan": _index_plan,
-            "hpz-wrong-rail": _hpz_wrong_rail}
+            "hpz-wrong-rail": _hpz_wrong_rail, "qwz-int4": _qwz_int4}
 
 
 def apply_from_env() -> bool:

@@ -14,6 +14,7 @@ mod ci;
 mod cluster;
 mod cmd;
 mod dist;
+mod fidelity_size;
 mod gpu;
 mod gpu_check;
 mod package;
@@ -57,7 +58,9 @@ tasks:
                    `plan`: `zeropp plan`'s predictions against DeepSpeed's published ZeRO++
                    throughput on 384 V100s (prediction, publication, error), then against
                    the namespace cluster's measured steps (gpt-medium 2 x 2 at 10, 20 and
-                   50 Mbit/s, ZEROPP_PLAN_RATES; needs root and OpenMPI, else says so)
+                   50 Mbit/s, ZEROPP_PLAN_RATES; needs root and OpenMPI, else says so);
+                   `fidelity-size`: qwZ's and qgZ's error against the exact collectives for
+                   HF Llamas of 0.9M to 99.5M parameters under FSDP2 2 x 2 (table and SVG)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
@@ -177,6 +180,7 @@ fn bench(args: &[String]) -> Result<(), String> {
             "torch-scale" => Some(torch_scale::bench),
             "candle-build" => Some(candle_build),
             "plan" => Some(plan_bench),
+            "fidelity-size" => Some(fidelity_size::bench),
             _ => None,
         };
         if let Some(bench) = own {
@@ -186,7 +190,7 @@ fn bench(args: &[String]) -> Result<(), String> {
         let Some(&(_, package, target, features)) = BENCHES.iter().find(|b| b.0 == name) else {
             let known: Vec<&str> = BENCHES.iter().map(|b| b.0).collect();
             return Err(format!(
-                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch, torch-scale, candle-build, plan)",
+                "unknown bench `{name}` (known: {}, fidelity, loco-probe, qgz-error, gpu, gpu-comm, scale, cluster, torch, torch-scale, candle-build, plan, fidelity-size)",
                 known.join(", ")
             ));
         };

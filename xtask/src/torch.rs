@@ -34,7 +34,10 @@
 //! 6. `python/tests/plan_bytes.py` under torchrun (2 nodes x 2): the bytes of
 //!    `zeropp plan --framework fsdp2` for two Hugging Face Llama shapes (and one
 //!    of them on one node of 4) and
-//!    every mode equal what `zeropp.torch.ByteCounter` counts on every rank.
+//!    every mode equal what `zeropp.torch.ByteCounter` counts on every rank;
+//! 7. `python/bench/fidelity_size.py` under torchrun (2 nodes x 2), one step of
+//!    a 99.5M-parameter HF Llama: qwZ's and qgZ's errors against the exact
+//!    collectives inside bounds, and the seeded defect `qwz-int4` outside.
 //!
 //! The main venv holds the latest torch release (2.15.0); the floor venv 2.9.0.
 //!
@@ -168,6 +171,43 @@ pub(crate) fn torchrun(
     // The kernels are the test's choice (`on_device_path`), not the caller's shell's.
     c.env_remove("ZEROPP_TORCH_KERNELS");
     Ok(c)
+}
+
+/// Test 7: qwZ's and qgZ's errors against the exact collectives of the same
+/// inputs, one step of the largest width of `bench fidelity-size` (99.5M
+/// parameters), every layer kind inside bounds set from that bench's curve
+/// (relative error of the weights 0.004-0.015, INT8 measures 0.0073 at every
+/// width; of the gradients 0.06-0.35, INT4 measures 0.10-0.23); INT4 weights
+/// in qwZ (the seeded defect `qwz-int4`, 0.11) must fail it.
+fn test7(venv: &Path) -> Result<(), String> {
+    let size = crate::fidelity_size::SIZES[crate::fidelity_size::SIZES.len() - 1];
+    let out = root().join("target/fidelity-size-test.json");
+    let mut args = crate::fidelity_size::size_args(size);
+    args.extend(
+        [
+            "--steps",
+            "1",
+            "--probe",
+            "1",
+            "--weight-bounds",
+            "0.004,0.015",
+            "--grad-bounds",
+            "0.06,0.35",
+            "--out",
+        ]
+        .map(String::from),
+    );
+    args.push(out.display().to_string());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    run(
+        "test 7: qwZ and qgZ against the exact collectives, 99.5M parameters, one step",
+        torchrun(venv, "python/bench/fidelity_size.py", &refs, None)?,
+    )?;
+    must_fail(
+        "test 7 with the seeded defect qwz-int4 (INT4 weights in qwZ)",
+        torchrun(venv, "python/bench/fidelity_size.py", &refs, Some("qwz-int4"))?,
+        "FAIL ",
+    )
 }
 
 /// `cmd` with the device path's torch-op kernels forced on CPU tensors.
@@ -351,6 +391,7 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         "test 6: zeropp plan --framework fsdp2's bytes == ByteCounter's (HF Llama, 3 jobs x 3 modes)",
         torchrun(&venv, "python/tests/plan_bytes.py", &[&cli], None)?,
     )?;
+    test7(&venv)?;
     for defect in ["wrong-scale", "wrong-levels"] {
         must_fail(
             &format!("test 4a: collectives with the seeded defect {defect}"),

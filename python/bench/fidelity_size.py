@@ -1,0 +1,281 @@
+"""What qwZ and qgZ deliver against the exact collective of the same inputs,
+per layer kind, for a Hugging Face Llama of one width (``cargo xtask bench
+fidelity-size`` runs it at every width and draws the curve; CI runs the
+largest for one step with bounds).
+
+Under torchrun as 2 nodes x 2 (ZEROPP_LOCAL_SIZE=2), ``LlamaForCausalLM``
+under FSDP2 (``fully_shard`` per decoder layer and at the root, bf16 mixed
+precision) with ``zeropp.torch.enable``'s defaults trains ``--steps`` steps of
+AdamW on tinyshakespeare's bytes (``ZEROPP_SHAKESPEARE``; random tokens
+without it), one sequence of ``--tokens`` per rank. Each quantized collective
+also runs exactly, on the side, from the same inputs:
+
+- qgZ: every reduce-scatter's inputs are all-gathered and summed in float64
+  (the exact sum or mean FSDP2 asked for), against the shard qgZ delivered;
+- qwZ: every forward all-gather is rerun as torch's own all-gather of the
+  same bf16 shards, against the weights qwZ delivered.
+
+At ``--probe`` steps it reports, per layer kind (``q_proj``, ``mlp``'s
+``gate_proj``, ``embed_tokens``, ...; the 1-D norms travel exactly and are
+left out): the cosine similarity, the relative norm error ``|q - e| / |e|``
+and, for gradients, the relative error of AdamW's update direction
+``m / (sqrt(v) + eps)`` taken with the quantized gradient and with the exact
+one, from moments kept over the exact gradients of every step. Rank 0 writes
+the JSON to ``--out``. With ``--grad-bounds``/``--weight-bounds LO,HI`` it
+checks every kind's relative norm error at every probed step against the
+bounds, and that it saw all nine kinds, and exits 1 with a ``FAIL`` line
+when one is outside (the seeded defect ``qwz-int4``, INT4 weights in qwZ,
+must cross the weights' bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import zeropp.torch as zt
+from zeropp.torch import collectives
+from zeropp.torch.enable import _names, _param_group, _segments
+
+# AdamW's defaults (torch.optim.AdamW): the update direction the probe compares.
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+class Probe:
+    """Accumulated sums per (collective, kind) at the current step, AdamW
+    moments per (module, parameter) over the exact gradients."""
+
+    def __init__(self, model: torch.nn.Module, world: int):
+        self.model, self.world = model, world
+        self.phase, self.step, self.record = "", 0, False
+        self.sums: dict = {}
+        self.moments: dict = {}
+        self._kinds: dict | None = None
+
+    def kinds(self, segments) -> list:
+        """The layer kind of each parameter of a chunk laid out as ``segments``
+        (FSDP2 names its parameters at lazy init, before any collective)."""
+        if self._kinds is None:
+            self._kinds = {}
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule) and (pg := _param_group(m)) is not None:
+                    segs = tuple(_segments(pg, self.world))
+                    self._kinds[segs] = [kind(n) for n in _names(pg)[1]]
+        return self._kinds.get(tuple(segments or ()), [])
+
+    def add(self, what: str, kind_: str, got: torch.Tensor, exact: torch.Tensor, extra=()):
+        if not self.record:
+            return
+        s = self.sums.setdefault((what, kind_), np.zeros(6))
+        g, e = got.double(), exact.double()
+        s[:4] += [float(g @ e), float(g @ g), float(e @ e), float((g - e) @ (g - e))]
+        for i, v in enumerate(extra):
+            s[4 + i] += v
+
+
+def kind(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``q_proj``."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) > 1 and parts[-1] in ("weight", "bias") else parts[-1]
+
+
+PROBE: Probe | None = None
+
+
+def install():
+    """Wraps both collectives' calls with their exact twins."""
+    real_rs = collectives.QuantizedReduceScatter.__call__
+    real_ag = collectives.QuantizedAllGather.__call__
+
+    def rs(self, output_tensor, input_tensor, group, op, async_op=False):
+        p = PROBE
+        if p is None or p.phase != "backward" or group.size() == 1:
+            return real_rs(self, output_tensor, input_tensor, group, op, async_op)
+        # float32 holds a bf16 or float32 input exactly; the sum is taken in float64.
+        x = input_tensor.detach().reshape(-1).to(torch.float32)
+        sent = self._sent
+        out = real_rs(self, output_tensor, input_tensor, group, op, async_op)
+        w, me, c = group.size(), dist.get_rank(group), output_tensor.numel()
+        rows = [torch.empty_like(x) for _ in range(w)]
+        dist.all_gather(rows, x, group=group)
+        exact = sum(r.view(w, c)[me].double() for r in rows)
+        mean, _, post = self._op(op)
+        if mean:
+            exact /= w
+        if post is not None:
+            exact *= post
+        got = output_tensor.detach().reshape(-1).to(torch.float64)
+        segs = self.segments or [(c, False)]
+        kinds = p.kinds(self.segments) or ["chunk"] * len(segs)
+        carried = sent if sent is not None else (True,) * len(segs)
+        at = 0
+        for i, ((n, one_d), keep) in enumerate(zip(segs, carried)):
+            if not keep:
+                continue
+            g, e = got[at:at + n], exact[at:at + n]
+            at += n
+            if one_d:
+                continue
+            key = (id(self), i)
+            m, v = p.moments.get(key, (torch.zeros_like(e), torch.zeros_like(e)))
+            t = p.step
+            b1, b2 = BETAS
+
+            def direction(grad):
+                mm, vv = b1 * m + (1 - b1) * grad, b2 * v + (1 - b2) * grad * grad
+                return (mm / (1 - b1 ** t)) / ((vv / (1 - b2 ** t)).sqrt() + EPS)
+
+            du, de = direction(g), direction(e)
+            p.add("grad", kinds[i], g, e, (float((du - de) @ (du - de)), float(de @ de)))
+            p.moments[key] = (b1 * m + (1 - b1) * e, b2 * v + (1 - b2) * e * e)
+        return out
+
+    def ag(self, output_tensor, input_tensor, group, async_op=False):
+        p = PROBE
+        if p is None or p.phase != "forward" or not p.record:
+            return real_ag(self, output_tensor, input_tensor, group, async_op)
+        # FSDP2's input is a view of the output, which the gather overwrites.
+        shard = input_tensor.detach().clone()
+        out = real_ag(self, output_tensor, input_tensor, group, async_op)
+        if out is not None and hasattr(out, "wait"):
+            out.wait()
+            out = None
+        exact = torch.empty_like(output_tensor)
+        dist.all_gather_into_tensor(exact, shard, group=group)
+        w, n = group.size(), input_tensor.numel()
+        got, ref = output_tensor.detach().view(w, n), exact.view(w, n)
+        segs = self.segments or [(n, False)]
+        kinds = p.kinds(self.segments) or ["chunk"] * len(segs)
+        at = 0
+        for i, (k, one_d) in enumerate(segs):
+            if not one_d:
+                # Every rank gathers the same weights: each counts 1/world of them.
+                p.add("weight", kinds[i], got[:, at:at + k].reshape(-1) / w ** 0.5,
+                      ref[:, at:at + k].reshape(-1) / w ** 0.5)
+            at += k
+        return out
+
+    collectives.QuantizedReduceScatter.__call__ = rs
+    collectives.QuantizedAllGather.__call__ = ag
+
+
+def tokens(vocab: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    path = os.environ.get("ZEROPP_SHAKESPEARE", "")
+    if path and os.path.exists(path):
+        data = np.frombuffer(open(path, "rb").read(), dtype=np.uint8)
+        at = int(torch.randint(0, len(data) - n - 1, (1,), generator=gen))
+        return torch.from_numpy(data[at:at + n].astype(np.int64) % vocab).view(1, n)
+    return torch.randint(0, vocab, (1, n), generator=gen)
+
+
+def main():
+    global PROBE
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--ff", type=int, default=688)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--probe", default="1,10,last", help="steps to report, 1-based; last is --steps")
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--grad-bounds", default=None, metavar="LO,HI",
+                    help="every kind's relative gradient error at every probed step must lie in [LO, HI]")
+    ap.add_argument("--weight-bounds", default=None, metavar="LO,HI", help="the same for qwZ's weights")
+    args = ap.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    import defects
+
+    defect = defects.apply_from_env()
+    install()
+    dist.init_process_group("gloo")
+    ls, w = zt.local_size(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ff,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(512, args.tokens),
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    zt.enable(model, local_size=ls, seed=args.seed)
+    PROBE = Probe(model, w)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(1000 * args.seed + 1 + dist.get_rank())
+    probe_at = {args.steps if s == "last" else int(s) for s in args.probe.split(",")}
+    report = {}
+    for step in range(1, args.steps + 1):
+        PROBE.step, PROBE.record, PROBE.sums = step, step in probe_at, {}
+        x = tokens(args.vocab, args.tokens, gen)
+        PROBE.phase = "forward"
+        loss = model(input_ids=x, labels=x).loss
+        PROBE.phase = "backward"
+        loss.backward()
+        PROBE.phase = ""
+        opt.step()
+        opt.zero_grad()
+        if step in probe_at:
+            keys = sorted(PROBE.sums)
+            flat = torch.tensor(np.array([PROBE.sums[k] for k in keys]), dtype=torch.float64)
+            # Every rank holds the same kinds (all layers are alike), in the same order.
+            dist.all_reduce(flat)
+            report[step] = {f"{what}/{k}": summary(what, s.numpy()) for (what, k), s in zip(keys, flat)}
+    params = sum(p.numel() for p in model.parameters())
+    worst = {"grad": 0.0, "weight": 0.0}
+    least = {"grad": float("inf"), "weight": float("inf")}
+    for per in report.values():
+        for key, r in per.items():
+            what = key.split("/")[0]
+            worst[what] = max(worst[what], r["rel_norm_error"])
+            least[what] = min(least[what], r["rel_norm_error"])
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump({"params": params, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
+                       "seeded_defect": os.environ.get("ZEROPP_SEEDED_DEFECT") if defect else None,
+                       "probes": report, "worst": worst}, f, indent=1)
+        print(f"{params} parameters: worst relative error, gradients {worst['grad']:.4f}, "
+              f"weights {worst['weight']:.4f}", flush=True)
+    failed = False
+    for what, bounds in (("grad", args.grad_bounds), ("weight", args.weight_bounds)):
+        if bounds is None:
+            continue
+        lo, hi = (float(b) for b in bounds.split(","))
+        kinds = {k.split("/")[1] for per in report.values() for k in per if k.startswith(what + "/")}
+        # Every projection of the layers and the root's embedding and head: a probe
+        # that saw fewer did not see the collective it checks.
+        if len(kinds) < 9 or len(report) != len(probe_at) or not (lo <= least[what] and worst[what] <= hi):
+            failed = True
+            if dist.get_rank() == 0:
+                print(f"FAIL {what}: relative errors {least[what]:.4f} to {worst[what]:.4f} over "
+                      f"{len(kinds)} kinds and {len(report)} steps, outside [{lo}, {hi}]", flush=True)
+    zt.release()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+def summary(what: str, s: np.ndarray) -> dict:
+    dot, gg, ee, dd, udd, uee = s
+    r = {"cosine": dot / max(np.sqrt(gg * ee), 1e-300), "rel_norm_error": np.sqrt(dd / max(ee, 1e-300))}
+    if what == "grad":
+        r["update_rel_error"] = np.sqrt(udd / max(uee, 1e-300))
+    return {k: float(v) for k, v in r.items()}
+
+
+if __name__ == "__main__":
+    main()

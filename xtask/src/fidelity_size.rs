@@ -1,0 +1,228 @@
+//! `cargo xtask bench fidelity-size`: does the quantization's error grow with
+//! the model? `python/bench/fidelity_size.py` under torchrun (2 nodes x 2)
+//! trains a Hugging Face Llama at each width of [`SIZES`] for [`STEPS`] steps
+//! with zeropp.torch's defaults, and at steps 1, 10 and the last compares what
+//! qgZ and qwZ deliver with the exact collective of the same inputs, per layer
+//! kind. The report (`target/bench-report/fidelity-size.md`) tabulates the
+//! relative errors against the parameters, and the plot
+//! (`target/bench-report/fidelity-size.svg`) draws them; CI's test 7 runs the
+//! largest width for one step with bounds set from this curve.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::cmd::{root, run};
+use crate::torch::{prepare, torchrun};
+
+/// (hidden, layers, heads, key/value heads, SwiGLU width, vocabulary): about
+/// 0.9M, 5.3M, 25M and 99.5M parameters (the last is `bench torch-scale`'s).
+pub(crate) const SIZES: [(usize, usize, usize, usize, usize, usize); 4] = [
+    (128, 2, 2, 2, 344, 2048),
+    (256, 4, 4, 2, 688, 4096),
+    (512, 6, 8, 4, 1376, 8000),
+    (768, 8, 12, 4, 2048, 32000),
+];
+
+/// Training steps of each width; probed at 1, 10 and the last.
+const STEPS: usize = 12;
+
+/// `fidelity_size.py`'s flags for the width `size` (without `--out`).
+pub(crate) fn size_args(size: (usize, usize, usize, usize, usize, usize)) -> Vec<String> {
+    let (h, l, heads, kv, ff, vocab) = size;
+    let mut a = Vec::new();
+    for (flag, v) in [
+        ("--hidden", h),
+        ("--layers", l),
+        ("--heads", heads),
+        ("--kv-heads", kv),
+        ("--ff", ff),
+        ("--vocab", vocab),
+    ] {
+        a.push(flag.to_string());
+        a.push(v.to_string());
+    }
+    a
+}
+
+/// One width's result: parameters and, per probed step, the figures of
+/// `grad/KIND` and `weight/KIND`.
+struct Run {
+    params: f64,
+    probes: Vec<(usize, Value)>,
+}
+
+/// Over the kinds of `what` (`grad` or `weight`) at one probe: (mean, least, largest) of `field`.
+fn over_kinds(probe: &Value, what: &str, field: &str) -> (f64, f64, f64) {
+    let v: Vec<f64> = probe
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with(&format!("{what}/")))
+        .filter_map(|(_, r)| r.get(field).and_then(Value::as_f64))
+        .collect();
+    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let (lo, hi) = (v.iter().copied().fold(f64::NAN, f64::min), v.iter().copied().fold(f64::NAN, f64::max));
+    (if v.is_empty() { f64::NAN } else { mean }, lo, hi)
+}
+
+pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
+    let venv = prepare()?.ok_or("bench fidelity-size: no torch venv (see cargo xtask torch test)")?;
+    let dir = root().join("target/fidelity-size");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    // ZEROPP_FIDELITY_SIZE_REUSE=1 redraws the report from the last run's files.
+    let reuse = std::env::var("ZEROPP_FIDELITY_SIZE_REUSE").is_ok_and(|v| v == "1");
+    let mut runs = Vec::new();
+    for size in SIZES {
+        let out: PathBuf = dir.join(format!("d{}.json", size.0));
+        if !reuse {
+            let _ = std::fs::remove_file(&out);
+            let mut args = size_args(size);
+            args.extend(["--steps".into(), STEPS.to_string(), "--probe".into(), "1,10,last".into()]);
+            args.extend(["--out".into(), out.display().to_string()]);
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            let c = torchrun(&venv, "python/bench/fidelity_size.py", &refs, None)?;
+            run(&format!("bench fidelity-size: d {}", size.0), c)?;
+        }
+        let text = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", out.display()))?;
+        let params = v.get("params").and_then(Value::as_f64).ok_or("fidelity_size.py wrote no params")?;
+        let mut probes: Vec<(usize, Value)> = v
+            .get("probes")
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, p)| k.parse().ok().map(|s| (s, p.clone())))
+            .collect();
+        probes.sort_by_key(|p| p.0);
+        if probes.len() != 3 {
+            return Err(format!("{}: {} probed steps, expected 3", out.display(), probes.len()));
+        }
+        runs.push(Run { params, probes });
+    }
+    let md = report(&runs)?;
+    let svg = report_dir.join("fidelity-size.svg");
+    plot(&runs, &svg)?;
+    let out = report_dir.join("fidelity-size.md");
+    std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
+    eprintln!("==> wrote {} and {}", out.display(), svg.display());
+    Ok(())
+}
+
+fn report(runs: &[Run]) -> Result<String, String> {
+    let mut md = String::from(
+        "# qwZ and qgZ against the exact collectives, by model size (HF Llama, 2 x 2, zeropp.torch's defaults)\n\n\
+         Relative norm error `|q - e| / |e|` over the layer kinds (mean, worst kind), qgZ's cosine (worst kind), \
+         and the relative error of AdamW's update direction with qgZ's gradient against the exact one.\n\n\
+         | parameters | step | qgZ rel. error: mean | worst kind | qgZ cosine: worst | AdamW update rel. error: mean | worst | qwZ rel. error: mean | worst |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in runs {
+        for (step, p) in &r.probes {
+            let (g, _, gw) = over_kinds(p, "grad", "rel_norm_error");
+            let (_, cos, _) = over_kinds(p, "grad", "cosine");
+            let (u, _, uw) = over_kinds(p, "grad", "update_rel_error");
+            let (w, _, ww) = over_kinds(p, "weight", "rel_norm_error");
+            let _ = writeln!(
+                md,
+                "| {:.1}M | {step} | {g:.4} | {gw:.4} | {cos:.4} | {u:.4} | {uw:.4} | {w:.5} | {ww:.5} |",
+                r.params / 1e6
+            );
+        }
+    }
+    // The trend: the last step's mean errors, largest width over smallest.
+    let last = |r: &Run, what: &str, field: &str| {
+        r.probes.last().map_or(f64::NAN, |p| over_kinds(&p.1, what, field).0)
+    };
+    let (first, big) = (runs.first().ok_or("no runs")?, runs.last().ok_or("no runs")?);
+    let _ = writeln!(
+        md,
+        "\nFrom {:.1}M to {:.1}M parameters ({:.0}x), at the last step: qgZ's error x{:.2}, the update's x{:.2}, \
+         qwZ's x{:.2}.\n",
+        first.params / 1e6,
+        big.params / 1e6,
+        big.params / first.params,
+        last(big, "grad", "rel_norm_error") / last(first, "grad", "rel_norm_error"),
+        last(big, "grad", "update_rel_error") / last(first, "grad", "update_rel_error"),
+        last(big, "weight", "rel_norm_error") / last(first, "weight", "rel_norm_error"),
+    );
+    // Per kind at the largest width's last step.
+    md.push_str("Per layer kind, the largest width, last step:\n\n| kind | qgZ rel. error | cosine | AdamW update rel. error | qwZ rel. error |\n|---|---|---|---|---|\n");
+    if let Some((_, p)) = big.probes.last() {
+        // (Not a JSON pointer: the keys hold a slash.)
+        let get =
+            |k: &str, f: &str| p.get(k).and_then(|r| r.get(f)).and_then(Value::as_f64).unwrap_or(f64::NAN);
+        let kinds: Vec<String> = p
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, _)| k.strip_prefix("grad/").map(str::to_string))
+            .collect();
+        for k in kinds {
+            let (g, w) = (format!("grad/{k}"), format!("weight/{k}"));
+            let _ = writeln!(
+                md,
+                "| {k} | {:.4} | {:.4} | {:.4} | {:.5} |",
+                get(&g, "rel_norm_error"),
+                get(&g, "cosine"),
+                get(&g, "update_rel_error"),
+                get(&w, "rel_norm_error")
+            );
+        }
+    }
+    Ok(md)
+}
+
+/// The last step's mean relative errors against the parameters, log-log.
+fn plot(runs: &[Run], path: &Path) -> Result<(), String> {
+    use plotters::prelude::*;
+    let series: [(&str, &str, &str, RGBColor); 3] = [
+        ("qgZ gradient (INT4)", "grad", "rel_norm_error", RED),
+        ("AdamW update from qgZ's gradient", "grad", "update_rel_error", BLUE),
+        ("qwZ weights (INT8)", "weight", "rel_norm_error", GREEN),
+    ];
+    let points = |what: &str, field: &str| -> Vec<(f64, f64)> {
+        runs.iter()
+            .filter_map(|r| r.probes.last().map(|p| (r.params, over_kinds(&p.1, what, field).0)))
+            .collect()
+    };
+    let all: Vec<f64> = series.iter().flat_map(|s| points(s.1, s.2)).map(|p| p.1).collect();
+    let lo = all.iter().copied().fold(f64::INFINITY, f64::min) / 2.0;
+    let hi = all.iter().copied().fold(0.0, f64::max) * 2.0;
+    let (x0, x1) =
+        (runs.first().map_or(1e5, |r| r.params) / 2.0, runs.last().map_or(1e9, |r| r.params) * 2.0);
+    let area = SVGBackend::new(path, (720, 440)).into_drawing_area();
+    let e = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    area.fill(&WHITE).map_err(|x| e(&x))?;
+    let mut chart = ChartBuilder::on(&area)
+        .caption("Relative error against the exact collective, by model size", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((x0..x1).log_scale(), (lo..hi).log_scale())
+        .map_err(|x| e(&x))?;
+    chart
+        .configure_mesh()
+        .x_desc("parameters")
+        .y_desc("relative norm error, last step")
+        .draw()
+        .map_err(|x| e(&x))?;
+    for (name, what, field, color) in series {
+        let pts = points(what, field);
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|x| e(&x))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled()))).map_err(|x| e(&x))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|x| e(&x))?;
+    area.present().map_err(|x| e(&x))?;
+    Ok(())
+}
