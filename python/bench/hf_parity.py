@@ -75,13 +75,20 @@ def mean_loss(model, data, seed: int, args) -> float:
     return sum(losses) / len(losses)
 
 
+# zeropp.torch.enable's options of each variant (None: FSDP2's default).
+VARIANTS = {"default": None, "zeropp": {}, "qwz": {"qgz": False}, "qgz": {"qwz": False},
+            "qgz-rtn": {"qwz": False, "stochastic": False}}
+
+
 def train_one(train, val, seed: int, variant: str, args, ls: int) -> dict:
     model = model_of(args, seed)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    if variant == "zeropp":
-        zt.enable(model, local_size=ls, seed=seed)
+    if VARIANTS[variant] is not None:
+        zt.enable(model, local_size=ls, seed=seed, **VARIANTS[variant])
+    marks = sorted({max(1, round(float(m) * args.steps)) for m in args.marks.split(",") if m})
+    val_at = {}
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
     t0 = time.perf_counter()
@@ -93,7 +100,10 @@ def train_one(train, val, seed: int, variant: str, args, ls: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
-    return {"val": mean_loss(model, val, seed, args), "train": mean_loss(model, train, seed, args),
+        if step + 1 in marks and step + 1 < args.steps:
+            val_at[step + 1] = mean_loss(model, val, seed, args)
+    val_at[args.steps] = mean_loss(model, val, seed, args)
+    return {"val": val_at[args.steps], "train": mean_loss(model, train, seed, args), "val_at": val_at,
             "seconds": time.perf_counter() - t0}
 
 
@@ -104,7 +114,7 @@ def main():
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--hidden", "--d", dest="d", type=int, default=128, help="width (--d is swallowed by torchrun)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -113,18 +123,31 @@ def main():
     ap.add_argument("--min-mean", type=float, default=0.99)
     ap.add_argument("--max-worst", type=float, default=1.02)
     ap.add_argument("--out", default="")
+    ap.add_argument("--variants", default="zeropp",
+                    help="variants against FSDP2's default, comma-separated: " + ", ".join(VARIANTS))
+    ap.add_argument("--marks", default="0.25,0.5,1",
+                    help="fractions of the run at which the validation loss is also taken")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     ls = zt.local_size()
     data = tokens(args.data)
     cut = int(0.9 * len(data))
     train, val = data[:cut], data[cut:]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS or v == "default"]
+    if unknown or "zeropp" not in variants:
+        others = ", ".join(k for k in VARIANTS if k != "default")
+        raise SystemExit(f"hf_parity.py: --variants {args.variants}: expected zeropp and any of {others}")
     rows = []
     for seed in range(1, args.seeds + 1):
         base = train_one(train, val, seed, "default", args, ls)
-        zpp = train_one(train, val, seed, "zeropp", args, ls)
-        rows.append({"seed": seed, "default": base, "zeropp": zpp, "val_ratio": zpp["val"] / base["val"],
-                     "train_ratio": zpp["train"] / base["train"]})
+        runs = {v: train_one(train, val, seed, v, args, ls) for v in variants}
+        zpp = runs["zeropp"]
+        rows.append({"seed": seed, "default": base, **runs, "val_ratio": zpp["val"] / base["val"],
+                     "train_ratio": zpp["train"] / base["train"],
+                     "ratios": {v: {"val": r["val"] / base["val"], "train": r["train"] / base["train"],
+                                    "val_at": {k: r["val_at"][k] / base["val_at"][k] for k in base["val_at"]}}
+                                for v, r in runs.items()}})
         if dist.get_rank() == 0:
             print(f"seed {seed}: val {base['val']:.4f} -> {zpp['val']:.4f} ({rows[-1]['val_ratio']:.4f}), "
                   f"train {base['train']:.4f} -> {zpp['train']:.4f} ({rows[-1]['train_ratio']:.4f})", flush=True)

@@ -7,6 +7,12 @@
 //! relative errors against the parameters, and the plot
 //! (`target/bench-report/fidelity-size.svg`) draws them; CI's test 7 runs the
 //! largest width for one step with bounds set from this curve.
+//!
+//! Its `loss` part (`ZEROPP_FIDELITY_SIZE_PARTS=error,loss`, both by default)
+//! trains the same family for 600 steps with and without zeropp.torch
+//! (`python/bench/hf_parity.py`, 2 seeds) at the widths and corpora of
+//! [`LOSS_RUNS`] and tabulates the validation-loss ratio per size, with
+//! FSDP2's own seed spread and the ratio at 25%, 50% and 100% of the run.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -14,37 +20,22 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::cmd::{root, run};
-use crate::torch::{prepare, torchrun};
-
-/// (hidden, layers, heads, key/value heads, SwiGLU width, vocabulary): about
-/// 0.9M, 5.3M, 25M and 99.5M parameters (the last is `bench torch-scale`'s).
-pub(crate) const SIZES: [(usize, usize, usize, usize, usize, usize); 4] = [
-    (128, 2, 2, 2, 344, 2048),
-    (256, 4, 4, 2, 688, 4096),
-    (512, 6, 8, 4, 1376, 8000),
-    (768, 8, 12, 4, 2048, 32000),
-];
+use crate::torch::{FIDELITY_SIZES as SIZES, fidelity_size_args as size_args, prepare, torchrun};
 
 /// Training steps of each width; probed at 1, 10 and the last.
 const STEPS: usize = 12;
 
-/// `fidelity_size.py`'s flags for the width `size` (without `--out`).
-pub(crate) fn size_args(size: (usize, usize, usize, usize, usize, usize)) -> Vec<String> {
-    let (h, l, heads, kv, ff, vocab) = size;
-    let mut a = Vec::new();
-    for (flag, v) in [
-        ("--hidden", h),
-        ("--layers", l),
-        ("--heads", heads),
-        ("--kv-heads", kv),
-        ("--ff", ff),
-        ("--vocab", vocab),
-    ] {
-        a.push(flag.to_string());
-        a.push(v.to_string());
-    }
-    a
-}
+/// The loss runs: (corpus, hidden, layers, variants against FSDP2's default).
+/// `stdlib` is Python's standard library sources (31.5M characters, 46 times
+/// what a run trains on), `shakespeare` tinyshakespeare (1.1M, at the
+/// smallest width only).
+const LOSS_RUNS: [(&str, usize, usize, &str); 3] =
+    [("stdlib", 128, 4, "zeropp"), ("stdlib", 192, 4, "zeropp"), ("shakespeare", 128, 4, "zeropp")];
+/// hf_parity.py's run: steps, seeds, heads (key/value heads half), vocabulary (printable ASCII).
+const LOSS_STEPS: usize = 600;
+const LOSS_SEEDS: usize = 2;
+const LOSS_HEADS: usize = 4;
+const LOSS_VOCAB: usize = 96;
 
 /// One width's result: parameters and, per probed step, the figures of
 /// `grad/KIND` and `weight/KIND`.
@@ -69,20 +60,45 @@ fn over_kinds(probe: &Value, what: &str, field: &str) -> (f64, f64, f64) {
 
 pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     let venv = prepare()?.ok_or("bench fidelity-size: no torch venv (see cargo xtask torch test)")?;
+    let parts = std::env::var("ZEROPP_FIDELITY_SIZE_PARTS").unwrap_or_else(|_| "error,loss".into());
+    let (error, loss) = (parts.split(',').any(|p| p == "error"), parts.split(',').any(|p| p == "loss"));
+    if !error && !loss {
+        return Err(format!("ZEROPP_FIDELITY_SIZE_PARTS={parts}: expected error, loss or both"));
+    }
+    let mut md = String::new();
+    if error {
+        md.push_str(&error_part(&venv, report_dir)?);
+    }
+    if loss {
+        md.push_str(&loss_part(&venv)?);
+    }
+    let out = report_dir.join("fidelity-size.md");
+    std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
+    eprintln!("==> wrote {}", out.display());
+    Ok(())
+}
+
+/// ZEROPP_FIDELITY_SIZE_REUSE=1 redraws the report from the last run's files.
+fn reuse() -> bool {
+    std::env::var("ZEROPP_FIDELITY_SIZE_REUSE").is_ok_and(|v| v == "1")
+}
+
+/// The error curve: each width of [`SIZES`], a table and `fidelity-size.svg`.
+fn error_part(venv: &Path, report_dir: &Path) -> Result<String, String> {
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // ZEROPP_FIDELITY_SIZE_REUSE=1 redraws the report from the last run's files.
-    let reuse = std::env::var("ZEROPP_FIDELITY_SIZE_REUSE").is_ok_and(|v| v == "1");
+    let dir = root().join("target/fidelity-size");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut runs = Vec::new();
     for size in SIZES {
         let out: PathBuf = dir.join(format!("d{}.json", size.0));
-        if !reuse {
+        if !reuse() {
             let _ = std::fs::remove_file(&out);
             let mut args = size_args(size);
             args.extend(["--steps".into(), STEPS.to_string(), "--probe".into(), "1,10,last".into()]);
             args.extend(["--out".into(), out.display().to_string()]);
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-            let c = torchrun(&venv, "python/bench/fidelity_size.py", &refs, None)?;
+            let c = torchrun(venv, "python/bench/fidelity_size.py", &refs, None)?;
             run(&format!("bench fidelity-size: d {}", size.0), c)?;
         }
         let text = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
@@ -104,10 +120,146 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     let md = report(&runs)?;
     let svg = report_dir.join("fidelity-size.svg");
     plot(&runs, &svg)?;
-    let out = report_dir.join("fidelity-size.md");
-    std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
-    eprintln!("==> wrote {} and {}", out.display(), svg.display());
-    Ok(())
+    eprintln!("==> drew {}", svg.display());
+    Ok(md)
+}
+
+/// Python's standard library sources (not site-packages), every `.py` file in
+/// sorted order, as one text: `target/fidelity/python-stdlib.txt`.
+fn python_stdlib() -> Result<PathBuf, String> {
+    let dir = root().join("target/fidelity");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let path = dir.join("python-stdlib.txt");
+    let script = "import os, sys, sysconfig\n\
+                  root = sysconfig.get_paths()['stdlib']\n\
+                  parts = []\n\
+                  for d, dirs, files in os.walk(root):\n\
+                  \x20   dirs[:] = sorted(x for x in dirs if x not in ('site-packages', '__pycache__'))\n\
+                  \x20   parts += [open(os.path.join(d, f), encoding='utf-8', errors='replace').read()\n\
+                  \x20             for f in sorted(files) if f.endswith('.py')]\n\
+                  open(sys.argv[1], 'w', encoding='utf-8').write('\\n'.join(parts))\n";
+    let mut c = std::process::Command::new("python3");
+    c.args(["-c", script]).arg(&path);
+    run("the Python standard library corpus", c)?;
+    Ok(path)
+}
+
+/// HF Llama's parameters at hf_parity.py's shape: embeddings and head of
+/// [`LOSS_VOCAB`], per layer the four projections (key/value heads half the
+/// heads), the SwiGLU (`8d/3` rounded down to 8) and two norms; the final norm.
+fn loss_params(d: usize, layers: usize) -> usize {
+    let kv = d / LOSS_HEADS * (LOSS_HEADS / 2).max(1);
+    let ff = d * 8 / 3 / 8 * 8;
+    2 * LOSS_VOCAB * d + layers * (2 * d * d + 2 * d * kv + 3 * d * ff + 2 * d) + d
+}
+
+/// The loss curve: each run of [`LOSS_RUNS`], a table.
+fn loss_part(venv: &Path) -> Result<String, String> {
+    let dir = root().join("target/fidelity-size");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut md = format!(
+        "\n# Validation loss with zeropp.torch against FSDP2's default, by model size (HF Llama, 2 x 2, \
+         {LOSS_STEPS} steps, {LOSS_SEEDS} seeds)\n\n\
+         | corpus | parameters | variant | FSDP2 val loss | FSDP2 seed spread | val ratio: mean | se | worst seed | \
+         at 25% | at 50% | train ratio | training text / a run's tokens |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    );
+    let stdlib = python_stdlib()?;
+    let shakespeare = root().join("../shared/data/tinyshakespeare.txt");
+    for (corpus, d, layers, variants) in LOSS_RUNS {
+        let path = if corpus == "stdlib" { stdlib.clone() } else { shakespeare.clone() };
+        if !path.is_file() {
+            eprintln!("==> {corpus} skipped: {} is absent", path.display());
+            continue;
+        }
+        let out = dir.join(format!("loss-{corpus}-d{d}.json"));
+        if !reuse() {
+            let _ = std::fs::remove_file(&out);
+            let args: Vec<String> = [
+                "--data".to_string(),
+                path.display().to_string(),
+                "--seeds".into(),
+                LOSS_SEEDS.to_string(),
+                "--steps".into(),
+                LOSS_STEPS.to_string(),
+                "--hidden".into(),
+                d.to_string(),
+                "--layers".into(),
+                layers.to_string(),
+                "--heads".into(),
+                LOSS_HEADS.to_string(),
+                "--variants".into(),
+                variants.into(),
+                "--marks".into(),
+                "0.25,0.5,1".into(),
+                // The report judges; the run only records.
+                "--min-mean".into(),
+                "0".into(),
+                "--max-mean".into(),
+                "9".into(),
+                "--max-worst".into(),
+                "9".into(),
+                "--out".into(),
+                out.display().to_string(),
+            ]
+            .into();
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            run(
+                &format!("bench fidelity-size: loss, {corpus}, d {d}"),
+                torchrun(venv, "python/bench/hf_parity.py", &refs, None)?,
+            )?;
+        }
+        let text = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+        let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", out.display()))?;
+        md.push_str(&loss_rows(&v, corpus, loss_params(d, layers), variants)?);
+    }
+    Ok(md)
+}
+
+/// One loss run's rows, a row per variant.
+fn loss_rows(v: &Value, corpus: &str, params: usize, variants: &str) -> Result<String, String> {
+    let rows = v.get("rows").and_then(Value::as_array).ok_or("hf_parity.py wrote no rows")?;
+    let f = |x: Option<&Value>| x.and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let base: Vec<f64> = rows.iter().map(|r| f(r.pointer("/default/val"))).collect();
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len().max(1) as f64;
+    let spread = (base.iter().copied().fold(f64::NAN, f64::max)
+        - base.iter().copied().fold(f64::NAN, f64::min))
+        / mean(&base);
+    let steps = v.pointer("/args/steps").and_then(Value::as_u64).unwrap_or(0);
+    // hf_parity.py trains on the first 90% of the text.
+    let ratio = 0.9 * f(v.get("tokens")) / f(v.get("tokens_per_run"));
+    let mut md = String::new();
+    for variant in variants.split(',') {
+        let at = |k: String| -> Vec<f64> {
+            rows.iter()
+                .map(|r| {
+                    f(r.get("ratios")
+                        .and_then(|x| x.get(variant))
+                        .and_then(|x| x.get("val_at"))
+                        .and_then(|x| x.get(&k)))
+                })
+                .collect()
+        };
+        let vals = at(steps.to_string());
+        let m = mean(&vals);
+        let sd = (vals.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (vals.len().max(2) - 1) as f64).sqrt();
+        let se = sd / (vals.len() as f64).sqrt();
+        let worst = vals.iter().copied().fold(f64::NAN, f64::max);
+        let quarter = mean(&at((steps as f64 * 0.25).round().to_string()));
+        let half = mean(&at((steps as f64 * 0.5).round().to_string()));
+        let train: Vec<f64> = rows
+            .iter()
+            .map(|r| f(r.get("ratios").and_then(|x| x.get(variant)).and_then(|x| x.get("train"))))
+            .collect();
+        let _ = writeln!(
+            md,
+            "| {corpus} | {:.2}M | {variant} | {:.4} | {:.2}% | {m:.4} | {se:.4} | {worst:.4} | {quarter:.4} | {half:.4} | {:.4} | {ratio:.0}x |",
+            params as f64 / 1e6,
+            mean(&base),
+            100.0 * spread,
+            mean(&train)
+        );
+    }
+    Ok(md)
 }
 
 fn report(runs: &[Run]) -> Result<String, String> {

@@ -173,6 +173,34 @@ pub(crate) fn torchrun(
     Ok(c)
 }
 
+/// (hidden, layers, heads, key/value heads, SwiGLU width, vocabulary): about
+/// 0.9M, 5.3M, 25M and 99.5M parameters (the last is `bench torch-scale`'s): `bench fidelity-size`'s widths,
+/// whose largest test 7 checks.
+pub(crate) const FIDELITY_SIZES: [(usize, usize, usize, usize, usize, usize); 4] = [
+    (128, 2, 2, 2, 344, 2048),
+    (256, 4, 4, 2, 688, 4096),
+    (512, 6, 8, 4, 1376, 8000),
+    (768, 8, 12, 4, 2048, 32000),
+];
+
+/// `fidelity_size.py`'s flags for the width `size` (without `--out`).
+pub(crate) fn fidelity_size_args(size: (usize, usize, usize, usize, usize, usize)) -> Vec<String> {
+    let (h, l, heads, kv, ff, vocab) = size;
+    let mut a = Vec::new();
+    for (flag, v) in [
+        ("--hidden", h),
+        ("--layers", l),
+        ("--heads", heads),
+        ("--kv-heads", kv),
+        ("--ff", ff),
+        ("--vocab", vocab),
+    ] {
+        a.push(flag.to_string());
+        a.push(v.to_string());
+    }
+    a
+}
+
 /// Test 7: qwZ's and qgZ's errors against the exact collectives of the same
 /// inputs, one step of the largest width of `bench fidelity-size` (99.5M
 /// parameters), every layer kind inside bounds set from that bench's curve
@@ -180,9 +208,9 @@ pub(crate) fn torchrun(
 /// width; of the gradients 0.06-0.35, INT4 measures 0.10-0.23); INT4 weights
 /// in qwZ (the seeded defect `qwz-int4`, 0.11) must fail it.
 fn test7(venv: &Path) -> Result<(), String> {
-    let size = crate::fidelity_size::SIZES[crate::fidelity_size::SIZES.len() - 1];
+    let size = FIDELITY_SIZES[FIDELITY_SIZES.len() - 1];
     let out = root().join("target/fidelity-size-test.json");
-    let mut args = crate::fidelity_size::size_args(size);
+    let mut args = fidelity_size_args(size);
     args.extend(
         [
             "--steps",

@@ -500,11 +500,13 @@ const MEMORY_SHAPES: [(usize, usize, usize, usize, usize, usize); 2] =
     [(256, 4, 4, 2, 688, 8000), (512, 8, 8, 4, 1376, 16000)];
 /// Tokens per rank in the memory check.
 const MEMORY_TOKENS: usize = 256;
+/// One job of the memory check.
+type MemoryJob = (&'static str, &'static [&'static str], &'static [&'static str], &'static [&'static str]);
 /// The memory check's jobs: (name, the plan's flags, plan_memory.py's flags,
 /// modes). Every mode with the root resharded and no checkpointing; FSDP2's
 /// default and zeropp.torch with activation checkpointing, and with the root
 /// left at FSDP2's default (held gathered).
-const MEMORY_JOBS: [(&str, &[&str], &[&str], &[&str]); 3] = [
+const MEMORY_JOBS: [MemoryJob; 3] = [
     (
         "root resharded",
         &["--root-reshard", "--no-checkpointing"],
