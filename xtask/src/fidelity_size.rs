@@ -29,8 +29,11 @@ const STEPS: usize = 12;
 /// `stdlib` is Python's standard library sources (31.5M characters, 46 times
 /// what a run trains on), `shakespeare` tinyshakespeare (1.1M, at the
 /// smallest width only).
-const LOSS_RUNS: [(&str, usize, usize, &str); 3] =
-    [("stdlib", 128, 4, "zeropp"), ("stdlib", 192, 4, "zeropp"), ("shakespeare", 128, 4, "zeropp")];
+const LOSS_RUNS: [(&str, usize, usize, &str); 3] = [
+    ("stdlib", 128, 4, "zeropp,qwz,qgz,qgz-rtn"),
+    ("stdlib", 192, 4, "zeropp"),
+    ("shakespeare", 128, 4, "zeropp"),
+];
 /// hf_parity.py's run: steps, seeds, heads (key/value heads half), vocabulary (printable ASCII).
 const LOSS_STEPS: usize = 600;
 const LOSS_SEEDS: usize = 2;
@@ -85,8 +88,6 @@ fn reuse() -> bool {
 
 /// The error curve: each width of [`SIZES`], a table and `fidelity-size.svg`.
 fn error_part(venv: &Path, report_dir: &Path) -> Result<String, String> {
-    let dir = root().join("target/fidelity-size");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut runs = Vec::new();
@@ -239,13 +240,25 @@ fn loss_rows(v: &Value, corpus: &str, params: usize, variants: &str) -> Result<S
                 })
                 .collect()
         };
+        // The marks as the run wrote them (the last is the run's end).
+        let mut marks: Vec<u64> = rows
+            .first()
+            .and_then(|r| r.pointer("/default/val_at"))
+            .and_then(Value::as_object)
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, _)| k.parse().ok())
+            .collect();
+        marks.sort_unstable();
+        if marks.len() != 3 || marks.last() != Some(&steps) {
+            return Err(format!("hf_parity.py's marks are {marks:?}, expected three ending at step {steps}"));
+        }
         let vals = at(steps.to_string());
         let m = mean(&vals);
         let sd = (vals.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (vals.len().max(2) - 1) as f64).sqrt();
         let se = sd / (vals.len() as f64).sqrt();
         let worst = vals.iter().copied().fold(f64::NAN, f64::max);
-        let quarter = mean(&at((steps as f64 * 0.25).round().to_string()));
-        let half = mean(&at((steps as f64 * 0.5).round().to_string()));
+        let (quarter, half) = (mean(&at(marks[0].to_string())), mean(&at(marks[1].to_string())));
         let train: Vec<f64> = rows
             .iter()
             .map(|r| f(r.get("ratios").and_then(|x| x.get(variant)).and_then(|x| x.get("train"))))

@@ -60,10 +60,11 @@ struct Choice {
     zeropp: Overlap,
 }
 
-/// DeepSpeed's exposed shares read from its ZeRO++ tutorial's logs (ZeRO-3
-/// 1.02, held to 1; ZeRO++ 0.88): docs/PERFORMANCE.md, "Overlap per engine".
+/// DeepSpeed's exposed shares read from its ZeRO++ tutorial's logs against
+/// the GEMM shapes' compute (1.27 s): ZeRO-3 1.01, held to 1, and ZeRO++ 0.86
+/// (docs/PERFORMANCE.md, "Overlap per engine").
 const DEEPSPEED_ZERO3_EXPOSED: f64 = 1.0;
-const DEEPSPEED_ZEROPP_EXPOSED: f64 = 0.88;
+const DEEPSPEED_ZEROPP_EXPOSED: f64 = 0.86;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let v100 = GpuSpec::preset("v100").ok_or("no v100 preset")?;
@@ -214,7 +215,8 @@ fn table(v100: &GpuSpec, link: f64, c: &Choice) -> Result<Score, Box<dyn std::er
 
 /// Not the planner's constants: for each overlap model, the pair of flat constants
 /// (compute 0.10..0.80, link 0.10..1.00, steps of 0.05) that comes nearest to
-/// Figure 6's sixteen figures, fitted to them, and that pair's errors on
+/// Figure 6's sixteen figures by the goal (the larger of its mean absolute
+/// error over 15% and its worst ratio error over 15%), fitted to them, and that pair's errors on
 /// Figures 7 and 8, which it was not fitted to. It tells a wrong structure (no
 /// pair meets the goal, or the pair that does fails elsewhere) from wrong
 /// constants.
@@ -226,23 +228,24 @@ const LINK_STEPS: usize = 18;
 fn diagnosis(v100: &GpuSpec) -> Result<(), Box<dyn std::error::Error>> {
     println!("## diagnosis: the best constants for Figure 6, fitted (not used by the planner)\n");
     println!(
-        "| overlap | compute efficiency | link efficiency | Fig. 6: worst TFLOP/s error | worst ratio error | Figs. 7-8, not fitted: worst TFLOP/s error | worst ratio error |"
+        "| overlap | compute efficiency | link efficiency | Fig. 6: mean abs. TFLOP/s error | worst ratio error | Figs. 7-8, not fitted: mean abs. TFLOP/s error | worst ratio error |"
     );
     println!("|---|---|---|---|---|---|---|");
     let (fig6, others): (Vec<&Row>, Vec<&Row>) = PUBLISHED.iter().partition(|r| r.5 == "Fig. 6");
     // Worst errors (TFLOP/s, ratio) of `rows` under `eff`.
+    // Mean absolute TFLOP/s error and worst ratio error of `rows` under `eff`.
     let worst = |rows: &[&Row],
                  eff: Efficiency,
                  overlap: Overlap|
      -> Result<(f64, f64), Box<dyn std::error::Error>> {
-        let (mut w, mut wr) = (0.0f64, 0.0f64);
+        let (mut sum, mut wr) = (0.0f64, 0.0f64);
         for row in rows {
             let a = predict(v100, eff, overlap, Compute::Flat, PlanMode::Zero3, row)?;
             let z = predict(v100, eff, overlap, Compute::Flat, PlanMode::Zeropp, row)?;
-            w = w.max((a / row.3 - 1.0).abs()).max((z / row.4 - 1.0).abs());
+            sum += (a / row.3 - 1.0).abs() + (z / row.4 - 1.0).abs();
             wr = wr.max((z / a / (row.4 / row.3) - 1.0).abs());
         }
-        Ok((w, wr))
+        Ok((sum / (2 * rows.len().max(1)) as f64, wr))
     };
     for overlap in [Overlap::Prefetch, Overlap::None] {
         // (score against the goals, compute, link, worst TFLOP/s error, worst ratio error)
@@ -251,7 +254,7 @@ fn diagnosis(v100: &GpuSpec) -> Result<(), Box<dyn std::error::Error>> {
             for li in 0..=LINK_STEPS {
                 let eff = Efficiency { compute: 0.10 + 0.05 * ci as f64, link: 0.10 + 0.05 * li as f64 };
                 let (w, wr) = worst(&fig6, eff, overlap)?;
-                let score = (w / 0.15).max(wr / 0.10);
+                let score = (w / 0.15).max(wr / 0.15);
                 if score < best.0 {
                     best = (score, eff.compute, eff.link, w, wr);
                 }

@@ -134,8 +134,9 @@ impl PlanModel {
     /// ```
     pub fn work(&self, batch: usize) -> Work {
         let g = &self.gpt;
-        let (h, s, l, a) = (g.d_model, g.seq_len, g.n_layer, g.n_head);
-        let (t, r, d) = (batch * s, g.mlp_ratio * g.d_model, g.d_model / g.n_head.max(1));
+        // (A GPT's width is its heads times their width: `shaped` and the presets keep it so.)
+        let (h, s, l, a) = (g.d_model, g.seq_len, g.n_layer, g.n_head.max(1));
+        let (t, r, d) = (batch * s, g.mlp_ratio * g.d_model, g.d_model / a);
         Work {
             blocks: vec![
                 Gemm::new(t, 3 * h, h, l),
