@@ -44,6 +44,8 @@ import zeropp.torch as zt
 from zeropp.torch import collectives
 from zeropp.torch.enable import _names, _param_group, _segments
 
+from _llama import add_shape_args, build
+
 # AdamW's defaults (torch.optim.AdamW): the update direction the probe compares.
 BETAS, EPS = (0.9, 0.999), 1e-8
 
@@ -186,13 +188,7 @@ def main():
     global PROBE
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--ff", type=int, default=688)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--tokens", type=int, default=256)
+    add_shape_args(ap, vocab=4096)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--probe", default="1,10,last", help="steps to report, 1-based; last is --steps")
     ap.add_argument("--lr", type=float, default=3e-4)
@@ -201,8 +197,6 @@ def main():
                     help="every kind's relative gradient error at every probed step must lie in [LO, HI]")
     ap.add_argument("--weight-bounds", default=None, metavar="LO,HI", help="the same for qwZ's weights")
     args = ap.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import defects
 
@@ -211,11 +205,7 @@ def main():
     dist.init_process_group("gloo")
     ls, w = zt.local_size(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ff,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.kv_heads, max_position_embeddings=max(512, args.tokens),
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg)
+    model = build(args)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)

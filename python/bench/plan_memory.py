@@ -24,36 +24,25 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import zeropp.torch as zt
+from _llama import add_shape_args, build
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("fsdp2", "fsdp2-hpz", "zeropp-torch"), required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--ff", type=int, default=688)
-    ap.add_argument("--vocab", type=int, default=8000)
-    ap.add_argument("--tokens", type=int, default=256)
+    add_shape_args(ap, vocab=8000)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--checkpointing", action="store_true", help="HF's gradient checkpointing on every layer")
     ap.add_argument("--root-default", action="store_true",
                     help="the root at FSDP2's default (no reshard_after_forward given): held gathered")
     args = ap.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     dist.init_process_group("gloo")
     ls = zt.local_size()
     trace = f"{args.out}.rank{dist.get_rank()}.trace.json"
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ff,
-                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                          num_key_value_heads=args.kv_heads, max_position_embeddings=max(512, args.tokens),
-                          tie_word_embeddings=False)
-        model = LlamaForCausalLM(cfg)
+        model = build(args)
         if args.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)

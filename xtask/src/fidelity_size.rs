@@ -382,12 +382,5 @@ fn plot(runs: &[Run], path: &Path) -> Result<(), String> {
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
         chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled()))).map_err(|x| e(&x))?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(&x))?;
-    area.present().map_err(|x| e(&x))?;
-    Ok(())
+    crate::plot::legend_and_present(&mut chart, &area).map_err(|x| e(&x))
 }

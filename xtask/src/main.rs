@@ -18,6 +18,7 @@ mod fidelity_size;
 mod gpu;
 mod gpu_check;
 mod package;
+mod plot;
 mod ptx;
 mod scale;
 mod torch;
@@ -60,7 +61,9 @@ tasks:
                    the namespace cluster's measured steps (gpt-medium 2 x 2 at 10, 20 and
                    50 Mbit/s, ZEROPP_PLAN_RATES; needs root and OpenMPI, else says so);
                    `fidelity-size`: qwZ's and qgZ's error against the exact collectives for
-                   HF Llamas of 0.9M to 99.5M parameters under FSDP2 2 x 2 (table and SVG)
+                   HF Llamas of 0.9M to 99.5M parameters under FSDP2 2 x 2 (table and SVG),
+                   then zeropp.torch's validation loss against FSDP2's over 600 steps
+                   (ZEROPP_FIDELITY_SIZE_PARTS=error,loss; about 75 minutes)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale

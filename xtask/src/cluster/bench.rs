@@ -253,14 +253,7 @@ fn plot_speedup(rows: &[(String, Vec<(f64, f64)>)], names: &[&str], path: &Path)
             .label(format!("{name} (link model)"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(1)));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(|x| e(&x))?;
-    root.present().map_err(|x| e(&x))?;
-    Ok(())
+    crate::plot::legend_and_present(&mut chart, &root)
 }
 
 #[cfg(test)]
