@@ -70,12 +70,13 @@ fn small_models_and_measured_kernel_rates() {
             "10GB/s",
             "--gpu",
             &gpu,
-            "--compute",
-            "flat",
-            "--compute-efficiency",
-            "1",
             "--mode",
             "zero3,zeropp",
+            // A rate measured on a whole step: every FLOP at it.
+            "--compute-efficiency",
+            "1",
+            "--compute",
+            "flat",
         ]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         String::from_utf8_lossy(&out.stdout).into_owned()
