@@ -254,6 +254,9 @@ fn loss_rows(v: &Value, corpus: &str, params: usize, variants: &str) -> Result<S
             return Err(format!("hf_parity.py's marks are {marks:?}, expected three ending at step {steps}"));
         }
         let vals = at(steps.to_string());
+        if vals.is_empty() || vals.iter().any(|x| !x.is_finite()) {
+            return Err(format!("{corpus}, {params} parameters: the run has no {variant} ratio (rerun it)"));
+        }
         let m = mean(&vals);
         let sd = (vals.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (vals.len().max(2) - 1) as f64).sqrt();
         let se = sd / (vals.len() as f64).sqrt();
