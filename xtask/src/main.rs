@@ -63,7 +63,7 @@ tasks:
                    `fidelity-size`: qwZ's and qgZ's error against the exact collectives for
                    HF Llamas of 0.9M to 99.5M parameters under FSDP2 2 x 2 (table and SVG),
                    then zeropp.torch's validation loss against FSDP2's over 600 steps
-                   (ZEROPP_FIDELITY_SIZE_PARTS=error,loss; about 75 minutes)
+                   (ZEROPP_FIDELITY_SIZE_PARTS=error,loss; about 50 minutes)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale
