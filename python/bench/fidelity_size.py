@@ -170,15 +170,25 @@ def install():
     collectives.QuantizedAllGather.__call__ = ag
 
 
+def text() -> np.ndarray | None:
+    """tinyshakespeare's bytes (``ZEROPP_SHAKESPEARE``), read once; None without it."""
+    global _TEXT
+    if _TEXT is None:
+        path = os.environ.get("ZEROPP_SHAKESPEARE", "")
+        _TEXT = np.frombuffer(open(path, "rb").read(), dtype=np.uint8) if path and os.path.exists(path) else False
+    return _TEXT if _TEXT is not False else None
+
+
+_TEXT = None
+
+
 def data_source() -> str:
-    path = os.environ.get("ZEROPP_SHAKESPEARE", "")
-    return "tinyshakespeare" if path and os.path.exists(path) else "random tokens"
+    return "tinyshakespeare" if text() is not None else "random tokens"
 
 
 def tokens(vocab: int, n: int, gen: torch.Generator) -> torch.Tensor:
-    path = os.environ.get("ZEROPP_SHAKESPEARE", "")
-    if data_source() == "tinyshakespeare":
-        data = np.frombuffer(open(path, "rb").read(), dtype=np.uint8)
+    data = text()
+    if data is not None:
         at = int(torch.randint(0, len(data) - n - 1, (1,), generator=gen))
         return torch.from_numpy(data[at:at + n].astype(np.int64) % vocab).view(1, n)
     return torch.randint(0, vocab, (1, n), generator=gen)
