@@ -61,9 +61,12 @@ tasks:
                    the namespace cluster's measured steps (gpt-medium 2 x 2 at 10, 20 and
                    50 Mbit/s, ZEROPP_PLAN_RATES; needs root and OpenMPI, else says so);
                    `fidelity-size`: qwZ's and qgZ's error against the exact collectives for
-                   HF Llamas of 0.9M to 99.5M parameters under FSDP2 2 x 2 (table and SVG),
-                   then zeropp.torch's validation loss against FSDP2's over 600 steps
-                   (ZEROPP_FIDELITY_SIZE_PARTS=error,loss; about 50 minutes)
+                   HF Llamas of 0.9M to 99.5M parameters under FSDP2 2 x 2 and the engine's
+                   GPT up to GPT-2 small's shape (tables and SVG), then the validation loss
+                   against the baseline's over 600 steps: zeropp.torch against FSDP2 on
+                   HF Llamas of 0.74M to 9.7M, the engine's ZeRO++ against ZeRO-3 at three
+                   widths (ZEROPP_FIDELITY_SIZE_PARTS=error,loss,engine; ZEROPP_FIDELITY_SIZE_REUSE=1
+                   keeps the runs already on disk; about 3 hours on 2 cores)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale

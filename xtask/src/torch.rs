@@ -151,10 +151,21 @@ pub(crate) fn torchrun(
 ) -> Result<Command, String> {
     // A hang (a collective some rank never joins, as mismatched sub-groups
     // give) must fail the step, not sit until CI's limit: 20 minutes is several
-    // times the slowest run here.
+    // times the slowest test here.
+    torchrun_within(venv, script, args, defect, 1200)
+}
+
+/// [`torchrun`] killed after `seconds` (the benches' long training runs).
+pub(crate) fn torchrun_within(
+    venv: &Path,
+    script: &str,
+    args: &[&str],
+    defect: Option<&str>,
+    seconds: u32,
+) -> Result<Command, String> {
     let mut c = Command::new("timeout");
     crate::wheel::without_rust(&mut c)?;
-    c.args(["--kill-after=10", "1200"])
+    c.args(["--kill-after=10", &seconds.to_string()])
         .arg(venv.join("bin/python"))
         .args(["-m", "torch.distributed.run", "--nproc-per-node", "4", "--local-ranks-filter", "0"])
         .arg(format!("--master-port={}", free_port()?))

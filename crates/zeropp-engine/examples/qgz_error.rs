@@ -22,11 +22,11 @@
 
 use std::fmt::Write as _;
 
-use zeropp_comm::collectives::{DenseWire, QgzOptions, Routing, qgz_reduce_scatter};
+use zeropp_comm::collectives::{QgzOptions, qgz_reduce_scatter};
 use zeropp_engine::config::{AdamWConfig, ZeroConfig};
 use zeropp_engine::data::shard;
 use zeropp_engine::model::full_forward_backward;
-use zeropp_engine::optim::{AdamW, clip_factor};
+use zeropp_engine::optim::AdamW;
 use zeropp_quant::Options;
 use zeropp_quant::rng::stream_seed;
 
@@ -62,7 +62,7 @@ fn main() {
     });
     let setup = probe::setup(&args.data, ZeroConfig::zeropp_delta(LOCAL));
     let Setup { data, model, plan, cfg, banner, .. } = &setup;
-    let (topo, w, seq, layers) = (setup.topology, setup.world, setup.seq, setup.layers);
+    let (w, seq, layers) = (setup.world, setup.seq, setup.layers);
     let optim = AdamWConfig::default();
     let spec = ZeroConfig::default_qgz_spec();
     let g = spec.group_size();
@@ -111,28 +111,7 @@ fn main() {
                 }
                 exact_all.push(exact);
             }
-            // The exact step: the global norm, clipping, AdamW on every shard,
-            // then every rank's full parameters (gathered exactly).
-            let sq: f64 = exact_all.iter().flatten().map(|&x| f64::from(x).powi(2)).sum();
-            let mut all = vec![0.0f64; w];
-            zeropp_comm::CommExt::all_gather(comm, &zeropp_comm::Group::world(&topo), &[sq], &mut all)?;
-            let factor = clip_factor(all.iter().sum::<f64>().sqrt() as f32, cfg.gradient_clipping);
-            for l in 0..layers {
-                let b = plan.bucket(l)?;
-                let mut flat = vec![0.0f32; b.padded_len];
-                b.expand_into(&params[l], &mut flat)?;
-                let mut shard_p = flat[rank * s[l]..(rank + 1) * s[l]].to_vec();
-                opt[l].step(&mut shard_p, &exact_all[l], factor)?;
-                let mut gathered = vec![0.0f32; b.padded_len];
-                zeropp_comm::collectives::world_all_gather(
-                    comm,
-                    Routing::Hierarchical,
-                    DenseWire::F32,
-                    &shard_p,
-                    &mut gathered,
-                )?;
-                params[l] = b.compact(&gathered)?;
-            }
+            probe::exact_step(comm, plan, cfg.gradient_clipping, &mut opt, &mut params, &exact_all)?;
         }
         Ok(out)
     });

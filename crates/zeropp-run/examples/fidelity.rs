@@ -15,10 +15,19 @@
 //! means something only where that spread is a few percent (lr 3e-3 here).
 //!
 //! ```text
-//! cargo run --release -p zeropp-engine --example fidelity -- \
+//! cargo run --release -p zeropp-run --example fidelity -- \
 //!     [--seeds 8] [--steps 1500] [--lrs 3e-3[,1e-2]] [--variants core|all|NAME,NAME] \
-//!     [--data generated,shakespeare,FILE,...] [--eval-batches 16] [--out FILE.md]
+//!     [--data generated,shakespeare,FILE,...] [--eval-batches 16] [--out FILE.md] \
+//!     [--model PRESET] [--seq N] [--width D] [--json FILE.json]
 //! ```
+//!
+//! `--model` trains one of `GptConfig::presets` instead of the default GPT;
+//! `--seq` replaces its context and `--width D` its width (with heads of 16,
+//! after `--model`); `--json` also writes every seed's losses:
+//! per corpus and learning rate, per variant, the validation loss at the end
+//! and the training loss at 25%, 50% and 100% of the run (the mean over the
+//! 5% of the steps up to each mark), which `cargo xtask bench fidelity-size`
+//! reads for the engine's loss against model size.
 //!
 //! `--data` takes `generated` (the default corpus of `zeropp train`),
 //! `shakespeare` (`../shared/data/tinyshakespeare.txt` relative to the workspace
@@ -198,6 +207,9 @@ fn variants() -> Vec<(&'static str, &'static str, ZeroConfig)> {
 const CORE: &[&str] = &["zero3", "default", "zeropp-loco-1d", "zeropp-1d", "zeropp-sr-1d"];
 
 struct Args {
+    /// The GPT trained, and its name.
+    model: (String, GptConfig),
+    json: Option<PathBuf>,
     seeds: usize,
     steps: usize,
     lrs: Vec<f32>,
@@ -209,6 +221,8 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut a = Args {
+        model: ("gpt".into(), GptConfig::default_small()),
+        json: None,
         seeds: 8,
         steps: 1500,
         lrs: vec![3e-3],
@@ -229,6 +243,25 @@ fn parse_args() -> Args {
             "--data" => a.data = v().split(',').map(str::to_string).collect(),
             "--eval-batches" => a.eval_batches = v().parse().expect("--eval-batches N"),
             "--out" => a.out = Some(PathBuf::from(v())),
+            "--json" => a.json = Some(PathBuf::from(v())),
+            "--model" => {
+                let name = v();
+                let g = GptConfig::preset(&name).unwrap_or_else(|| {
+                    let known: Vec<&str> = GptConfig::presets().iter().map(|p| p.0).collect();
+                    panic!("--model {name}: not a preset; known: {known:?}")
+                });
+                a.model = (name, g);
+            }
+            "--seq" => a.model.1.seq_len = v().parse().expect("--seq N"),
+            "--width" => {
+                let d: usize = v().parse().expect("--width N");
+                assert!(
+                    d.is_multiple_of(16) && d > 0,
+                    "--width {d}: a positive multiple of 16 (heads of 16)"
+                );
+                a.model.0 = format!("{}, width {d}", a.model.0);
+                a.model.1 = GptConfig { d_model: d, n_head: d / 16, ..a.model.1 };
+            }
             "--bench" => {} // passed by `cargo bench`-style drivers; ignored
             other => panic!("unknown argument {other}; see the example's docs"),
         }
@@ -249,6 +282,18 @@ fn parse_args() -> Args {
         }
     };
     a
+}
+
+/// The fractions of the run at which `--json` gives the training loss.
+const MARKS: [f64; 3] = [0.25, 0.5, 1.0];
+
+/// The mean training loss over the 5% of `steps` (at least one) that end at
+/// `mark` of the run.
+fn train_loss_at(steps: &[zeropp_engine::metrics::StepRecord], mark: f64) -> f64 {
+    let end = ((steps.len() as f64 * mark).round() as usize).clamp(1, steps.len().max(1));
+    let start = end.saturating_sub((steps.len() / 20).max(1));
+    let w = &steps[start..end.min(steps.len())];
+    w.iter().map(|s| f64::from(s.loss)).sum::<f64>() / w.len().max(1) as f64
 }
 
 /// Mean, standard error of the mean, median and maximum of `xs`.
@@ -299,12 +344,14 @@ fn main() {
     let _ = writeln!(
         report,
         "# Fidelity: validation loss relative to ZeRO-3 (bf16, hierarchical)\n\n\
-         Default GPT ({} params at a 64-character vocabulary), {WORLD} ranks as {} nodes x {LOCAL}, \
+         GPT `{}`, context {} ({} params at a 64-character vocabulary), {WORLD} ranks as {} nodes x {LOCAL}, \
          {} steps, global batch 16, seeds 1..={}, {} validation batches. Ratio = val_loss(variant) / \
          val_loss(ZeRO-3) for the same seed. Per variant: mean over seeds, its standard error, median, \
          worst seed, seeds on which it is worse than ZeRO-3, and the acceptance rule for a default \
          (two-sided: mean in {:?}, every seed in {:?}).\n",
-        zeropp_engine::model::Gpt::new(GptConfig::default_small()).map(|g| g.num_params()).unwrap_or(0),
+        args.model.0,
+        args.model.1.seq_len,
+        zeropp_engine::model::Gpt::new(args.model.1.with_vocab(64)).map(|g| g.num_params()).unwrap_or(0),
         WORLD / LOCAL,
         args.steps,
         args.seeds,
@@ -312,16 +359,19 @@ fn main() {
         CALM.mean,
         CALM.seed,
     );
+    let mut json_runs = Vec::new();
     for (corpus, data) in &corpora(&args.data) {
         for &lr in &args.lrs {
             let started = Instant::now();
             let mut losses: Vec<(String, Vec<f64>)> = Vec::new();
+            let mut json_variants = serde_json::Map::new();
             for name in &args.variants {
                 let (_, _, zero) = table.iter().find(|v| v.0 == name).copied().expect("known variant");
                 let mut per_seed = Vec::new();
+                let mut train_at: [Vec<f64>; 3] = Default::default();
                 for seed in 1..=args.seeds as u64 {
                     let cfg = TrainConfig {
-                        model: ModelChoice::Gpt(GptConfig::default_small()),
+                        model: ModelChoice::Gpt(args.model.1),
                         data: data.clone(),
                         run: RunConfig {
                             world: WORLD,
@@ -343,7 +393,13 @@ fn main() {
                     let v = f64::from(r.summary.val_loss.expect("validation ran"));
                     eprintln!("fidelity: {corpus} lr {lr} {name:>18} seed {seed}: val loss {v:.4}");
                     per_seed.push(v);
+                    for (at, mark) in train_at.iter_mut().zip(MARKS) {
+                        at.push(train_loss_at(&r.steps, mark));
+                    }
                 }
+                let marks: serde_json::Map<String, serde_json::Value> =
+                    MARKS.iter().zip(&train_at).map(|(m, v)| (m.to_string(), serde_json::json!(v))).collect();
+                json_variants.insert(name.clone(), serde_json::json!({"val": per_seed, "train_at": marks}));
                 losses.push((name.clone(), per_seed));
             }
             let base = losses.iter().find(|(n, _)| n == "zero3").map(|(_, v)| v.clone()).expect("zero3 ran");
@@ -383,6 +439,22 @@ fn main() {
                 );
             }
             report.push('\n');
+            let params = zeropp_engine::data::load_data(data)
+                .ok()
+                .and_then(|(_, info)| {
+                    zeropp_engine::model::Gpt::new(args.model.1.with_vocab(info.vocab)).ok()
+                })
+                .map_or(0, |g| g.num_params());
+            json_runs.push(serde_json::json!({
+                "corpus": corpus, "lr": lr, "params": params, "variants": json_variants,
+            }));
+            if let Some(path) = &args.json {
+                let v = serde_json::json!({
+                    "model": args.model.0, "seq": args.model.1.seq_len, "steps": args.steps,
+                    "seeds": args.seeds, "runs": json_runs,
+                });
+                std::fs::write(path, serde_json::to_string_pretty(&v).expect("JSON")).expect("write --json");
+            }
             // Progress: the report so far, in case a long run is interrupted.
             if let Some(out) = &args.out {
                 if let Some(dir) = out.parent() {

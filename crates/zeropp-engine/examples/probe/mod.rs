@@ -6,13 +6,14 @@
 
 use std::path::PathBuf;
 
-use zeropp_comm::collectives::{DenseWire, Reduce, Routing, world_reduce_scatter};
+use zeropp_comm::collectives::{DenseWire, Reduce, Routing, world_all_gather, world_reduce_scatter};
 use zeropp_comm::{Communicator, ThreadCluster, ThreadComm, ThreadOptions, Topology};
 use zeropp_engine::config::{EngineConfig, ZeroConfig};
 use zeropp_engine::data::TextDataset;
 use zeropp_engine::data::{DataChoice, load_data};
 use zeropp_engine::engine::build_plan;
 use zeropp_engine::model::init_params;
+use zeropp_engine::optim::{AdamW, clip_factor};
 use zeropp_engine::{EngineError, Gpt, GptConfig, Model};
 use zeropp_partition::{BucketLayout, PartitionPlan};
 
@@ -80,9 +81,15 @@ pub(crate) struct Setup {
 
 /// `--data`'s text (`generated`: the Markov corpus of `zeropp train`;
 /// `shakespeare`: `../shared/data/tinyshakespeare.txt`; else a file) and the
-/// model, cluster and partition under `zero` on it. Aborts with the reason when
-/// the text is missing.
+/// default small GPT, cluster and partition under `zero` on it. Aborts with the
+/// reason when the text is missing.
 pub(crate) fn setup(data: &str, zero: ZeroConfig) -> Setup {
+    setup_gpt(data, zero, GptConfig::default_small(), LOCAL)
+}
+
+/// [`setup`] with the GPT of shape `gpt` (its vocabulary set from the text) on
+/// [`NODES`] nodes of `local` ranks.
+pub(crate) fn setup_gpt(data: &str, zero: ZeroConfig, gpt: GptConfig, local: usize) -> Setup {
     let choice = match data {
         "generated" => DataChoice::Markov { seed: 0, chars: 200_000 },
         "shakespeare" => DataChoice::File(
@@ -92,11 +99,11 @@ pub(crate) fn setup(data: &str, zero: ZeroConfig) -> Setup {
         path => DataChoice::File(PathBuf::from(path)),
     };
     let (data, info) = load_data(&choice).expect("training text");
-    let model = Gpt::new(GptConfig::default_small().with_vocab(info.vocab)).expect("model");
-    let topology = Topology::ranks(NODES * LOCAL).per_node(LOCAL).expect("topology");
+    let model = Gpt::new(gpt.with_vocab(info.vocab)).expect("model");
+    let topology = Topology::ranks(NODES * local).per_node(local).expect("topology");
     let (world, seq, layers) = (topology.world(), model.config().seq_len, model.layers().len());
     let banner =
-        format!("{} ({} params), {world} ranks = {NODES} x {LOCAL}", info.description, model.num_params());
+        format!("{} ({} params), {world} ranks = {NODES} x {local}", info.description, model.num_params());
     let cfg = EngineConfig { zero, ..EngineConfig::default() };
     let plan = build_plan(&model, &cfg, topology).expect("the partition plan");
     Setup { data, model, topology, world, seq, layers, banner, cfg, plan }
@@ -122,6 +129,37 @@ pub(crate) fn exact_mean<C: Communicator + ?Sized>(
     let mut mean = vec![0.0f32; plan.shard_len(l)?];
     world_reduce_scatter(comm, Routing::Hierarchical, DenseWire::F32, &full, &mut mean, Reduce::Mean)?;
     Ok((full, mean))
+}
+
+/// The exact step the probes train along: the global norm of the exact mean
+/// gradients `exact` (this rank's shard of every layer), clipping at
+/// `clipping`, AdamW on every shard, then every rank's full parameters
+/// gathered exactly (f32).
+#[allow(dead_code)] // loco_probe steps along a variant's trajectory, its own way
+pub(crate) fn exact_step<C: Communicator + ?Sized>(
+    comm: &mut C,
+    plan: &PartitionPlan,
+    clipping: Option<f32>,
+    opt: &mut [AdamW],
+    params: &mut [Vec<f32>],
+    exact: &[Vec<f32>],
+) -> Result<(), EngineError> {
+    let (rank, topo) = (comm.rank(), *comm.topology());
+    let sq: f64 = exact.iter().flatten().map(|&x| f64::from(x).powi(2)).sum();
+    let mut all = vec![0.0f64; topo.world()];
+    zeropp_comm::CommExt::all_gather(comm, &zeropp_comm::Group::world(&topo), &[sq], &mut all)?;
+    let factor = clip_factor(all.iter().sum::<f64>().sqrt() as f32, clipping);
+    for (l, (p, o)) in params.iter_mut().zip(opt.iter_mut()).enumerate() {
+        let (b, s) = (plan.bucket(l)?, plan.shard_len(l)?);
+        let mut flat = vec![0.0f32; b.padded_len];
+        b.expand_into(p, &mut flat)?;
+        let mut shard_p = flat[rank * s..(rank + 1) * s].to_vec();
+        o.step(&mut shard_p, &exact[l], factor)?;
+        let mut gathered = vec![0.0f32; b.padded_len];
+        world_all_gather(comm, Routing::Hierarchical, DenseWire::F32, &shard_p, &mut gathered)?;
+        *p = b.compact(&gathered)?;
+    }
+    Ok(())
 }
 
 /// The positions of a bucket's padded flat vector that hold 1-D parameters

@@ -1,0 +1,286 @@
+//! `cargo xtask bench fidelity-size`: does the quantization's error grow with
+//! the model? `python/bench/fidelity_size.py` under torchrun (2 nodes x 2)
+//! trains a Hugging Face Llama at each width of [`SIZES`] for [`STEPS`] steps
+//! with zeropp.torch's defaults, and at steps 1, 10 and the last compares what
+//! qgZ and qwZ deliver with the exact collective of the same inputs, per layer
+//! kind. The report (`target/bench-report/fidelity-size.md`) tabulates the
+//! relative errors against the parameters, and the plot
+//! (`target/bench-report/fidelity-size.svg`) draws them; CI's test 7 runs the
+//! largest width for one step with bounds set from this curve.
+//!
+//! The engine's GPT gets the same curve from the `size_error` example
+//! (`zeropp-engine`), at the presets of [`ENGINE_MODELS`] up to GPT-2 small's
+//! shape, drawn dashed on the same plot.
+//!
+//! Its `loss` part ([`loss`]) trains with and without the quantized
+//! collectives for 600 steps over seeds, zeropp.torch against FSDP2 and the
+//! engine's ZeRO++ against its ZeRO-3, and tabulates the validation-loss ratio
+//! per size. `ZEROPP_FIDELITY_SIZE_PARTS` picks the parts (`error,loss,engine`
+//! by default; without `engine` the engine's rows are left out of both).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use crate::cmd::{cargo, root, run};
+use crate::torch::{FIDELITY_SIZES as SIZES, fidelity_size_args as size_args, prepare, torchrun};
+
+mod loss;
+
+/// Training steps of each width; probed at 1, 10 and the last.
+const STEPS: usize = 12;
+
+/// The engine's GPT presets of the error curve (context 64): about 0.1M, 0.8M,
+/// 10.7M, 39.6M and 85.6M parameters.
+const ENGINE_MODELS: [&str; 5] = ["gpt", "gpt-1m", "gpt-10m", "gpt-40m", "gpt2-small"];
+
+/// One width's result: parameters and, per probed step, the figures of
+/// `grad/KIND` and `weight/KIND`.
+struct Run {
+    params: f64,
+    probes: Vec<(usize, Value)>,
+}
+
+/// Over the kinds of `what` (`grad` or `weight`) at one probe: (mean, least, largest) of `field`.
+fn over_kinds(probe: &Value, what: &str, field: &str) -> (f64, f64, f64) {
+    let v: Vec<f64> = probe
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| k.starts_with(&format!("{what}/")))
+        .filter_map(|(_, r)| r.get(field).and_then(Value::as_f64))
+        .collect();
+    let mean = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    let (lo, hi) = (v.iter().copied().fold(f64::NAN, f64::min), v.iter().copied().fold(f64::NAN, f64::max));
+    (if v.is_empty() { f64::NAN } else { mean }, lo, hi)
+}
+
+pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
+    let venv = prepare()?.ok_or("bench fidelity-size: no torch venv (see cargo xtask torch test)")?;
+    let parts = std::env::var("ZEROPP_FIDELITY_SIZE_PARTS").unwrap_or_else(|_| "error,loss,engine".into());
+    let has = |p: &str| parts.split(',').any(|x| x == p);
+    if parts.split(',').any(|x| !["error", "loss", "engine"].contains(&x)) || !(has("error") || has("loss")) {
+        return Err(format!(
+            "ZEROPP_FIDELITY_SIZE_PARTS={parts}: expected error and/or loss, and engine or not"
+        ));
+    }
+    let mut md = String::new();
+    if has("error") {
+        md.push_str(&error_part(&venv, report_dir, has("engine"))?);
+    }
+    if has("loss") {
+        md.push_str(&loss::part(&venv, report_dir, has("engine"))?);
+    }
+    let out = report_dir.join("fidelity-size.md");
+    std::fs::write(&out, md).map_err(|e| format!("{}: {e}", out.display()))?;
+    eprintln!("==> wrote {}", out.display());
+    Ok(())
+}
+
+/// ZEROPP_FIDELITY_SIZE_REUSE=1 redraws the report from the last run's files.
+fn reuse() -> bool {
+    std::env::var("ZEROPP_FIDELITY_SIZE_REUSE").is_ok_and(|v| v == "1")
+}
+
+/// The error curve: each width of [`SIZES`] (and of [`ENGINE_MODELS`] with
+/// `engine`), a table each and `fidelity-size.svg`.
+fn error_part(venv: &Path, report_dir: &Path, engine: bool) -> Result<String, String> {
+    let dir = root().join("target/fidelity-size");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut runs = Vec::new();
+    for size in SIZES {
+        let out: PathBuf = dir.join(format!("d{}.json", size.0));
+        if !(reuse() && out.is_file()) {
+            let _ = std::fs::remove_file(&out);
+            let mut args = size_args(size);
+            args.extend(["--steps".into(), STEPS.to_string(), "--probe".into(), "1,10,last".into()]);
+            args.extend(["--out".into(), out.display().to_string()]);
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            let c = torchrun(venv, "python/bench/fidelity_size.py", &refs, None)?;
+            run(&format!("bench fidelity-size: d {}", size.0), c)?;
+        }
+        runs.push(read_run(&out)?);
+    }
+    let mut md = report("HF Llama, 2 x 2, zeropp.torch's defaults", &runs)?;
+    let mut engine_runs = Vec::new();
+    if engine {
+        let mut built = false;
+        for model in ENGINE_MODELS {
+            let out: PathBuf = dir.join(format!("engine-{model}.json"));
+            if !(reuse() && out.is_file()) {
+                if !built {
+                    let mut c = cargo();
+                    c.args([
+                        "build",
+                        "--locked",
+                        "--release",
+                        "-p",
+                        "zeropp-engine",
+                        "--example",
+                        "size_error",
+                    ]);
+                    run("build the size_error example", c)?;
+                    built = true;
+                }
+                let _ = std::fs::remove_file(&out);
+                let mut c = std::process::Command::new(root().join("target/release/examples/size_error"));
+                c.args(["--model", model, "--steps", &STEPS.to_string(), "--probe", "1,10,last"]);
+                c.args(["--data", "shakespeare", "--out"]).arg(&out).current_dir(root());
+                run(&format!("bench fidelity-size: the engine's {model}"), c)?;
+            }
+            engine_runs.push(read_run(&out)?);
+        }
+        md.push_str(&report(
+            "the engine's GPT, 2 x 2 thread ranks, context 64, `zeropp train`'s defaults",
+            &engine_runs,
+        )?);
+    }
+    let svg = report_dir.join("fidelity-size.svg");
+    plot(&runs, &engine_runs, &svg)?;
+    eprintln!("==> drew {}", svg.display());
+    Ok(md)
+}
+
+/// One width's probes from its JSON (fidelity_size.py's or size_error's).
+fn read_run(out: &Path) -> Result<Run, String> {
+    let text = std::fs::read_to_string(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", out.display()))?;
+    let params = v.get("params").and_then(Value::as_f64).ok_or(format!("{}: no params", out.display()))?;
+    let mut probes: Vec<(usize, Value)> = v
+        .get("probes")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .filter_map(|(k, p)| k.parse().ok().map(|s| (s, p.clone())))
+        .collect();
+    probes.sort_by_key(|p| p.0);
+    if probes.len() != 3 {
+        return Err(format!("{}: {} probed steps, expected 3", out.display(), probes.len()));
+    }
+    Ok(Run { params, probes })
+}
+
+fn report(who: &str, runs: &[Run]) -> Result<String, String> {
+    let mut md = format!(
+        "# qwZ and qgZ against the exact collectives, by model size ({who})\n\n\
+         Relative norm error `|q - e| / |e|` over the layer kinds (mean, worst kind), qgZ's cosine (worst kind), \
+         and the relative error of AdamW's update direction with qgZ's gradient against the exact one.\n\n\
+         | parameters | step | qgZ rel. error: mean | worst kind | qgZ cosine: worst | AdamW update rel. error: mean | worst | qwZ rel. error: mean | worst |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in runs {
+        for (step, p) in &r.probes {
+            let (g, _, gw) = over_kinds(p, "grad", "rel_norm_error");
+            let (_, cos, _) = over_kinds(p, "grad", "cosine");
+            let (u, _, uw) = over_kinds(p, "grad", "update_rel_error");
+            let (w, _, ww) = over_kinds(p, "weight", "rel_norm_error");
+            let _ = writeln!(
+                md,
+                "| {:.1}M | {step} | {g:.4} | {gw:.4} | {cos:.4} | {u:.4} | {uw:.4} | {w:.5} | {ww:.5} |",
+                r.params / 1e6
+            );
+        }
+    }
+    // The trend: the last step's mean errors, largest width over smallest.
+    let last = |r: &Run, what: &str, field: &str| {
+        r.probes.last().map_or(f64::NAN, |p| over_kinds(&p.1, what, field).0)
+    };
+    let (first, big) = (runs.first().ok_or("no runs")?, runs.last().ok_or("no runs")?);
+    let _ = writeln!(
+        md,
+        "\nFrom {:.1}M to {:.1}M parameters ({:.0}x), at the last step: qgZ's error x{:.2}, the update's x{:.2}, \
+         qwZ's x{:.2}.\n",
+        first.params / 1e6,
+        big.params / 1e6,
+        big.params / first.params,
+        last(big, "grad", "rel_norm_error") / last(first, "grad", "rel_norm_error"),
+        last(big, "grad", "update_rel_error") / last(first, "grad", "update_rel_error"),
+        last(big, "weight", "rel_norm_error") / last(first, "weight", "rel_norm_error"),
+    );
+    // Per kind at the largest width's last step.
+    md.push_str("\nPer layer kind, the largest width, last step:\n\n| kind | qgZ rel. error | cosine | AdamW update rel. error | qwZ rel. error |\n|---|---|---|---|---|\n");
+    if let Some((_, p)) = big.probes.last() {
+        // (Not a JSON pointer: the keys hold a slash.)
+        let get =
+            |k: &str, f: &str| p.get(k).and_then(|r| r.get(f)).and_then(Value::as_f64).unwrap_or(f64::NAN);
+        let kinds: Vec<String> = p
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, _)| k.strip_prefix("grad/").map(str::to_string))
+            .collect();
+        for k in kinds {
+            let (g, w) = (format!("grad/{k}"), format!("weight/{k}"));
+            let _ = writeln!(
+                md,
+                "| {k} | {:.4} | {:.4} | {:.4} | {:.5} |",
+                get(&g, "rel_norm_error"),
+                get(&g, "cosine"),
+                get(&g, "update_rel_error"),
+                get(&w, "rel_norm_error")
+            );
+        }
+    }
+    Ok(md)
+}
+
+/// The last step's mean relative errors against the parameters, log-log: the
+/// HF Llama's solid, the engine's GPT's dashed.
+fn plot(runs: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
+    use plotters::prelude::*;
+    let series: [(&str, &str, &str, RGBColor); 3] = [
+        ("qgZ gradient (INT4)", "grad", "rel_norm_error", RED),
+        ("AdamW update from qgZ's gradient", "grad", "update_rel_error", BLUE),
+        ("qwZ weights (INT8)", "weight", "rel_norm_error", GREEN),
+    ];
+    let points = |runs: &[Run], what: &str, field: &str| -> Vec<(f64, f64)> {
+        runs.iter()
+            .filter_map(|r| r.probes.last().map(|p| (r.params, over_kinds(&p.1, what, field).0)))
+            .collect()
+    };
+    let all: Vec<(f64, f64)> =
+        series.iter().flat_map(|s| [points(runs, s.1, s.2), points(engine, s.1, s.2)].concat()).collect();
+    let lo = all.iter().map(|p| p.1).fold(f64::INFINITY, f64::min) / 2.0;
+    let hi = all.iter().map(|p| p.1).fold(0.0, f64::max) * 2.0;
+    let x0 = all.iter().map(|p| p.0).fold(f64::INFINITY, f64::min) / 2.0;
+    let x1 = all.iter().map(|p| p.0).fold(0.0, f64::max) * 2.0;
+    let area = SVGBackend::new(path, (760, 460)).into_drawing_area();
+    let e = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+    area.fill(&WHITE).map_err(|x| e(&x))?;
+    let mut chart = ChartBuilder::on(&area)
+        .caption("Relative error against the exact collective, by model size", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((x0..x1).log_scale(), (lo..hi).log_scale())
+        .map_err(|x| e(&x))?;
+    chart
+        .configure_mesh()
+        .x_desc("parameters")
+        .y_desc("relative norm error, last step")
+        .draw()
+        .map_err(|x| e(&x))?;
+    for (name, what, field, color) in series {
+        let pts = points(runs, what, field);
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .map_err(|x| e(&x))?
+            .label(format!("{name}, HF Llama"))
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled()))).map_err(|x| e(&x))?;
+        let pts = points(engine, what, field);
+        if pts.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(DashedLineSeries::new(pts.clone(), 6, 4, color.stroke_width(2)))
+            .map_err(|x| e(&x))?
+            .label(format!("{name}, engine GPT"))
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 6, y)], color.stroke_width(2)));
+        chart
+            .draw_series(pts.into_iter().map(|p| TriangleMarker::new(p, 4, color.filled())))
+            .map_err(|x| e(&x))?;
+    }
+    crate::plot::legend_and_present(&mut chart, &area).map_err(|x| e(&x))
+}
