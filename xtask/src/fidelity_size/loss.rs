@@ -103,7 +103,7 @@ impl LossRow {
 }
 
 /// The loss part: every run (torch, then engine), its table and the plot.
-pub(crate) fn part(venv: &Path, report_dir: &Path, engine: bool) -> Result<String, String> {
+pub(crate) fn part(venv: &super::Venv, report_dir: &Path, engine: bool) -> Result<String, String> {
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let stdlib = python_stdlib()?;
@@ -151,7 +151,7 @@ fn wanted(out: &Path) -> bool {
 }
 
 /// zeropp.torch's rows: each run of [`LOSS_RUNS`].
-fn torch_rows(venv: &Path, dir: &Path, stdlib: &Path) -> Result<Vec<LossRow>, String> {
+fn torch_rows(venv: &super::Venv, dir: &Path, stdlib: &Path) -> Result<Vec<LossRow>, String> {
     let shakespeare = root().join("../shared/data/tinyshakespeare.txt");
     let mut rows = Vec::new();
     for (corpus, d, layers, variants) in LOSS_RUNS {
@@ -193,7 +193,7 @@ fn torch_rows(venv: &Path, dir: &Path, stdlib: &Path) -> Result<Vec<LossRow>, St
             .into();
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
             // The 9.7M width takes about an hour on two cores.
-            let c = torchrun_within(venv, "python/bench/hf_parity.py", &refs, None, 4 * 3600)?;
+            let c = torchrun_within(venv.get()?, "python/bench/hf_parity.py", &refs, None, 4 * 3600)?;
             run(&format!("bench fidelity-size: loss, {corpus}, d {d}"), c)?;
         }
         let v = read_json(&out)?;
@@ -325,11 +325,15 @@ fn trend(rows: &[&LossRow]) -> Option<(f64, f64)> {
 }
 
 /// Python's standard library sources (not site-packages), every `.py` file in
-/// sorted order, as one text: `target/fidelity/python-stdlib.txt`.
+/// sorted order, as one text: `target/fidelity/python-stdlib.txt` (kept
+/// under ZEROPP_FIDELITY_SIZE_REUSE=1).
 pub(crate) fn python_stdlib() -> Result<PathBuf, String> {
     let dir = root().join("target/fidelity");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let path = dir.join("python-stdlib.txt");
+    if !wanted(&path) {
+        return Ok(path);
+    }
     let script = "import os, sys, sysconfig\n\
                   root = sysconfig.get_paths()['stdlib']\n\
                   parts = []\n\

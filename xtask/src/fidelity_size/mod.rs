@@ -57,7 +57,7 @@ fn over_kinds(probe: &Value, what: &str, field: &str) -> (f64, f64, f64) {
 }
 
 pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
-    let venv = prepare()?.ok_or("bench fidelity-size: no torch venv (see cargo xtask torch test)")?;
+    let venv = Venv::default();
     let parts = std::env::var("ZEROPP_FIDELITY_SIZE_PARTS").unwrap_or_else(|_| "error,loss,engine".into());
     let has = |p: &str| parts.split(',').any(|x| x == p);
     if parts.split(',').any(|x| !["error", "loss", "engine"].contains(&x)) || !(has("error") || has("loss")) {
@@ -78,6 +78,21 @@ pub(crate) fn bench(report_dir: &Path) -> Result<(), String> {
     Ok(())
 }
 
+/// The torch venv with the wheel, prepared at the first run that needs it
+/// (a report redrawn from the files on disk builds nothing).
+#[derive(Default)]
+pub(crate) struct Venv(std::cell::OnceCell<PathBuf>);
+
+impl Venv {
+    pub(crate) fn get(&self) -> Result<&Path, String> {
+        if self.0.get().is_none() {
+            let v = prepare()?.ok_or("bench fidelity-size: no torch venv (see cargo xtask test-torch)")?;
+            let _ = self.0.set(v);
+        }
+        self.0.get().map(PathBuf::as_path).ok_or_else(|| "the torch venv".to_string())
+    }
+}
+
 /// ZEROPP_FIDELITY_SIZE_REUSE=1 redraws the report from the last run's files.
 fn reuse() -> bool {
     std::env::var("ZEROPP_FIDELITY_SIZE_REUSE").is_ok_and(|v| v == "1")
@@ -85,7 +100,7 @@ fn reuse() -> bool {
 
 /// The error curve: each width of [`SIZES`] (and of [`ENGINE_MODELS`] with
 /// `engine`), a table each and `fidelity-size.svg`.
-fn error_part(venv: &Path, report_dir: &Path, engine: bool) -> Result<String, String> {
+fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, String> {
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let mut runs = Vec::new();
@@ -97,7 +112,7 @@ fn error_part(venv: &Path, report_dir: &Path, engine: bool) -> Result<String, St
             args.extend(["--steps".into(), STEPS.to_string(), "--probe".into(), "1,10,last".into()]);
             args.extend(["--out".into(), out.display().to_string()]);
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-            let c = torchrun(venv, "python/bench/fidelity_size.py", &refs, None)?;
+            let c = torchrun(venv.get()?, "python/bench/fidelity_size.py", &refs, None)?;
             run(&format!("bench fidelity-size: d {}", size.0), c)?;
         }
         runs.push(read_run(&out)?);
