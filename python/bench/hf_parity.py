@@ -15,6 +15,11 @@ validation loss tracks training loss: the report gives both, per seed, with
 the ratio zeropp / default of each, their mean, spread, standard error and
 worst seed. Exit status 1 when the mean validation ratio leaves
 ``[--min-mean, --max-mean]`` or the worst seed exceeds ``--max-worst``.
+
+``cargo xtask bench fidelity-size`` runs it at every size of its loss curve;
+``cargo xtask test-torch`` (test 8) at the two smallest for 150 steps inside
+a two-sided bound, and with ``ZEROPP_SEEDED_DEFECT=wrong-scale``
+(``python/tests/defects.py``), which must fail it.
 """
 
 from __future__ import annotations
@@ -128,6 +133,10 @@ def main():
     ap.add_argument("--marks", default="0.25,0.5,1",
                     help="fractions of the run at which the validation loss is also taken")
     args = ap.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    import defects
+
+    defect = defects.apply_from_env()
     dist.init_process_group("gloo")
     ls = zt.local_size()
     data = tokens(args.data)
@@ -161,6 +170,7 @@ def main():
         "worst": max(ratios), "best": min(ratios),
         "mean_train_ratio": statistics.fmean(r["train_ratio"] for r in rows),
         "default_seed_spread": (max(base_val) - min(base_val)) / statistics.fmean(base_val), "rows": rows,
+        "seeded_defect": os.environ.get("ZEROPP_SEEDED_DEFECT") if defect else None,
     }
     ok = args.min_mean <= summary["mean_val_ratio"] <= args.max_mean and summary["worst"] <= args.max_worst
     if dist.get_rank() == 0:

@@ -16,7 +16,7 @@
 //! 2. `python/tests/dist_collectives.py` under torchrun, 4 processes as 2 nodes x 2
 //!    (gloo): qgZ and qwZ within their analytic bounds, cross-node bytes <= 0.27x;
 //! 3. `python/tests/parity.py`: FSDP2 training with and without zeropp.torch over
-//!    5 seeds on tinyshakespeare, in the calm regime (lr 1e-3, 120 steps: the
+//!    3 seeds on tinyshakespeare, in the calm regime (lr 1e-3, 120 steps: the
 //!    ratio's spread over seeds is 0.0005 there), mean validation-loss ratio
 //!    <= 1.005;
 //! 4. tests 2 and 3 again with seeded defects (python/tests/defects.py), which must
@@ -37,7 +37,11 @@
 //!    every mode equal what `zeropp.torch.ByteCounter` counts on every rank;
 //! 7. `python/bench/fidelity_size.py` under torchrun (2 nodes x 2), one step of
 //!    a 99.5M-parameter HF Llama: qwZ's and qgZ's errors against the exact
-//!    collectives inside bounds, and the seeded defect `qwz-int4` outside.
+//!    collectives inside bounds, and the seeded defect `qwz-int4` outside;
+//! 8. `python/bench/hf_parity.py` under torchrun (2 nodes x 2), the loss
+//!    curve's short version: the HF Llama's validation-loss ratio at 0.74M and
+//!    1.66M parameters after 150 steps inside a two-sided bound, and the seeded
+//!    defect `wrong-scale` outside.
 //!
 //! The main venv holds the latest torch release (2.15.0); the floor venv 2.9.0.
 //!
@@ -249,6 +253,65 @@ fn test7(venv: &Path) -> Result<(), String> {
         "FAIL weight",
     )
 }
+
+/// Test 8, the loss curve's short version (`bench fidelity-size`'s loss
+/// part): zeropp.torch's validation loss over FSDP2's on the HF Llama at that
+/// curve's two smallest widths (0.74M and 1.66M parameters), 150 steps of
+/// tinyshakespeare, seed 1, inside a two-sided bound set from 4 seeds of the
+/// same runs ([`TEST8_BOUNDS`]); encodings read with their neighbour's scales
+/// (the seeded defect `wrong-scale`) must fail it at the smallest width.
+fn test8(venv: &Path) -> Result<(), String> {
+    let data = shakespeare().display().to_string();
+    let (lo, hi) = (TEST8_BOUNDS.0.to_string(), TEST8_BOUNDS.1.to_string());
+    let args = |d: &'static str| -> Vec<String> {
+        [
+            "--data",
+            &data,
+            "--seeds",
+            "1",
+            "--steps",
+            "150",
+            "--hidden",
+            d,
+            "--layers",
+            "4",
+            "--heads",
+            "4",
+            "--marks",
+            "1",
+            "--min-mean",
+            &lo,
+            "--max-mean",
+            &hi,
+            "--max-worst",
+            &hi,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    for (d, params) in [("128", "0.74M"), ("192", "1.66M")] {
+        let a = args(d);
+        let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+        run(
+            &format!("test 8: validation loss / FSDP2's, HF Llama {params}, 150 steps, within {lo}-{hi}"),
+            torchrun(venv, "python/bench/hf_parity.py", &refs, None)?,
+        )?;
+    }
+    let a = args("128");
+    let refs: Vec<&str> = a.iter().map(String::as_str).collect();
+    must_fail(
+        "test 8 with the seeded defect wrong-scale (each group read with its neighbour's scale)",
+        torchrun(venv, "python/bench/hf_parity.py", &refs, Some("wrong-scale"))?,
+        ": FAIL",
+    )
+}
+
+/// Test 8's bound on one seed's ratio. Over seeds 1-4 of its runs the ratio
+/// is 0.9932-1.0032 at 0.74M and 1.0023-1.0103 at 1.66M (seed 1: 1.0032 and
+/// 1.0056; sd 0.0043 and 0.0033), so each side is at least three standard
+/// deviations from seed 1. `wrong-scale` scores 1.0423 at 0.74M. INT4 weights
+/// in qwZ (1.0103) cost less than one seed can resolve here: test 7 sees them.
+const TEST8_BOUNDS: (f64, f64) = (0.985, 1.02);
 
 /// `cmd` with the device path's torch-op kernels forced on CPU tensors.
 fn on_device_path(mut cmd: Command) -> Command {
@@ -482,12 +545,14 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         eprintln!("SKIP test 3 and 4b: {msg}");
         return Ok(());
     }
-    let seeds = std::env::var("ZEROPP_TORCH_SEEDS").unwrap_or_else(|_| "5".into());
+    // Three seeds: at a spread of 0.0005 they bound the mean as five did, and
+    // test 8 trains the HF Llama beside it.
+    let seeds = std::env::var("ZEROPP_TORCH_SEEDS").unwrap_or_else(|_| "3".into());
     let steps = std::env::var("ZEROPP_TORCH_STEPS").unwrap_or_else(|_| "120".into());
     let json = out.join("parity.json");
     let json_s = json.display().to_string();
     // The calm regime: at lr 1e-3 and 120 steps the loss falls smoothly on every
-    // seed, the ratio is 1.0028 with a spread of 0.0005 over 5 seeds, so 1.005 is
+    // seed, the ratio is 1.0028 with a spread of 0.0005 over 5 seeds (CI runs 3), so 1.005 is
     // a tight bound that still holds on other CPUs; `wrong-levels` scores 1.016.
     // At lr 3e-3 a 100-200-step run is in the loss plateau, where a seed's ratio
     // swings from 0.87 to 1.10 with or without a defect. The 1.01 goal is measured
@@ -517,6 +582,7 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         )?,
         ": FAIL",
     )?;
+    test8(&venv)?;
     eprintln!("\ntest-torch: all green (parity figures in {})", json.display());
     Ok(())
 }
