@@ -82,7 +82,8 @@ def mean_loss(model, data, seed: int, args) -> float:
 
 # zeropp.torch.enable's options of each variant (None: FSDP2's default).
 VARIANTS = {"default": None, "zeropp": {}, "qwz": {"qgz": False}, "qgz": {"qwz": False},
-            "qgz-rtn": {"qwz": False, "stochastic": False}}
+            "qgz-rtn": {"qwz": False, "stochastic": False}, "g64": {"group_size": 64},
+            "two-level": {"qgz_two_level": True}}
 
 
 def train_one(train, val, seed: int, variant: str, args, ls: int) -> dict:
@@ -160,6 +161,10 @@ def main():
         if dist.get_rank() == 0:
             print(f"seed {seed}: val {base['val']:.4f} -> {zpp['val']:.4f} ({rows[-1]['val_ratio']:.4f}), "
                   f"train {base['train']:.4f} -> {zpp['train']:.4f} ({rows[-1]['train_ratio']:.4f})", flush=True)
+            if args.out:
+                # A long run stopped early keeps the seeds it finished.
+                with open(args.out + ".partial", "w") as f:
+                    json.dump({"args": vars(args), "rows": rows}, f, indent=1)
     ratios = [r["val_ratio"] for r in rows]
     sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
     base_val = [r["default"]["val"] for r in rows]
@@ -181,6 +186,8 @@ def main():
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(summary, f, indent=1)
+            if os.path.exists(args.out + ".partial"):
+                os.remove(args.out + ".partial")
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 
