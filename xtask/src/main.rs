@@ -66,7 +66,7 @@ tasks:
                    against the baseline's over 600 steps: zeropp.torch against FSDP2 on
                    HF Llamas of 0.74M to 9.7M, the engine's ZeRO++ against ZeRO-3 at three
                    widths (ZEROPP_FIDELITY_SIZE_PARTS=error,loss,engine; ZEROPP_FIDELITY_SIZE_REUSE=1
-                   keeps the runs already on disk; about 3 hours on 2 cores)
+                   keeps the runs already on disk, =only runs nothing; about 3 hours on 2 cores)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
   ptx [--check]    compile zeropp-quant's CUDA kernels (NVIDIA's pinned PyPI wheels, in
                    target/cuda-venv) into the checked-in PTX/cubins; --check: fail if stale

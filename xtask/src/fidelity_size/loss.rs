@@ -161,6 +161,9 @@ fn torch_rows(venv: &super::Venv, dir: &Path, stdlib: &Path) -> Result<Vec<LossR
             continue;
         }
         let out = dir.join(format!("loss-{corpus}-d{d}.json"));
+        if super::left_out(&out) {
+            continue;
+        }
         if wanted(&out) {
             let _ = std::fs::remove_file(&out);
             let args: Vec<String> = [
@@ -257,6 +260,9 @@ fn engine_rows(dir: &Path, stdlib: &Path) -> Result<Vec<LossRow>, String> {
     let mut rows = Vec::new();
     for d in ENGINE_WIDTHS {
         let out = dir.join(format!("engine-loss-stdlib-d{d}.json"));
+        if super::left_out(&out) {
+            continue;
+        }
         if wanted(&out) {
             let _ = std::fs::remove_file(&out);
             let mut c = cargo();

@@ -93,9 +93,19 @@ impl Venv {
     }
 }
 
-/// ZEROPP_FIDELITY_SIZE_REUSE=1 redraws the report from the last run's files.
+/// ZEROPP_FIDELITY_SIZE_REUSE=1 keeps the runs whose files are on disk and
+/// runs the rest; `only` runs nothing and leaves out what is not on disk.
 fn reuse() -> bool {
-    std::env::var("ZEROPP_FIDELITY_SIZE_REUSE").is_ok_and(|v| v == "1")
+    std::env::var("ZEROPP_FIDELITY_SIZE_REUSE").is_ok_and(|v| v == "1" || v == "only")
+}
+
+/// Whether the run writing `out` is left out: `REUSE=only` and no file.
+fn left_out(out: &Path) -> bool {
+    let only = std::env::var("ZEROPP_FIDELITY_SIZE_REUSE").is_ok_and(|v| v == "only");
+    if only && !out.is_file() {
+        eprintln!("==> left out (ZEROPP_FIDELITY_SIZE_REUSE=only): {} is not there", out.display());
+    }
+    only && !out.is_file()
 }
 
 /// The error curve: each width of [`SIZES`] (and of [`ENGINE_MODELS`] with
@@ -106,6 +116,9 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
     let mut runs = Vec::new();
     for size in SIZES {
         let out: PathBuf = dir.join(format!("d{}.json", size.0));
+        if left_out(&out) {
+            continue;
+        }
         if !(reuse() && out.is_file()) {
             let _ = std::fs::remove_file(&out);
             let mut args = size_args(size);
@@ -123,6 +136,9 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
         let mut built = false;
         for model in ENGINE_MODELS {
             let out: PathBuf = dir.join(format!("engine-{model}.json"));
+            if left_out(&out) {
+                continue;
+            }
             if !(reuse() && out.is_file()) {
                 if !built {
                     let mut c = cargo();
