@@ -64,7 +64,7 @@ tasks:
                    HF Llamas of 0.9M to 99.5M parameters under FSDP2 2 x 2 and the engine's
                    GPT up to GPT-2 small's shape (tables and SVG), then the validation loss
                    against the baseline's over 600 steps: zeropp.torch against FSDP2 on
-                   HF Llamas of 0.74M to 9.7M, the engine's ZeRO++ against ZeRO-3 at three
+                   HF Llamas of 0.74M to 9.8M, the engine's ZeRO++ against ZeRO-3 at three
                    widths (ZEROPP_FIDELITY_SIZE_PARTS=error,loss,engine; ZEROPP_FIDELITY_SIZE_REUSE=1
                    keeps the runs already on disk, =only runs nothing; about 3 hours on 2 cores)
   test-mpi         the MPI test suite under mpirun (needs OpenMPI, builds with --features mpi)
