@@ -328,6 +328,9 @@ fn layer_specs_have_the_documented_layout() {
     let block = d * 4 + d * 3 * d + 3 * d + d * d + d + d * f + f + f * d + d;
     assert_eq!(layers[1].numel(), block);
     assert_eq!(layers[1].offsets()[2], 2 * d);
+    // The LM head is [vocab, d]: a token's weights are contiguous.
+    let head = &layers.last().unwrap().params[2];
+    assert_eq!((head.name.as_str(), head.shape.clone()), ("lm_head.weight", vec![cfg.vocab, d]));
     assert_eq!(model.num_params(), layers.iter().map(|l| l.numel()).sum::<usize>());
 
     let mlp = Mlp::new(MlpConfig::tiny()).unwrap();
@@ -444,6 +447,45 @@ fn naive(ta: Trans, tb: Trans, m: usize, k: usize, n: usize, a: &[f32], b: &[f32
         }
     }
     c
+}
+
+/// The `[out, in]` linear (the GPT's LM head) against its slow twin: the
+/// `[in, out]` linear on the explicitly transposed weight, forward and every
+/// gradient, to the bit's neighbourhood.
+#[test]
+fn out_in_linear_matches_the_in_out_linear_on_the_transposed_weight() {
+    let mut rng = Rng(11);
+    for &(rows, din, dout) in &[(1, 1, 1), (7, 5, 3), (12, 16, 65), (3, 33, 8)] {
+        let x: Vec<f32> = (0..rows * din).map(|_| rng.sym()).collect();
+        let w: Vec<f32> = (0..dout * din).map(|_| rng.sym()).collect(); // [dout, din]
+        let b: Vec<f32> = (0..dout).map(|_| rng.sym()).collect();
+        let dy: Vec<f32> = (0..rows * dout).map(|_| rng.sym()).collect();
+        let wt: Vec<f32> = (0..din * dout).map(|i| w[(i % dout) * din + i / dout]).collect(); // [din, dout]
+        let close = |what: &str, a: &[f32], e: &[f32]| {
+            assert_eq!(a.len(), e.len(), "{what}");
+            for (i, (x, y)) in a.iter().zip(e).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                    "{rows}x{din}->{dout} {what}[{i}]: {x} vs {y}"
+                );
+            }
+        };
+        let (mut y, mut y_ref) = (vec![0.0; rows * dout], vec![0.0; rows * dout]);
+        ops::linear_out_in_forward(&x, &w, &b, rows, din, dout, &mut y).unwrap();
+        ops::linear_forward(&x, &wt, &b, rows, din, dout, &mut y_ref).unwrap();
+        close("y", &y, &y_ref);
+        let (mut dw, mut db, mut dx) =
+            (vec![f32::NAN; dout * din], vec![f32::NAN; dout], vec![f32::NAN; rows * din]);
+        ops::linear_out_in_backward(&x, &w, &dy, rows, din, dout, &mut dw, &mut db, Some(&mut dx)).unwrap();
+        let (mut dwt, mut db_ref, mut dx_ref) =
+            (vec![0.0; din * dout], vec![0.0; dout], vec![0.0; rows * din]);
+        ops::linear_backward(&x, &wt, &dy, rows, din, dout, &mut dwt, &mut db_ref, Some(&mut dx_ref))
+            .unwrap();
+        let dw_ref: Vec<f32> = (0..dout * din).map(|i| dwt[(i % din) * dout + i / din]).collect(); // back to [dout, din]
+        close("dw", &dw, &dw_ref);
+        close("db", &db, &db_ref);
+        close("dx", &dx, &dx_ref);
+    }
 }
 
 #[test]

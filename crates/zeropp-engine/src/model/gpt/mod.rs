@@ -6,9 +6,15 @@
 //!   `x += proj(attn(ln1(x)))`, `x += fc_proj(gelu(fc(ln2(x))))`, with causal
 //!   multi-head self-attention and the tanh-approximated GELU;
 //! - layer `n_layer + 1`, `head`: final LayerNorm and an UNTIED LM head
-//!   `lm_head.weight [d, vocab]` + bias, followed by the mean softmax
+//!   `lm_head.weight [vocab, d]` + bias, followed by the mean softmax
 //!   cross-entropy. The head is untied so that every parameter belongs to
-//!   exactly one gather unit.
+//!   exactly one gather unit. It is stored `[vocab, d]` (GPT-2's and
+//!   PyTorch's layout) while the blocks' linears are `[in, out]`: a token's
+//!   weights are contiguous, so a quantization group of qgZ and qwZ holds
+//!   whole tokens' rows and never mixes a rare token's small gradient with a
+//!   frequent token's large one on one scale. (Stored `[d, vocab]`, the
+//!   head's AdamW update-direction error under qgZ grew with width, 0.09 to
+//!   0.28 from 0.1M to 85M parameters; see PERFORMANCE.md.)
 //!
 //! ```
 //! use zeropp_engine::model::{Gpt, GptConfig, Model};
@@ -110,7 +116,7 @@ impl Gpt {
             params: vec![
                 TensorSpec::new("ln_f.gamma", vec![d]),
                 TensorSpec::new("ln_f.beta", vec![d]),
-                TensorSpec::new("lm_head.weight", vec![d, v]),
+                TensorSpec::new("lm_head.weight", vec![v, d]),
                 TensorSpec::new("lm_head.bias", vec![v]),
             ],
         });
@@ -252,7 +258,7 @@ impl Gpt {
             probs: vec![0.0; n * v],
         };
         ops::layernorm_forward(&tape.x, p[0], p[1], n, d, &mut h.h, &mut h.xhat, &mut h.rstd)?;
-        ops::linear_forward(&h.h, p[2], p[3], n, d, v, &mut h.probs)?;
+        ops::linear_out_in_forward(&h.h, p[2], p[3], n, d, v, &mut h.probs)?;
         let loss = ops::softmax_xent_forward(&mut h.probs, &tape.core.targets, v)?;
         tape.core.loss = loss as f32;
         tape.head = Some(h);
@@ -280,7 +286,7 @@ impl Gpt {
         };
         ops::softmax_xent_backward(&mut h.probs, &tape.core.targets, v)?;
         let mut dh = vec![0.0; n * d];
-        ops::linear_backward(&h.h, p[2], &h.probs, n, d, v, g2, g3, Some(&mut dh))?;
+        ops::linear_out_in_backward(&h.h, p[2], &h.probs, n, d, v, g2, g3, Some(&mut dh))?;
         let mut dx = vec![0.0; n * d];
         ops::layernorm_backward(&dh, &h.xhat, &h.rstd, p[0], n, d, &mut dx, g0, g1)?;
         tape.core.dx = dx;

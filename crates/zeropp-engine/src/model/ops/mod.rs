@@ -3,7 +3,10 @@
 //! cross-entropy.
 //!
 //! Layout conventions: activations are row-major `rows x features`; a linear
-//! weight is stored `[in, out]` row-major so that `y = x W + b`.
+//! weight is stored `[in, out]` row-major so that `y = x W + b`
+//! ([`linear_forward`]), or `[out, in]` (PyTorch's `nn.Linear` layout, one
+//! output's weights contiguous) so that `y = x Wᵀ + b`
+//! ([`linear_out_in_forward`]).
 //!
 //! Determinism: every parallel loop writes disjoint outputs, and every
 //! reduction over rows (bias, LayerNorm and loss sums) runs sequentially in
@@ -11,8 +14,12 @@
 
 use rayon::prelude::*;
 
-use super::gemm::{MatView, Trans, matmul, sgemm_strided};
+use super::gemm::{MatView, sgemm_strided};
 use crate::EngineError;
+
+mod linear;
+
+pub use linear::{linear_backward, linear_forward, linear_out_in_backward, linear_out_in_forward};
 
 /// Minimum rows per rayon task for row-wise kernels (keeps tasks worth their overhead).
 const ROW_MIN: usize = 32;
@@ -36,53 +43,6 @@ pub fn col_sum(m: &[f32], rows: usize, cols: usize, out: &mut [f32]) -> Result<(
         for (o, &v) in out.iter_mut().zip(row) {
             *o += v;
         }
-    }
-    Ok(())
-}
-
-/// `y (rows x dout) = x (rows x din) W (din x dout) + b`.
-pub fn linear_forward(
-    x: &[f32],
-    w: &[f32],
-    b: &[f32],
-    rows: usize,
-    din: usize,
-    dout: usize,
-    y: &mut [f32],
-) -> Result<(), EngineError> {
-    check_len("linear x", x.len(), rows * din)?;
-    check_len("linear weight", w.len(), din * dout)?;
-    check_len("linear bias", b.len(), dout)?;
-    check_len("linear y", y.len(), rows * dout)?;
-    for row in y.chunks_exact_mut(dout.max(1)) {
-        row.copy_from_slice(b);
-    }
-    matmul(Trans::No, Trans::No, rows, din, dout, x, w, 1.0, y)
-}
-
-/// Backward of [`linear_forward`]: overwrites `dw = x^T dy`, `db = colsum(dy)`
-/// and, when given, `dx = dy W^T`.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_backward(
-    x: &[f32],
-    w: &[f32],
-    dy: &[f32],
-    rows: usize,
-    din: usize,
-    dout: usize,
-    dw: &mut [f32],
-    db: &mut [f32],
-    dx: Option<&mut [f32]>,
-) -> Result<(), EngineError> {
-    check_len("linear x", x.len(), rows * din)?;
-    check_len("linear weight", w.len(), din * dout)?;
-    check_len("linear dy", dy.len(), rows * dout)?;
-    check_len("linear dw", dw.len(), din * dout)?;
-    matmul(Trans::Yes, Trans::No, din, rows, dout, x, dy, 0.0, dw)?;
-    col_sum(dy, rows, dout, db)?;
-    if let Some(dx) = dx {
-        check_len("linear dx", dx.len(), rows * din)?;
-        matmul(Trans::No, Trans::Yes, rows, dout, din, dy, w, 0.0, dx)?;
     }
     Ok(())
 }
