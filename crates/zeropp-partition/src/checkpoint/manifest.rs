@@ -255,9 +255,21 @@ impl Manifest {
             )));
         }
         for (p, s) in plan.buckets().iter().zip(saved) {
-            if p.spec() != s.spec() {
+            let (ps, ss) = (p.spec(), s.spec());
+            if ps != ss {
+                // Name the first parameter that differs, so that a model whose
+                // tensor changed shape (a transposed weight) says which.
+                let first = ps.params.iter().zip(&ss.params).find(|(a, b)| a != b).map_or_else(
+                    || format!("{} parameters against {}", ps.params.len(), ss.params.len()),
+                    |(a, b)| {
+                        format!(
+                            "{} {:?} {:?} against {} {:?} {:?}",
+                            a.name, a.shape, a.dtype, b.name, b.shape, b.dtype
+                        )
+                    },
+                );
                 return Err(PartitionError::LayoutMismatch(format!(
-                    "bucket {:?} of the plan differs from bucket {:?} of the checkpoint",
+                    "bucket {:?} of the plan differs from bucket {:?} of the checkpoint: {first}",
                     p.name, s.name
                 )));
             }

@@ -169,6 +169,29 @@ fn shard_for_rejects_a_different_model() {
     assert!(matches!(ck.shard_for(&bad, 0), Err(PartitionError::LayoutMismatch(_))));
 }
 
+/// A model whose head was transposed (same name, same element count, so the
+/// buckets' sizes match) is refused, and the error names the tensor and both
+/// shapes, so a user resuming an old checkpoint learns what changed.
+#[test]
+fn shard_for_names_the_tensor_whose_shape_changed() {
+    let (_tmp, ck) = saved_and_loaded(&plan(2, 2, 1, 1), 1, 0.0);
+    let mut other = ParamRegistry::new();
+    other.push_bucket("embed", vec![ParamSpec::new("embed.w", [13, 5], DType::BF16)]).unwrap();
+    other
+        .push_bucket(
+            "layer0",
+            vec![ParamSpec::new("layer0.w", [5, 7], DType::F16), ParamSpec::new("layer0.b", [7], DType::F32)],
+        )
+        .unwrap();
+    other.push_bucket("head", vec![ParamSpec::new("head.w", [5, 3], DType::F32)]).unwrap();
+    let bad =
+        PartitionPlan::new(&other, Topology::ranks(2).per_node(2).unwrap(), PlanConfig::default()).unwrap();
+    let Err(PartitionError::LayoutMismatch(msg)) = ck.shard_for(&bad, 0) else {
+        panic!("a transposed head was accepted")
+    };
+    assert!(msg.contains("head.w [5, 3]") && msg.contains("head.w [3, 5]"), "{msg}");
+}
+
 #[test]
 fn two_phase_api_with_records_in_any_order() {
     let tmp = tempfile::tempdir().unwrap();
