@@ -146,14 +146,26 @@ fn resume_reproduces_the_uninterrupted_run() {
     }
 }
 
-/// The preset and each of its switches alone train on the tiny GPT: the loss
-/// falls and ends within 10% of ZeRO-3's on the same seed (a smoke check; the
-/// fidelity of the defaults is judged over seeds and corpora elsewhere).
+/// The preset and each of its switches alone train on the tiny GPT: over the
+/// run, the training loss falls at least half as far as ZeRO-3's does on the
+/// same seed and ends within 10% of ZeRO-3's (a smoke check; the fidelity of
+/// the defaults is judged over seeds and corpora elsewhere). Both ends are
+/// means over 30 steps (one step's loss on one batch is noisier than a short
+/// run's fall). Seed 2: on seed 1 this run stays on the loss plateau for
+/// ZeRO-3 itself (a 2% fall in 300 steps), where which run leaves it first is
+/// chance (Hadamard's qgZ fell 0.6% there and led on seed 2 at 800 steps).
 #[test]
 fn the_preset_and_its_switches_train() {
-    let mut base = run(8, 4, ZeroConfig::zero3(), 1, 300, ModelChoice::Gpt(GptConfig::tiny()));
+    let mut base = run(8, 4, ZeroConfig::zero3(), 2, 300, ModelChoice::Gpt(GptConfig::tiny()));
     base.run.engine.optim.lr = 1e-2;
-    let z3 = train(&base).unwrap().summary.final_loss;
+    let ends = |r: &zeropp_engine::TrainReport| {
+        let mean = |s: &[zeropp_engine::metrics::StepRecord]| {
+            s.iter().map(|s| f64::from(s.loss)).sum::<f64>() / s.len() as f64
+        };
+        (mean(&r.steps[..30]), mean(&r.steps[r.steps.len() - 30..]))
+    };
+    let (z3_first, z3) = ends(&train(&base).unwrap());
+    assert!(z3 < z3_first, "ZeRO-3 did not train: {z3_first} -> {z3}");
     let zpp = ZeroConfig::zeropp(4);
     let q = |f: fn(&mut QgzConfig)| {
         let mut c = QgzConfig::with_options(ZeroConfig::default_qgz_spec());
@@ -168,10 +180,12 @@ fn the_preset_and_its_switches_train() {
     ] {
         let mut cfg = base.clone();
         cfg.run.engine.zero = z;
-        let r = train(&cfg).unwrap();
-        let (first, last) = (r.steps[0].loss, r.summary.final_loss);
-        eprintln!("{name}: loss {first} -> {last} (ZeRO-3 {z3})");
-        assert!(last < 0.97 * first, "{name}: loss {first} -> {last}");
+        let (first, last) = ends(&train(&cfg).unwrap());
+        eprintln!("{name}: loss {first:.4} -> {last:.4} (ZeRO-3 {z3_first:.4} -> {z3:.4})");
+        assert!(
+            first - last > 0.5 * (z3_first - z3),
+            "{name}: loss {first} -> {last}, under half of ZeRO-3's fall {z3_first} -> {z3}"
+        );
         assert!((last / z3 - 1.0).abs() < 0.10, "{name}: final loss {last} vs ZeRO-3's {z3}");
     }
 }
