@@ -4,7 +4,7 @@
 
 use zeropp_engine::EngineError;
 use zeropp_engine::model::gemm::{MatView, Trans, matmul, sgemm_strided};
-use zeropp_engine::model::ops::{self, AttnShape};
+use zeropp_engine::model::ops::{self, AttnShape, WeightLayout};
 use zeropp_engine::model::{
     Batch, Gpt, GptConfig, Mlp, MlpConfig, Model, full_forward, full_forward_backward, init_params,
 };
@@ -471,12 +471,22 @@ fn out_in_linear_matches_the_in_out_linear_on_the_transposed_weight() {
             }
         };
         let (mut y, mut y_ref) = (vec![0.0; rows * dout], vec![0.0; rows * dout]);
-        ops::linear_out_in_forward(&x, &w, &b, rows, din, dout, &mut y).unwrap();
+        ops::linear_with(WeightLayout::OutIn, &x, &w, &b, [rows, din, dout], &mut y).unwrap();
         ops::linear_forward(&x, &wt, &b, rows, din, dout, &mut y_ref).unwrap();
         close("y", &y, &y_ref);
         let (mut dw, mut db, mut dx) =
             (vec![f32::NAN; dout * din], vec![f32::NAN; dout], vec![f32::NAN; rows * din]);
-        ops::linear_out_in_backward(&x, &w, &dy, rows, din, dout, &mut dw, &mut db, Some(&mut dx)).unwrap();
+        ops::linear_backward_with(
+            WeightLayout::OutIn,
+            &x,
+            &w,
+            &dy,
+            [rows, din, dout],
+            &mut dw,
+            &mut db,
+            Some(&mut dx),
+        )
+        .unwrap();
         let (mut dwt, mut db_ref, mut dx_ref) =
             (vec![0.0; din * dout], vec![0.0; dout], vec![0.0; rows * din]);
         ops::linear_backward(&x, &wt, &dy, rows, din, dout, &mut dwt, &mut db_ref, Some(&mut dx_ref))

@@ -258,7 +258,7 @@ impl Gpt {
             probs: vec![0.0; n * v],
         };
         ops::layernorm_forward(&tape.x, p[0], p[1], n, d, &mut h.h, &mut h.xhat, &mut h.rstd)?;
-        ops::linear_out_in_forward(&h.h, p[2], p[3], n, d, v, &mut h.probs)?;
+        ops::linear_with(ops::WeightLayout::OutIn, &h.h, p[2], p[3], [n, d, v], &mut h.probs)?;
         let loss = ops::softmax_xent_forward(&mut h.probs, &tape.core.targets, v)?;
         tape.core.loss = loss as f32;
         tape.head = Some(h);
@@ -286,7 +286,16 @@ impl Gpt {
         };
         ops::softmax_xent_backward(&mut h.probs, &tape.core.targets, v)?;
         let mut dh = vec![0.0; n * d];
-        ops::linear_out_in_backward(&h.h, p[2], &h.probs, n, d, v, g2, g3, Some(&mut dh))?;
+        ops::linear_backward_with(
+            ops::WeightLayout::OutIn,
+            &h.h,
+            p[2],
+            &h.probs,
+            [n, d, v],
+            g2,
+            g3,
+            Some(&mut dh),
+        )?;
         let mut dx = vec![0.0; n * d];
         ops::layernorm_backward(&dh, &h.xhat, &h.rstd, p[0], n, d, &mut dx, g0, g1)?;
         tape.core.dx = dx;

@@ -1,6 +1,7 @@
 //! Linear layers, with the weight stored `[in, out]` (`y = x W + b`) or
-//! `[out, in]` (PyTorch's `nn.Linear` layout, `y = x Wᵀ + b`), forward and
-//! backward over one shared body per direction.
+//! `[out, in]` (PyTorch's `nn.Linear` layout, `y = x Wᵀ + b`): one body per
+//! direction for both layouts ([`linear_with`], [`linear_backward_with`]), and
+//! the `[in, out]` shorthands the blocks use.
 
 use super::{check_len, col_sum};
 use crate::EngineError;
@@ -16,7 +17,7 @@ pub fn linear_forward(
     dout: usize,
     y: &mut [f32],
 ) -> Result<(), EngineError> {
-    linear_fwd(Trans::No, x, w, b, [rows, din, dout], y)
+    linear_with(WeightLayout::InOut, x, w, b, [rows, din, dout], y)
 }
 
 /// Backward of [`linear_forward`]: overwrites `dw = x^T dy`, `db = colsum(dy)`
@@ -33,46 +34,25 @@ pub fn linear_backward(
     db: &mut [f32],
     dx: Option<&mut [f32]>,
 ) -> Result<(), EngineError> {
-    linear_bwd(Trans::No, x, w, dy, [rows, din, dout], dw, db, dx)
+    linear_backward_with(WeightLayout::InOut, x, w, dy, [rows, din, dout], dw, db, dx)
 }
 
-/// `y (rows x dout) = x (rows x din) Wᵀ + b`, with `W` stored `[dout, din]`
-/// row-major: each output's weights are contiguous, so a quantization group of
-/// the flat weight never spans two outputs when `din` is a multiple of the
-/// group (the GPT's LM head keeps a token's weights together this way).
-pub fn linear_out_in_forward(
-    x: &[f32],
-    w: &[f32],
-    b: &[f32],
-    rows: usize,
-    din: usize,
-    dout: usize,
-    y: &mut [f32],
-) -> Result<(), EngineError> {
-    linear_fwd(Trans::Yes, x, w, b, [rows, din, dout], y)
+/// How a linear layer's weight is stored, row-major.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightLayout {
+    /// `[din, dout]`: `y = x W + b` (the blocks' linears).
+    InOut,
+    /// `[dout, din]`, PyTorch's `nn.Linear` layout: `y = x Wᵀ + b`. Each
+    /// output's weights are contiguous, so a quantization group of the flat
+    /// weight never spans two outputs when `din` is a multiple of the group
+    /// (the GPT's LM head keeps a token's weights together this way).
+    OutIn,
 }
 
-/// Backward of [`linear_out_in_forward`]: overwrites `dw = dyᵀ x` (`[dout,
-/// din]`), `db = colsum(dy)` and, when given, `dx = dy W`.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_out_in_backward(
-    x: &[f32],
-    w: &[f32],
-    dy: &[f32],
-    rows: usize,
-    din: usize,
-    dout: usize,
-    dw: &mut [f32],
-    db: &mut [f32],
-    dx: Option<&mut [f32]>,
-) -> Result<(), EngineError> {
-    linear_bwd(Trans::Yes, x, w, dy, [rows, din, dout], dw, db, dx)
-}
-
-/// The linear layer with the weight stored `[din, dout]` (`out_in ==
-/// Trans::No`) or `[dout, din]` (`Trans::Yes`).
-fn linear_fwd(
-    out_in: Trans,
+/// `y (rows x dout) = x (rows x din) W + b` with `W` stored as `layout` says;
+/// `[rows, din, dout]` are the shapes.
+pub fn linear_with(
+    layout: WeightLayout,
     x: &[f32],
     w: &[f32],
     b: &[f32],
@@ -86,13 +66,15 @@ fn linear_fwd(
     for row in y.chunks_exact_mut(dout.max(1)) {
         row.copy_from_slice(b);
     }
-    matmul(Trans::No, out_in, rows, din, dout, x, w, 1.0, y)
+    let tw = if layout == WeightLayout::InOut { Trans::No } else { Trans::Yes };
+    matmul(Trans::No, tw, rows, din, dout, x, w, 1.0, y)
 }
 
-/// Backward of [`linear_fwd`] with the same layout.
+/// Backward of [`linear_with`] with the same layout: overwrites `dw` (stored
+/// as `W` is), `db = colsum(dy)` and, when given, `dx`.
 #[allow(clippy::too_many_arguments)]
-fn linear_bwd(
-    out_in: Trans,
+pub fn linear_backward_with(
+    layout: WeightLayout,
     x: &[f32],
     w: &[f32],
     dy: &[f32],
@@ -105,15 +87,15 @@ fn linear_bwd(
     check_len("linear weight", w.len(), din * dout)?;
     check_len("linear dy", dy.len(), rows * dout)?;
     check_len("linear dw", dw.len(), din * dout)?;
-    match out_in {
-        Trans::No => matmul(Trans::Yes, Trans::No, din, rows, dout, x, dy, 0.0, dw)?,
-        Trans::Yes => matmul(Trans::Yes, Trans::No, dout, rows, din, dy, x, 0.0, dw)?,
+    match layout {
+        WeightLayout::InOut => matmul(Trans::Yes, Trans::No, din, rows, dout, x, dy, 0.0, dw)?, // xᵀ dy
+        WeightLayout::OutIn => matmul(Trans::Yes, Trans::No, dout, rows, din, dy, x, 0.0, dw)?, // dyᵀ x
     }
     col_sum(dy, rows, dout, db)?;
     if let Some(dx) = dx {
         check_len("linear dx", dx.len(), rows * din)?;
         // dx = dy Wᵀ for [din, dout], dy W for [dout, din].
-        let tw = if out_in == Trans::No { Trans::Yes } else { Trans::No };
+        let tw = if layout == WeightLayout::InOut { Trans::Yes } else { Trans::No };
         matmul(Trans::No, tw, rows, dout, din, dy, w, 0.0, dx)?;
     }
     Ok(())

@@ -4,9 +4,7 @@
 //!
 //! Layout conventions: activations are row-major `rows x features`; a linear
 //! weight is stored `[in, out]` row-major so that `y = x W + b`
-//! ([`linear_forward`]), or `[out, in]` (PyTorch's `nn.Linear` layout, one
-//! output's weights contiguous) so that `y = x Wᵀ + b`
-//! ([`linear_out_in_forward`]).
+//! ([`linear_forward`]), or as [`WeightLayout`] says ([`linear_with`]).
 //!
 //! Determinism: every parallel loop writes disjoint outputs, and every
 //! reduction over rows (bias, LayerNorm and loss sums) runs sequentially in
@@ -19,7 +17,7 @@ use crate::EngineError;
 
 mod linear;
 
-pub use linear::{linear_backward, linear_forward, linear_out_in_backward, linear_out_in_forward};
+pub use linear::{WeightLayout, linear_backward, linear_backward_with, linear_forward, linear_with};
 
 /// Minimum rows per rayon task for row-wise kernels (keeps tasks worth their overhead).
 const ROW_MIN: usize = 32;
