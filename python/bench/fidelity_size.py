@@ -206,6 +206,8 @@ def main():
     ap.add_argument("--grad-bounds", default=None, metavar="LO,HI",
                     help="every kind's relative gradient error at every probed step must lie in [LO, HI]")
     ap.add_argument("--weight-bounds", default=None, metavar="LO,HI", help="the same for qwZ's weights")
+    ap.add_argument("--group-size", type=int, default=256, help="qwZ's and qgZ's group (a candidate default)")
+    ap.add_argument("--qgz-hadamard", action="store_true", help="qgZ rotates each group (SDP4Bit's smoothing)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import defects
@@ -220,7 +222,7 @@ def main():
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    zt.enable(model, local_size=ls, seed=args.seed)
+    zt.enable(model, local_size=ls, seed=args.seed, group_size=args.group_size, qgz_hadamard=args.qgz_hadamard)
     PROBE = Probe(model, w)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 * args.seed + 1 + dist.get_rank())
@@ -253,6 +255,7 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"params": params, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
+                       "group_size": args.group_size, "qgz_hadamard": args.qgz_hadamard,
                        "data": data_source(),
                        "seeded_defect": os.environ.get("ZEROPP_SEEDED_DEFECT") if defect else None,
                        "probes": report, "worst": worst}, f, indent=1)
