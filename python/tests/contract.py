@@ -34,12 +34,18 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    ``qgz_two_level``/``qgz_hadamard`` with ``qgz=False`` and under the HSDP
    take-over inside a node; a Hadamard group above 8192 in ``enable``,
    ``QuantizedReduceScatter``, the torch-op stages and the Rust stages.
+6. **qgZ's rotation by default.** :func:`enable` rotates qgZ's groups
+   wherever qgZ quantizes (groups of 256 in a block, 128 in the module that
+   holds the embeddings, whose rows are 128 long), and the embedding rows of
+   tokens no rank saw get a gradient of exactly zero: a Hadamard group
+   spanning a seen row and an unseen one would spread noise onto the unseen.
 
 Exit status 0 when all pass (``ZEROPP_CONTRACT_TESTS=2,3`` runs some). With ``ZEROPP_SEEDED_DEFECT`` (``defects.py``) it
 must fail: ``nonfinite-raises`` (the old check: quantizing a non-finite value
 raises) fails tests 1 and 2, ``host-sync`` (a host-side finiteness check in
 the torch-op quantizer) fails test 3, ``index-plan`` (the old per-element
-index tensors) fails test 4.
+index tensors) fails test 4, ``rotation-spans-rows`` (groups of 256 in the
+embeddings' module) fails test 6.
 """
 
 from __future__ import annotations
@@ -389,6 +395,34 @@ def test_refusals(ls: int):
         check(bad is None, f"test 5: refused with its reason: {what}" + (f" ({bad})" if bad else ""))
 
 
+def test_rotation_default(ls: int):
+    """6. qgZ rotates its groups by default wherever it quantizes, and never
+    across two rows of an embedding: the rows of the tokens no rank saw get a
+    gradient of exactly zero."""
+    cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
+    torch.manual_seed(0)
+    model = gpt.GPT(cfg)
+    for blk in model.blocks:
+        fully_shard(blk)
+    fully_shard(model)
+    summary = zt.enable(model, local_size=ls)
+    nodes = dist.get_world_size() // ls
+    # The root holds the embeddings (rows of 128): groups of 128; the block: 256.
+    want = [128, 256] if nodes > 1 else [None, None]
+    check(summary["qgz_rotation"] == want,
+          f"test 6: qgZ's rotation by default, per module {summary['qgz_rotation']} (want {want})")
+    # Even token ids only: every group of 256 would hold a seen row and an unseen one.
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = 2 * torch.randint(0, cfg.vocab // 2, (4, cfg.seq), generator=gen)
+    y = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
+    model(x, y).backward()
+    g = model.tok.weight.grad.full_tensor()
+    unseen, seen = float(g[1::2].abs().max()), float(g[0::2].abs().max())
+    check(unseen == 0.0 and seen > 0.0,
+          f"test 6: the embedding's unseen rows get no gradient through qgZ (largest {unseen:.3g}; "
+          f"seen rows' {seen:.3g})")
+
+
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     defect = defects.apply_from_env()
@@ -398,11 +432,12 @@ def main():
               f"{ls} per node{', seeded defect ' + os.environ['ZEROPP_SEEDED_DEFECT'] if defect else ''}",
               flush=True)
     tests = {"1": (test_nonfinite_gradient, test_nonfinite_weight), "2": (test_fp16_grad_scaler,),
-             "3": (test_no_host_sync,), "4": (test_retained_state,), "5": (test_refusals,)}
-    chosen = [t for t in os.environ.get("ZEROPP_CONTRACT_TESTS", "1,2,3,4,5").split(",") if t]
+             "3": (test_no_host_sync,), "4": (test_retained_state,), "5": (test_refusals,),
+             "6": (test_rotation_default,)}
+    chosen = [t for t in os.environ.get("ZEROPP_CONTRACT_TESTS", "1,2,3,4,5,6").split(",") if t]
     for t in chosen:
         if t not in tests:
-            raise SystemExit(f"ZEROPP_CONTRACT_TESTS: no test {t!r} (1-5)")
+            raise SystemExit(f"ZEROPP_CONTRACT_TESTS: no test {t!r} (1-6)")
         for fn in tests[t]:
             fn(ls)
     ok = not FAILURES

@@ -170,10 +170,19 @@ def _qwz_int4():
     collectives.QuantizedAllGather.__init__ = init
 
 
+def _rotation_spans_rows():
+    """qgZ's rotation keeps the module's group size where an embedding's rows
+    are shorter, so a Hadamard group mixes two rows."""
+    import importlib
+
+    importlib.import_module("zeropp.torch.enable")._rotation_group = lambda param_group, group_size: group_size
+
+
 # Defects that replace behaviour instead of breaking encodings (contract.py's, and
 # dist_collectives.py's hpz-wrong-rail).
 _REPLACE = {"nonfinite-raises": _nonfinite_raises, "host-sync": _host_sync, "index-plan": _index_plan,
-            "hpz-wrong-rail": _hpz_wrong_rail, "qwz-int4": _qwz_int4}
+            "hpz-wrong-rail": _hpz_wrong_rail, "qwz-int4": _qwz_int4,
+            "rotation-spans-rows": _rotation_spans_rows}
 
 
 def apply_from_env() -> bool:

@@ -510,7 +510,9 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         "test 5a, device path: FSDP2's contract with ZEROPP_TORCH_KERNELS=torch",
         on_device_path(torchrun(&venv, "python/tests/contract.py", &[], None)?),
     )?;
-    for (defect, tests) in [("nonfinite-raises", "1,2"), ("host-sync", "3"), ("index-plan", "4")] {
+    for (defect, tests) in
+        [("nonfinite-raises", "1,2"), ("host-sync", "3"), ("index-plan", "4"), ("rotation-spans-rows", "6")]
+    {
         let mut c = torchrun(&venv, "python/tests/contract.py", &[], Some(defect))?;
         c.env("ZEROPP_CONTRACT_TESTS", tests);
         must_fail(&format!("test 5a with the seeded defect {defect} (tests {tests})"), c, "FAIL ")?;
