@@ -75,7 +75,7 @@ class Probe:
     def add(self, what: str, kind_: str, got: torch.Tensor, exact: torch.Tensor, extra=()):
         if not self.record:
             return
-        s = self.sums.setdefault((what, kind_), np.zeros(6))
+        s = self.sums.setdefault((what, kind_), np.zeros(7))
         g, e = got.double(), exact.double()
         s[:4] += [float(g @ e), float(g @ g), float(e @ e), float((g - e) @ (g - e))]
         for i, v in enumerate(extra):
@@ -137,7 +137,10 @@ def install():
                 return (mm / (1 - b1 ** t)) / ((vv / (1 - b2 ** t)).sqrt() + EPS)
 
             du, de = direction(g), direction(e)
-            p.add("grad", kinds[i], g, e, (float((du - de) @ (du - de)), float(de @ de)))
+            # The ranks' own contributions, scaled as the result is: quantizing
+            # each independently errs in proportion to their norm, not the sum's.
+            own = rows.view(w, c)[:, at - n:at].double() * ((1.0 / w if mean else 1.0) * (post or 1.0))
+            p.add("grad", kinds[i], g, e, (float((du - de) @ (du - de)), float(de @ de), float((own * own).sum())))
             p.moments[key] = (b1 * m + (1 - b1) * e, b2 * v + (1 - b2) * e * e)
         return out
 
@@ -207,7 +210,8 @@ def main():
                     help="every kind's relative gradient error at every probed step must lie in [LO, HI]")
     ap.add_argument("--weight-bounds", default=None, metavar="LO,HI", help="the same for qwZ's weights")
     ap.add_argument("--group-size", type=int, default=256, help="qwZ's and qgZ's group (a candidate default)")
-    ap.add_argument("--qgz-hadamard", action="store_true", help="qgZ rotates each group (SDP4Bit's smoothing)")
+    ap.add_argument("--qgz-rotation", choices=["default", "on", "off"], default="default",
+                    help="qgZ's Hadamard rotation of each group: enable()'s default, or forced on or off")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import defects
@@ -222,7 +226,8 @@ def main():
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    zt.enable(model, local_size=ls, seed=args.seed, group_size=args.group_size, qgz_hadamard=args.qgz_hadamard)
+    rotation = {"default": None, "on": True, "off": False}[args.qgz_rotation]
+    summary_of = zt.enable(model, local_size=ls, seed=args.seed, group_size=args.group_size, qgz_hadamard=rotation)
     PROBE = Probe(model, w)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 * args.seed + 1 + dist.get_rank())
@@ -255,7 +260,7 @@ def main():
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump({"params": params, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
-                       "group_size": args.group_size, "qgz_hadamard": args.qgz_hadamard,
+                       "group_size": args.group_size, "qgz_rotation": summary_of["qgz_rotation"],
                        "data": data_source(),
                        "seeded_defect": os.environ.get("ZEROPP_SEEDED_DEFECT") if defect else None,
                        "probes": report, "worst": worst}, f, indent=1)
@@ -283,10 +288,13 @@ def main():
 
 
 def summary(what: str, s: np.ndarray) -> dict:
-    dot, gg, ee, dd, udd, uee = s
+    dot, gg, ee, dd, udd, uee, oo = s
     r = {"cosine": dot / max(np.sqrt(gg * ee), 1e-300), "rel_norm_error": np.sqrt(dd / max(ee, 1e-300))}
     if what == "grad":
         r["update_rel_error"] = np.sqrt(udd / max(uee, 1e-300))
+        # sqrt(sum over ranks |x_k|^2) / |sum|: how far the ranks' gradients
+        # cancel. INT4's error on each rank's own is rel_norm_error / this.
+        r["rank_spread"] = np.sqrt(oo / max(ee, 1e-300))
     return {k: float(v) for k, v in r.items()}
 
 

@@ -80,10 +80,13 @@ def mean_loss(model, data, seed: int, args) -> float:
     return sum(losses) / len(losses)
 
 
-# zeropp.torch.enable's options of each variant (None: FSDP2's default).
+# zeropp.torch.enable's options of each variant (None: FSDP2's default). The
+# -unrotated ones turn qgZ's Hadamard rotation off (the default before it was on).
 VARIANTS = {"default": None, "zeropp": {}, "qwz": {"qgz": False}, "qgz": {"qwz": False},
             "qgz-rtn": {"qwz": False, "stochastic": False}, "g64": {"group_size": 64},
-            "two-level": {"qgz_two_level": True}}
+            "two-level": {"qgz_two_level": True}, "unrotated": {"qgz_hadamard": False},
+            "qgz-unrotated": {"qwz": False, "qgz_hadamard": False},
+            "qgz-rtn-unrotated": {"qwz": False, "stochastic": False, "qgz_hadamard": False}}
 
 
 def train_one(train, val, seed: int, variant: str, args, ls: int) -> dict:

@@ -27,6 +27,11 @@ const VARIANTS: &[(&str, &[&str], &str)] = &[
     ("FSDP2, its own hpZ (reshard_after_forward=2)", &["--variant", "default", "--hpz", "fsdp2"], "auto"),
     ("zeropp, Rust kernels, zeropp's hpZ (the recipe)", &["--variant", "zeropp", "--hpz", "zeropp"], "auto"),
     ("zeropp, torch-op kernels, zeropp's hpZ", &["--variant", "zeropp", "--hpz", "zeropp"], "torch"),
+    (
+        "zeropp, Rust kernels, zeropp's hpZ, qgZ unrotated",
+        &["--variant", "zeropp", "--hpz", "zeropp", "--enable", "qgz_hadamard=0"],
+        "auto",
+    ),
     ("zeropp, Rust kernels, FSDP2's hpZ", &["--variant", "zeropp", "--hpz", "fsdp2"], "auto"),
     ("zeropp, Rust kernels, no hpZ", &["--variant", "zeropp", "--hpz", "none"], "auto"),
 ];

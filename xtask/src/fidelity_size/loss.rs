@@ -19,17 +19,26 @@ use serde_json::Value;
 use crate::cmd::{cargo, root, run};
 use crate::torch::torchrun_within;
 
-/// The loss runs: (corpus, hidden, layers, variants against FSDP2's default).
-/// `stdlib` is Python's standard library sources (31.5M characters, 46 times
-/// what a run trains on), `shakespeare` tinyshakespeare (1.1M, at the two
-/// smallest widths). Each switch alone runs at the two smallest widths.
-const LOSS_RUNS: [(&str, usize, usize, &str); 6] = [
-    ("stdlib", 128, 4, "zeropp,qwz,qgz,qgz-rtn"),
-    ("stdlib", 192, 4, "zeropp,qwz,qgz,qgz-rtn"),
-    ("stdlib", 256, 6, "zeropp"),
-    ("stdlib", 384, 6, "zeropp"),
-    ("shakespeare", 128, 4, "zeropp"),
-    ("shakespeare", 192, 4, "zeropp"),
+/// The loss runs: (corpus, hidden, layers, variants against FSDP2's default,
+/// the file's suffix). `stdlib` is Python's standard library sources (31.5M
+/// characters, 46 times what a run trains on), `shakespeare` tinyshakespeare
+/// (1.1M, at the two smallest widths). `zeropp` is the README's recipe (qgZ's
+/// groups rotated); the `-unrotated` runs are the recipe without the rotation
+/// (`unrotated`, the default before it) and, at the two smallest widths, each
+/// switch alone (qgZ's without the rotation, as they were measured).
+const LOSS_RUNS: [(&str, usize, usize, &str, &str); 12] = [
+    ("stdlib", 128, 4, "zeropp", ""),
+    ("stdlib", 128, 4, "unrotated,qwz,qgz-unrotated,qgz-rtn-unrotated", "-unrotated"),
+    ("stdlib", 192, 4, "zeropp", ""),
+    ("stdlib", 192, 4, "unrotated,qwz,qgz-unrotated,qgz-rtn-unrotated", "-unrotated"),
+    ("stdlib", 256, 6, "zeropp", ""),
+    ("stdlib", 256, 6, "unrotated", "-unrotated"),
+    ("stdlib", 384, 6, "zeropp", ""),
+    ("stdlib", 384, 6, "unrotated", "-unrotated"),
+    ("shakespeare", 128, 4, "zeropp", ""),
+    ("shakespeare", 128, 4, "unrotated", "-unrotated"),
+    ("shakespeare", 192, 4, "zeropp", ""),
+    ("shakespeare", 192, 4, "unrotated", "-unrotated"),
 ];
 /// hf_parity.py's run: steps, seeds, heads (key/value heads half), vocabulary (printable ASCII).
 const LOSS_STEPS: usize = 600;
@@ -133,15 +142,15 @@ pub(crate) fn part(venv: &super::Venv, report_dir: &Path, engine: bool) -> Resul
         md.push_str(&r.markdown());
     }
     md.push('\n');
-    for who in ["zeropp.torch", "engine"] {
+    for (who, variant) in [("zeropp.torch", "zeropp"), ("zeropp.torch", "unrotated"), ("engine", "zeropp")] {
         let s: Vec<&LossRow> =
-            rows.iter().filter(|r| r.who == who && r.corpus == "stdlib" && r.variant == "zeropp").collect();
+            rows.iter().filter(|r| r.who == who && r.corpus == "stdlib" && r.variant == variant).collect();
         if let Some((slope, se)) = trend(&s) {
             let per_size = mean(&s.iter().map(|r| r.stats().1).collect::<Vec<_>>());
             let _ = writeln!(
                 md,
-                "Trend of {who}'s ratio on stdlib over {} sizes: {slope:+.4} per decade of parameters (se {se:.4}; \
-                 the sizes' own standard error {per_size:.4} on average).",
+                "Trend of {who}'s {variant} ratio on stdlib over {} sizes: {slope:+.4} per decade of parameters \
+                 (se {se:.4}; the sizes' own standard error {per_size:.4} on average).",
                 s.len()
             );
         }
@@ -161,13 +170,13 @@ fn wanted(out: &Path) -> bool {
 fn torch_rows(venv: &super::Venv, dir: &Path, stdlib: &Path) -> Result<Vec<LossRow>, String> {
     let shakespeare = root().join("../shared/data/tinyshakespeare.txt");
     let mut rows = Vec::new();
-    for (corpus, d, layers, variants) in LOSS_RUNS {
+    for (corpus, d, layers, variants, suffix) in LOSS_RUNS {
         let path = if corpus == "stdlib" { stdlib.to_path_buf() } else { shakespeare.clone() };
         if !path.is_file() {
             eprintln!("==> {corpus} skipped: {} is absent", path.display());
             continue;
         }
-        let out = dir.join(format!("loss-{corpus}-d{d}.json"));
+        let out = dir.join(format!("loss-{corpus}-d{d}{suffix}.json"));
         if super::left_out(&out) {
             continue;
         }

@@ -113,24 +113,35 @@ fn left_out(out: &Path) -> bool {
 fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, String> {
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let mut runs = Vec::new();
-    for size in SIZES {
-        let out: PathBuf = dir.join(format!("d{}.json", size.0));
-        if left_out(&out) {
-            continue;
+    // zeropp.torch's defaults (qgZ's groups rotated), then without the rotation.
+    let (mut runs, mut unrotated) = (Vec::new(), Vec::new());
+    for (suffix, rotation, into) in [("", "default", &mut runs), ("-unrotated", "off", &mut unrotated)] {
+        for size in SIZES {
+            let out: PathBuf = dir.join(format!("d{}{suffix}.json", size.0));
+            if left_out(&out) {
+                continue;
+            }
+            if !(reuse() && out.is_file()) {
+                let _ = std::fs::remove_file(&out);
+                let mut args = size_args(size);
+                args.extend(["--steps".into(), STEPS.to_string(), "--probe".into(), "1,10,last".into()]);
+                args.extend([
+                    "--qgz-rotation".into(),
+                    rotation.into(),
+                    "--out".into(),
+                    out.display().to_string(),
+                ]);
+                let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+                let c = torchrun(venv.get()?, "python/bench/fidelity_size.py", &refs, None)?;
+                run(&format!("bench fidelity-size: d {}, qgZ's rotation {rotation}", size.0), c)?;
+            }
+            into.push(read_run(&out)?);
         }
-        if !(reuse() && out.is_file()) {
-            let _ = std::fs::remove_file(&out);
-            let mut args = size_args(size);
-            args.extend(["--steps".into(), STEPS.to_string(), "--probe".into(), "1,10,last".into()]);
-            args.extend(["--out".into(), out.display().to_string()]);
-            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-            let c = torchrun(venv.get()?, "python/bench/fidelity_size.py", &refs, None)?;
-            run(&format!("bench fidelity-size: d {}", size.0), c)?;
-        }
-        runs.push(read_run(&out)?);
     }
     let mut md = report("HF Llama, 2 x 2, zeropp.torch's defaults", &runs)?;
+    if !unrotated.is_empty() {
+        md.push_str(&report("HF Llama, 2 x 2, zeropp.torch's defaults without qgZ's rotation", &unrotated)?);
+    }
     let mut engine_runs = Vec::new();
     if engine {
         let mut built = false;
@@ -168,7 +179,7 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
         )?);
     }
     let svg = report_dir.join("fidelity-size.svg");
-    plot(&runs, &engine_runs, &svg)?;
+    plot(&runs, &unrotated, &engine_runs, &svg)?;
     eprintln!("==> drew {}", svg.display());
     Ok(md)
 }
@@ -230,7 +241,12 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
         last(big, "weight", "rel_norm_error") / last(first, "weight", "rel_norm_error"),
     );
     // Per kind at the largest width's last step.
-    md.push_str("\nPer layer kind, the largest width, last step:\n\n| kind | qgZ rel. error | cosine | AdamW update rel. error | qwZ rel. error |\n|---|---|---|---|---|\n");
+    md.push_str(
+        "\nPer layer kind, the largest width, last step (the ranks' spread is sqrt(sum over ranks |x_k|^2) / |sum|, \
+         how much the ranks' gradients cancel; the error over it is INT4's on each rank's own gradient):\n\n\
+         | kind | qgZ rel. error | cosine | AdamW update rel. error | ranks' spread | error / spread | qwZ rel. error |\n\
+         |---|---|---|---|---|---|---|\n",
+    );
     if let Some((_, p)) = big.probes.last() {
         // (Not a JSON pointer: the keys hold a slash.)
         let get =
@@ -245,10 +261,12 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
             let (g, w) = (format!("grad/{k}"), format!("weight/{k}"));
             let _ = writeln!(
                 md,
-                "| {k} | {:.4} | {:.4} | {:.4} | {:.5} |",
+                "| {k} | {:.4} | {:.4} | {:.4} | {:.3} | {:.4} | {:.5} |",
                 get(&g, "rel_norm_error"),
                 get(&g, "cosine"),
                 get(&g, "update_rel_error"),
+                get(&g, "rank_spread"),
+                get(&g, "rel_norm_error") / get(&g, "rank_spread"),
                 get(&w, "rel_norm_error")
             );
         }
@@ -257,8 +275,9 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
 }
 
 /// The last step's mean relative errors against the parameters, log-log: the
-/// HF Llama's solid, the engine's GPT's dashed.
-fn plot(runs: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
+/// HF Llama's solid, the engine's GPT's dashed; and the HF Llama's worst kind
+/// of qgZ's gradient, with and without qgZ's rotation (dotted).
+fn plot(runs: &[Run], unrotated: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
     use plotters::prelude::*;
     let series: [(&str, &str, &str, RGBColor); 3] = [
         ("qgZ gradient (INT4)", "grad", "rel_norm_error", RED),
@@ -270,8 +289,14 @@ fn plot(runs: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
             .filter_map(|r| r.probes.last().map(|p| (r.params, over_kinds(&p.1, what, field).0)))
             .collect()
     };
-    let all: Vec<(f64, f64)> =
+    let worst = |runs: &[Run]| -> Vec<(f64, f64)> {
+        runs.iter()
+            .filter_map(|r| r.probes.last().map(|p| (r.params, over_kinds(&p.1, "grad", "rel_norm_error").2)))
+            .collect()
+    };
+    let mut all: Vec<(f64, f64)> =
         series.iter().flat_map(|s| [points(runs, s.1, s.2), points(engine, s.1, s.2)].concat()).collect();
+    all.extend(worst(runs).into_iter().chain(worst(unrotated)));
     let lo = all.iter().map(|p| p.1).fold(f64::INFINITY, f64::min) / 2.0;
     let hi = all.iter().map(|p| p.1).fold(0.0, f64::max) * 2.0;
     let x0 = all.iter().map(|p| p.0).fold(f64::INFINITY, f64::min) / 2.0;
@@ -311,6 +336,27 @@ fn plot(runs: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 6, y)], color.stroke_width(2)));
         chart
             .draw_series(pts.into_iter().map(|p| TriangleMarker::new(p, 4, color.filled())))
+            .map_err(|x| e(&x))?;
+    }
+    for (name, pts, dash) in [
+        ("qgZ gradient, worst kind, HF Llama", worst(runs), None),
+        ("the same without qgZ's rotation", worst(unrotated), Some((2, 4))),
+    ] {
+        if pts.is_empty() {
+            continue;
+        }
+        let color = MAGENTA;
+        let line = match dash {
+            None => chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2))),
+            Some((on, off)) => {
+                chart.draw_series(DashedLineSeries::new(pts.clone(), on, off, color.stroke_width(2)))
+            }
+        };
+        line.map_err(|x| e(&x))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], color.stroke_width(2)));
+        chart
+            .draw_series(pts.into_iter().map(|p| Cross::new(p, 4, color.stroke_width(2))))
             .map_err(|x| e(&x))?;
     }
     crate::plot::legend_and_present(&mut chart, &area).map_err(|x| e(&x))
