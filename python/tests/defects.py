@@ -171,11 +171,11 @@ def _qwz_int4():
 
 
 def _rotation_spans_rows():
-    """qgZ's rotation keeps the module's group size where an embedding's rows
-    are shorter, so a Hadamard group mixes two rows."""
+    """qgZ's rotation ignores the embeddings' rows, so a Hadamard group can
+    mix two of them."""
     import importlib
 
-    importlib.import_module("zeropp.torch.enable")._rotation_group = lambda param_group, group_size: group_size
+    importlib.import_module("zeropp.torch.enable")._rows_fit_groups = lambda param_group, group_size: True
 
 
 # Defects that replace behaviour instead of breaking encodings (contract.py's, and

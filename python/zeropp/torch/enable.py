@@ -52,34 +52,28 @@ def _segments(param_group, world: int):
     return segs
 
 
-# The smallest group the default rotates: below it a group's scale costs more
-# than the rotation saves, so such a module's qgZ stays unrotated.
-_MIN_ROTATED_GROUP = 64
-
-
-def _rotation_group(param_group, group_size: int) -> int:
-    """The group qgZ rotates ``param_group`` in: ``group_size``, or less where
-    the module holds an embedding whose rows it would mix. An embedding's
-    gradient is zero on every row whose token the batch did not hold; a
-    Hadamard group spanning such a row and a nonzero one spreads the other
+def _rows_fit_groups(param_group, group_size: int) -> bool:
+    """Whether every embedding of ``param_group`` has rows a whole number of
+    ``group_size`` long, so that no rotated group spans two of its rows. An
+    embedding's gradient is zero on every row whose token the batch did not
+    hold; a Hadamard group spanning such a row and a seen one spreads the seen
     row's quantization noise onto it, which AdamW's normalisation turns into a
     full-size step of noise (the HF Llama at width 128, groups of 256: the
-    embedding's update error 0.505 against 0.045 unrotated). So the group is at
-    most the largest power of two dividing the embedding's row, and every
-    group lies inside one row (each parameter starts at a group boundary)."""
-    g = group_size
+    embedding's update error 0.505 against 0.045 unrotated). Each parameter
+    starts at a group boundary, so whole-group rows keep every group in one
+    row. A weight tied to an embedding (an LM head) counts as one."""
     embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
     for fp in param_group.fsdp_params:
         info = getattr(fp, "_module_info", None)
-        # A tied weight (an LM head sharing the embedding's) is an embedding too.
         owners = [getattr(info, "module", None), *(getattr(info, "shared_modules", None) or [])]
         size = getattr(fp, "_orig_size", None)
         if any(isinstance(m, embeddings) for m in owners) and size is not None and len(size) >= 2:
             row = 1
             for d in size[1:]:
                 row *= d
-            g = min(g, row & -row)
-    return g
+            if row % group_size:
+                return False
+    return True
 
 
 def _names(param_group):
@@ -202,10 +196,11 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     zeropp.torch departs from the Rust engine: on the HF Llama the down
     projection's INT4 gradient error grows with width unrotated (0.18 at
     0.9M parameters, 0.25 at 99.5M) and stays at 0.11-0.12 rotated. A module
-    holding an embedding rotates in groups no longer than its rows (the
-    largest power of two dividing the row length; see ``_rotation_group``),
-    and below 64 it is not rotated; ``summary["qgz_rotation"]`` gives each
-    module's rotated group, or None. ``qgz_hadamard=False`` turns it off.
+    holding an embedding whose rows are not a whole number of groups (width
+    128 or 384 with groups of 256) is not rotated, so that no rotated group
+    spans two token rows (see ``_rows_fit_groups``); the rotation changes no
+    byte on the wire. ``summary["qgz_rotation"]`` says which modules rotate.
+    ``qgz_hadamard=False`` turns it off.
 
     ``qgz_two_level`` (INT8 inside the node, INT4 across) and an explicit
     ``qgz_hadamard=True`` are SDP4Bit's options of qgZ: see
@@ -274,11 +269,8 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         topo = shared_topology(group, ls, all_groups)
         quantizes = topo.nodes > 1 or quantize_intra
         rotate = quantizes and (rotate_default if qgz_hadamard is None else qgz_hadamard)
-        rs_group = _rotation_group(pg, group_size) if rotate else group_size
-        if rotate and rs_group < _MIN_ROTATED_GROUP:
-            # An embedding row too short (or too odd) for a useful rotation: this
-            # module's qgZ stays unrotated, in groups of group_size.
-            rotate, rs_group = False, group_size
+        # A module whose embedding rows are not whole groups stays unrotated.
+        rotate = rotate and _rows_fit_groups(pg, group_size)
         if (qgz_two_level or qgz_hadamard) and not quantizes:
             where = ("the replica all-reduce (QuantizedAllReduce: INT4 out, INT8 back) has neither option"
                      if replica_group is not None else "no byte of it crosses a node")
@@ -298,7 +290,7 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             _drop_after_eval(pg, ag)
         factor = (lambda pg=pg: getattr(pg, "gradient_divide_factor", None))
         rs = QuantizedReduceScatter(
-            topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=rs_group,
+            topo, segments=segs if exclude_1d else None, bits=qgz_bits, group_size=group_size,
             stochastic=stochastic, shared=shared, names=lambda pg=pg: _names(pg)[1],
             module=lambda pg=pg: _names(pg)[0], divide_factor=factor, quantize_intra=quantize_intra,
             two_level=qgz_two_level, hadamard=rotate)
@@ -319,13 +311,13 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
                     f"replicate=mesh['replicate']")
             _check_replicas(group, replica_group)
             ar = QuantizedAllReduce(
-                replica_group, bits=qgz_bits, group_size=rs_group, stochastic=stochastic, shared=shared,
+                replica_group, bits=qgz_bits, group_size=group_size, stochastic=stochastic, shared=shared,
                 plan=rs._plan, divide_factor=factor)
             module.set_all_reduce_hook(ar)
             installed.append(ar)
         summary["modules"] += 1
         summary["world"] = topo.world
-        summary["qgz_rotation"].append(rs_group if qgz and rotate else None)
+        summary["qgz_rotation"].append(bool(qgz and rotate))
         post = getattr(pg, "post_forward_mesh_info", None)
         # Which hpZ the module gets: FSDP2's (reshard_after_forward=local_size), zeropp's
         # (INT8 node copy, for a module resharded fully after forward), or none.
