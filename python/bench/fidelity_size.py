@@ -174,7 +174,7 @@ def install():
 
 
 def text() -> np.ndarray | None:
-    """tinyshakespeare's bytes (``ZEROPP_SHAKESPEARE``), read once; None without it."""
+    """The bytes of the text ``ZEROPP_SHAKESPEARE`` names (tinyshakespeare in the bench), read once; None without it."""
     global _TEXT
     if _TEXT is None:
         path = os.environ.get("ZEROPP_SHAKESPEARE", "")
@@ -186,7 +186,8 @@ _TEXT = None
 
 
 def data_source() -> str:
-    return "tinyshakespeare" if text() is not None else "random tokens"
+    """The text's file name (``ZEROPP_SHAKESPEARE`` may name any text), or random tokens."""
+    return os.path.basename(os.environ["ZEROPP_SHAKESPEARE"]) if text() is not None else "random tokens"
 
 
 def tokens(vocab: int, n: int, gen: torch.Generator) -> torch.Tensor:

@@ -120,6 +120,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--first-seed", type=int, default=1, help="the seeds are first-seed, first-seed + 1, ...")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank")
     ap.add_argument("--seq", type=int, default=64)
@@ -152,7 +153,7 @@ def main():
         others = ", ".join(k for k in VARIANTS if k != "default")
         raise SystemExit(f"hf_parity.py: --variants {args.variants}: expected zeropp and any of {others}")
     rows = []
-    for seed in range(1, args.seeds + 1):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         base = train_one(train, val, seed, "default", args, ls)
         runs = {v: train_one(train, val, seed, v, args, ls) for v in variants}
         zpp = runs["zeropp"]

@@ -259,14 +259,19 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
             .collect();
         for k in kinds {
             let (g, w) = (format!("grad/{k}"), format!("weight/{k}"));
+            // The engine's runs (and older files) carry no spread: a dash.
+            let spread = get(&g, "rank_spread");
+            let (sp, per) = if spread.is_finite() {
+                (format!("{spread:.3}"), format!("{:.4}", get(&g, "rel_norm_error") / spread))
+            } else {
+                ("—".to_string(), "—".to_string())
+            };
             let _ = writeln!(
                 md,
-                "| {k} | {:.4} | {:.4} | {:.4} | {:.3} | {:.4} | {:.5} |",
+                "| {k} | {:.4} | {:.4} | {:.4} | {sp} | {per} | {:.5} |",
                 get(&g, "rel_norm_error"),
                 get(&g, "cosine"),
                 get(&g, "update_rel_error"),
-                get(&g, "rank_spread"),
-                get(&g, "rel_norm_error") / get(&g, "rank_spread"),
                 get(&w, "rel_norm_error")
             );
         }
