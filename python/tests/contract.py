@@ -34,7 +34,7 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    ``qgz_two_level``/``qgz_hadamard`` with ``qgz=False`` and under the HSDP
    take-over inside a node; a Hadamard group above 8192 in ``enable``,
    ``QuantizedReduceScatter``, the torch-op stages and the Rust stages.
-6. **qgZ's rotation by default.** :func:`enable` rotates qgZ's groups
+6. **qgZ's rotation.** ``enable(qgz_hadamard=True)`` rotates qgZ's groups
    wherever qgZ quantizes (the block), but not in the module that holds the
    embeddings when their rows (128) are not whole groups (256), and the
    embedding rows of tokens no rank saw get a gradient of exactly zero: a
@@ -397,9 +397,9 @@ def test_refusals(ls: int):
 
 
 def test_rotation_default(ls: int):
-    """6. qgZ rotates its groups by default wherever it quantizes, and never
-    across two rows of an embedding: the rows of the tokens no rank saw get a
-    gradient of exactly zero."""
+    """6. qgZ's rotation (``qgz_hadamard=True``; off by default) acts wherever
+    qgZ quantizes, and never across two rows of an embedding: the rows of the
+    tokens no rank saw get a gradient of exactly zero."""
     # A width of 128 against groups of 256: two token rows per group.
     cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
     torch.manual_seed(0)
@@ -407,13 +407,14 @@ def test_rotation_default(ls: int):
     for blk in model.blocks:
         fully_shard(blk)
     fully_shard(model)
-    summary = zt.enable(model, local_size=ls)
+    summary = zt.enable(model, local_size=ls, qgz_hadamard=True) if dist.get_world_size() > ls else \
+        zt.enable(model, local_size=ls)
     nodes = dist.get_world_size() // ls
     # The root holds the embeddings, rows of 128: half a group, so it is not
     # rotated; the block is. Inside one node nothing is quantized.
     want = [False, True] if nodes > 1 else [False, False]
     check(summary["qgz_rotation"] == want,
-          f"test 6: qgZ's rotation by default, per module {summary['qgz_rotation']} (want {want})")
+          f"test 6: qgZ's rotation with qgz_hadamard=True, per module {summary['qgz_rotation']} (want {want})")
     # Even token ids only: every group of 256 would hold a seen row and an unseen one.
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = 2 * torch.randint(0, cfg.vocab // 2, (4, cfg.seq), generator=gen)

@@ -170,13 +170,13 @@ def _check_replicas(shard_group, replica_group):
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
            exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False,
-           qgz_two_level: bool = False, qgz_hadamard: bool | None = None, hpz: bool | None = None) -> dict:
+           qgz_two_level: bool = False, qgz_hadamard: bool = False, hpz: bool | None = None) -> dict:
     """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
     ``fully_shard``, on every rank). Returns a summary: modules changed, their
     sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
 
-    The defaults are the Rust engine's but one (the rotation below): INT8
-    weights and INT4 gradients in groups of 256, stochastic rounding in qgZ (seeded by ``seed``; every call
+    The defaults are the Rust engine's: INT8 weights and INT4 gradients in
+    groups of 256, stochastic rounding in qgZ (seeded by ``seed``; every call
     draws its own stream), 1-D parameters reduced at their own precision.
     Collectives whose group lies inside one node send nothing across nodes
     and run at full precision (torch's own) unless ``quantize_intra``.
@@ -189,21 +189,20 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     On a native HSDP mesh torch runs its own all-reduce, which cannot be taken
     over; there ``replicate`` is an error and the all-reduce stays torch's.
 
-    qgZ rotates each group by a seeded, randomized Hadamard transform before
-    quantizing it (SDP4Bit's smoothing; ``qgz_hadamard``, default ``None``:
-    on wherever qgZ quantizes, the group size is a power of two of at most
-    8192 and ``exclude_1d`` keeps each parameter from a group boundary). Here
-    zeropp.torch departs from the Rust engine: on the HF Llama the down
-    projection's INT4 gradient error grows with width unrotated (0.18 at
-    0.9M parameters, 0.25 at 99.5M) and stays at 0.11-0.12 rotated. A module
-    holding an embedding whose rows are not a whole number of groups (width
-    128 or 384 with groups of 256) is not rotated, so that no rotated group
-    spans two token rows (see ``_rows_fit_groups``); the rotation changes no
-    byte on the wire. ``summary["qgz_rotation"]`` says which modules rotate.
-    ``qgz_hadamard=False`` turns it off.
+    ``qgz_hadamard=True`` rotates each qgZ group by a seeded, randomized
+    Hadamard transform before quantizing it (SDP4Bit's smoothing). It
+    flattens the HF Llama's down projection's INT4 gradient error, which grows
+    with width unrotated (0.18 at 0.9M parameters, 0.25 at 99.5M; 0.11-0.12
+    rotated), but on Python source text it cost the validation loss 1.25% at
+    4.4M parameters, so it is not the default (docs/PERFORMANCE.md, "Error
+    against model size"). A module holding an embedding whose rows are not a
+    whole number of groups (width 128 or 384 with groups of 256) is not
+    rotated, so that no rotated group spans two token rows (see
+    ``_rows_fit_groups``); the rotation changes no byte on the wire.
+    ``summary["qgz_rotation"]`` says which modules rotate.
 
-    ``qgz_two_level`` (INT8 inside the node, INT4 across) and an explicit
-    ``qgz_hadamard=True`` are SDP4Bit's options of qgZ: see
+    ``qgz_two_level`` (INT8 inside the node, INT4 across) and
+    ``qgz_hadamard`` are SDP4Bit's options of qgZ: see
     :class:`QuantizedReduceScatter`. Where they cannot act they are an error,
     not a silent no-op: with ``qgz=False``, and where a module's shard group
     lies inside one node (a one-node job, or HSDP with a replica per node,
@@ -243,10 +242,6 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             "qgz=False turns off; drop them or keep qgZ on")
     if qgz_hadamard:
         check_hadamard_group(group_size)
-    # The default rotates wherever qgZ quantizes with its per-parameter layout
-    # (each parameter from a group boundary) and the group size allows it.
-    rotate_default = (qgz and exclude_1d and group_size & (group_size - 1) == 0
-                      and group_size <= _zeropp.HADAMARD_MAX_GROUP)
     if hpz and not qwz:
         raise _zeropp.ZeroppError(
             "zeropp.torch.enable: zeropp's hpZ keeps qwZ's INT8 encodings for the backward gather, so it needs "
@@ -268,9 +263,8 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         # Reused across enable() calls (created once per mesh; see release()).
         topo = shared_topology(group, ls, all_groups)
         quantizes = topo.nodes > 1 or quantize_intra
-        rotate = quantizes and (rotate_default if qgz_hadamard is None else qgz_hadamard)
         # A module whose embedding rows are not whole groups stays unrotated.
-        rotate = rotate and _rows_fit_groups(pg, group_size)
+        rotate = qgz_hadamard and quantizes and _rows_fit_groups(pg, group_size)
         if (qgz_two_level or qgz_hadamard) and not quantizes:
             where = ("the replica all-reduce (QuantizedAllReduce: INT4 out, INT8 back) has neither option"
                      if replica_group is not None else "no byte of it crosses a node")

@@ -23,24 +23,21 @@ use crate::torch::torchrun_within;
 /// the file's suffix, seeds). `stdlib` is Python's standard library sources
 /// (31.5M characters, 46 times what a run trains on), `shakespeare`
 /// tinyshakespeare (1.1M, at the two smallest widths). `zeropp` is the
-/// README's recipe (qgZ's groups rotated); the `-unrotated` runs are the
-/// recipe without the rotation (`unrotated`, the default before it) and, at
-/// the two smallest widths, each switch alone (qgZ's without the rotation, as
-/// they were measured). The recipe runs 4 seeds at the smallest width on
-/// stdlib, where 2 left its cost to one seed.
-const LOSS_RUNS: [(&str, usize, usize, &str, &str, usize); 12] = [
-    ("stdlib", 128, 4, "zeropp", "", 4),
-    ("stdlib", 128, 4, "unrotated,qwz,qgz-unrotated,qgz-rtn-unrotated", "-unrotated", 2),
-    ("stdlib", 192, 4, "zeropp", "", 2),
-    ("stdlib", 192, 4, "unrotated,qwz,qgz-unrotated,qgz-rtn-unrotated", "-unrotated", 2),
+/// README's recipe, each switch alone runs at the two smallest widths, and
+/// the `-hadamard` runs weigh qgZ's rotation (`hadamard`: the recipe with
+/// `qgz_hadamard=True`), 4 seeds at the smallest width on stdlib.
+const LOSS_RUNS: [(&str, usize, usize, &str, &str, usize); 11] = [
+    ("stdlib", 128, 4, "zeropp,qwz,qgz,qgz-rtn", "", 2),
+    ("stdlib", 128, 4, "hadamard", "-hadamard", 4),
+    ("stdlib", 192, 4, "zeropp,qwz,qgz,qgz-rtn", "", 2),
+    ("stdlib", 192, 4, "hadamard", "-hadamard", 2),
     ("stdlib", 256, 6, "zeropp", "", 2),
-    ("stdlib", 256, 6, "unrotated", "-unrotated", 2),
+    ("stdlib", 256, 6, "hadamard", "-hadamard", 2),
     ("stdlib", 384, 6, "zeropp", "", 2),
-    ("stdlib", 384, 6, "unrotated", "-unrotated", 2),
     ("shakespeare", 128, 4, "zeropp", "", 2),
-    ("shakespeare", 128, 4, "unrotated", "-unrotated", 2),
+    ("shakespeare", 128, 4, "hadamard", "-hadamard", 2),
     ("shakespeare", 192, 4, "zeropp", "", 2),
-    ("shakespeare", 192, 4, "unrotated", "-unrotated", 2),
+    ("shakespeare", 192, 4, "hadamard", "-hadamard", 2),
 ];
 /// hf_parity.py's run: steps, heads (key/value heads half), vocabulary (printable ASCII).
 const LOSS_STEPS: usize = 600;
@@ -143,7 +140,7 @@ pub(crate) fn part(venv: &super::Venv, report_dir: &Path, engine: bool) -> Resul
         md.push_str(&r.markdown());
     }
     md.push('\n');
-    for (who, variant) in [("zeropp.torch", "zeropp"), ("zeropp.torch", "unrotated"), ("engine", "zeropp")] {
+    for (who, variant) in [("zeropp.torch", "zeropp"), ("zeropp.torch", "hadamard"), ("engine", "zeropp")] {
         let s: Vec<&LossRow> =
             rows.iter().filter(|r| r.who == who && r.corpus == "stdlib" && r.variant == variant).collect();
         if let Some((slope, se)) = trend(&s) {
@@ -434,8 +431,8 @@ fn plot(rows: &[LossRow], path: &Path) -> Result<(), String> {
         [("zeropp.torch", BLUE, "FSDP2's seed spread"), ("engine", RED, "ZeRO-3's seed spread")]
     {
         // FSDP2's runs are the same (deterministic) in the recipe's file and the
-        // unrotated one: the band takes whichever covers more sizes.
-        let s = ["zeropp", "unrotated"]
+        // rotated one: the band takes whichever covers more sizes.
+        let s = ["zeropp", "hadamard"]
             .map(|v| series(&(who, "stdlib", v)))
             .into_iter()
             .max_by_key(Vec::len)
