@@ -28,8 +28,8 @@ const VARIANTS: &[(&str, &[&str], &str)] = &[
     ("zeropp, Rust kernels, zeropp's hpZ (the recipe)", &["--variant", "zeropp", "--hpz", "zeropp"], "auto"),
     ("zeropp, torch-op kernels, zeropp's hpZ", &["--variant", "zeropp", "--hpz", "zeropp"], "torch"),
     (
-        "zeropp, Rust kernels, zeropp's hpZ, qgZ unrotated",
-        &["--variant", "zeropp", "--hpz", "zeropp", "--enable", "qgz_hadamard=0"],
+        "zeropp, Rust kernels, zeropp's hpZ, qgZ rotated (qgz_hadamard)",
+        &["--variant", "zeropp", "--hpz", "zeropp", "--enable", "qgz_hadamard=1"],
         "auto",
     ),
     ("zeropp, Rust kernels, FSDP2's hpZ", &["--variant", "zeropp", "--hpz", "fsdp2"], "auto"),
