@@ -227,8 +227,9 @@ def main():
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    rotation = {"default": None, "on": True, "off": False}[args.qgz_rotation]
-    summary_of = zt.enable(model, local_size=ls, seed=args.seed, group_size=args.group_size, qgz_hadamard=rotation)
+    # "default" leaves the keyword to enable().
+    rotation = {"default": {}, "on": {"qgz_hadamard": True}, "off": {"qgz_hadamard": False}}[args.qgz_rotation]
+    summary_of = zt.enable(model, local_size=ls, seed=args.seed, group_size=args.group_size, **rotation)
     PROBE = Probe(model, w)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1000 * args.seed + 1 + dist.get_rank())

@@ -396,17 +396,13 @@ def test_refusals(ls: int):
         check(bad is None, f"test 5: refused with its reason: {what}" + (f" ({bad})" if bad else ""))
 
 
-def test_rotation_default(ls: int):
+def test_rotation(ls: int):
     """6. qgZ's rotation (``qgz_hadamard=True``; off by default) acts wherever
     qgZ quantizes, and never across two rows of an embedding: the rows of the
     tokens no rank saw get a gradient of exactly zero."""
     # A width of 128 against groups of 256: two token rows per group.
     cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
-    torch.manual_seed(0)
-    model = gpt.GPT(cfg)
-    for blk in model.blocks:
-        fully_shard(blk)
-    fully_shard(model)
+    model = build("default", ls, cfg)
     summary = zt.enable(model, local_size=ls, qgz_hadamard=True) if dist.get_world_size() > ls else \
         zt.enable(model, local_size=ls)
     nodes = dist.get_world_size() // ls
@@ -437,7 +433,7 @@ def main():
               flush=True)
     tests = {"1": (test_nonfinite_gradient, test_nonfinite_weight), "2": (test_fp16_grad_scaler,),
              "3": (test_no_host_sync,), "4": (test_retained_state,), "5": (test_refusals,),
-             "6": (test_rotation_default,)}
+             "6": (test_rotation,)}
     chosen = [t for t in os.environ.get("ZEROPP_CONTRACT_TESTS", "1,2,3,4,5,6").split(",") if t]
     for t in chosen:
         if t not in tests:
