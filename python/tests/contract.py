@@ -33,20 +33,27 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
 5. **Options that cannot act are errors**, each with its message:
    ``qgz_two_level``/``qgz_hadamard`` with ``qgz=False`` and under the HSDP
    take-over inside a node; a Hadamard group above 8192 in ``enable``,
-   ``QuantizedReduceScatter``, the torch-op stages and the Rust stages.
+   ``QuantizedReduceScatter``, the torch-op stages and the Rust stages; a
+   ``qgz_hadamard`` function that chooses no parameter, or one given with
+   ``exclude_1d=False``.
 6. **qgZ's rotation.** ``enable(qgz_hadamard=True)`` rotates qgZ's groups
    wherever qgZ quantizes (the block), but not in the module that holds the
-   embeddings when their rows (128) are not whole groups (256), and the
-   embedding rows of tokens no rank saw get a gradient of exactly zero: a
-   Hadamard group spanning a seen row and an unseen one would spread noise
-   onto the unseen.
+   embeddings, whether their rows are whole groups (width 256 against groups
+   of 256) or not (128); and the embedding rows of tokens no rank saw get a
+   gradient of exactly zero: a Hadamard group spanning a seen row and an
+   unseen one would spread noise onto the unseen.
+   **6b.** ``qgz_hadamard`` as a function of a parameter's name rotates that
+   parameter's groups only: the other gradients are bit for bit the
+   unrotated run's, the chosen one within 0.3 of the exact gradient.
 
 Exit status 0 when all pass (``ZEROPP_CONTRACT_TESTS=2,3`` runs some). With ``ZEROPP_SEEDED_DEFECT`` (``defects.py``) it
 must fail: ``nonfinite-raises`` (the old check: quantizing a non-finite value
 raises) fails tests 1 and 2, ``host-sync`` (a host-side finiteness check in
 the torch-op quantizer) fails test 3, ``index-plan`` (the old per-element
 index tensors) fails test 4, ``rotation-spans-rows`` (the embeddings' module
-rotated too) fails test 6.
+rotated too) and ``rotation-whole-rows`` (rotated where its rows are whole
+groups) fail test 6, ``rotation-wrong-inverse`` (a per-parameter rotation
+undone with rank 0's signs on every rank) test 6b.
 """
 
 from __future__ import annotations
@@ -386,6 +393,14 @@ def test_refusals(ls: int):
         lambda: TorchQgzStages(4, 2, 0, 100, group_size=16384, hadamard=1), "at most 8192")
     results["Rust stages: Hadamard group 16384"] = _raises(
         lambda: _zeropp.QgzStages(4, 2, 0, 100, group_size=16384, hadamard=1), "8192")
+    if dist.get_world_size() > ls:
+        m, _ = fresh()
+        results["qgz_hadamard choosing no parameter"] = _raises(
+            lambda: zt.enable(m, local_size=ls, qgz_hadamard=lambda name: name.endswith("fc3.weight")),
+            "chose none of the", "'blocks.0.qkv.weight'")
+        results["qgz_hadamard by name with exclude_1d=False"] = _raises(
+            lambda: zt.enable(m, local_size=ls, exclude_1d=False, qgz_hadamard=lambda name: True),
+            "exclude_1d")
     if dist.get_world_size() == 4 and ls == 2:
         for opt in ("qgz_two_level", "qgz_hadamard"):
             hm, mesh = fresh("hsdp")
@@ -397,20 +412,25 @@ def test_refusals(ls: int):
 
 
 def test_rotation(ls: int):
-    """6. qgZ's rotation (``qgz_hadamard=True``; off by default) acts wherever
-    qgZ quantizes, and never across two rows of an embedding: the rows of the
-    tokens no rank saw get a gradient of exactly zero."""
-    # A width of 128 against groups of 256: two token rows per group.
-    cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
-    model = build("default", ls, cfg)
-    summary = zt.enable(model, local_size=ls, qgz_hadamard=True) if dist.get_world_size() > ls else \
-        zt.enable(model, local_size=ls)
+    """6. qgZ's rotation (``qgz_hadamard=True``) acts wherever qgZ quantizes
+    but never in a module holding an embedding: at width 256 (a token row is
+    one group of 256) the root stays unrotated, and at width 128 (two rows a
+    group) the rows of the tokens no rank saw get a gradient of exactly zero."""
     nodes = dist.get_world_size() // ls
-    # The root holds the embeddings, rows of 128: half a group, so it is not
-    # rotated; the block is. Inside one node nothing is quantized.
+
+    def rotation(cfg: gpt.Config):
+        model = build("default", ls, cfg)
+        kw = {"qgz_hadamard": True} if nodes > 1 else {}
+        return model, zt.enable(model, local_size=ls, **kw)["qgz_rotation"]
+
+    # The root holds the embeddings and the head; the block is rotated. Inside
+    # one node nothing is quantized.
     want = [False, True] if nodes > 1 else [False, False]
-    check(summary["qgz_rotation"] == want,
-          f"test 6: qgZ's rotation with qgz_hadamard=True, per module {summary['qgz_rotation']} (want {want})")
+    _, wide = rotation(gpt.Config(d=256, layers=1, heads=2, seq=16))
+    check(wide == want, f"test 6: qgZ's rotation at width 256, per module {wide} (want {want})")
+    cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
+    model, narrow = rotation(cfg)
+    check(narrow == want, f"test 6: qgZ's rotation at width 128, per module {narrow} (want {want})")
     # Even token ids only: every group of 256 would hold a seen row and an unseen one.
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = 2 * torch.randint(0, cfg.vocab // 2, (4, cfg.seq), generator=gen)
@@ -423,6 +443,40 @@ def test_rotation(ls: int):
           f"seen rows' {seen:.3g})")
 
 
+def test_rotation_by_name(ls: int):
+    """6b. ``qgz_hadamard`` as a function of a parameter's name rotates the
+    chosen parameters only: every other gradient is bit for bit the unrotated
+    run's, and the chosen one differs from it and stays as close to FSDP2's
+    exact gradient as INT4 allows."""
+    nodes = dist.get_world_size() // ls
+    if nodes == 1:
+        return
+    cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
+    y = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
+    chosen = "blocks.0.out.weight"
+    grads, rotated = {}, None
+    for how in ("exact", "unrotated", "by name"):
+        model = build("default", ls, cfg)
+        if how == "unrotated":
+            zt.enable(model, local_size=ls)
+        elif how == "by name":
+            rotated = zt.enable(model, local_size=ls, qgz_hadamard=lambda n: n == chosen)["qgz_rotated"]
+        model(x, y).backward()
+        grads[how] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    check(rotated == [chosen], f"test 6b: the parameters rotated by name: {rotated} (want [{chosen!r}])")
+    same = [n for n in grads["exact"] if n != chosen and torch.equal(grads["by name"][n], grads["unrotated"][n])]
+    check(len(same) == len(grads["exact"]) - 1,
+          f"test 6b: the parameters not chosen are reduced as unrotated, bit for bit "
+          f"({len(same)} of {len(grads['exact']) - 1})")
+    exact = grads["exact"][chosen]
+    err = {h: float((grads[h][chosen] - exact).norm() / exact.norm()) for h in ("unrotated", "by name")}
+    check(not torch.equal(grads["by name"][chosen], grads["unrotated"][chosen]) and err["by name"] < 0.3,
+          f"test 6b: {chosen}, rotated, against the exact gradient: relative error {err['by name']:.3f} "
+          f"(unrotated {err['unrotated']:.3f}; bound 0.3)")
+
+
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     defect = defects.apply_from_env()
@@ -433,7 +487,7 @@ def main():
               flush=True)
     tests = {"1": (test_nonfinite_gradient, test_nonfinite_weight), "2": (test_fp16_grad_scaler,),
              "3": (test_no_host_sync,), "4": (test_retained_state,), "5": (test_refusals,),
-             "6": (test_rotation,)}
+             "6": (test_rotation, test_rotation_by_name)}
     chosen = [t for t in os.environ.get("ZEROPP_CONTRACT_TESTS", "1,2,3,4,5,6").split(",") if t]
     for t in chosen:
         if t not in tests:

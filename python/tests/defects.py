@@ -171,18 +171,48 @@ def _qwz_int4():
 
 
 def _rotation_spans_rows():
-    """qgZ's rotation ignores the embeddings' rows, so a Hadamard group can
-    mix two of them."""
+    """qgZ's rotation ignores the embeddings, so a Hadamard group can mix two
+    of their rows."""
     import importlib
 
-    importlib.import_module("zeropp.torch.enable")._rows_fit_groups = lambda param_group, group_size: True
+    importlib.import_module("zeropp.torch.enable")._holds_embedding = lambda param_group: False
+
+
+def _rotation_whole_rows():
+    """qgZ's rotation keeps out of an embedding's module only where a group
+    would span two of its rows (the rule before the root's rotation was seen
+    to cost loss), so at widths that are whole groups the root rotates."""
+    import importlib
+
+    enable = importlib.import_module("zeropp.torch.enable")
+    holds = enable._holds_embedding
+
+    def split_rows(param_group) -> bool:
+        rows = [fp._orig_size[1:].numel() for fp in param_group.fsdp_params if len(fp._orig_size) >= 2]
+        return holds(param_group) and any(r % 256 for r in rows)
+
+    enable._holds_embedding = split_rows
+
+
+def _rotation_wrong_inverse():
+    """A per-parameter rotation undoes every rank's shard with rank 0's signs."""
+    import importlib
+
+    collectives = importlib.import_module("zeropp.torch.collectives")
+    rotate = collectives._rotate_columns
+
+    def wrong(x2, segs, group_size, seed, starts, chunk):
+        return rotate(x2, segs, group_size, seed, starts if chunk else [0], chunk)
+
+    collectives._rotate_columns = wrong
 
 
 # Defects that replace behaviour instead of breaking encodings (contract.py's, and
 # dist_collectives.py's hpz-wrong-rail).
 _REPLACE = {"nonfinite-raises": _nonfinite_raises, "host-sync": _host_sync, "index-plan": _index_plan,
             "hpz-wrong-rail": _hpz_wrong_rail, "qwz-int4": _qwz_int4,
-            "rotation-spans-rows": _rotation_spans_rows}
+            "rotation-spans-rows": _rotation_spans_rows, "rotation-whole-rows": _rotation_whole_rows,
+            "rotation-wrong-inverse": _rotation_wrong_inverse}
 
 
 def apply_from_env() -> bool:

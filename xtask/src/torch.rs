@@ -512,12 +512,18 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         "test 5a, device path: FSDP2's contract with ZEROPP_TORCH_KERNELS=torch",
         on_device_path(torchrun(&venv, "python/tests/contract.py", &[], None)?),
     )?;
-    for (defect, tests) in
-        [("nonfinite-raises", "1,2"), ("host-sync", "3"), ("index-plan", "4"), ("rotation-spans-rows", "6")]
-    {
+    // Each defect must fail on its own check (the verdict's text), not on any.
+    for (defect, tests, verdict) in [
+        ("nonfinite-raises", "1,2", "FAIL "),
+        ("host-sync", "3", "FAIL "),
+        ("index-plan", "4", "FAIL "),
+        ("rotation-spans-rows", "6", "FAIL test 6: the embedding's unseen rows"),
+        ("rotation-whole-rows", "6", "FAIL test 6: qgZ's rotation at width 256"),
+        ("rotation-wrong-inverse", "6", "FAIL test 6b: blocks.0.out.weight, rotated"),
+    ] {
         let mut c = torchrun(&venv, "python/tests/contract.py", &[], Some(defect))?;
         c.env("ZEROPP_CONTRACT_TESTS", tests);
-        must_fail(&format!("test 5a with the seeded defect {defect} (tests {tests})"), c, "FAIL ")?;
+        must_fail(&format!("test 5a with the seeded defect {defect} (tests {tests})"), c, verdict)?;
     }
     // The floor: tests 2 and 5a on the oldest torch with FSDP2's custom collectives.
     let floor = crate::torch_floor::venv(&base, &wheel)?;

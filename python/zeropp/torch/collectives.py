@@ -61,6 +61,9 @@ class Layout:
         self.rust = _zeropp.ChunkLayout(list(segments), align=align, exclude_1d=exclude_1d)
         self.c, self.cq, self.k1 = self.rust.c, self.rust.cq, self.rust.exact_len
         self.quantized, self.exact = [], []
+        # The entries of ``quantized`` whose groups qgZ rotates by torch ops
+        # (a per-parameter rotation; see QuantizedReduceScatter).
+        self.rotated = []
         at = cq = k1 = 0
         for n, one_d in segments:
             if n and one_d and exclude_1d:
@@ -91,6 +94,19 @@ class Layout:
             flat[at:at + n] = part[to:to + n]
         for at, n, to in self.exact:
             flat[at:at + n] = exact[to:to + n]
+
+
+def _rotate_columns(x2: torch.Tensor, segs, group_size: int, seed: int, starts, chunk: bool) -> torch.Tensor:
+    """Rotates the whole groups of the segments ``segs`` (``(at, n, to)``:
+    chunk column ``at``, qgZ column ``to``) of each row of ``x2`` in place
+    (``chunk``: the columns are FSDP2's chunk's, ``at``; otherwise qgZ's
+    shard's, ``to``; the inverse), row ``r``'s segment at stream position
+    ``starts[r] + at``. Returns ``x2``."""
+    for at, n, to in segs:
+        col = at if chunk else to
+        x2[:, col:col + n] = K.rotate(x2[:, col:col + n], group_size=group_size, seed=seed,
+                                      starts=[p + at for p in starts], inverse=not chunk)
+    return x2
 
 
 class _LaidOut:
@@ -387,14 +403,32 @@ class QuantizedReduceScatter(_Collective):
     an outlier over its group (``group_size`` must be a power of two). Both
     keep the Rust engine's arithmetic (``zeropp.QgzStages``, or the torch ops
     of the device path, byte for byte with round-to-nearest).
+
+    ``hadamard`` may also be a sequence of flags, one per entry of
+    ``segments``: only the flagged parameters' groups are rotated (by torch
+    ops before the stages and after them; the groups of the others are
+    quantized exactly as unrotated). A rotation is linear, so the sums of
+    the two hops run in the rotated basis, and every rank rotates the same
+    positions with the same signs.
     """
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,
                  local_bits: int = 8, stochastic: bool = True, seed: int = 0, shared: _Shared | None = None,
                  names=None, module: str = "", divide_factor=None, quantize_intra: bool = False,
-                 two_level: bool = False, hadamard: bool = False):
+                 two_level: bool = False, hadamard=False):
         super().__init__(segments, bits, group_size)
-        if hadamard:
+        # Per parameter (a sequence of flags) or the whole chunk (a bool).
+        self.rotate_params = None
+        if not isinstance(hadamard, bool):
+            flags = tuple(bool(f) for f in hadamard)
+            if segments is None or len(flags) != len(segments):
+                raise _zeropp.ZeroppError(
+                    f"qgZ: a per-parameter rotation needs one flag per parameter of the layout (segments, "
+                    f"which exclude_1d=True gives); got {len(flags)} flags for "
+                    f"{'no layout' if segments is None else f'{len(segments)} parameters'}")
+            self.rotate_params = flags if any(flags) else None
+            hadamard = False
+        if hadamard or self.rotate_params:
             check_hadamard_group(group_size)
         self.two_level = two_level
         self.hadamard = hadamard
@@ -452,7 +486,12 @@ class QuantizedReduceScatter(_Collective):
                     f"zeropp's layout. A module given to QuantizedReduceScatter by hand needs expect() "
                     f"before each call (enable() does this); otherwise pass exclude_1d=False to enable(), "
                     f"which quantizes the chunk as one vector and needs no layout")
-            self._masks[key] = Layout(segs, align=self.group_size)
+            lay = Layout(segs, align=self.group_size)
+            if self.rotate_params is not None:
+                flags = [f for f, keep in zip(self.rotate_params, sent) if keep]
+                quantized = [f for (n, one_d), f in zip(segs, flags) if n and not one_d]
+                lay.rotated = [q for q, f in zip(lay.quantized, quantized) if f]
+            self._masks[key] = lay
         return self._masks[key]
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
@@ -495,6 +534,12 @@ class QuantizedReduceScatter(_Collective):
             x = x.to(torch.float32)
         seed = self.shared.next_seed() if self.stochastic else None
         rotation = self.shared.next_rotation() if self.hadamard else None
+        some = self.shared.next_rotation() if lay.rotated else None
+        if some is not None:
+            # The flagged parameters' groups, rotated in a copy (float32, so
+            # that the rotation rounds once).
+            x = _rotate_columns(x.to(torch.float32, copy=True).view(w, lay.c), lay.rotated, self.group_size,
+                                some, [p * lay.c for p in range(w)], chunk=True).reshape(-1)
         stages = TorchQgzStages if on_dev else _zeropp.QgzStages
         st = stages(w, t.local_size, t.rank, w * lay.cq, bits=self.bits, group_size=self.group_size,
                     local_bits=self.local_bits, seed=seed, mean=mean,
@@ -553,6 +598,9 @@ class QuantizedReduceScatter(_Collective):
         del inter_send
         st.finish(arg(inter_recv), arg(part))
         del inter_recv
+        if some is not None:
+            part = _rotate_columns(part.view(1, -1), lay.rotated, self.group_size, some, [t.rank * lay.c],
+                                   chunk=False).view(-1)
         if exact is not None and mean:
             exact /= float(w)
         self._write(output_tensor, part, exact, lay, on_dev)

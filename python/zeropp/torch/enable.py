@@ -52,28 +52,54 @@ def _segments(param_group, world: int):
     return segs
 
 
-def _rows_fit_groups(param_group, group_size: int) -> bool:
-    """Whether every embedding of ``param_group`` has rows a whole number of
-    ``group_size`` long, so that no rotated group spans two of its rows. An
-    embedding's gradient is zero on every row whose token the batch did not
-    hold; a Hadamard group spanning such a row and a seen one spreads the seen
-    row's quantization noise onto it, which AdamW's normalisation turns into a
-    full-size step of noise (the HF Llama at width 128, groups of 256: the
-    embedding's update error 0.505 against 0.045 unrotated). Each parameter
-    starts at a group boundary, so whole-group rows keep every group in one
-    row. A weight tied to an embedding (an LM head) counts as one."""
+def _holds_embedding(param_group) -> bool:
+    """Whether ``param_group`` holds an embedding (``nn.Embedding``,
+    ``nn.EmbeddingBag``) or a weight tied to one (an LM head); qgZ's rotation
+    leaves such a module alone. An embedding's gradient is zero on every row
+    whose token the batch did not hold, and a rotated group spanning such a
+    row and a seen one spreads the seen row's rounding onto it, which AdamW
+    turns into a full step of noise (the HF Llama at width 128, groups of 256:
+    the embedding's update error 0.505 against 0.045 unrotated). Where a row
+    is a whole number of groups no group spans two, but rotating the module
+    (the embeddings and the head, FSDP2's root) still cost the validation loss
+    on Python source text: 1.0097 against FSDP2 at 4.37M parameters, 1.0024
+    with the root left unrotated."""
     embeddings = (torch.nn.Embedding, torch.nn.EmbeddingBag)
     for fp in param_group.fsdp_params:
         info = getattr(fp, "_module_info", None)
         owners = [getattr(info, "module", None), *(getattr(info, "shared_modules", None) or [])]
-        size = getattr(fp, "_orig_size", None)
-        if any(isinstance(m, embeddings) for m in owners) and size is not None and len(size) >= 2:
-            row = 1
-            for d in size[1:]:
-                row *= d
-            if row % group_size:
-                return False
-    return True
+        if any(isinstance(m, embeddings) for m in owners):
+            return True
+    return False
+
+
+def _param_names(param_group, module_names: dict) -> list:
+    """The parameters' names from the model's root (``module_names``: ``id`` of
+    a submodule to its name), known at :func:`enable` time."""
+    names = []
+    for i, fp in enumerate(param_group.fsdp_params):
+        info = getattr(fp, "_module_info", None)
+        owner = module_names.get(id(getattr(info, "module", None)))
+        leaf = getattr(info, "param_name", None)
+        names.append(f"#{i}" if owner is None or leaf is None else ".".join(x for x in (owner, leaf) if x))
+    return names
+
+
+def _check_pick(model, pick, module_names: dict, fsdp_module):
+    """Refuses a ``qgz_hadamard`` function that chooses no parameter qgZ could
+    rotate (a misspelt name would otherwise leave the rotation silently off)."""
+    candidates = []
+    for module in model.modules():
+        pg = _param_group(module) if isinstance(module, fsdp_module) else None
+        if pg is None or _holds_embedding(pg):
+            continue
+        sizes = [getattr(fp, "_orig_size", ()) for fp in pg.fsdp_params]
+        candidates += [n for n, size in zip(_param_names(pg, module_names), sizes) if len(size) >= 2]
+    if not any(pick(n) for n in candidates):
+        shown = ", ".join(repr(n) for n in candidates[:3]) + (", ..." if len(candidates) > 3 else "")
+        raise _zeropp.ZeroppError(
+            f"zeropp.torch.enable: qgz_hadamard's function chose none of the {len(candidates)} parameters "
+            f"qgZ could rotate ({shown or 'none'}; a module holding an embedding is never rotated)")
 
 
 def _names(param_group):
@@ -170,7 +196,7 @@ def _check_replicas(shard_group, replica_group):
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
            exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False,
-           qgz_two_level: bool = False, qgz_hadamard: bool = False, hpz: bool | None = None) -> dict:
+           qgz_two_level: bool = False, qgz_hadamard=False, hpz: bool | None = None) -> dict:
     """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
     ``fully_shard``, on every rank). Returns a summary: modules changed, their
     sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
@@ -190,16 +216,18 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     over; there ``replicate`` is an error and the all-reduce stays torch's.
 
     ``qgz_hadamard=True`` rotates each qgZ group by a seeded, randomized
-    Hadamard transform before quantizing it (SDP4Bit's smoothing). It
-    flattens the HF Llama's down projection's INT4 gradient error, which grows
-    with width unrotated (0.18 at 0.9M parameters, 0.25 at 99.5M; 0.11-0.12
-    rotated), but on Python source text it cost the validation loss 1.25% at
-    4.4M parameters, so it is not the default (docs/PERFORMANCE.md, "Error
-    against model size"). A module holding an embedding whose rows are not a
-    whole number of groups (width 128 or 384 with groups of 256) is not
-    rotated, so that no rotated group spans two token rows (see
-    ``_rows_fit_groups``); the rotation changes no byte on the wire.
-    ``summary["qgz_rotation"]`` says which modules rotate.
+    Hadamard transform before quantizing it (SDP4Bit's smoothing); a
+    function of a parameter's name (its path from ``model``, e.g.
+    ``"model.layers.0.mlp.down_proj.weight"``) instead rotates the groups of
+    the parameters it returns true for. Rotated, the HF Llama's down
+    projection's INT4 gradient error stops growing with width (0.18 at 0.9M
+    parameters, 0.25 at 99.5M unrotated; 0.11-0.12 rotated), but the
+    validation loss has not followed on every text, so it is not the
+    default (docs/pytorch.md, "qgZ's rotation"). A module holding an
+    embedding (``nn.Embedding``, ``nn.EmbeddingBag``, or a weight tied to
+    one) is never rotated (see ``_holds_embedding``); the rotation changes
+    no byte on the wire. ``summary["qgz_rotation"]`` says which modules
+    rotate, ``summary["qgz_rotated"]`` which parameters.
 
     ``qgz_two_level`` (INT8 inside the node, INT4 across) and
     ``qgz_hadamard`` are SDP4Bit's options of qgZ: see
@@ -236,6 +264,14 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
                 f"this torch ({torch.__version__}) has no FSDPModule.{hook}: zeropp.torch needs FSDP2's "
                 f"custom collectives (torch >= 2.9; tested with 2.9.0 and 2.15.0)")
     ls = local_size if local_size is not None else _env_local_size()
+    pick = qgz_hadamard if callable(qgz_hadamard) else None
+    if pick is None and not isinstance(qgz_hadamard, bool):
+        raise TypeError(f"zeropp.torch.enable: qgz_hadamard takes True, False or a function of a parameter's "
+                        f"name, not a {type(qgz_hadamard).__name__}")
+    if pick is not None and not exclude_1d:
+        raise _zeropp.ZeroppError(
+            "zeropp.torch.enable: a per-parameter qgz_hadamard needs each parameter to start at a group "
+            "boundary, which exclude_1d=False gives up; pass qgz_hadamard=True or keep exclude_1d")
     if (qgz_two_level or qgz_hadamard) and not qgz:
         raise _zeropp.ZeroppError(
             "zeropp.torch.enable: qgz_two_level and qgz_hadamard are options of qgZ's reduce-scatter, which "
@@ -250,7 +286,10 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     shared = _Shared(seed)
     replica_group = _replica_group(replicate)
     installed = []
-    summary = {"modules": 0, "world": None, "local_size": ls, "hpz": [], "qgz_rotation": [],
+    module_names = {id(m): n for n, m in model.named_modules()}
+    if pick is not None:
+        _check_pick(model, pick, module_names, FSDPModule)
+    summary = {"modules": 0, "world": None, "local_size": ls, "hpz": [], "qgz_rotation": [], "qgz_rotated": [],
                "replicas": 1 if replica_group is None else replica_group.size()}
     for module in model.modules():
         if not isinstance(module, FSDPModule):
@@ -263,8 +302,17 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         # Reused across enable() calls (created once per mesh; see release()).
         topo = shared_topology(group, ls, all_groups)
         quantizes = topo.nodes > 1 or quantize_intra
-        # A module whose embedding rows are not whole groups stays unrotated.
-        rotate = qgz_hadamard and quantizes and _rows_fit_groups(pg, group_size)
+        # A module holding an embedding stays unrotated.
+        rotate = bool(qgz_hadamard) and quantizes and not _holds_embedding(pg)
+        if rotate:
+            # Which parameters rotate: the quantized ones (1-D ones are reduced
+            # exactly), all or the function's choice.
+            names = _param_names(pg, module_names)
+            flags = [not one_d and (pick is None or bool(pick(n)))
+                     for n, (_, one_d) in zip(names, _segments(pg, topo.world))]
+            summary["qgz_rotated"] += [n for n, f in zip(names, flags) if f]
+            if pick is not None:
+                rotate = flags if any(flags) else False
         if (qgz_two_level or qgz_hadamard) and not quantizes:
             where = ("the replica all-reduce (QuantizedAllReduce: INT4 out, INT8 back) has neither option"
                      if replica_group is not None else "no byte of it crosses a node")
@@ -311,7 +359,7 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             installed.append(ar)
         summary["modules"] += 1
         summary["world"] = topo.world
-        summary["qgz_rotation"].append(bool(qgz and rotate))
+        summary["qgz_rotation"].append(bool(qgz and (rotate is not False)))
         post = getattr(pg, "post_forward_mesh_info", None)
         # Which hpZ the module gets: FSDP2's (reshard_after_forward=local_size), zeropp's
         # (INT8 node copy, for a module resharded fully after forward), or none.
