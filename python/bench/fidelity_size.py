@@ -211,8 +211,9 @@ def main():
                     help="every kind's relative gradient error at every probed step must lie in [LO, HI]")
     ap.add_argument("--weight-bounds", default=None, metavar="LO,HI", help="the same for qwZ's weights")
     ap.add_argument("--group-size", type=int, default=256, help="qwZ's and qgZ's group (a candidate default)")
-    ap.add_argument("--qgz-rotation", choices=["default", "on", "off"], default="default",
-                    help="qgZ's Hadamard rotation of each group: enable()'s default, or forced on or off")
+    ap.add_argument("--qgz-rotation", choices=["default", "on", "off", "down"], default="default",
+                    help="qgZ's Hadamard rotation of each group: enable()'s default, forced on or off, or "
+                         "on for the MLP's down projections only")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import defects
@@ -228,7 +229,8 @@ def main():
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     # "default" leaves the keyword to enable().
-    rotation = {"default": {}, "on": {"qgz_hadamard": True}, "off": {"qgz_hadamard": False}}[args.qgz_rotation]
+    rotation = {"default": {}, "on": {"qgz_hadamard": True}, "off": {"qgz_hadamard": False},
+                "down": {"qgz_hadamard": lambda name: name.endswith("mlp.down_proj.weight")}}[args.qgz_rotation]
     summary_of = zt.enable(model, local_size=ls, seed=args.seed, group_size=args.group_size, **rotation)
     PROBE = Probe(model, w)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -263,6 +265,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"params": params, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
                        "group_size": args.group_size, "qgz_rotation": summary_of["qgz_rotation"],
+                       "qgz_rotated": summary_of["qgz_rotated"],
                        "data": data_source(),
                        "seeded_defect": os.environ.get("ZEROPP_SEEDED_DEFECT") if defect else None,
                        "probes": report, "worst": worst}, f, indent=1)

@@ -81,10 +81,12 @@ def mean_loss(model, data, seed: int, args) -> float:
 
 
 # zeropp.torch.enable's options of each variant (None: FSDP2's default).
-# "hadamard" is the recipe with qgZ's groups rotated (qgz_hadamard=True).
+# "hadamard" is the recipe with qgZ's groups rotated (qgz_hadamard=True),
+# "hadamard-down" with the MLP's down projections' groups rotated only.
 VARIANTS = {"default": None, "zeropp": {}, "qwz": {"qgz": False}, "qgz": {"qwz": False},
             "qgz-rtn": {"qwz": False, "stochastic": False}, "g64": {"group_size": 64},
-            "two-level": {"qgz_two_level": True}, "hadamard": {"qgz_hadamard": True}}
+            "two-level": {"qgz_two_level": True}, "hadamard": {"qgz_hadamard": True},
+            "hadamard-down": {"qgz_hadamard": lambda name: name.endswith("mlp.down_proj.weight")}}
 
 
 def train_one(train, val, seed: int, variant: str, args, ls: int) -> dict:

@@ -23,19 +23,24 @@ use crate::torch::torchrun_within;
 /// the file's suffix, seeds). `stdlib` is Python's standard library sources
 /// (31.5M characters, 46 times what a run trains on), `shakespeare`
 /// tinyshakespeare (1.1M, at the two smallest widths). `zeropp` is the
-/// README's recipe, each switch alone runs at the two smallest widths, and
-/// the `-hadamard` runs weigh qgZ's rotation (`hadamard`: the recipe with
-/// `qgz_hadamard=True`), 4 seeds at the smallest width on stdlib.
-const LOSS_RUNS: [(&str, usize, usize, &str, &str, usize); 11] = [
+/// README's recipe, each switch alone runs at the two smallest widths, the
+/// `-hadamard` runs weigh qgZ's rotation (`hadamard`: the recipe with
+/// `qgz_hadamard=True`), 4 seeds at the smallest width on stdlib, and the
+/// `-down` runs the rotation of the MLP's down projections alone
+/// (`hadamard-down`).
+const LOSS_RUNS: [(&str, usize, usize, &str, &str, usize); 14] = [
     ("stdlib", 128, 4, "zeropp,qwz,qgz,qgz-rtn", "", 2),
     ("stdlib", 128, 4, "hadamard", "-hadamard", 4),
     ("stdlib", 192, 4, "zeropp,qwz,qgz,qgz-rtn", "", 2),
     ("stdlib", 192, 4, "hadamard", "-hadamard", 2),
     ("stdlib", 256, 6, "zeropp", "", 2),
     ("stdlib", 256, 6, "hadamard", "-hadamard", 2),
+    ("stdlib", 128, 4, "hadamard-down", "-down", 2),
+    ("stdlib", 256, 6, "hadamard-down", "-down", 2),
     ("stdlib", 384, 6, "zeropp", "", 2),
     ("shakespeare", 128, 4, "zeropp", "", 2),
     ("shakespeare", 128, 4, "hadamard", "-hadamard", 2),
+    ("shakespeare", 128, 4, "hadamard-down", "-down", 2),
     ("shakespeare", 192, 4, "zeropp", "", 2),
     ("shakespeare", 192, 4, "hadamard", "-hadamard", 2),
 ];

@@ -113,9 +113,12 @@ fn left_out(out: &Path) -> bool {
 fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, String> {
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // zeropp.torch's defaults, then with qgZ's groups rotated (`qgz_hadamard=True`).
-    let (mut runs, mut rotated) = (Vec::new(), Vec::new());
-    for (suffix, rotation, into) in [("", "default", &mut runs), ("-hadamard", "on", &mut rotated)] {
+    // zeropp.torch's defaults, then with qgZ's groups rotated (`qgz_hadamard=True`),
+    // then with the MLP's down projections' groups rotated only.
+    let (mut runs, mut rotated, mut down) = (Vec::new(), Vec::new(), Vec::new());
+    for (suffix, rotation, into) in
+        [("", "default", &mut runs), ("-hadamard", "on", &mut rotated), ("-down", "down", &mut down)]
+    {
         for size in SIZES {
             let out: PathBuf = dir.join(format!("d{}{suffix}.json", size.0));
             if left_out(&out) {
@@ -141,6 +144,12 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
     let mut md = report("HF Llama, 2 x 2, zeropp.torch's defaults", &runs)?;
     if !rotated.is_empty() {
         md.push_str(&report("HF Llama, 2 x 2, zeropp.torch's defaults with qgZ's rotation", &rotated)?);
+    }
+    if !down.is_empty() {
+        md.push_str(&report(
+            "HF Llama, 2 x 2, zeropp.torch's defaults with the down projections' groups rotated",
+            &down,
+        )?);
     }
     let mut engine_runs = Vec::new();
     if engine {
@@ -179,7 +188,7 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
         )?);
     }
     let svg = report_dir.join("fidelity-size.svg");
-    plot(&runs, &rotated, &engine_runs, &svg)?;
+    plot(&runs, &rotated, &down, &engine_runs, &svg)?;
     eprintln!("==> drew {}", svg.display());
     Ok(md)
 }
@@ -281,8 +290,9 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
 
 /// The last step's mean relative errors against the parameters, log-log: the
 /// HF Llama's solid, the engine's GPT's dashed; and the HF Llama's worst kind
-/// of qgZ's gradient, without and with qgZ's rotation (dotted).
-fn plot(runs: &[Run], rotated: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
+/// of qgZ's gradient, without and with qgZ's rotation (dotted: every
+/// module's; dash-dotted: the down projections' only).
+fn plot(runs: &[Run], rotated: &[Run], down: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
     use plotters::prelude::*;
     let series: [(&str, &str, &str, RGBColor); 3] = [
         ("qgZ gradient (INT4)", "grad", "rel_norm_error", RED),
@@ -301,7 +311,7 @@ fn plot(runs: &[Run], rotated: &[Run], engine: &[Run], path: &Path) -> Result<()
     };
     let mut all: Vec<(f64, f64)> =
         series.iter().flat_map(|s| [points(runs, s.1, s.2), points(engine, s.1, s.2)].concat()).collect();
-    all.extend(worst(runs).into_iter().chain(worst(rotated)));
+    all.extend(worst(runs).into_iter().chain(worst(rotated)).chain(worst(down)));
     let lo = all.iter().map(|p| p.1).fold(f64::INFINITY, f64::min) / 2.0;
     let hi = all.iter().map(|p| p.1).fold(0.0, f64::max) * 2.0;
     let x0 = all.iter().map(|p| p.0).fold(f64::INFINITY, f64::min) / 2.0;
@@ -346,6 +356,7 @@ fn plot(runs: &[Run], rotated: &[Run], engine: &[Run], path: &Path) -> Result<()
     for (name, pts, dash) in [
         ("qgZ gradient, worst kind, HF Llama", worst(runs), None),
         ("the same with qgZ's rotation", worst(rotated), Some((2, 4))),
+        ("the same, the down projections rotated", worst(down), Some((8, 3))),
     ] {
         if pts.is_empty() {
             continue;
