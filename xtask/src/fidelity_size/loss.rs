@@ -28,11 +28,12 @@ use crate::torch::torchrun_within;
 /// `qgz_hadamard=True`), 4 seeds at the smallest width on stdlib, and the
 /// `-down` runs the rotation of the MLP's down projections alone
 /// (`hadamard-down`).
-const LOSS_RUNS: [(&str, usize, usize, &str, &str, usize); 14] = [
+const LOSS_RUNS: [(&str, usize, usize, &str, &str, usize); 15] = [
     ("stdlib", 128, 4, "zeropp,qwz,qgz,qgz-rtn", "", 2),
     ("stdlib", 128, 4, "hadamard", "-hadamard", 4),
     ("stdlib", 192, 4, "zeropp,qwz,qgz,qgz-rtn", "", 2),
     ("stdlib", 192, 4, "hadamard", "-hadamard", 2),
+    ("stdlib", 192, 4, "hadamard-down", "-down", 2),
     ("stdlib", 256, 6, "zeropp", "", 2),
     ("stdlib", 256, 6, "hadamard", "-hadamard", 2),
     ("stdlib", 128, 4, "hadamard-down", "-down", 2),
