@@ -265,7 +265,8 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"params": params, "hidden": args.hidden, "layers": args.layers, "steps": args.steps,
                        "group_size": args.group_size, "qgz_rotation": summary_of["qgz_rotation"],
-                       "qgz_rotated": summary_of["qgz_rotated"],
+                       # What rotated at the end: an explicit choice, or the automatic one's last.
+                       "qgz_rotated": zt.rotated(model),
                        "data": data_source(),
                        "seeded_defect": os.environ.get("ZEROPP_SEEDED_DEFECT") if defect else None,
                        "probes": report, "worst": worst}, f, indent=1)

@@ -81,9 +81,12 @@ def mean_loss(model, data, seed: int, args) -> float:
 
 
 # zeropp.torch.enable's options of each variant (None: FSDP2's default).
-# "hadamard" is the recipe with qgZ's groups rotated (qgz_hadamard=True),
-# "hadamard-down" with the MLP's down projections' groups rotated only.
-VARIANTS = {"default": None, "zeropp": {}, "qwz": {"qgz": False}, "qgz": {"qwz": False},
+# "zeropp" is the recipe (qgZ's rotation chosen from the gradients, "auto"),
+# "unrotated" the recipe without it, "hadamard" with every group rotated
+# (qgz_hadamard=True), "hadamard-down" with the MLP's down projections' groups
+# rotated, chosen by name.
+VARIANTS = {"default": None, "zeropp": {}, "unrotated": {"qgz_hadamard": False}, "qwz": {"qgz": False},
+            "qgz": {"qwz": False},
             "qgz-rtn": {"qwz": False, "stochastic": False}, "g64": {"group_size": 64},
             "two-level": {"qgz_two_level": True}, "hadamard": {"qgz_hadamard": True},
             "hadamard-down": {"qgz_hadamard": lambda name: name.endswith("mlp.down_proj.weight")}}
@@ -112,8 +115,9 @@ def train_one(train, val, seed: int, variant: str, args, ls: int) -> dict:
         if step + 1 in marks and step + 1 < args.steps:
             val_at[step + 1] = mean_loss(model, val, seed, args)
     val_at[args.steps] = mean_loss(model, val, seed, args)
+    # Which parameters qgZ rotates at the end (the default's choice is the gradients').
     return {"val": val_at[args.steps], "train": mean_loss(model, train, seed, args), "val_at": val_at,
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "rotated": zt.rotated(model)}
 
 
 def main():

@@ -45,6 +45,10 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    **6b.** ``qgz_hadamard`` as a function of a parameter's name rotates that
    parameter's groups only: the other gradients are bit for bit the
    unrotated run's, the chosen one within 0.3 of the exact gradient.
+   **6c.** The default, ``qgz_hadamard="auto"``, chooses from the gradients:
+   the one parameter whose gradient has outlier columns on one rank, on every
+   rank, bit for bit as if chosen by name, and the same while the choice is
+   still on the device.
 
 Exit status 0 when all pass (``ZEROPP_CONTRACT_TESTS=2,3`` runs some). With ``ZEROPP_SEEDED_DEFECT`` (``defects.py``) it
 must fail: ``nonfinite-raises`` (the old check: quantizing a non-finite value
@@ -53,7 +57,9 @@ the torch-op quantizer) fails test 3, ``index-plan`` (the old per-element
 index tensors) fails test 4, ``rotation-spans-rows`` (the embeddings' module
 rotated too) and ``rotation-whole-rows`` (rotated where its rows are whole
 groups) fail test 6, ``rotation-wrong-inverse`` (a per-parameter rotation
-undone with rank 0's signs on every rank) test 6b.
+undone with rank 0's signs on every rank) test 6b, ``auto-rank-local`` (each
+rank chooses from its own gradient) and ``auto-device-flags-ignored`` (a
+choice on the device rotates every candidate) test 6c.
 """
 
 from __future__ import annotations
@@ -460,7 +466,7 @@ def test_rotation_by_name(ls: int):
     for how in ("exact", "unrotated", "by name"):
         model = build("default", ls, cfg)
         if how == "unrotated":
-            zt.enable(model, local_size=ls)
+            zt.enable(model, local_size=ls, qgz_hadamard=False)
         elif how == "by name":
             rotated = zt.enable(model, local_size=ls, qgz_hadamard=lambda n: n == chosen)["qgz_rotated"]
         model(x, y).backward()
@@ -477,6 +483,52 @@ def test_rotation_by_name(ls: int):
           f"(unrotated {err['unrotated']:.3f}; bound 0.3)")
 
 
+def test_rotation_auto(ls: int):
+    """6c. The default rotation (``"auto"``) chooses from the gradients: where
+    rank 0's input to ``blocks.0.out`` carries four outlier channels (x 64),
+    every rank rotates that parameter's groups and no other, and the
+    gradients are bit for bit those of the same parameter chosen by name.
+    A choice still on the device (its copy to the host not arrived, as on a
+    GPU) rotates the same, bit for bit."""
+    from zeropp.torch import rotation
+
+    nodes = dist.get_world_size() // ls
+    if nodes == 1:
+        return
+    cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
+    y = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
+    chosen = "blocks.0.out.weight"
+    scale = torch.ones(4 * cfg.d)
+    scale[:4] = 64.0
+    grads, picked = {}, {}
+    settle = rotation.AutoRotation.settle
+    for how in ("by name", "auto", "auto, on the device"):
+        model = build("default", ls, cfg)
+        if dist.get_rank() == 0:
+            model.blocks[0].out.register_forward_pre_hook(lambda m, a: (a[0] * scale,))
+        kw = {"qgz_hadamard": lambda n: n == chosen} if how == "by name" else {}
+        modes = zt.enable(model, local_size=ls, **kw)["qgz_rotation"]
+        if how == "auto, on the device":
+            # The host never takes the measured choice in: it stays on the device.
+            rotation.AutoRotation.settle = lambda self: self._pending is None
+        try:
+            model(x, y).backward()
+        finally:
+            rotation.AutoRotation.settle = settle
+        grads[how] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        picked[how] = gather_list(zt.rotated(model))
+    check(modes == [False, "auto"], f"test 6c: qgz_rotation per module {modes} (want [False, 'auto'])")
+    check(all(p == [chosen] for p in picked["auto"]),
+          f"test 6c: the parameters the automatic rotation chose, per rank: {picked['auto']} (want [{chosen!r}])")
+    for how in ("auto", "auto, on the device"):
+        same = [n for n in grads["by name"] if torch.equal(grads[how][n], grads["by name"][n])]
+        check(len(same) == len(grads["by name"]),
+              f"test 6c: {how}: the gradients are those of {chosen} rotated by name, bit for bit "
+              f"({len(same)} of {len(grads['by name'])})")
+
+
 def main():
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     defect = defects.apply_from_env()
@@ -487,7 +539,7 @@ def main():
               flush=True)
     tests = {"1": (test_nonfinite_gradient, test_nonfinite_weight), "2": (test_fp16_grad_scaler,),
              "3": (test_no_host_sync,), "4": (test_retained_state,), "5": (test_refusals,),
-             "6": (test_rotation, test_rotation_by_name)}
+             "6": (test_rotation, test_rotation_by_name, test_rotation_auto)}
     chosen = [t for t in os.environ.get("ZEROPP_CONTRACT_TESTS", "1,2,3,4,5,6").split(",") if t]
     for t in chosen:
         if t not in tests:

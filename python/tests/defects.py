@@ -201,10 +201,39 @@ def _rotation_wrong_inverse():
     collectives = importlib.import_module("zeropp.torch.collectives")
     rotate = collectives._rotate_columns
 
-    def wrong(x2, segs, group_size, seed, starts, chunk):
-        return rotate(x2, segs, group_size, seed, starts if chunk else [0], chunk)
+    def wrong(x2, segs, group_size, seed, starts, chunk, flags=None):
+        return rotate(x2, segs, group_size, seed, starts if chunk else [0], chunk, flags)
 
     collectives._rotate_columns = wrong
+
+
+def _auto_rank_local():
+    """The automatic rotation chooses from each rank's own gradient, without
+    summing the measure over the shard group."""
+    import importlib
+
+    rotation = importlib.import_module("zeropp.torch.rotation")
+
+    class NoSum:
+        @staticmethod
+        def all_reduce(tensor, group=None):
+            return None
+
+    rotation.dist = NoSum
+
+
+def _auto_device_flags_ignored():
+    """While the automatic choice is still on the device, every candidate
+    rotates, chosen or not."""
+    import importlib
+
+    collectives = importlib.import_module("zeropp.torch.collectives")
+    rotate = collectives._rotate_columns
+
+    def all_of_them(x2, segs, group_size, seed, starts, chunk, flags=None):
+        return rotate(x2, segs, group_size, seed, starts, chunk, None)
+
+    collectives._rotate_columns = all_of_them
 
 
 # Defects that replace behaviour instead of breaking encodings (contract.py's, and
@@ -212,7 +241,8 @@ def _rotation_wrong_inverse():
 _REPLACE = {"nonfinite-raises": _nonfinite_raises, "host-sync": _host_sync, "index-plan": _index_plan,
             "hpz-wrong-rail": _hpz_wrong_rail, "qwz-int4": _qwz_int4,
             "rotation-spans-rows": _rotation_spans_rows, "rotation-whole-rows": _rotation_whole_rows,
-            "rotation-wrong-inverse": _rotation_wrong_inverse}
+            "rotation-wrong-inverse": _rotation_wrong_inverse, "auto-rank-local": _auto_rank_local,
+            "auto-device-flags-ignored": _auto_device_flags_ignored}
 
 
 def apply_from_env() -> bool:

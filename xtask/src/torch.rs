@@ -520,6 +520,8 @@ pub(crate) fn test(args: &[String]) -> Result<(), String> {
         ("rotation-spans-rows", "6", "FAIL test 6: the embedding's unseen rows"),
         ("rotation-whole-rows", "6", "FAIL test 6: qgZ's rotation at width 256"),
         ("rotation-wrong-inverse", "6", "FAIL test 6b: blocks.0.out.weight, rotated"),
+        ("auto-rank-local", "6", "FAIL test 6c: the parameters the automatic rotation chose"),
+        ("auto-device-flags-ignored", "6", "FAIL test 6c: auto, on the device"),
     ] {
         let mut c = torchrun(&venv, "python/tests/contract.py", &[], Some(defect))?;
         c.env("ZEROPP_CONTRACT_TESTS", tests);

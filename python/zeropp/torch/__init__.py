@@ -75,7 +75,7 @@ if _found is not None and (int(_found[1]), int(_found[2])) < TORCH_FLOOR:
 from .allreduce import QuantizedAllReduce  # noqa: E402 (after the torch check, on purpose)
 from .bytes import ByteCounter  # noqa: E402
 from .collectives import QuantizedAllGather, QuantizedReduceScatter  # noqa: E402
-from .enable import enable, retained_bytes  # noqa: E402
+from .enable import enable, retained_bytes, rotated  # noqa: E402
 from .topology import Topology, local_size, release  # noqa: E402
 
 __all__ = [
@@ -89,4 +89,5 @@ __all__ = [
     "local_size",
     "release",
     "retained_bytes",
+    "rotated",
 ]

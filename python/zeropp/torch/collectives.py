@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .. import _as_buffer, _zeropp
 from . import kernels as K
+from .rotation import AutoRotation
 from .stages import TorchQgzStages, check_hadamard_group
 from .topology import Topology, _spans_nodes
 
@@ -64,6 +65,8 @@ class Layout:
         # The entries of ``quantized`` whose groups qgZ rotates by torch ops
         # (a per-parameter rotation; see QuantizedReduceScatter).
         self.rotated = []
+        # Their parameters' indices in the module's segments.
+        self.rotated_index = []
         at = cq = k1 = 0
         for n, one_d in segments:
             if n and one_d and exclude_1d:
@@ -96,16 +99,23 @@ class Layout:
             flat[at:at + n] = exact[to:to + n]
 
 
-def _rotate_columns(x2: torch.Tensor, segs, group_size: int, seed: int, starts, chunk: bool) -> torch.Tensor:
+def _rotate_columns(x2: torch.Tensor, segs, group_size: int, seed: int, starts, chunk: bool,
+                    flags=None) -> torch.Tensor:
     """Rotates the whole groups of the segments ``segs`` (``(at, n, to)``:
     chunk column ``at``, qgZ column ``to``) of each row of ``x2`` in place
     (``chunk``: the columns are FSDP2's chunk's, ``at``; otherwise qgZ's
     shard's, ``to``; the inverse), row ``r``'s segment at stream position
-    ``starts[r] + at``. Returns ``x2``."""
-    for at, n, to in segs:
+    ``starts[r] + at``. ``flags`` (one per segment: a bool, or a 0-d bool
+    tensor read on the device) keeps the rotation only where set. Returns
+    ``x2``."""
+    for k, (at, n, to) in enumerate(segs):
+        flag = True if flags is None else flags[k]
+        if flag is False:
+            continue
         col = at if chunk else to
-        x2[:, col:col + n] = K.rotate(x2[:, col:col + n], group_size=group_size, seed=seed,
-                                      starts=[p + at for p in starts], inverse=not chunk)
+        r = K.rotate(x2[:, col:col + n], group_size=group_size, seed=seed,
+                     starts=[p + at for p in starts], inverse=not chunk)
+        x2[:, col:col + n] = r if flag is True else torch.where(flag, r, x2[:, col:col + n])
     return x2
 
 
@@ -409,7 +419,9 @@ class QuantizedReduceScatter(_Collective):
     ops before the stages and after them; the groups of the others are
     quantized exactly as unrotated). A rotation is linear, so the sums of
     the two hops run in the rotated basis, and every rank rotates the same
-    positions with the same signs.
+    positions with the same signs. Or an :class:`AutoRotation` (what
+    :func:`enable` passes by default), which chooses the flags from the
+    gradients themselves at calls 1, 2, 4, 8, ...
     """
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,
@@ -419,7 +431,16 @@ class QuantizedReduceScatter(_Collective):
         super().__init__(segments, bits, group_size)
         # Per parameter (a sequence of flags) or the whole chunk (a bool).
         self.rotate_params = None
-        if not isinstance(hadamard, bool):
+        self.auto = None
+        if isinstance(hadamard, AutoRotation):
+            if segments is None or len(hadamard.candidates) != len(segments):
+                raise _zeropp.ZeroppError(
+                    f"qgZ: an automatic rotation needs one candidate flag per parameter of the layout "
+                    f"(segments, which exclude_1d=True gives); got {len(hadamard.candidates)} for "
+                    f"{'no layout' if segments is None else f'{len(segments)} parameters'}")
+            self.auto = hadamard
+            hadamard = False
+        elif not isinstance(hadamard, bool):
             flags = tuple(bool(f) for f in hadamard)
             if segments is None or len(flags) != len(segments):
                 raise _zeropp.ZeroppError(
@@ -428,7 +449,7 @@ class QuantizedReduceScatter(_Collective):
                     f"{'no layout' if segments is None else f'{len(segments)} parameters'}")
             self.rotate_params = flags if any(flags) else None
             hadamard = False
-        if hadamard or self.rotate_params:
+        if hadamard or self.rotate_params or self.auto is not None:
             check_hadamard_group(group_size)
         self.two_level = two_level
         self.hadamard = hadamard
@@ -457,20 +478,22 @@ class QuantizedReduceScatter(_Collective):
                 f"qgZ: {len(sent)} flags for a layout of {len(self.segments)} parameters")
         self._sent = tuple(bool(x) for x in sent)
 
-    def _plan(self, c: int) -> Layout:
+    def _plan(self, c: int, rotate=None) -> Layout:
         """How one chunk of ``c`` elements is reduced: a :class:`Layout`, the
         parameters this call carries (:meth:`expect`) with the 1-D ones reduced
         exactly and each other parameter from a group boundary (the Rust
         engine's ``per_tensor_groups``). Without ``segments``: the whole chunk
-        as one quantized vector. Cached per set of carried parameters: segment
-        tables only."""
+        as one quantized vector. ``rotate`` (default: the current choice,
+        ``rotate_params``) flags the parameters whose groups rotate. Cached
+        per set of carried and rotated parameters: segment tables only."""
         if not self.segments:
             key = (None, c)
             if key not in self._masks:
                 self._masks[key] = Layout([(c, False)], align=1)
             return self._masks[key]
         sent = self._sent if self._sent is not None else (True,) * len(self.segments)
-        key = (sent, c)
+        rotate = self.rotate_params if rotate is None else rotate
+        key = (sent, c, rotate)
         if key not in self._masks:
             segs = [seg for seg, keep in zip(self.segments, sent) if keep]
             total = sum(n for n, _ in segs)
@@ -487,12 +510,33 @@ class QuantizedReduceScatter(_Collective):
                     f"before each call (enable() does this); otherwise pass exclude_1d=False to enable(), "
                     f"which quantizes the chunk as one vector and needs no layout")
             lay = Layout(segs, align=self.group_size)
-            if self.rotate_params is not None:
-                flags = [f for f, keep in zip(self.rotate_params, sent) if keep]
-                quantized = [f for (n, one_d), f in zip(segs, flags) if n and not one_d]
-                lay.rotated = [q for q, f in zip(lay.quantized, quantized) if f]
+            if rotate is not None:
+                index = [i for i, ((n, one_d), keep) in enumerate(zip(self.segments, sent))
+                         if keep and n and not one_d]
+                lay.rotated = [q for q, i in zip(lay.quantized, index) if rotate[i]]
+                lay.rotated_index = [i for i in index if rotate[i]]
             self._masks[key] = lay
         return self._masks[key]
+
+    def _choose(self, x2: torch.Tensor, c: int, group, device):
+        """The automatic rotation's choice for this call, the same on every
+        rank (measured at calls 1, 2, 4, ... from an all-reduced figure).
+        Returns the layout that carries it and, while the choice is still
+        on the device, a flag per rotated entry (the layout then rotates
+        every candidate and keeps the rotation where the flag is set);
+        otherwise None."""
+        a = self.auto
+        if a.due():
+            lay = self._plan(c)
+            sent = self._sent if self._sent is not None else (True,) * len(self.segments)
+            carried = [i for i, ((n, one_d), keep) in enumerate(zip(self.segments, sent))
+                       if keep and n and not one_d]
+            a.measure(x2, lay.quantized, carried, self.group_size, group, device)
+        if a.settle():
+            self.rotate_params = a.chosen if any(a.chosen) else None
+            return self._plan(c), None
+        lay = self._plan(c, a.candidates)
+        return lay, a.device_flags(lay.rotated_index)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
@@ -532,6 +576,9 @@ class QuantizedReduceScatter(_Collective):
         x = (input_tensor if on_dev else _host(input_tensor)).contiguous().reshape(-1)
         if not on_dev and x.dtype == torch.float64:
             x = x.to(torch.float32)
+        flags = None
+        if self.auto is not None:
+            lay, flags = self._choose(x.view(w, lay.c), c, group, input_tensor.device)
         seed = self.shared.next_seed() if self.stochastic else None
         rotation = self.shared.next_rotation() if self.hadamard else None
         some = self.shared.next_rotation() if lay.rotated else None
@@ -539,7 +586,7 @@ class QuantizedReduceScatter(_Collective):
             # The flagged parameters' groups, rotated in a copy (float32, so
             # that the rotation rounds once).
             x = _rotate_columns(x.to(torch.float32, copy=True).view(w, lay.c), lay.rotated, self.group_size,
-                                some, [p * lay.c for p in range(w)], chunk=True).reshape(-1)
+                                some, [p * lay.c for p in range(w)], chunk=True, flags=flags).reshape(-1)
         stages = TorchQgzStages if on_dev else _zeropp.QgzStages
         st = stages(w, t.local_size, t.rank, w * lay.cq, bits=self.bits, group_size=self.group_size,
                     local_bits=self.local_bits, seed=seed, mean=mean,
@@ -600,7 +647,7 @@ class QuantizedReduceScatter(_Collective):
         del inter_recv
         if some is not None:
             part = _rotate_columns(part.view(1, -1), lay.rotated, self.group_size, some, [t.rank * lay.c],
-                                   chunk=False).view(-1)
+                                   chunk=False, flags=flags).view(-1)
         if exact is not None and mean:
             exact /= float(w)
         self._write(output_tensor, part, exact, lay, on_dev)

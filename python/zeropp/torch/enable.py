@@ -9,6 +9,7 @@ import weakref
 from .. import _zeropp
 from .allreduce import QuantizedAllReduce
 from .collectives import QuantizedAllGather, QuantizedReduceScatter, _Shared
+from .rotation import AutoRotation
 from .stages import check_hadamard_group
 from .topology import _shard_groups, shared_topology
 from .topology import local_size as _env_local_size
@@ -25,6 +26,27 @@ def retained_bytes(model: torch.nn.Module) -> int:
     bounds it at 5% of the rank's parameter shard, and FSDP2's own memory
     is measured beside it in ``cargo xtask bench torch-scale``."""
     return sum(c.retained_bytes() for c in _INSTALLED.get(model, []))
+
+
+def rotated(model: torch.nn.Module) -> list:
+    """The parameters whose groups qgZ rotates now: those an explicit
+    ``qgz_hadamard`` chose, and those the automatic rotation (the default)
+    chose at its last measure, by FSDP2's names. Empty before the first
+    backward where the choice is automatic.
+
+    >>> import torch, zeropp.torch as zt
+    >>> zt.rotated(torch.nn.Linear(2, 2))   # no enable(): nothing rotates
+    []
+    """
+    names = []
+    for c in _INSTALLED.get(model, []):
+        if isinstance(c, QuantizedReduceScatter):
+            own = c.names() if callable(c.names) else (c.names or [])
+            # A whole-chunk rotation without a layout rotates every parameter.
+            flags = c.rotate_params or ([c.hadamard and not one_d for _, one_d in c.segments]
+                                        if c.segments else [c.hadamard] * len(own))
+            names += [n for n, f in zip(own, flags) if f]
+    return names
 
 
 def _param_group(module):
@@ -196,7 +218,7 @@ def _check_replicas(shard_group, replica_group):
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
            exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False,
-           qgz_two_level: bool = False, qgz_hadamard=False, hpz: bool | None = None) -> dict:
+           qgz_two_level: bool = False, qgz_hadamard="auto", hpz: bool | None = None) -> dict:
     """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
     ``fully_shard``, on every rank). Returns a summary: modules changed, their
     sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
@@ -215,19 +237,26 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     On a native HSDP mesh torch runs its own all-reduce, which cannot be taken
     over; there ``replicate`` is an error and the all-reduce stays torch's.
 
-    ``qgz_hadamard=True`` rotates each qgZ group by a seeded, randomized
-    Hadamard transform before quantizing it (SDP4Bit's smoothing); a
+    ``qgz_hadamard`` rotates qgZ's groups by a seeded, randomized Hadamard
+    transform before quantizing them (SDP4Bit's smoothing), which spreads an
+    outlier over its group. The default, ``"auto"``, rotates a parameter's
+    groups where the rotation at least halves INT4's noise on its gradient
+    (measured on the gradient at the reduce-scatter's calls 1, 2, 4, 8, ...
+    and agreed across the shard group; see :class:`AutoRotation`): on the HF
+    Llama it chooses the MLP's down projections, whose INT4 error then stays
+    flat with width (0.11-0.12 from 0.9M to 99.5M parameters; 0.18 growing to
+    0.25 unrotated), and leaves the rest, which the rotation would make worse.
+    It acts where qgZ quantizes with a layout per parameter (``exclude_1d``)
+    and a power-of-two ``group_size``, and is off elsewhere; :func:`rotated`
+    says what it chose. ``True`` rotates every group, ``False`` none, and a
     function of a parameter's name (its path from ``model``, e.g.
-    ``"model.layers.0.mlp.down_proj.weight"``) instead rotates the groups of
-    the parameters it returns true for. Rotated, the HF Llama's down
-    projection's INT4 gradient error stops growing with width (0.18 at 0.9M
-    parameters, 0.25 at 99.5M unrotated; 0.11-0.12 rotated), but the
-    validation loss has not followed on every text, so it is not the
-    default (docs/pytorch.md, "qgZ's rotation"). A module holding an
+    ``"model.layers.0.mlp.down_proj.weight"``) the parameters it returns true
+    for; these are errors where they cannot act. A module holding an
     embedding (``nn.Embedding``, ``nn.EmbeddingBag``, or a weight tied to
-    one) is never rotated (see ``_holds_embedding``); the rotation changes
-    no byte on the wire. ``summary["qgz_rotation"]`` says which modules
-    rotate, ``summary["qgz_rotated"]`` which parameters.
+    one) is never rotated (see ``_holds_embedding``); the rotation changes no
+    byte on the wire. ``summary["qgz_rotation"]`` says which modules may
+    rotate (``"auto"`` where the choice is the gradients'),
+    ``summary["qgz_rotated"]`` which parameters an explicit choice rotates.
 
     ``qgz_two_level`` (INT8 inside the node, INT4 across) and
     ``qgz_hadamard`` are SDP4Bit's options of qgZ: see
@@ -265,9 +294,15 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
                 f"custom collectives (torch >= 2.9; tested with 2.9.0 and 2.15.0)")
     ls = local_size if local_size is not None else _env_local_size()
     pick = qgz_hadamard if callable(qgz_hadamard) else None
-    if pick is None and not isinstance(qgz_hadamard, bool):
-        raise TypeError(f"zeropp.torch.enable: qgz_hadamard takes True, False or a function of a parameter's "
-                        f"name, not a {type(qgz_hadamard).__name__}")
+    auto = isinstance(qgz_hadamard, str) and qgz_hadamard == "auto"
+    if pick is None and not auto and not isinstance(qgz_hadamard, bool):
+        raise TypeError(f"zeropp.torch.enable: qgz_hadamard takes \"auto\", True, False or a function of a "
+                        f"parameter's name, not {qgz_hadamard!r}")
+    if auto:
+        # The automatic choice acts where it can and is off elsewhere.
+        top = _zeropp.HADAMARD_MAX_GROUP
+        auto = qgz and exclude_1d and group_size & (group_size - 1) == 0 and 0 < group_size <= top
+        qgz_hadamard = False
     if pick is not None and not exclude_1d:
         raise _zeropp.ZeroppError(
             "zeropp.torch.enable: a per-parameter qgz_hadamard needs each parameter to start at a group "
@@ -304,7 +339,9 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
         quantizes = topo.nodes > 1 or quantize_intra
         # A module holding an embedding stays unrotated.
         rotate = bool(qgz_hadamard) and quantizes and not _holds_embedding(pg)
-        if rotate:
+        if auto and quantizes and not _holds_embedding(pg):
+            rotate = AutoRotation([not one_d for _, one_d in _segments(pg, topo.world)])
+        elif rotate:
             # Which parameters rotate: the quantized ones (1-D ones are reduced
             # exactly), all or the function's choice.
             names = _param_names(pg, module_names)
@@ -359,7 +396,8 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             installed.append(ar)
         summary["modules"] += 1
         summary["world"] = topo.world
-        summary["qgz_rotation"].append(bool(qgz and (rotate is not False)))
+        summary["qgz_rotation"].append(
+            "auto" if isinstance(rotate, AutoRotation) else bool(qgz and (rotate is not False)))
         post = getattr(pg, "post_forward_mesh_info", None)
         # Which hpZ the module gets: FSDP2's (reshard_after_forward=local_size), zeropp's
         # (INT8 node copy, for a module resharded fully after forward), or none.
