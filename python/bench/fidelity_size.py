@@ -42,6 +42,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import zeropp.torch as zt
 from zeropp.torch import collectives
+from zeropp.torch import kernels as K
 from zeropp.torch.enable import _names, _param_group, _segments
 
 from _llama import add_shape_args, build
@@ -75,11 +76,23 @@ class Probe:
     def add(self, what: str, kind_: str, got: torch.Tensor, exact: torch.Tensor, extra=()):
         if not self.record:
             return
-        s = self.sums.setdefault((what, kind_), np.zeros(7))
+        s = self.sums.setdefault((what, kind_), np.zeros(9))
         g, e = got.double(), exact.double()
         s[:4] += [float(g @ e), float(g @ g), float(e @ e), float((g - e) @ (g - e))]
         for i, v in enumerate(extra):
             s[4 + i] += v
+
+
+def maxima(x: torch.Tensor, g: int) -> tuple:
+    """The sum of the squared group maxima of the ranks' own gradients
+    (``[ranks, n]``, whole groups of ``g``), as they are and rotated: the
+    measure of ``qgz_hadamard="auto"`` (INT4's noise power goes with it)."""
+    whole = x.shape[1] // g * g
+    if whole == 0:
+        return 0.0, 0.0
+    cols = x[:, :whole].to(torch.float32)
+    rot = K.rotate(cols, group_size=g, seed=0, starts=[0] * x.shape[0])
+    return tuple(float(t.reshape(x.shape[0], -1, g).abs().amax(-1).double().square().sum()) for t in (cols, rot))
 
 
 def kind(name: str) -> str:
@@ -140,7 +153,8 @@ def install():
             # The ranks' own contributions, scaled as the result is: quantizing
             # each independently errs in proportion to their norm, not the sum's.
             own = rows.view(w, c)[:, at - n:at].double() * ((1.0 / w if mean else 1.0) * (post or 1.0))
-            p.add("grad", kinds[i], g, e, (float((du - de) @ (du - de)), float(de @ de), float((own * own).sum())))
+            p.add("grad", kinds[i], g, e, (float((du - de) @ (du - de)), float(de @ de), float((own * own).sum()),
+                                           *maxima(rows.view(w, c)[:, at - n:at], self.group_size)))
             p.moments[key] = (b1 * m + (1 - b1) * e, b2 * v + (1 - b2) * e * e)
         return out
 
@@ -294,13 +308,16 @@ def main():
 
 
 def summary(what: str, s: np.ndarray) -> dict:
-    dot, gg, ee, dd, udd, uee, oo = s
+    dot, gg, ee, dd, udd, uee, oo, raw, rotated = s
     r = {"cosine": dot / max(np.sqrt(gg * ee), 1e-300), "rel_norm_error": np.sqrt(dd / max(ee, 1e-300))}
     if what == "grad":
         r["update_rel_error"] = np.sqrt(udd / max(uee, 1e-300))
         # sqrt(sum over ranks |x_k|^2) / |sum|: how far the ranks' gradients
         # cancel. INT4's error on each rank's own is rel_norm_error / this.
         r["rank_spread"] = np.sqrt(oo / max(ee, 1e-300))
+        # The automatic rotation's measure: the rotated groups' squared maxima
+        # over the raw ones (it rotates below 0.5).
+        r["rotation_measure"] = rotated / max(raw, 1e-300)
     return {k: float(v) for k, v in r.items()}
 
 

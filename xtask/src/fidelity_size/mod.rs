@@ -113,11 +113,12 @@ fn left_out(out: &Path) -> bool {
 fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, String> {
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // zeropp.torch's defaults, then with qgZ's groups rotated (`qgz_hadamard=True`),
-    // then with the MLP's down projections' groups rotated only.
-    let (mut runs, mut rotated, mut down) = (Vec::new(), Vec::new(), Vec::new());
+    // zeropp.torch's defaults (qgZ's rotation chosen from the gradients: on the
+    // HF Llama, the MLP's down projections), then with every group rotated
+    // (`qgz_hadamard=True`), then unrotated (`qgz_hadamard=False`).
+    let (mut runs, mut rotated, mut unrotated) = (Vec::new(), Vec::new(), Vec::new());
     for (suffix, rotation, into) in
-        [("", "default", &mut runs), ("-hadamard", "on", &mut rotated), ("-down", "down", &mut down)]
+        [("", "default", &mut runs), ("-hadamard", "on", &mut rotated), ("-unrotated", "off", &mut unrotated)]
     {
         for size in SIZES {
             let out: PathBuf = dir.join(format!("d{}{suffix}.json", size.0));
@@ -143,13 +144,13 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
     }
     let mut md = report("HF Llama, 2 x 2, zeropp.torch's defaults", &runs)?;
     if !rotated.is_empty() {
-        md.push_str(&report("HF Llama, 2 x 2, zeropp.torch's defaults with qgZ's rotation", &rotated)?);
-    }
-    if !down.is_empty() {
         md.push_str(&report(
-            "HF Llama, 2 x 2, zeropp.torch's defaults with the down projections' groups rotated",
-            &down,
+            "HF Llama, 2 x 2, zeropp.torch's defaults with every qgZ group rotated",
+            &rotated,
         )?);
+    }
+    if !unrotated.is_empty() {
+        md.push_str(&report("HF Llama, 2 x 2, zeropp.torch's defaults with qgZ unrotated", &unrotated)?);
     }
     let mut engine_runs = Vec::new();
     if engine {
@@ -188,7 +189,7 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
         )?);
     }
     let svg = report_dir.join("fidelity-size.svg");
-    plot(&runs, &rotated, &down, &engine_runs, &svg)?;
+    plot(&runs, &rotated, &unrotated, &engine_runs, &svg)?;
     eprintln!("==> drew {}", svg.display());
     Ok(md)
 }
@@ -252,9 +253,11 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
     // Per kind at the largest width's last step.
     md.push_str(
         "\nPer layer kind, the largest width, last step (the ranks' spread is sqrt(sum over ranks |x_k|^2) / |sum|, \
-         how much the ranks' gradients cancel; the error over it is INT4's on each rank's own gradient):\n\n\
-         | kind | qgZ rel. error | cosine | AdamW update rel. error | ranks' spread | error / spread | qwZ rel. error |\n\
-         |---|---|---|---|---|---|---|\n",
+         how much the ranks' gradients cancel; the error over it is INT4's on each rank's own gradient; the rotation \
+         measure is the ranks' gradients' squared group maxima rotated over raw, which `qgz_hadamard=\"auto\"` \
+         rotates below 0.5):\n\n\
+         | kind | qgZ rel. error | cosine | AdamW update rel. error | ranks' spread | error / spread | rotation measure | qwZ rel. error |\n\
+         |---|---|---|---|---|---|---|---|\n",
     );
     if let Some((_, p)) = big.probes.last() {
         // (Not a JSON pointer: the keys hold a slash.)
@@ -275,9 +278,12 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
             } else {
                 ("—".to_string(), "—".to_string())
             };
+            // Older files carry no rotation measure: a dash.
+            let measure = get(&g, "rotation_measure");
+            let measure = if measure.is_finite() { format!("{measure:.3}") } else { "—".to_string() };
             let _ = writeln!(
                 md,
-                "| {k} | {:.4} | {:.4} | {:.4} | {sp} | {per} | {:.5} |",
+                "| {k} | {:.4} | {:.4} | {:.4} | {sp} | {per} | {measure} | {:.5} |",
                 get(&g, "rel_norm_error"),
                 get(&g, "cosine"),
                 get(&g, "update_rel_error"),
@@ -290,9 +296,9 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
 
 /// The last step's mean relative errors against the parameters, log-log: the
 /// HF Llama's solid, the engine's GPT's dashed; and the HF Llama's worst kind
-/// of qgZ's gradient, without and with qgZ's rotation (dotted: every
-/// module's; dash-dotted: the down projections' only).
-fn plot(runs: &[Run], rotated: &[Run], down: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
+/// of qgZ's gradient under the defaults (solid), with every group rotated
+/// (dotted) and unrotated (dash-dotted).
+fn plot(runs: &[Run], rotated: &[Run], unrotated: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
     use plotters::prelude::*;
     let series: [(&str, &str, &str, RGBColor); 3] = [
         ("qgZ gradient (INT4)", "grad", "rel_norm_error", RED),
@@ -311,7 +317,7 @@ fn plot(runs: &[Run], rotated: &[Run], down: &[Run], engine: &[Run], path: &Path
     };
     let mut all: Vec<(f64, f64)> =
         series.iter().flat_map(|s| [points(runs, s.1, s.2), points(engine, s.1, s.2)].concat()).collect();
-    all.extend(worst(runs).into_iter().chain(worst(rotated)).chain(worst(down)));
+    all.extend(worst(runs).into_iter().chain(worst(rotated)).chain(worst(unrotated)));
     let lo = all.iter().map(|p| p.1).fold(f64::INFINITY, f64::min) / 2.0;
     let hi = all.iter().map(|p| p.1).fold(0.0, f64::max) * 2.0;
     let x0 = all.iter().map(|p| p.0).fold(f64::INFINITY, f64::min) / 2.0;
@@ -355,8 +361,8 @@ fn plot(runs: &[Run], rotated: &[Run], down: &[Run], engine: &[Run], path: &Path
     }
     for (name, pts, dash) in [
         ("qgZ gradient, worst kind, HF Llama", worst(runs), None),
-        ("the same with qgZ's rotation", worst(rotated), Some((2, 4))),
-        ("the same, the down projections rotated", worst(down), Some((8, 3))),
+        ("the same, every group rotated", worst(rotated), Some((2, 4))),
+        ("the same, unrotated", worst(unrotated), Some((8, 3))),
     ] {
         if pts.is_empty() {
             continue;
