@@ -225,9 +225,9 @@ def main():
                     help="every kind's relative gradient error at every probed step must lie in [LO, HI]")
     ap.add_argument("--weight-bounds", default=None, metavar="LO,HI", help="the same for qwZ's weights")
     ap.add_argument("--group-size", type=int, default=256, help="qwZ's and qgZ's group (a candidate default)")
-    ap.add_argument("--qgz-rotation", choices=["default", "on", "off", "down"], default="default",
-                    help="qgZ's Hadamard rotation of each group: enable()'s default, forced on or off, or "
-                         "on for the MLP's down projections only")
+    ap.add_argument("--qgz-rotation", choices=["default", "on", "off", "down", "auto"], default="default",
+                    help="qgZ's Hadamard rotation of each group: enable()'s default, forced on or off, "
+                         "on for the MLP's down projections only, or chosen from the gradients (auto)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     import defects
@@ -244,7 +244,8 @@ def main():
     fully_shard(model, mp_policy=mp)
     # "default" leaves the keyword to enable().
     rotation = {"default": {}, "on": {"qgz_hadamard": True}, "off": {"qgz_hadamard": False},
-                "down": {"qgz_hadamard": lambda name: name.endswith("mlp.down_proj.weight")}}[args.qgz_rotation]
+                "down": {"qgz_hadamard": lambda name: name.endswith("mlp.down_proj.weight")},
+                "auto": {"qgz_hadamard": "auto"}}[args.qgz_rotation]
     summary_of = zt.enable(model, local_size=ls, seed=args.seed, group_size=args.group_size, **rotation)
     PROBE = Probe(model, w)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

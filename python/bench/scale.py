@@ -183,7 +183,7 @@ def main():
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 mixed precision (MixedPrecisionPolicy: bf16 gathers and reduces)")
     args = ap.parse_args()
-    args.enable = {k: int(v) if k.endswith(("_bits", "group_size")) else bool(int(v))
+    args.enable = {k: v if v == "auto" else int(v) if k.endswith(("_bits", "group_size")) else bool(int(v))
                    for k, v in (kv.split("=") for kv in args.enable.split(",") if kv)}
     dist.init_process_group("gloo")
     ls = zt.local_size()

@@ -34,8 +34,8 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    ``qgz_two_level``/``qgz_hadamard`` with ``qgz=False`` and under the HSDP
    take-over inside a node; a Hadamard group above 8192 in ``enable``,
    ``QuantizedReduceScatter``, the torch-op stages and the Rust stages; a
-   ``qgz_hadamard`` function that chooses no parameter, or one given with
-   ``exclude_1d=False``.
+   ``qgz_hadamard`` function that chooses no parameter, or one (or
+   ``"auto"``) given with ``exclude_1d=False``.
 6. **qgZ's rotation.** ``enable(qgz_hadamard=True)`` rotates qgZ's groups
    wherever qgZ quantizes (the block), but not in the module that holds the
    embeddings, whether their rows are whole groups (width 256 against groups
@@ -45,7 +45,7 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    **6b.** ``qgz_hadamard`` as a function of a parameter's name rotates that
    parameter's groups only: the other gradients are bit for bit the
    unrotated run's, the chosen one within 0.3 of the exact gradient.
-   **6c.** The default, ``qgz_hadamard="auto"``, chooses from the gradients:
+   **6c.** ``qgz_hadamard="auto"`` chooses from the gradients:
    the one parameter whose gradient has outlier columns on one rank, on every
    rank, bit for bit as if chosen by name, and the same while the choice is
    still on the device.
@@ -404,6 +404,8 @@ def test_refusals(ls: int):
         results["qgz_hadamard choosing no parameter"] = _raises(
             lambda: zt.enable(m, local_size=ls, qgz_hadamard=lambda name: name.endswith("fc3.weight")),
             "chose none of the", "'blocks.0.qkv.weight'")
+        results["qgz_hadamard=\"auto\" with exclude_1d=False"] = _raises(
+            lambda: zt.enable(m, local_size=ls, exclude_1d=False, qgz_hadamard="auto"), "exclude_1d=False")
         results["qgz_hadamard by name with exclude_1d=False"] = _raises(
             lambda: zt.enable(m, local_size=ls, exclude_1d=False, qgz_hadamard=lambda name: True),
             "exclude_1d")
@@ -484,7 +486,7 @@ def test_rotation_by_name(ls: int):
 
 
 def test_rotation_auto(ls: int):
-    """6c. The default rotation (``"auto"``) chooses from the gradients: where
+    """6c. The automatic rotation (``"auto"``) chooses from the gradients: where
     rank 0's input to ``blocks.0.out`` carries four outlier channels (x 64),
     every rank rotates that parameter's groups and no other, and the
     gradients are bit for bit those of the same parameter chosen by name.
@@ -508,7 +510,7 @@ def test_rotation_auto(ls: int):
         model = build("default", ls, cfg)
         if dist.get_rank() == 0:
             model.blocks[0].out.register_forward_pre_hook(lambda m, a: (a[0] * scale,))
-        kw = {"qgz_hadamard": lambda n: n == chosen} if how == "by name" else {}
+        kw = {"qgz_hadamard": (lambda n: n == chosen) if how == "by name" else "auto"}
         modes = zt.enable(model, local_size=ls, **kw)["qgz_rotation"]
         if how == "auto, on the device":
             # The host never takes the measured choice in: it stays on the device.

@@ -420,8 +420,8 @@ class QuantizedReduceScatter(_Collective):
     quantized exactly as unrotated). A rotation is linear, so the sums of
     the two hops run in the rotated basis, and every rank rotates the same
     positions with the same signs. Or an :class:`AutoRotation` (what
-    :func:`enable` passes by default), which chooses the flags from the
-    gradients themselves at calls 1, 2, 4, 8, ...
+    :func:`enable` passes for ``qgz_hadamard="auto"``), which chooses the
+    flags from the gradients themselves at calls 1, 2, 4, 8, ...
     """
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,

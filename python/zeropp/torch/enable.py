@@ -30,9 +30,9 @@ def retained_bytes(model: torch.nn.Module) -> int:
 
 def rotated(model: torch.nn.Module) -> list:
     """The parameters whose groups qgZ rotates now: those an explicit
-    ``qgz_hadamard`` chose, and those the automatic rotation (the default)
-    chose at its last measure, by FSDP2's names. Empty before the first
-    backward where the choice is automatic.
+    ``qgz_hadamard`` chose, and those the automatic rotation
+    (``qgz_hadamard="auto"``) chose at its last measure, by FSDP2's names.
+    Empty before the first backward where the choice is automatic.
 
     >>> import torch, zeropp.torch as zt
     >>> zt.rotated(torch.nn.Linear(2, 2))   # no enable(): nothing rotates
@@ -218,7 +218,7 @@ def _check_replicas(shard_group, replica_group):
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
            exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False,
-           qgz_two_level: bool = False, qgz_hadamard="auto", hpz: bool | None = None) -> dict:
+           qgz_two_level: bool = False, qgz_hadamard=False, hpz: bool | None = None) -> dict:
     """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
     ``fully_shard``, on every rank). Returns a summary: modules changed, their
     sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
@@ -239,24 +239,26 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
 
     ``qgz_hadamard`` rotates qgZ's groups by a seeded, randomized Hadamard
     transform before quantizing them (SDP4Bit's smoothing), which spreads an
-    outlier over its group. The default, ``"auto"``, rotates a parameter's
-    groups where the rotation at least halves INT4's noise on its gradient
-    (measured on the gradient at the reduce-scatter's calls 1, 2, 4, 8, ...
-    and agreed across the shard group; see :class:`AutoRotation`): on the HF
-    Llama it chooses the MLP's down projections, whose INT4 error then stays
-    flat with width (0.11-0.12 from 0.9M to 99.5M parameters; 0.18 growing to
-    0.25 unrotated), and leaves the rest, which the rotation would make worse.
-    It acts where qgZ quantizes with a layout per parameter (``exclude_1d``)
-    and a power-of-two ``group_size``, and is off elsewhere; :func:`rotated`
-    says what it chose. ``True`` rotates every group, ``False`` none, and a
-    function of a parameter's name (its path from ``model``, e.g.
+    outlier over its group. ``True`` rotates every group, a function of a
+    parameter's name (its path from ``model``, e.g.
     ``"model.layers.0.mlp.down_proj.weight"``) the parameters it returns true
-    for; these are errors where they cannot act. A module holding an
-    embedding (``nn.Embedding``, ``nn.EmbeddingBag``, or a weight tied to
-    one) is never rotated (see ``_holds_embedding``); the rotation changes no
-    byte on the wire. ``summary["qgz_rotation"]`` says which modules may
-    rotate (``"auto"`` where the choice is the gradients'),
-    ``summary["qgz_rotated"]`` which parameters an explicit choice rotates.
+    for, and ``"auto"`` the parameters whose gradients the rotation pays for:
+    where it at least halves INT4's noise, measured on the gradient at the
+    reduce-scatter's calls 1, 2, 4, 8, ... and agreed across the shard group
+    (see :class:`AutoRotation`; :func:`rotated` says what it chose). On the
+    HF Llama ``"auto"`` chooses the MLP's down projections, whose INT4 error
+    then stays flat with width (0.11-0.12 from 0.9M to 99.5M parameters;
+    0.18 growing to 0.25 unrotated). The default is ``False``: rotated, the
+    down projections cost the validation loss 1-2% at 9.8M parameters on
+    Python source, where unrotated it is at parity with FSDP2's
+    (docs/pytorch.md, "qgZ's rotation"). Each is an error where it cannot
+    act; a function and ``"auto"`` also need ``exclude_1d``. A module
+    holding an embedding (``nn.Embedding``, ``nn.EmbeddingBag``, or a weight
+    tied to one) is never rotated (see ``_holds_embedding``); the rotation
+    changes no byte on the wire.
+    ``summary["qgz_rotation"]`` says which modules may rotate (``"auto"``
+    where the gradients choose), ``summary["qgz_rotated"]`` which
+    parameters an explicit choice rotates.
 
     ``qgz_two_level`` (INT8 inside the node, INT4 across) and
     ``qgz_hadamard`` are SDP4Bit's options of qgZ: see
@@ -298,15 +300,10 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     if pick is None and not auto and not isinstance(qgz_hadamard, bool):
         raise TypeError(f"zeropp.torch.enable: qgz_hadamard takes \"auto\", True, False or a function of a "
                         f"parameter's name, not {qgz_hadamard!r}")
-    if auto:
-        # The automatic choice acts where it can and is off elsewhere.
-        top = _zeropp.HADAMARD_MAX_GROUP
-        auto = qgz and exclude_1d and group_size & (group_size - 1) == 0 and 0 < group_size <= top
-        qgz_hadamard = False
-    if pick is not None and not exclude_1d:
+    if (pick is not None or auto) and not exclude_1d:
         raise _zeropp.ZeroppError(
-            "zeropp.torch.enable: a per-parameter qgz_hadamard needs each parameter to start at a group "
-            "boundary, which exclude_1d=False gives up; pass qgz_hadamard=True or keep exclude_1d")
+            "zeropp.torch.enable: a per-parameter qgz_hadamard (a function, or \"auto\") needs each parameter to "
+            "start at a group boundary, which exclude_1d=False gives up; pass qgz_hadamard=True or keep exclude_1d")
     if (qgz_two_level or qgz_hadamard) and not qgz:
         raise _zeropp.ZeroppError(
             "zeropp.torch.enable: qgz_two_level and qgz_hadamard are options of qgZ's reduce-scatter, which "

@@ -23,22 +23,28 @@ use crate::torch::torchrun_within;
 /// the file's suffix, seeds). `stdlib` is Python's standard library sources
 /// (31.5M characters, 46 times what a run trains on), `shakespeare`
 /// tinyshakespeare (1.1M, at the two smallest widths). `zeropp` is the
-/// README's recipe (qgZ's rotation chosen from the gradients: the MLP's down
-/// projections), `unrotated` the recipe with `qgz_hadamard=False`, each switch
-/// alone runs at the two smallest widths, and the `-hadamard` runs rotate
-/// every group (`qgz_hadamard=True`), 4 seeds at the smallest width on stdlib.
-const LOSS_RUNS: [(&str, usize, usize, &str, &str, usize); 11] = [
-    ("stdlib", 128, 4, "zeropp,unrotated,qwz,qgz,qgz-rtn", "", 2),
+/// README's recipe, each switch alone runs at the two smallest widths, the
+/// `-hadamard` runs rotate every qgZ group (`qgz_hadamard=True`), 4 seeds at
+/// the smallest width on stdlib, and the `-auto` runs the groups the gradients
+/// choose (`qgz_hadamard="auto"`: on this model the MLP's down projections).
+const LOSS_RUNS: [(&str, usize, usize, &str, &str, usize); 17] = [
+    ("stdlib", 128, 4, "zeropp,qwz,qgz,qgz-rtn", "", 2),
     ("stdlib", 128, 4, "hadamard", "-hadamard", 4),
-    ("stdlib", 192, 4, "zeropp,unrotated,qwz,qgz,qgz-rtn", "", 2),
+    ("stdlib", 128, 4, "auto", "-auto", 2),
+    ("stdlib", 192, 4, "zeropp,qwz,qgz,qgz-rtn", "", 2),
     ("stdlib", 192, 4, "hadamard", "-hadamard", 2),
-    ("stdlib", 256, 6, "zeropp,unrotated", "", 2),
+    ("stdlib", 192, 4, "auto", "-auto", 2),
+    ("stdlib", 256, 6, "zeropp", "", 2),
     ("stdlib", 256, 6, "hadamard", "-hadamard", 2),
-    ("stdlib", 384, 6, "zeropp,unrotated", "", 2),
-    ("shakespeare", 128, 4, "zeropp,unrotated", "", 2),
+    ("stdlib", 256, 6, "auto", "-auto", 2),
+    ("stdlib", 384, 6, "zeropp", "", 2),
+    ("stdlib", 384, 6, "auto", "-auto", 2),
+    ("shakespeare", 128, 4, "zeropp", "", 2),
     ("shakespeare", 128, 4, "hadamard", "-hadamard", 2),
-    ("shakespeare", 192, 4, "zeropp,unrotated", "", 2),
+    ("shakespeare", 128, 4, "auto", "-auto", 2),
+    ("shakespeare", 192, 4, "zeropp", "", 2),
     ("shakespeare", 192, 4, "hadamard", "-hadamard", 2),
+    ("shakespeare", 192, 4, "auto", "-auto", 2),
 ];
 /// hf_parity.py's run: steps, heads (key/value heads half), vocabulary (printable ASCII).
 const LOSS_STEPS: usize = 600;
@@ -143,7 +149,7 @@ pub(crate) fn part(venv: &super::Venv, report_dir: &Path, engine: bool) -> Resul
     md.push('\n');
     for (who, variant) in [
         ("zeropp.torch", "zeropp"),
-        ("zeropp.torch", "unrotated"),
+        ("zeropp.torch", "auto"),
         ("zeropp.torch", "hadamard"),
         ("engine", "zeropp"),
     ] {

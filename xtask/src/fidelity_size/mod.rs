@@ -113,12 +113,12 @@ fn left_out(out: &Path) -> bool {
 fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, String> {
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // zeropp.torch's defaults (qgZ's rotation chosen from the gradients: on the
-    // HF Llama, the MLP's down projections), then with every group rotated
-    // (`qgz_hadamard=True`), then unrotated (`qgz_hadamard=False`).
-    let (mut runs, mut rotated, mut unrotated) = (Vec::new(), Vec::new(), Vec::new());
+    // zeropp.torch's defaults (unrotated), then with every group rotated
+    // (`qgz_hadamard=True`), then with the groups the gradients choose
+    // (`qgz_hadamard="auto"`: on the HF Llama, the MLP's down projections).
+    let (mut runs, mut rotated, mut auto) = (Vec::new(), Vec::new(), Vec::new());
     for (suffix, rotation, into) in
-        [("", "default", &mut runs), ("-hadamard", "on", &mut rotated), ("-unrotated", "off", &mut unrotated)]
+        [("", "default", &mut runs), ("-hadamard", "on", &mut rotated), ("-auto", "auto", &mut auto)]
     {
         for size in SIZES {
             let out: PathBuf = dir.join(format!("d{}{suffix}.json", size.0));
@@ -149,8 +149,11 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
             &rotated,
         )?);
     }
-    if !unrotated.is_empty() {
-        md.push_str(&report("HF Llama, 2 x 2, zeropp.torch's defaults with qgZ unrotated", &unrotated)?);
+    if !auto.is_empty() {
+        md.push_str(&report(
+            "HF Llama, 2 x 2, zeropp.torch's defaults with the groups the gradients choose rotated",
+            &auto,
+        )?);
     }
     let mut engine_runs = Vec::new();
     if engine {
@@ -189,7 +192,7 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
         )?);
     }
     let svg = report_dir.join("fidelity-size.svg");
-    plot(&runs, &rotated, &unrotated, &engine_runs, &svg)?;
+    plot(&runs, &rotated, &auto, &engine_runs, &svg)?;
     eprintln!("==> drew {}", svg.display());
     Ok(md)
 }
@@ -297,8 +300,8 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
 /// The last step's mean relative errors against the parameters, log-log: the
 /// HF Llama's solid, the engine's GPT's dashed; and the HF Llama's worst kind
 /// of qgZ's gradient under the defaults (solid), with every group rotated
-/// (dotted) and unrotated (dash-dotted).
-fn plot(runs: &[Run], rotated: &[Run], unrotated: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
+/// (dotted) and with the groups the gradients choose (`"auto"`, dash-dotted).
+fn plot(runs: &[Run], rotated: &[Run], auto: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
     use plotters::prelude::*;
     let series: [(&str, &str, &str, RGBColor); 3] = [
         ("qgZ gradient (INT4)", "grad", "rel_norm_error", RED),
@@ -317,7 +320,7 @@ fn plot(runs: &[Run], rotated: &[Run], unrotated: &[Run], engine: &[Run], path: 
     };
     let mut all: Vec<(f64, f64)> =
         series.iter().flat_map(|s| [points(runs, s.1, s.2), points(engine, s.1, s.2)].concat()).collect();
-    all.extend(worst(runs).into_iter().chain(worst(rotated)).chain(worst(unrotated)));
+    all.extend(worst(runs).into_iter().chain(worst(rotated)).chain(worst(auto)));
     let lo = all.iter().map(|p| p.1).fold(f64::INFINITY, f64::min) / 2.0;
     let hi = all.iter().map(|p| p.1).fold(0.0, f64::max) * 2.0;
     let x0 = all.iter().map(|p| p.0).fold(f64::INFINITY, f64::min) / 2.0;
@@ -362,7 +365,7 @@ fn plot(runs: &[Run], rotated: &[Run], unrotated: &[Run], engine: &[Run], path: 
     for (name, pts, dash) in [
         ("qgZ gradient, worst kind, HF Llama", worst(runs), None),
         ("the same, every group rotated", worst(rotated), Some((2, 4))),
-        ("the same, unrotated", worst(unrotated), Some((8, 3))),
+        ("the same, the groups the gradients choose", worst(auto), Some((8, 3))),
     ] {
         if pts.is_empty() {
             continue;
