@@ -249,9 +249,9 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     HF Llama ``"auto"`` chooses the MLP's down projections, whose INT4 error
     then stays flat with width (0.11-0.12 from 0.9M to 99.5M parameters;
     0.18 growing to 0.25 unrotated). The default is ``False``: rotated, the
-    down projections cost the validation loss 2% at 9.8M parameters on
-    Python source (1.0111 against FSDP2, 0.9916 unrotated, one seed), where
-    unrotated it is at parity with FSDP2's
+    down projections cost the validation loss 1.1 +- 0.9% at 9.8M parameters
+    on Python source (1.0063 against FSDP2 over two seeds, 0.9957
+    unrotated), where unrotated it is at parity with FSDP2's
     (docs/pytorch.md, "qgZ's rotation"). Each is an error where it cannot
     act; a function and ``"auto"`` also need ``exclude_1d``. A module
     holding an embedding (``nn.Embedding``, ``nn.EmbeddingBag``, or a weight
