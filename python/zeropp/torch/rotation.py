@@ -23,9 +23,9 @@ from . import kernels as K
 
 # The rotation is chosen where it cuts the squared group maxima (INT4's noise
 # power) to less than this, on the mean of the measures so far. On the HF
-# Llama the down projection's gradient gives about 0.17-0.31 from 0.9M to
-# 99.5M parameters, every other projection 0.64-0.84 at 0.9M and about 1.0-1.3
-# at 99.5M (docs/PERFORMANCE.md, "Error against model size").
+# Llama the down projection's gradient gives 0.31 at 0.9M parameters and 0.17
+# at 99.5M, every other projection 0.64-0.84 at 0.9M and 1.02-1.33 at 99.5M
+# (docs/PERFORMANCE.md, "Error against model size").
 GAIN = 0.5
 
 
