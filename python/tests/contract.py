@@ -25,7 +25,8 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    (always checked with ``ZEROPP_TORCH_KERNELS=torch``): ``Tensor.item``,
    ``__bool__``, ``tolist``, ``__float__`` and ``__int__`` are recorded
    whenever called while one of zeropp's collectives runs, through a training
-   step of every variant (the step with an inf included); none may be.
+   step of every variant (the step with an inf included; ``qgz_hadamard="auto"``
+   too, whose choice must reach the host without one); none may be.
 4. **The state kept between steps** (``zeropp.torch.retained_bytes``) stays
    at most 5% of the rank's parameter shard, on a model of 1.6M parameters.
    The index tensors the collectives used to keep cost 16 bytes per chunk
@@ -124,12 +125,14 @@ def build(variant: str, ls: int, cfg: gpt.Config, mp=None, seed: int = 0):
     mesh = _hsdp_mesh() if variant == "hsdp" else None
     if mesh is not None:
         kw["mesh"] = mesh["shard"]
-    reshard = ls if variant == "zeropp" else True
+    reshard = ls if variant.startswith("zeropp") else True
     for blk in model.blocks:
         fully_shard(blk, reshard_after_forward=reshard, **kw)
     fully_shard(model, reshard_after_forward=reshard, **kw)
     if variant == "zeropp":
         zt.enable(model, local_size=ls)
+    elif variant == "zeropp-auto":
+        zt.enable(model, local_size=ls, qgz_hadamard="auto")
     elif variant == "hsdp":
         zt.enable(model, local_size=ls, replicate=mesh["replicate"])
     return model
@@ -326,7 +329,8 @@ def kernels(mode: str):
 
 
 def test_no_host_sync(ls: int):
-    variants = ["zeropp"] + (["hsdp"] if dist.get_world_size() == 4 and ls == 2 else [])
+    # zeropp-auto: qgZ's automatic rotation, whose choice must reach the host without a sync.
+    variants = ["zeropp", "zeropp-auto"] + (["hsdp"] if dist.get_world_size() == 4 and ls == 2 else [])
     with kernels("torch"):
         for variant in variants:
             with HostSyncGuard() as guard:
