@@ -455,19 +455,28 @@ def test_rotation(ls: int):
           f"seen rows' {seen:.3g})")
 
 
+def _rotation_case(ls: int):
+    """Tests 6b and 6c's setting: the one-block GPT at width 128, this rank's
+    batch, and the parameter they rotate; None inside one node (nothing is
+    quantized there)."""
+    if dist.get_world_size() // ls == 1:
+        return None
+    cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
+    y = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
+    return cfg, x, y, "blocks.0.out.weight"
+
+
 def test_rotation_by_name(ls: int):
     """6b. ``qgz_hadamard`` as a function of a parameter's name rotates the
     chosen parameters only: every other gradient is bit for bit the unrotated
     run's, and the chosen one differs from it and stays as close to FSDP2's
     exact gradient as INT4 allows."""
-    nodes = dist.get_world_size() // ls
-    if nodes == 1:
+    case = _rotation_case(ls)
+    if case is None:
         return
-    cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
-    y = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
-    chosen = "blocks.0.out.weight"
+    cfg, x, y, chosen = case
     grads, rotated = {}, None
     for how in ("exact", "unrotated", "by name"):
         model = build("default", ls, cfg)
@@ -498,14 +507,10 @@ def test_rotation_auto(ls: int):
     GPU) rotates the same, bit for bit."""
     from zeropp.torch import rotation
 
-    nodes = dist.get_world_size() // ls
-    if nodes == 1:
+    case = _rotation_case(ls)
+    if case is None:
         return
-    cfg = gpt.Config(d=128, layers=1, heads=2, seq=16)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
-    y = torch.randint(0, cfg.vocab, (4, cfg.seq), generator=gen)
-    chosen = "blocks.0.out.weight"
+    cfg, x, y, chosen = case
     scale = torch.ones(4 * cfg.d)
     scale[:4] = 64.0
     grads, picked = {}, {}
