@@ -20,7 +20,13 @@ At ``--probe`` steps it reports, per layer kind (``q_proj``, ``mlp``'s
 left out): the cosine similarity, the relative norm error ``|q - e| / |e|``
 and, for gradients, the relative error of AdamW's update direction
 ``m / (sqrt(v) + eps)`` taken with the quantized gradient and with the exact
-one, from moments kept over the exact gradients of every step. Rank 0 writes
+one, from moments kept over the exact gradients of every step. The last two
+are also reported with each column of a linear layer's weight weighted by
+its input channel's mean square over the step's tokens
+(``act_rel_error``, ``act_update_rel_error``): a weight error in column j
+moves the layer's output in proportion to that channel, so this weighs the
+error as the loss's second-order term does (a few hidden channels of the
+MLP's down projection carry most of that weight). Rank 0 writes
 the JSON to ``--out``. With ``--grad-bounds``/``--weight-bounds LO,HI`` it
 checks every kind's relative norm error at every probed step against the
 bounds, and that it saw all nine kinds, and exits 1 with a ``FAIL`` line
@@ -61,6 +67,35 @@ class Probe:
         self.sums: dict = {}
         self.moments: dict = {}
         self._kinds: dict | None = None
+        self._names: dict = {}
+        # Per linear layer's weight (by name): the mean square of each input
+        # channel over the step's tokens, this rank's. A weight error in
+        # column j moves the layer's output by that channel's activation, so
+        # the loss's second-order sensitivity weighs column j by it.
+        self.act: dict = {}
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_pre_hook(self._hook(name + ".weight"))
+
+    def _hook(self, name: str):
+        def hook(module, args):
+            if self.record and self.phase == "forward":
+                x = args[0].detach().to(torch.float64)
+                self.act[name] = x.reshape(-1, x.shape[-1]).square().mean(0)
+        return hook
+
+    def names(self, segments) -> list:
+        """The parameters' names of a chunk laid out as ``segments``."""
+        self.kinds(segments)
+        return self._names.get(tuple(segments or ()), [])
+
+    def act_weights(self, name: str, n: int):
+        """Each element's column weight in this rank's shard of ``name``
+        (``n`` elements, whole rows under FSDP2's dim-0 sharding), or None."""
+        h2 = self.act.get(name)
+        if h2 is None or n % h2.numel() != 0:
+            return None
+        return h2.repeat(n // h2.numel())
 
     def kinds(self, segments) -> list:
         """The layer kind of each parameter of a chunk laid out as ``segments``
@@ -71,12 +106,13 @@ class Probe:
                 if isinstance(m, FSDPModule) and (pg := _param_group(m)) is not None:
                     segs = tuple(_segments(pg, self.world))
                     self._kinds[segs] = [kind(n) for n in _names(pg)[1]]
+                    self._names[segs] = list(_names(pg)[1])
         return self._kinds.get(tuple(segments or ()), [])
 
     def add(self, what: str, kind_: str, got: torch.Tensor, exact: torch.Tensor, extra=()):
         if not self.record:
             return
-        s = self.sums.setdefault((what, kind_), np.zeros(9))
+        s = self.sums.setdefault((what, kind_), np.zeros(13))
         g, e = got.double(), exact.double()
         s[:4] += [float(g @ e), float(g @ g), float(e @ e), float((g - e) @ (g - e))]
         for i, v in enumerate(extra):
@@ -131,6 +167,7 @@ def install():
         got = output_tensor.detach().reshape(-1).to(torch.float64)
         segs = self.segments or [(c, False)]
         kinds = p.kinds(self.segments) or ["chunk"] * len(segs)
+        names = p.names(self.segments) or [""] * len(segs)
         carried = sent if sent is not None else (True,) * len(segs)
         at = 0
         for i, ((n, one_d), keep) in enumerate(zip(segs, carried)):
@@ -153,8 +190,12 @@ def install():
             # The ranks' own contributions, scaled as the result is: quantizing
             # each independently errs in proportion to their norm, not the sum's.
             own = rows.view(w, c)[:, at - n:at].double() * ((1.0 / w if mean else 1.0) * (post or 1.0))
+            wt = p.act_weights(names[i], n) if i < len(names) else None
+            wt = torch.ones_like(e) if wt is None else wt
             p.add("grad", kinds[i], g, e, (float((du - de) @ (du - de)), float(de @ de), float((own * own).sum()),
-                                           *maxima(rows.view(w, c)[:, at - n:at], self.group_size)))
+                                           *maxima(rows.view(w, c)[:, at - n:at], self.group_size),
+                                           float(((g - e) ** 2) @ wt), float((e * e) @ wt),
+                                           float(((du - de) ** 2) @ wt), float((de * de) @ wt)))
             p.moments[key] = (b1 * m + (1 - b1) * e, b2 * v + (1 - b2) * e * e)
         return out
 
@@ -309,7 +350,7 @@ def main():
 
 
 def summary(what: str, s: np.ndarray) -> dict:
-    dot, gg, ee, dd, udd, uee, oo, raw, rotated = s
+    dot, gg, ee, dd, udd, uee, oo, raw, rotated, wdd, wee, wudd, wuee = s
     r = {"cosine": dot / max(np.sqrt(gg * ee), 1e-300), "rel_norm_error": np.sqrt(dd / max(ee, 1e-300))}
     if what == "grad":
         r["update_rel_error"] = np.sqrt(udd / max(uee, 1e-300))
@@ -319,6 +360,11 @@ def summary(what: str, s: np.ndarray) -> dict:
         # The automatic rotation's measure: the rotated groups' squared maxima
         # over the raw ones (it rotates below 0.5).
         r["rotation_measure"] = rotated / max(raw, 1e-300)
+        # The same errors with each column weighted by its input channel's
+        # mean square (the loss's second-order sensitivity to a weight error
+        # there; 1-D parameters and embeddings unweighted).
+        r["act_rel_error"] = np.sqrt(wdd / max(wee, 1e-300))
+        r["act_update_rel_error"] = np.sqrt(wudd / max(wuee, 1e-300))
     return {k: float(v) for k, v in r.items()}
 
 
