@@ -183,6 +183,25 @@ class Hadamard(unittest.TestCase):
             with self.subTest(n=n, g=g, pos=pos, inverse=inverse, block=blk):
                 self.assertTrue(torch.equal(got.view(torch.int32), want.view(torch.int32)))
 
+    def test_rotation_on_either_kernels_is_the_same(self):
+        # rotate_on's Rust path (CPU tensors, ZEROPP_TORCH_KERNELS unset or auto)
+        # against the torch ops, on column slices of rows that start at their
+        # own stream positions, as qgZ's per-parameter rotation cuts them.
+        x = torch.stack([_data(1300, 5), _data(1300, 6), _data(1300, 7)])
+        old = os.environ.pop("ZEROPP_TORCH_KERNELS", None)
+        try:
+            for g, (a, b), inverse in itertools.product((8, 256), ((0, 1300), (37, 37 + 1024), (300, 1299)),
+                                                        (False, True)):
+                starts = [p * 1300 + a for p in range(3)]
+                want = K.rotate(x[:, a:b], group_size=g, seed=11, starts=starts, inverse=inverse)
+                got = K.rotate_on(x[:, a:b], group_size=g, seed=11, starts=starts, inverse=inverse)
+                with self.subTest(g=g, cols=(a, b), inverse=inverse):
+                    self.assertFalse(torch.equal(got, x[:, a:b]), "the rotation acted")
+                    self.assertTrue(torch.equal(got.view(torch.int32), want.view(torch.int32)))
+        finally:
+            if old is not None:
+                os.environ["ZEROPP_TORCH_KERNELS"] = old
+
     def test_rows_start_at_their_own_positions_and_come_back(self):
         x = torch.stack([_data(300, 1), _data(300, 2)])
         y = K.hadamard_rows(x, group_size=32, seed=3, positions=[0, 300])

@@ -357,6 +357,19 @@ def rotate(v: torch.Tensor, *, group_size: int, seed: int, starts, inverse: bool
     return y
 
 
+def rotate_on(v: torch.Tensor, *, group_size: int, seed: int, starts, inverse: bool = False) -> torch.Tensor:
+    """:func:`rotate` with the kernels :func:`use_torch` chooses for ``v``:
+    these torch ops, or the Rust rotation row by row in host memory, which
+    gives the same bits (``test_torch_kernels.Hadamard``) at a fraction of
+    the CPU time. Returns a new float32 tensor."""
+    if use_torch(v):
+        return rotate(v, group_size=group_size, seed=seed, starts=starts, inverse=inverse)
+    y = v.to(torch.float32, copy=True).contiguous()
+    for r in range(y.shape[0]):
+        _zeropp.hadamard(y[r].numpy(), group_size=group_size, seed=seed, position=int(starts[r]), inverse=inverse)
+    return y
+
+
 def hadamard_rows(x: torch.Tensor, *, group_size: int, seed: int, positions, inverse: bool = False) -> torch.Tensor:
     """:func:`rotate` of whole rows (``[rows, n]``, row ``r`` at stream position
     ``positions[r]``), done in column blocks of whole groups. Returns a new
