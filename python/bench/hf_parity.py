@@ -81,13 +81,15 @@ def mean_loss(model, data, seed: int, args) -> float:
 
 
 # zeropp.torch.enable's options of each variant (None: FSDP2's default).
-# "zeropp" is the recipe, "hadamard" with every qgZ group rotated
-# (qgz_hadamard=True), "hadamard-down" with the MLP's down projections' groups
-# rotated, chosen by name, and "auto" with the groups the gradients choose
-# (qgz_hadamard="auto": on this model the same down projections).
-VARIANTS = {"default": None, "zeropp": {}, "auto": {"qgz_hadamard": "auto"}, "qwz": {"qgz": False},
-            "qgz": {"qwz": False},
-            "qgz-rtn": {"qwz": False, "stochastic": False}, "g64": {"group_size": 64},
+# "zeropp" is the recipe (qgZ's rotation chosen from the gradients, "auto":
+# on this model the MLP's down projections), "unrotated" the recipe without
+# it, "qwz", "qgz" and "qgz-rtn" each switch alone on the unrotated recipe
+# (qgZ with round-to-nearest for the last), "hadamard" with every group
+# rotated (qgz_hadamard=True), "hadamard-down" with the down projections'
+# groups rotated, chosen by name.
+VARIANTS = {"default": None, "zeropp": {}, "unrotated": {"qgz_hadamard": False}, "qwz": {"qgz": False},
+            "qgz": {"qwz": False, "qgz_hadamard": False},
+            "qgz-rtn": {"qwz": False, "stochastic": False, "qgz_hadamard": False}, "g64": {"group_size": 64},
             "two-level": {"qgz_two_level": True}, "hadamard": {"qgz_hadamard": True},
             "hadamard-down": {"qgz_hadamard": lambda name: name.endswith("mlp.down_proj.weight")}}
 

@@ -25,8 +25,9 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    (always checked with ``ZEROPP_TORCH_KERNELS=torch``): ``Tensor.item``,
    ``__bool__``, ``tolist``, ``__float__`` and ``__int__`` are recorded
    whenever called while one of zeropp's collectives runs, through a training
-   step of every variant (the step with an inf included; ``qgz_hadamard="auto"``
-   too, whose choice must reach the host without one); none may be.
+   step of every variant (the step with an inf included; the default rotation,
+   ``"auto"``, whose choice must reach the host without one, and the recipe
+   unrotated); none may be.
 4. **The state kept between steps** (``zeropp.torch.retained_bytes``) stays
    at most 5% of the rank's parameter shard, on a model of 1.6M parameters.
    The index tensors the collectives used to keep cost 16 bytes per chunk
@@ -35,8 +36,9 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    ``qgz_two_level``/``qgz_hadamard`` with ``qgz=False`` and under the HSDP
    take-over inside a node; a Hadamard group above 8192 in ``enable``,
    ``QuantizedReduceScatter``, the torch-op stages and the Rust stages; a
-   ``qgz_hadamard`` function that chooses no parameter, or one (or
-   ``"auto"``) given with ``exclude_1d=False``.
+   ``qgz_hadamard`` function that chooses no parameter, or one (or an
+   explicit ``"auto"``) given with ``exclude_1d=False``; the default rotation
+   there is off, not an error.
 6. **qgZ's rotation.** ``enable(qgz_hadamard=True)`` rotates qgZ's groups
    wherever qgZ quantizes (the block), but not in the module that holds the
    embeddings, whether their rows are whole groups (width 256 against groups
@@ -46,7 +48,7 @@ The process group has a 60 s timeout, so a hang is a failure, not a stuck CI.
    **6b.** ``qgz_hadamard`` as a function of a parameter's name rotates that
    parameter's groups only: the other gradients are bit for bit the
    unrotated run's, the chosen one within 0.3 of the exact gradient.
-   **6c.** ``qgz_hadamard="auto"`` chooses from the gradients:
+   **6c.** The default, ``qgz_hadamard="auto"``, chooses from the gradients:
    the one parameter whose gradient has outlier columns on one rank, on every
    rank, bit for bit as if chosen by name, and the same while the choice is
    still on the device.
@@ -131,8 +133,8 @@ def build(variant: str, ls: int, cfg: gpt.Config, mp=None, seed: int = 0):
     fully_shard(model, reshard_after_forward=reshard, **kw)
     if variant == "zeropp":
         zt.enable(model, local_size=ls)
-    elif variant == "zeropp-auto":
-        zt.enable(model, local_size=ls, qgz_hadamard="auto")
+    elif variant == "zeropp-unrotated":
+        zt.enable(model, local_size=ls, qgz_hadamard=False)
     elif variant == "hsdp":
         zt.enable(model, local_size=ls, replicate=mesh["replicate"])
     return model
@@ -329,8 +331,9 @@ def kernels(mode: str):
 
 
 def test_no_host_sync(ls: int):
-    # zeropp-auto: qgZ's automatic rotation, whose choice must reach the host without a sync.
-    variants = ["zeropp", "zeropp-auto"] + (["hsdp"] if dist.get_world_size() == 4 and ls == 2 else [])
+    # zeropp's default rotation ("auto") must reach its choice without a sync; zeropp-unrotated is
+    # the recipe with qgz_hadamard=False.
+    variants = ["zeropp", "zeropp-unrotated"] + (["hsdp"] if dist.get_world_size() == 4 and ls == 2 else [])
     with kernels("torch"):
         for variant in variants:
             with HostSyncGuard() as guard:
@@ -421,6 +424,20 @@ def test_refusals(ls: int):
                 "cannot act here", "inside one node", "QuantizedAllReduce")
     for what, bad in results.items():
         check(bad is None, f"test 5: refused with its reason: {what}" + (f" ({bad})" if bad else ""))
+    # The default rotation ("auto" where it can act) is off, not an error,
+    # where an explicit choice is refused.
+    quiet = [("exclude_1d=False", "plain", {"exclude_1d": False}), ("qgz=False", "plain", {"qgz": False}),
+             ("group_size=96", "plain", {"group_size": 96})]
+    if dist.get_world_size() == 4 and ls == 2:
+        quiet.append(("the HSDP take-over inside a node", "hsdp", None))
+    for what, variant, kw in quiet:
+        m, mesh = fresh(variant)
+        try:
+            modes = zt.enable(m, local_size=ls, **(kw or {"replicate": mesh["replicate"]}))["qgz_rotation"]
+            bad = None if "auto" not in modes and True not in modes else f"qgz_rotation {modes}"
+        except Exception as e:  # noqa: BLE001 -- the refusal is the failure this checks for
+            bad = f"{type(e).__name__}: {e}"
+        check(bad is None, f"test 5: the default rotation is off with {what}" + (f" ({bad})" if bad else ""))
 
 
 def test_rotation(ls: int):
@@ -499,7 +516,7 @@ def test_rotation_by_name(ls: int):
 
 
 def test_rotation_auto(ls: int):
-    """6c. The automatic rotation (``"auto"``) chooses from the gradients: where
+    """6c. The default rotation (``"auto"``) chooses from the gradients: where
     rank 0's input to ``blocks.0.out`` carries four outlier channels (x 64),
     every rank rotates that parameter's groups and no other, and the
     gradients are bit for bit those of the same parameter chosen by name.
@@ -519,7 +536,7 @@ def test_rotation_auto(ls: int):
         model = build("default", ls, cfg)
         if dist.get_rank() == 0:
             model.blocks[0].out.register_forward_pre_hook(lambda m, a: (a[0] * scale,))
-        kw = {"qgz_hadamard": (lambda n: n == chosen) if how == "by name" else "auto"}
+        kw = {"qgz_hadamard": lambda n: n == chosen} if how == "by name" else {}
         modes = zt.enable(model, local_size=ls, **kw)["qgz_rotation"]
         if how == "auto, on the device":
             # The host never takes the measured choice in: it stays on the device.

@@ -28,14 +28,9 @@ const VARIANTS: &[(&str, &[&str], &str)] = &[
     ("zeropp, Rust kernels, zeropp's hpZ (the recipe)", &["--variant", "zeropp", "--hpz", "zeropp"], "auto"),
     ("zeropp, torch-op kernels, zeropp's hpZ", &["--variant", "zeropp", "--hpz", "zeropp"], "torch"),
     (
-        "zeropp, Rust kernels, zeropp's hpZ, the groups the gradients choose rotated (qgz_hadamard=\"auto\")",
-        &["--variant", "zeropp", "--hpz", "zeropp", "--enable", "qgz_hadamard=auto"],
+        "zeropp, Rust kernels, zeropp's hpZ, qgZ unrotated (qgz_hadamard=False)",
+        &["--variant", "zeropp", "--hpz", "zeropp", "--enable", "qgz_hadamard=0"],
         "auto",
-    ),
-    (
-        "zeropp, torch-op kernels, zeropp's hpZ, the groups the gradients choose rotated (qgz_hadamard=\"auto\")",
-        &["--variant", "zeropp", "--hpz", "zeropp", "--enable", "qgz_hadamard=auto"],
-        "torch",
     ),
     (
         "zeropp, Rust kernels, zeropp's hpZ, every qgZ group rotated (qgz_hadamard=True)",

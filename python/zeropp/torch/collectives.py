@@ -113,8 +113,8 @@ def _rotate_columns(x2: torch.Tensor, segs, group_size: int, seed: int, starts, 
         if flag is False:
             continue
         col = at if chunk else to
-        r = K.rotate(x2[:, col:col + n], group_size=group_size, seed=seed,
-                     starts=[p + at for p in starts], inverse=not chunk)
+        r = K.rotate_on(x2[:, col:col + n], group_size=group_size, seed=seed,
+                        starts=[p + at for p in starts], inverse=not chunk)
         x2[:, col:col + n] = r if flag is True else torch.where(flag, r, x2[:, col:col + n])
     return x2
 
@@ -420,8 +420,8 @@ class QuantizedReduceScatter(_Collective):
     quantized exactly as unrotated). A rotation is linear, so the sums of
     the two hops run in the rotated basis, and every rank rotates the same
     positions with the same signs. Or an :class:`AutoRotation` (what
-    :func:`enable` passes for ``qgz_hadamard="auto"``), which chooses the
-    flags from the gradients themselves at calls 1, 2, 4, 8, ...
+    :func:`enable` passes by default), which chooses the flags from the
+    gradients themselves at calls 1, 2, 4, 8, ...
     """
 
     def __init__(self, topology: Topology, *, segments=None, bits: int = 4, group_size: int = 256,

@@ -218,14 +218,16 @@ def _check_replicas(shard_group, replica_group):
 def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool = True, qgz: bool = True,
            qwz_bits: int = 8, qgz_bits: int = 4, group_size: int = 256, stochastic: bool = True,
            exclude_1d: bool = True, seed: int = 0, replicate=None, quantize_intra: bool = False,
-           qgz_two_level: bool = False, qgz_hadamard=False, hpz: bool | None = None) -> dict:
+           qgz_two_level: bool = False, qgz_hadamard=None, hpz: bool | None = None) -> dict:
     """Turns qwZ and qgZ on for every FSDP2 module in ``model`` (call it after
     ``fully_shard``, on every rank). Returns a summary: modules changed, their
     sharding world, and whether hpZ (``reshard_after_forward=local_size``) is on.
 
     The defaults are the Rust engine's: INT8 weights and INT4 gradients in
     groups of 256, stochastic rounding in qgZ (seeded by ``seed``; every call
-    draws its own stream), 1-D parameters reduced at their own precision.
+    draws its own stream), 1-D parameters reduced at their own precision;
+    and, where the engine rotates nothing by default, qgZ's rotation of the
+    parameters whose gradients it pays for (``qgz_hadamard``).
     Collectives whose group lies inside one node send nothing across nodes
     and run at full precision (torch's own) unless ``quantize_intra``.
 
@@ -239,27 +241,25 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
 
     ``qgz_hadamard`` rotates qgZ's groups by a seeded, randomized Hadamard
     transform before quantizing them (SDP4Bit's smoothing), which spreads an
-    outlier over its group. ``True`` rotates every group, a function of a
-    parameter's name (its path from ``model``, e.g.
-    ``"model.layers.0.mlp.down_proj.weight"``) the parameters it returns true
-    for, and ``"auto"`` the parameters whose gradients the rotation pays for:
-    where it at least halves INT4's noise, measured on the gradient at the
-    reduce-scatter's calls 1, 2, 4, 8, ... and agreed across the shard group
-    (see :class:`AutoRotation`; :func:`rotated` says what it chose). On the
-    HF Llama ``"auto"`` chooses the MLP's down projections, whose INT4 error
-    then stays flat with width (0.11-0.12 from 0.9M to 99.5M parameters;
-    0.18 growing to 0.25 unrotated). The default is ``False``: rotated, the
-    down projections cost the validation loss 1.1 +- 0.9% at 9.8M parameters
-    on Python source (1.0063 against FSDP2 over two seeds, 0.9957
-    unrotated), where unrotated it is at parity with FSDP2's
-    (docs/pytorch.md, "qgZ's rotation"). Each is an error where it cannot
-    act; a function and ``"auto"`` also need ``exclude_1d``. A module
-    holding an embedding (``nn.Embedding``, ``nn.EmbeddingBag``, or a weight
-    tied to one) is never rotated (see ``_holds_embedding``); the rotation
-    changes no byte on the wire.
-    ``summary["qgz_rotation"]`` says which modules may rotate (``"auto"``
-    where the gradients choose), ``summary["qgz_rotated"]`` which
-    parameters an explicit choice rotates.
+    outlier over its group. ``"auto"`` rotates the parameters whose gradients
+    the rotation pays for: where it at least halves INT4's noise, measured on
+    the gradient at the reduce-scatter's calls 1, 2, 4, 8, ... and agreed
+    across the shard group (see :class:`AutoRotation`; :func:`rotated` says
+    what it chose). On the HF Llama it chooses the MLP's down projections,
+    whose INT4 error then stays flat with width (0.11-0.12 from 0.9M to 99.5M
+    parameters; 0.18 growing to 0.25 unrotated). ``True`` rotates every group,
+    ``False`` none, and a function of a parameter's name (its path from
+    ``model``, e.g. ``"model.layers.0.mlp.down_proj.weight"``) the parameters
+    it returns true for. The default (``None``) is ``"auto"`` wherever qgZ
+    quantizes with a layout per parameter (``exclude_1d``) and a power-of-two
+    ``group_size``, and off elsewhere (a one-node job, ``qgz=False``); given
+    explicitly, each choice is an error where it cannot act, and a function
+    and ``"auto"`` also need ``exclude_1d``. A module holding an embedding
+    (``nn.Embedding``, ``nn.EmbeddingBag``, or a weight tied to one) is never
+    rotated (see ``_holds_embedding``); the rotation changes no byte on the
+    wire. ``summary["qgz_rotation"]`` says which modules may rotate
+    (``"auto"`` where the gradients choose), ``summary["qgz_rotated"]``
+    which parameters an explicit choice rotates.
 
     ``qgz_two_level`` (INT8 inside the node, INT4 across) and
     ``qgz_hadamard`` are SDP4Bit's options of qgZ: see
@@ -296,11 +296,18 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
                 f"this torch ({torch.__version__}) has no FSDPModule.{hook}: zeropp.torch needs FSDP2's "
                 f"custom collectives (torch >= 2.9; tested with 2.9.0 and 2.15.0)")
     ls = local_size if local_size is not None else _env_local_size()
+    # The default rotation is "auto" where it can act and off elsewhere; an
+    # explicit choice is an error where it cannot act.
+    implicit = qgz_hadamard is None
+    if implicit:
+        top = _zeropp.HADAMARD_MAX_GROUP
+        can = qgz and exclude_1d and 0 < group_size <= top and group_size & (group_size - 1) == 0
+        qgz_hadamard = "auto" if can else False
     pick = qgz_hadamard if callable(qgz_hadamard) else None
     auto = isinstance(qgz_hadamard, str) and qgz_hadamard == "auto"
     if pick is None and not auto and not isinstance(qgz_hadamard, bool):
-        raise TypeError(f"zeropp.torch.enable: qgz_hadamard takes \"auto\", True, False or a function of a "
-                        f"parameter's name, not {qgz_hadamard!r}")
+        raise TypeError(f"zeropp.torch.enable: qgz_hadamard takes \"auto\", True, False, None (the default) or "
+                        f"a function of a parameter's name, not {qgz_hadamard!r}")
     if (pick is not None or auto) and not exclude_1d:
         raise _zeropp.ZeroppError(
             "zeropp.torch.enable: a per-parameter qgz_hadamard (a function, or \"auto\") needs each parameter to "
@@ -348,7 +355,7 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
             summary["qgz_rotated"] += [n for n, f in zip(names, flags) if f]
             if pick is not None:
                 rotate = flags if any(flags) else False
-        if (qgz_two_level or qgz_hadamard) and not quantizes:
+        if (qgz_two_level or (qgz_hadamard and not implicit)) and not quantizes:
             where = ("the replica all-reduce (QuantizedAllReduce: INT4 out, INT8 back) has neither option"
                      if replica_group is not None else "no byte of it crosses a node")
             raise _zeropp.ZeroppError(

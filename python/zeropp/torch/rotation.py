@@ -8,10 +8,7 @@ projection, whose input channels carry the gated activations' outliers) and
 raises it where the group is already flatter than a Gaussian one (at 99.5M
 parameters the HF Llama's other projections, 0.107 to 0.121). Which side a
 parameter falls on is read from its gradient: :class:`AutoRotation` compares
-the sum of its groups' squared maxima before and after the rotation. A lower
-gradient error is not always a lower loss: rotated, the Llama's down
-projections cost validation loss at 9.8M parameters, so the choice is an
-option of :func:`zeropp.torch.enable`, not its default.
+the sum of its groups' squared maxima before and after the rotation.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ GAIN = 0.5
 
 class AutoRotation:
     """Chooses, per parameter of one FSDP2 module, whether qgZ rotates its
-    groups (:func:`zeropp.torch.enable`'s ``qgz_hadamard="auto"``).
+    groups (``qgz_hadamard="auto"``, :func:`zeropp.torch.enable`'s default).
 
     ``candidates`` holds one flag per segment of the module's layout: the
     parameters that may rotate (quantized ones, outside any embedding module).
@@ -80,7 +77,7 @@ class AutoRotation:
         rows = x2.shape[0]
         for k, (_, at, whole) in enumerate(picked):
             cols = x2[:, at:at + whole].to(torch.float32)
-            rot = K.rotate(cols, group_size=g, seed=0, starts=[0] * rows)
+            rot = K.rotate_on(cols, group_size=g, seed=0, starts=[0] * rows)
             stats[k, 0] = cols.reshape(rows, -1, g).abs().amax(-1).double().square().sum()
             stats[k, 1] = rot.reshape(rows, -1, g).abs().amax(-1).double().square().sum()
         stats = stats.to(device)

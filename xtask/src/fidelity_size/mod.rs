@@ -113,12 +113,12 @@ fn left_out(out: &Path) -> bool {
 fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, String> {
     let dir = root().join("target/fidelity-size");
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // zeropp.torch's defaults (unrotated), then with every group rotated
-    // (`qgz_hadamard=True`), then with the groups the gradients choose
-    // (`qgz_hadamard="auto"`: on the HF Llama, the MLP's down projections).
-    let (mut runs, mut rotated, mut auto) = (Vec::new(), Vec::new(), Vec::new());
+    // zeropp.torch's defaults (qgZ's rotation chosen from the gradients: on the
+    // HF Llama, the MLP's down projections), then with every group rotated
+    // (`qgz_hadamard=True`), then unrotated (`qgz_hadamard=False`).
+    let (mut runs, mut rotated, mut unrotated) = (Vec::new(), Vec::new(), Vec::new());
     for (suffix, rotation, into) in
-        [("", "default", &mut runs), ("-hadamard", "on", &mut rotated), ("-auto", "auto", &mut auto)]
+        [("", "default", &mut runs), ("-hadamard", "on", &mut rotated), ("-unrotated", "off", &mut unrotated)]
     {
         for size in SIZES {
             let out: PathBuf = dir.join(format!("d{}{suffix}.json", size.0));
@@ -149,11 +149,8 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
             &rotated,
         )?);
     }
-    if !auto.is_empty() {
-        md.push_str(&report(
-            "HF Llama, 2 x 2, zeropp.torch's defaults with the groups the gradients choose rotated",
-            &auto,
-        )?);
+    if !unrotated.is_empty() {
+        md.push_str(&report("HF Llama, 2 x 2, zeropp.torch's defaults with qgZ unrotated", &unrotated)?);
     }
     let mut engine_runs = Vec::new();
     if engine {
@@ -186,13 +183,16 @@ fn error_part(venv: &Venv, report_dir: &Path, engine: bool) -> Result<String, St
             }
             engine_runs.push(read_run(&out)?);
         }
-        md.push_str(&report(
-            "the engine's GPT, 2 x 2 thread ranks, context 64, `zeropp train`'s defaults",
-            &engine_runs,
-        )?);
+        // Under REUSE=only the engine's runs may all be left out.
+        if !engine_runs.is_empty() {
+            md.push_str(&report(
+                "the engine's GPT, 2 x 2 thread ranks, context 64, `zeropp train`'s defaults",
+                &engine_runs,
+            )?);
+        }
     }
     let svg = report_dir.join("fidelity-size.svg");
-    plot(&runs, &rotated, &auto, &engine_runs, &svg)?;
+    plot(&runs, &rotated, &unrotated, &engine_runs, &svg)?;
     eprintln!("==> drew {}", svg.display());
     Ok(md)
 }
@@ -258,9 +258,11 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
         "\nPer layer kind, the largest width, last step (the ranks' spread is sqrt(sum over ranks |x_k|^2) / |sum|, \
          how much the ranks' gradients cancel; the error over it is INT4's on each rank's own gradient; the rotation \
          measure is the ranks' gradients' squared group maxima rotated over raw, which `qgz_hadamard=\"auto\"` \
-         rotates below 0.5):\n\n\
-         | kind | qgZ rel. error | cosine | AdamW update rel. error | ranks' spread | error / spread | rotation measure | qwZ rel. error |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         rotates below 0.5; \"weighed\" weighs each column by its input channel's mean square, as the loss's \
+         second-order term does):\n\n\
+         | kind | qgZ rel. error | cosine | AdamW update rel. error | ranks' spread | error / spread | rotation measure \
+         | qgZ, weighed | update, weighed | qwZ rel. error |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
     );
     if let Some((_, p)) = big.probes.last() {
         // (Not a JSON pointer: the keys hold a slash.)
@@ -284,9 +286,15 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
             // Older files carry no rotation measure: a dash.
             let measure = get(&g, "rotation_measure");
             let measure = if measure.is_finite() { format!("{measure:.3}") } else { "—".to_string() };
+            // Older files carry no weighed errors: a dash.
+            let weighed = |f: &str| {
+                let v = get(&g, f);
+                if v.is_finite() { format!("{v:.4}") } else { "—".to_string() }
+            };
+            let (wg, wu) = (weighed("act_rel_error"), weighed("act_update_rel_error"));
             let _ = writeln!(
                 md,
-                "| {k} | {:.4} | {:.4} | {:.4} | {sp} | {per} | {measure} | {:.5} |",
+                "| {k} | {:.4} | {:.4} | {:.4} | {sp} | {per} | {measure} | {wg} | {wu} | {:.5} |",
                 get(&g, "rel_norm_error"),
                 get(&g, "cosine"),
                 get(&g, "update_rel_error"),
@@ -300,8 +308,8 @@ fn report(who: &str, runs: &[Run]) -> Result<String, String> {
 /// The last step's mean relative errors against the parameters, log-log: the
 /// HF Llama's solid, the engine's GPT's dashed; and the HF Llama's worst kind
 /// of qgZ's gradient under the defaults (solid), with every group rotated
-/// (dotted) and with the groups the gradients choose (`"auto"`, dash-dotted).
-fn plot(runs: &[Run], rotated: &[Run], auto: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
+/// (dotted) and unrotated (dash-dotted).
+fn plot(runs: &[Run], rotated: &[Run], unrotated: &[Run], engine: &[Run], path: &Path) -> Result<(), String> {
     use plotters::prelude::*;
     let series: [(&str, &str, &str, RGBColor); 3] = [
         ("qgZ gradient (INT4)", "grad", "rel_norm_error", RED),
@@ -320,7 +328,7 @@ fn plot(runs: &[Run], rotated: &[Run], auto: &[Run], engine: &[Run], path: &Path
     };
     let mut all: Vec<(f64, f64)> =
         series.iter().flat_map(|s| [points(runs, s.1, s.2), points(engine, s.1, s.2)].concat()).collect();
-    all.extend(worst(runs).into_iter().chain(worst(rotated)).chain(worst(auto)));
+    all.extend(worst(runs).into_iter().chain(worst(rotated)).chain(worst(unrotated)));
     let lo = all.iter().map(|p| p.1).fold(f64::INFINITY, f64::min) / 2.0;
     let hi = all.iter().map(|p| p.1).fold(0.0, f64::max) * 2.0;
     let x0 = all.iter().map(|p| p.0).fold(f64::INFINITY, f64::min) / 2.0;
@@ -365,7 +373,7 @@ fn plot(runs: &[Run], rotated: &[Run], auto: &[Run], engine: &[Run], path: &Path
     for (name, pts, dash) in [
         ("qgZ gradient, worst kind, HF Llama", worst(runs), None),
         ("the same, every group rotated", worst(rotated), Some((2, 4))),
-        ("the same, the groups the gradients choose", worst(auto), Some((8, 3))),
+        ("the same, unrotated", worst(unrotated), Some((8, 3))),
     ] {
         if pts.is_empty() {
             continue;
