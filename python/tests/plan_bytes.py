@@ -6,7 +6,10 @@ Under torchrun as 2 nodes x 2 (ZEROPP_LOCAL_SIZE=2), for two Hugging Face
 ``reshard_after_forward=True``; ``fsdp2-hpz``: ``reshard_after_forward=2``;
 ``zeropp-torch``: the README's recipe, ``zeropp.torch.enable``), with
 ``fully_shard`` on every decoder layer and on the root: one forward and
-backward is counted on every rank, after a warm-up step (FSDP2's lazy init),
+backward is counted on every rank, after two warm-up steps (FSDP2's lazy init;
+and qgZ's default rotation measures the gradients at its calls 1, 2, 4, ...
+with one small all-reduce that the plan leaves out, so the counted step is
+call 3),
 and rank 0 runs ``zeropp plan --framework fsdp2 --json`` (the binary given as
 the first argument) for the same job. Every rank's intra- and inter-node
 bytes must equal the plan's, to the byte.
@@ -72,7 +75,9 @@ def counted(cfg_kw: dict, mode: str, dtypes, root_reshards: bool, ls: int):
         zt.enable(model, local_size=ls)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     x = torch.randint(0, cfg_kw["vocab_size"], (1, SEQ), generator=gen)
-    model(input_ids=x, labels=x).loss.backward()  # warm-up: FSDP2's lazy init outside the count
+    # Warm-up: FSDP2's lazy init, and the rotation's measures at calls 1 and 2, outside the count.
+    for _ in range(2):
+        model(input_ids=x, labels=x).loss.backward()
     with zt.ByteCounter(ls) as bc:
         model(input_ids=x, labels=x).loss.backward()
     if mode == "zeropp-torch":
