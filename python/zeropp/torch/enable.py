@@ -10,7 +10,7 @@ from .. import _zeropp
 from .allreduce import QuantizedAllReduce
 from .collectives import QuantizedAllGather, QuantizedReduceScatter, _Shared
 from .rotation import AutoRotation
-from .stages import check_hadamard_group
+from .stages import check_hadamard_group, hadamard_group_fits
 from .topology import _shard_groups, shared_topology
 from .topology import local_size as _env_local_size
 
@@ -300,8 +300,7 @@ def enable(model: torch.nn.Module, *, local_size: int | None = None, qwz: bool =
     # explicit choice is an error where it cannot act.
     implicit = qgz_hadamard is None
     if implicit:
-        top = _zeropp.HADAMARD_MAX_GROUP
-        can = qgz and exclude_1d and 0 < group_size <= top and group_size & (group_size - 1) == 0
+        can = qgz and exclude_1d and hadamard_group_fits(group_size)
         qgz_hadamard = "auto" if can else False
     pick = qgz_hadamard if callable(qgz_hadamard) else None
     auto = isinstance(qgz_hadamard, str) and qgz_hadamard == "auto"

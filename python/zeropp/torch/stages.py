@@ -192,10 +192,16 @@ class TorchQgzStages:
         shard[real:] = 0.0
 
 
+def hadamard_group_fits(group_size: int) -> bool:
+    """Whether the Hadamard rotation takes this group size: a power of two of
+    at most ``HADAMARD_MAX_GROUP``, as the Rust kernels."""
+    return 0 < group_size <= K._zeropp.HADAMARD_MAX_GROUP and group_size & (group_size - 1) == 0
+
+
 def check_hadamard_group(group_size: int):
-    """Refuses a group size the Hadamard rotation cannot take (a power of two
-    of at most ``HADAMARD_MAX_GROUP``, as the Rust kernels)."""
+    """Refuses a group size the Hadamard rotation cannot take (see
+    :func:`hadamard_group_fits`)."""
     top = K._zeropp.HADAMARD_MAX_GROUP
-    if group_size < 1 or group_size & (group_size - 1) or group_size > top:
+    if not hadamard_group_fits(group_size):
         raise K._zeropp.ZeroppError(
             f"qgZ: the Hadamard rotation needs a power-of-two group size of at most {top}, got {group_size}")
